@@ -1,0 +1,171 @@
+"""Run configuration: small per-component dataclasses composed into `RunConfig`.
+
+Every component owns its config (TrainConfig next to the data-parallel peer,
+AllReduceConfig next to butterfly all-reduce, MPRNGConfig next to MPRNG); this
+module adds the run-level pieces and `override`, which applies `key=value`
+strings such as `train.lr=0.05` and names the key and what is allowed when a
+user gets one wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+
+from .core.errors import ConfigError
+from .runtime.butterfly import AllReduceConfig
+from .runtime.dp_peer import TrainConfig
+from .runtime.mprng import MPRNGConfig
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Simulated links and machines (ignored by real runs)."""
+
+    latency: float = 0.005  # seconds, one way
+    bandwidth: float = 125e6  # bytes per second per directed link
+    loss: float = 0.0  # probability that any one message is lost
+    detection_delay: float = 2.0  # seconds before a crashed peer leaves membership views
+    flops: float = 50e9  # compute speed of a median peer, FLOP/s
+    flops_spread: float = 0.0  # sigma of a log-normal spread of peer speeds (0: all equal)
+
+    def __post_init__(self) -> None:
+        _check(self.latency >= 0, "network.latency", self.latency, "must be >= 0 seconds")
+        _check(self.bandwidth > 0, "network.bandwidth", self.bandwidth, "must be > 0 bytes/s")
+        _check(0 <= self.loss < 1, "network.loss", self.loss, "must be in [0, 1)")
+        _check(self.detection_delay >= 0, "network.detection_delay", self.detection_delay, "must be >= 0")
+        _check(self.flops > 0, "network.flops", self.flops, "must be > 0")
+        _check(self.flops_spread >= 0, "network.flops_spread", self.flops_spread, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    """Crashes injected into a simulated run."""
+
+    crash: int = 0  # how many peers crash
+    crash_after_step: int = 0  # they crash when the first peer finishes this step
+
+    def __post_init__(self) -> None:
+        _check(self.crash >= 0, "faults.crash", self.crash, "must be >= 0")
+        _check(self.crash_after_step >= 0, "faults.crash_after_step", self.crash_after_step, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ByzantineConfig:
+    """Peers that run the protocol and lie."""
+
+    count: int = 0
+    attack: str = "none"  # a gradient attack from phalanx.algorithms.attacks, or "none"
+    start_step: int = 0
+    every: int = 1
+    mprng: str = "honest"  # honest | withhold | wrong: how they behave in MPRNG rounds
+
+    def __post_init__(self) -> None:
+        _check(self.count >= 0, "byzantine.count", self.count, "must be >= 0")
+        _check(self.every >= 1, "byzantine.every", self.every, "must be >= 1")
+        _check(self.mprng in ("honest", "withhold", "wrong"), "byzantine.mprng", self.mprng, "allowed: honest, withhold, wrong")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    preset: str = "custom"
+    peers: int = 16
+    steps: int = 100
+    seed: int = 0
+    eval_peers: int = 2  # peers (by index) that evaluate on the held-out split
+    mprng_every: int = 0  # run an MPRNG round after every k-th step (0: never)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    mprng: MPRNGConfig = field(default_factory=MPRNGConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    byzantine: ByzantineConfig = field(default_factory=ByzantineConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.peers >= 1, "peers", self.peers, "must be >= 1")
+        _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        _check(self.eval_peers >= 1, "eval_peers", self.eval_peers, "must be >= 1")
+        _check(self.mprng_every >= 0, "mprng_every", self.mprng_every, "must be >= 0")
+        _check(
+            self.faults.crash + self.byzantine.count < self.peers,
+            "faults.crash",
+            self.faults.crash,
+            f"plus byzantine.count ({self.byzantine.count}) must leave at least one honest peer of {self.peers}",
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunConfig":
+        return _build(cls, data, "")
+
+
+def _check(ok: bool, key: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} {rule}")
+
+
+def _build(cls: type, data: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown key {prefix + unknown[0]!r}; allowed: {', '.join(sorted(prefix + n for n in names))}")
+    kwargs = {}
+    for name, value in data.items():
+        kind = hints[name]
+        kwargs[name] = _build(kind, value, f"{prefix}{name}.") if dataclasses.is_dataclass(kind) else value
+    return cls(**kwargs)
+
+
+def override(config, assignments: list[str]):
+    """Apply `key=value` strings (dotted keys for nested configs) to a frozen config."""
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {assignment!r}")
+        config = _set(config, key.split("."), text, "")
+    return config
+
+
+def _set(config, path: list[str], text: str, prefix: str):
+    hints = typing.get_type_hints(type(config))
+    fields = [f.name for f in dataclasses.fields(config)]
+    name = path[0]
+    if name not in fields:
+        allowed = ", ".join(prefix + f for f in fields)
+        raise ConfigError(f"unknown key {prefix + name!r}; allowed: {allowed}")
+    kind = hints[name]
+    current = getattr(config, name)
+    if dataclasses.is_dataclass(kind):
+        if len(path) == 1:
+            raise ConfigError(f"{prefix + name!r} is a group; set one of its keys, e.g. {prefix + name}.{dataclasses.fields(current)[0].name}=...")
+        value = _set(current, path[1:], text, f"{prefix}{name}.")
+    elif len(path) > 1:
+        raise ConfigError(f"{prefix + name!r} has no sub-keys")
+    else:
+        value = _parse(text, kind, prefix + name)
+    return dataclasses.replace(config, **{name: value})
+
+
+def _parse(text: str, kind: type, key: str):
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("true", "1", "yes")
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is str:
+            return text
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} is not a valid {kind.__name__}") from None
+    raise ConfigError(f"{key} cannot be set from the command line")

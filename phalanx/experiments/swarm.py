@@ -1,0 +1,179 @@
+"""What a run is made of, the same in the simulator and over hivemind.
+
+Who is who (identities from the seed, which indices are Byzantine or crash),
+how one peer runs its steps (training, then MPRNG every k steps), and how the
+per-peer records become the run's files: config.json, metrics.jsonl (one
+object per step), timeline.jsonl (one object per peer and step), summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+from ..algorithms.attacks import AttackSchedule, make_attack
+from ..config import RunConfig
+from ..core.identity import Identity
+from ..core.rng import py_stream
+from ..runtime.dp_peer import DataParallelPeer
+from ..runtime.mprng import MPRNGBehaviour, WithholdReveal, WrongReveal, run_mprng
+from ..training.task import make_task
+from ..transport.base import Transport
+
+MPRNG_BEHAVIOURS: dict[str, type[MPRNGBehaviour]] = {
+    "honest": MPRNGBehaviour,
+    "withhold": WithholdReveal,
+    "wrong": WrongReveal,
+}
+
+
+def peer_identity(seed: int, index: int) -> Identity:
+    """The identity of experiment peer `index`: public and reproducible, so runs compare."""
+    return Identity.from_seed(f"phalanx-experiment/{seed}/{index}".encode())
+
+
+def byzantine_indices(config: RunConfig) -> list[int]:
+    """Which peers lie: drawn from the seed, never among the evaluating peers."""
+    pool = list(range(min(config.eval_peers, config.peers), config.peers))
+    return sorted(py_stream(config.seed, "byzantine").sample(pool, min(config.byzantine.count, len(pool))))
+
+
+def crash_indices(config: RunConfig) -> list[int]:
+    """Which honest peers crash: drawn from the seed among the non-evaluating honest peers."""
+    byzantine = set(byzantine_indices(config))
+    pool = [i for i in range(min(config.eval_peers, config.peers), config.peers) if i not in byzantine]
+    return sorted(py_stream(config.seed, "crash").sample(pool, min(config.faults.crash, len(pool))))
+
+
+def build_peer(config: RunConfig, transport: Transport, index: int, on_step: Callable[[dict], None]) -> DataParallelPeer:
+    byzantine = index in byzantine_indices(config)
+    attack = None
+    if byzantine and config.byzantine.attack != "none":
+        schedule = AttackSchedule(start_step=config.byzantine.start_step, every=config.byzantine.every)
+        attack = make_attack(config.byzantine.attack, schedule)
+    return DataParallelPeer(
+        transport,
+        make_task(config.train.task),
+        config.train,
+        config.seed,
+        allreduce=config.allreduce,
+        attack=attack,
+        colluders=config.byzantine.count,
+        evaluate=index < config.eval_peers,
+        on_step=on_step,
+    )
+
+
+async def run_peer(config: RunConfig, peer: DataParallelPeer, index: int, deterministic: bool) -> None:
+    """Train for config.steps steps; after every mprng_every-th step, run an MPRNG round."""
+    byzantine = index in byzantine_indices(config)
+    behaviour = MPRNG_BEHAVIOURS[config.byzantine.mprng if byzantine else "honest"]()
+    if deterministic:
+        stream = py_stream(config.seed, peer.transport.peer_id, "mprng")
+        entropy = stream.randbytes
+    else:
+        entropy = secrets.token_bytes
+    for step in range(config.steps):
+        record = await peer.train_step(step)
+        if config.mprng_every and (step + 1) % config.mprng_every == 0:
+            result = await run_mprng(peer.transport, peer.ledger, step, config.mprng, entropy, behaviour)
+            record["mprng"] = result.value.hex()[:16]
+            record["banned"] = list(peer.ledger.banned)
+        peer.step = step + 1
+
+
+class Recorder:
+    """Collects every peer's step records and writes the run's files."""
+
+    def __init__(self, config: RunConfig, ids: list[str]) -> None:
+        self.config = config
+        self.ids = ids
+        self.index_of = {p: i for i, p in enumerate(ids)}
+        self.records: list[dict] = []
+        self.byzantine = set(byzantine_indices(config))
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+
+    def metrics(self) -> list[dict]:
+        by_step: dict[int, list[dict]] = {}
+        for record in self.records:
+            by_step.setdefault(record["step"], []).append(record)
+        rows = []
+        for step in sorted(by_step):
+            recs = sorted(by_step[step], key=lambda r: self.index_of.get(r["peer"], 0))
+            row = {
+                "step": step,
+                "loss": sum(r["loss"] for r in recs) / len(recs),
+                "peers": len(recs),
+                "group": max(r["group"] for r in recs),
+                "dropped": sum(r["dropped"] for r in recs),
+                "missing_parts": sum(r["missing_parts"] for r in recs),
+                "time": max(r["t_end"] for r in recs),
+            }
+            for key in ("test_loss", "test_accuracy"):
+                values = [r[key] for r in recs if key in r]
+                if values:
+                    row[key] = sum(values) / len(values)
+            mprng = [r["mprng"] for r in recs if "mprng" in r and self.index_of.get(r["peer"]) not in self.byzantine]
+            if mprng:
+                row["mprng"] = mprng[0]
+                row["mprng_agree"] = len(set(mprng)) == 1
+            rows.append(row)
+        return rows
+
+    def timeline(self) -> list[dict]:
+        rows = []
+        for r in sorted(self.records, key=lambda r: (r["step"], self.index_of.get(r["peer"], 0))):
+            rows.append(
+                {
+                    "peer": self.index_of.get(r["peer"], -1),
+                    "step": r["step"],
+                    "t_start": r["t_start"],
+                    "t_computed": r["t_computed"],
+                    "t_end": r["t_end"],
+                    "byzantine": self.index_of.get(r["peer"]) in self.byzantine,
+                }
+            )
+        return rows
+
+    def banned(self) -> list[str]:
+        """Bans as seen by the last record of the lowest-index honest peer that ran MPRNG."""
+        for index, peer in enumerate(self.ids):
+            if index in self.byzantine:
+                continue
+            recs = [r for r in self.records if r["peer"] == peer and "banned" in r]
+            if recs:
+                return recs[-1]["banned"]
+        return []
+
+    def write(self, out: Path, extra: dict) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = self.metrics()
+        (out / "config.json").write_text(self.config.to_json() + "\n")
+        with open(out / "metrics.jsonl", "w") as f:
+            for row in metrics:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+        with open(out / "timeline.jsonl", "w") as f:
+            for row in self.timeline():
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+        evaluated = [m for m in metrics if "test_accuracy" in m]
+        summary = {
+            "preset": self.config.preset,
+            "peers": self.config.peers,
+            "steps": self.config.steps,
+            "seed": self.config.seed,
+            "task": self.config.train.task,
+            "final_loss": metrics[-1]["loss"] if metrics else None,
+            "final_test_loss": evaluated[-1]["test_loss"] if evaluated else None,
+            "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
+            "banned": self.banned(),
+            "byzantine": [self.ids[i] for i in sorted(self.byzantine)],
+            "crashed": [self.ids[i] for i in crash_indices(self.config)],
+            "peer_ids": self.ids,
+            **extra,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        return summary

@@ -1,0 +1,274 @@
+"""Butterfly all-reduce over a transport (the data-parallel axis).
+
+With a group of n peers, the flat vector is cut into n parts; peer j reduces
+part j from everyone (scatter), then sends its result to everyone (gather).
+Each peer moves O(d) bytes. Parts are pushed as one-way messages; a part that
+has not arrived `pull_after` seconds into a phase is pulled with a request, so
+lost messages are recovered and only silent peers are dropped from the step.
+
+The reduction rule is pluggable: any function from a stack Tensor[k, m] to
+Tensor[m] (mean here; robust aggregators from `phalanx.algorithms`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..core.errors import Evidence, PhalanxError, RemoteError
+from ..core.serialization import check_tensor, decode, encode
+from ..transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+PART, REDUCED = "part", "reduced"
+
+
+def mean_reducer(stack: torch.Tensor) -> torch.Tensor:
+    return stack.mean(dim=0)
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    timeout: float = 5.0  # seconds per phase before a silent peer is dropped from the step
+    pull_after: float = 0.5  # seconds into a phase before missing parts are pulled
+    pull_timeout: float = 1.0  # seconds per pull attempt
+    window: int = 2  # accept messages for steps up to this far ahead of ours
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    vector: torch.Tensor
+    group: tuple[str, ...]
+    dropped_senders: tuple[str, ...]  # whose part of my partition never reached me
+    missing_parts: tuple[str, ...]  # reducers whose result never reached me (those slices stay zero)
+
+
+def part_bounds(dim: int, n: int) -> list[tuple[int, int]]:
+    """[start, end) of each of n nearly equal parts of a vector of length dim."""
+    base, extra = divmod(dim, n)
+    bounds, start = [], 0
+    for j in range(n):
+        end = start + base + (1 if j < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class ButterflyAllReduce:
+    """One peer's side of butterfly all-reduce; call it once per step."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        dim: int,
+        reducer: Reducer = mean_reducer,
+        config: AllReduceConfig = AllReduceConfig(),
+        on_reduce: Callable[[int, torch.Tensor, list[str]], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.dim = dim
+        self.reducer = reducer
+        self.config = config
+        self.on_reduce = on_reduce
+        self._step = -1
+        self._inbox: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self._waiters: dict[tuple[int, str], tuple[set[str], asyncio.Future]] = {}
+        self._outbox: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self._ready: dict[tuple[int, str], asyncio.Event] = {}
+        transport.add_message_handler("ar.part", self._on_part)
+        transport.add_message_handler("ar.reduced", self._on_reduced)
+        transport.add_request_handler("ar.pull", self._on_pull)
+
+    async def __call__(self, step: int, vector: torch.Tensor, group: list[str]) -> AllReduceResult:
+        me = self.transport.peer_id
+        if me not in group:
+            raise PhalanxError(f"peer {me[:8]} is not in its own all-reduce group; pass a group that includes it")
+        vector = vector.detach().reshape(-1).to(torch.float32)
+        self._begin(step)
+        bounds = part_bounds(self.dim, len(group))
+        index = group.index(me)
+        lo, hi = bounds[index]
+        others = [p for p in group if p != me]
+
+        parts = {peer: vector[a:b] for peer, (a, b) in zip(group, bounds)}
+        self._publish(step, PART, parts)
+        for peer in others:
+            await self.transport.send(peer, "ar.part", encode({"step": step, "t": parts[peer]}))
+        received = await self._collect(step, PART, others, (hi - lo,))
+        contributors = [me] + [p for p in others if p in received]
+        stack = torch.stack([parts[me]] + [received[p] for p in contributors[1:]])
+        reduced = self.reducer(stack).to(torch.float32)
+        if self.on_reduce is not None:
+            self.on_reduce(step, stack, contributors)
+        self._publish(step, REDUCED, {peer: reduced for peer in group})
+        message = encode({"step": step, "t": reduced})
+        for peer in others:
+            await self.transport.send(peer, "ar.reduced", message)
+
+        out = torch.zeros(self.dim, dtype=torch.float32)
+        out[lo:hi] = reduced
+        gathered = {}
+        for peer, (a, b) in zip(group, bounds):
+            if peer != me:
+                gathered[peer] = (a, b)
+        results = await self._collect_ranges(step, gathered)
+        for peer, tensor in results.items():
+            a, b = gathered[peer]
+            out[a:b] = tensor
+        return AllReduceResult(
+            out,
+            tuple(group),
+            tuple(p for p in others if p not in received),
+            tuple(p for p in others if p not in results),
+        )
+
+    # --- phases -----------------------------------------------------------
+
+    async def _collect_ranges(self, step: int, ranges: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+        by_shape: dict[tuple[int, ...], list[str]] = {}
+        for peer, (a, b) in ranges.items():
+            by_shape.setdefault((b - a,), []).append(peer)
+        out: dict[str, torch.Tensor] = {}
+        deadline = self.transport.clock.now() + self.config.timeout
+        for shape, peers in by_shape.items():
+            out.update(await self._collect(step, REDUCED, peers, shape, deadline))
+        return out
+
+    async def _collect(
+        self, step: int, kind: str, peers: list[str], shape: tuple[int, ...], deadline: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Wait for `peers`' tensors of (step, kind); pull what is late; drop who stays silent."""
+        clock = self.transport.clock
+        if deadline is None:
+            deadline = clock.now() + self.config.timeout
+        await self._wait(step, kind, peers, min(deadline, clock.now() + self.config.pull_after))
+        box = self._inbox.setdefault((step, kind), {})
+        missing = [p for p in peers if p not in box]
+        if missing:
+            pulled = await asyncio.gather(*(self._pull(p, step, kind, deadline) for p in missing))
+            for peer, tensor in zip(missing, pulled):
+                if tensor is not None and peer not in box:
+                    box[peer] = tensor
+        valid = {}
+        for peer in peers:
+            if peer not in box:
+                continue
+            try:
+                valid[peer] = check_tensor(box[peer], peer, shape=shape, dtype=torch.float32, step=step)
+            except RemoteError as exc:
+                self.transport.report(exc.evidence)
+        return valid
+
+    async def _wait(self, step: int, kind: str, peers: list[str], until: float) -> None:
+        key = (step, kind)
+        box = self._inbox.get(key, {})
+        wanted = {p for p in peers if p not in box}
+        remaining = until - self.transport.clock.now()
+        if not wanted or remaining <= 0:
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._waiters[key] = (wanted, done)
+        try:
+            await asyncio.wait_for(done, remaining)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._waiters.pop(key, None)
+
+    async def _pull(self, peer: str, step: int, kind: str, deadline: float) -> torch.Tensor | None:
+        clock = self.transport.clock
+        request = encode({"step": step, "kind": kind, "wait": self.config.pull_timeout})
+        while (remaining := deadline - clock.now()) > 0:
+            if peer in self._inbox.get((step, kind), {}):
+                return None
+            try:
+                response = await self.transport.request(peer, "ar.pull", request, min(remaining, self.config.pull_timeout * 2))
+            except PhalanxError as exc:
+                log.debug("pull %s step %d from %s failed: %s", kind, step, peer[:8], exc)
+                await asyncio.sleep(min(max(deadline - clock.now(), 0), self.config.pull_timeout / 4))
+                continue
+            try:
+                tensor = self._tensor_of(peer, response, step)
+            except RemoteError as exc:
+                self.transport.report(exc.evidence)
+                return None
+            if tensor is not None:
+                return tensor
+        return None
+
+    # --- bookkeeping ------------------------------------------------------
+
+    def _begin(self, step: int) -> None:
+        self._step = step
+        for table in (self._inbox, self._outbox, self._ready):
+            for key in [k for k in table if k[0] < step - 1]:
+                del table[key]
+
+    def _publish(self, step: int, kind: str, tensors: dict[str, torch.Tensor]) -> None:
+        self._outbox[(step, kind)] = tensors
+        self._ready.setdefault((step, kind), asyncio.Event()).set()
+
+    def _accepts(self, step: int) -> bool:
+        return self._step - 1 <= step <= self._step + self.config.window
+
+    def _tensor_of(self, sender: str, payload: bytes, step: int | None = None) -> torch.Tensor | None:
+        """The tensor in an all-reduce message; None for a pull answered "not ready"."""
+        obj = decode(payload, sender, self.transport.limits)
+        if not isinstance(obj, dict) or (step is not None and obj.get("step") != step):
+            raise RemoteError(Evidence(sender, "malformed", "all-reduce message for another step", step))
+        tensor = obj.get("t")
+        if tensor is None and step is not None:
+            return None
+        if not isinstance(tensor, torch.Tensor):
+            raise RemoteError(Evidence(sender, "malformed", "all-reduce message without tensor", step))
+        return tensor
+
+    def _store(self, sender: str, payload: bytes, kind: str) -> None:
+        obj = decode(payload, sender, self.transport.limits)
+        step = obj.get("step") if isinstance(obj, dict) else None
+        if not isinstance(step, int):
+            raise RemoteError(Evidence(sender, "malformed", "all-reduce message without integer step"))
+        if not self._accepts(step):
+            log.debug("dropping %s for step %d from %s (at step %d)", kind, step, sender[:8], self._step)
+            return
+        tensor = self._tensor_of(sender, payload)
+        key = (step, kind)
+        box = self._inbox.setdefault(key, {})
+        if sender not in box:
+            box[sender] = tensor
+            waiter = self._waiters.get(key)
+            if waiter is not None and sender in waiter[0]:
+                waiter[0].discard(sender)
+                if not waiter[0] and not waiter[1].done():
+                    waiter[1].set_result(None)
+
+    def _on_part(self, sender: str, payload: bytes) -> None:
+        self._store(sender, payload, PART)
+
+    def _on_reduced(self, sender: str, payload: bytes) -> None:
+        self._store(sender, payload, REDUCED)
+
+    async def _on_pull(self, sender: str, payload: bytes) -> bytes:
+        obj = decode(payload, sender, self.transport.limits)
+        step, kind, wait = obj.get("step"), obj.get("kind"), obj.get("wait")
+        if not isinstance(step, int) or kind not in (PART, REDUCED) or not isinstance(wait, (int, float)):
+            raise RemoteError(Evidence(sender, "malformed", "bad all-reduce pull request"))
+        key = (step, kind)
+        if not self._accepts(step) and key not in self._outbox:
+            return encode({"step": step})
+        ready = self._ready.setdefault(key, asyncio.Event())
+        try:
+            await asyncio.wait_for(ready.wait(), max(0.0, min(float(wait), self.config.timeout)))
+        except asyncio.TimeoutError:
+            return encode({"step": step})
+        tensor = self._outbox.get(key, {}).get(sender)
+        if tensor is None:
+            return encode({"step": step})
+        return encode({"step": step, "t": tensor})

@@ -1,0 +1,150 @@
+"""A data-parallel peer: compute a public-batch gradient, all-reduce, step.
+
+The same class runs in the simulator and over hivemind; it sees only the
+transport interface. A Byzantine peer is this same peer with an `attack`
+policy that rewrites what it sends; nothing marks it to the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..algorithms.attacks import Attack, AttackView
+from ..algorithms.bans import BanLedger
+from ..training.task import Task, compute_gradient, num_params, set_flat_grad, train_flops
+from ..transport.base import Transport
+from .butterfly import AllReduceConfig, ButterflyAllReduce, Reducer, mean_reducer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    task: str = "digits-mlp"
+    batch_size: int = 32
+    optimizer: str = "sgd"  # sgd (with momentum) or adam
+    lr: float = 0.1
+    momentum: float = 0.9
+    eval_every: int = 10  # evaluate on the held-out split every k steps (evaluating peers only)
+
+    def __post_init__(self) -> None:
+        from ..core.errors import ConfigError
+
+        if self.optimizer not in ("sgd", "adam"):
+            raise ConfigError(f"train.optimizer={self.optimizer!r} is not allowed; use 'sgd' or 'adam'")
+        if self.batch_size < 1:
+            raise ConfigError(f"train.batch_size={self.batch_size} must be >= 1")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"train.momentum={self.momentum} must be in [0, 1)")
+        if self.eval_every < 1:
+            raise ConfigError(f"train.eval_every={self.eval_every} must be >= 1")
+
+
+def make_optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=config.lr)
+    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+
+
+StepRecord = dict
+
+
+class DataParallelPeer:
+    def __init__(
+        self,
+        transport: Transport,
+        task: Task,
+        config: TrainConfig,
+        run_seed: int,
+        *,
+        allreduce: AllReduceConfig = AllReduceConfig(),
+        reducer: Reducer = mean_reducer,
+        attack: Attack | None = None,
+        colluders: int = 0,
+        evaluate: bool = False,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.task = task
+        self.config = config
+        self.run_seed = run_seed
+        self.attack = attack
+        self.colluders = colluders  # the f an attack assumes (ALIE's z depends on it)
+        self.evaluate = evaluate
+        self.on_step = on_step
+        self.ledger = BanLedger()
+        self.model = task.build_model(run_seed)  # every replica starts from the same public seed
+        self.optimizer = make_optimizer(config, self.model.parameters())
+        self.dim = num_params(self.model)
+        self.flops = train_flops(task, self.model, config.batch_size)
+        self.allreduce = ButterflyAllReduce(transport, self.dim, reducer, allreduce)
+        self.step = 0
+
+    def group(self) -> list[str]:
+        """This step's group: current members that are not banned, in sorted order."""
+        return self.ledger.filter(self.transport.members())
+
+    async def run(self, steps: int) -> None:
+        while self.step < steps:
+            await self.train_step(self.step)
+            self.step += 1
+
+    async def train_step(self, step: int) -> StepRecord:
+        me = self.transport.peer_id
+        clock = self.transport.clock
+        started = clock.now()
+        group = self.group()
+        x, y = self.task.batch(self.run_seed, me, step, self.config.batch_size)
+        gradient, loss = compute_gradient(self.task, self.model, x, y)
+        await self.transport.charge_compute(self.flops)
+        computed = clock.now()
+        if self.attack is not None:
+            gradient = self.attack(self._attack_view(step, gradient, group, x, y))
+        result = await self.allreduce(step, gradient, group)
+        set_flat_grad(self.model, result.vector)
+        self.optimizer.step()
+        record: StepRecord = {
+            "step": step,
+            "peer": me,
+            "loss": float(loss),
+            "group": len(group),
+            "dropped": len(result.dropped_senders),
+            "missing_parts": len(result.missing_parts),
+            "t_start": started,
+            "t_computed": computed,
+            "t_end": clock.now(),
+        }
+        if self.evaluate and ((step + 1) % self.config.eval_every == 0):
+            record.update({f"test_{k}": v for k, v in self.task.evaluate(self.model).items()})
+        if self.on_step is not None:
+            self.on_step(record)
+        return record
+
+    def _attack_view(self, step: int, gradient: torch.Tensor, group: list[str], x, y) -> AttackView:
+        honest = None
+        if self.attack.omniscient:
+            # Batches are public, so a colluding attacker can recompute every
+            # other member's honest gradient itself: that is its omniscience.
+            others = [p for p in group if p != self.transport.peer_id]
+            grads = [compute_gradient(self.task, self.model, *self.task.batch(self.run_seed, p, step, self.config.batch_size))[0] for p in others]
+            honest = torch.stack(grads) if grads else gradient.unsqueeze(0)
+
+        def recompute(label_map):
+            return compute_gradient(self.task, self.model, x, y, label_map)[0]
+
+        return AttackView(
+            step=step,
+            own_gradient=gradient,
+            honest_gradients=honest,
+            n=len(group),
+            f=self.colluders,
+            seed=self.run_seed,
+            peer_index=group.index(self.transport.peer_id),
+            recompute_gradient=recompute,
+        )

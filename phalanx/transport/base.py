@@ -1,0 +1,139 @@
+"""The transport interface: what protocols may do with the network.
+
+Two implementations, the simulator and hivemind, must be indistinguishable to
+the layers above. Point-to-point channels are authenticated by the transport
+(the simulator knows who sent what; libp2p's noise channel binds a stream to a
+peer), so requests and one-way messages carry no signature of their own.
+Broadcasts are signed envelopes, because they must serve as proof to others.
+
+Handlers run on the event loop. A handler that raises `RemoteError` has found
+the sender at fault: the transport records the evidence (and, for a request,
+answers with an error) and the run goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+
+from ..core.clock import Clock
+from ..core.envelope import SignedEnvelope
+from ..core.errors import Evidence, LocalError, RemoteError
+from ..core.identity import Identity
+from ..core.serialization import DEFAULT_LIMITS, Limits
+from .broadcast import BroadcastBoard
+
+log = logging.getLogger(__name__)
+
+RequestHandler = Callable[[str, bytes], Awaitable[bytes]]
+MessageHandler = Callable[[str, bytes], None]
+
+BROADCAST_TOPIC = "_broadcast"
+
+
+class Transport(ABC):
+    """One peer's endpoint on the network."""
+
+    def __init__(self, identity: Identity, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.identity = identity
+        self.limits = limits
+        self.clock = Clock()
+        self.evidence: list[Evidence] = []
+        self._evidence_listeners: list[Callable[[Evidence], None]] = []
+        self._request_handlers: dict[str, RequestHandler] = {}
+        self._message_handlers: dict[str, MessageHandler] = {}
+        self.board = BroadcastBoard(self.report, limits)
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    # --- what protocols call -------------------------------------------------
+
+    def add_request_handler(self, topic: str, handler: RequestHandler) -> None:
+        """Serve requests on `topic`: `await handler(sender, payload) -> response`."""
+        self._check_topic(topic, self._request_handlers)
+        self._request_handlers[topic] = handler
+
+    def add_message_handler(self, topic: str, handler: MessageHandler) -> None:
+        """Take one-way messages on `topic`: `handler(sender, payload)`, called on the loop."""
+        self._check_topic(topic, self._message_handlers)
+        self._message_handlers[topic] = handler
+
+    @abstractmethod
+    async def request(self, peer: str, topic: str, payload: bytes, timeout: float) -> bytes:
+        """Send a request and return the response.
+
+        Raises PeerTimeout, PeerUnreachable, or RequestFailed if the peer answered with an error.
+        """
+
+    @abstractmethod
+    async def send(self, peer: str, topic: str, payload: bytes) -> None:
+        """Send a one-way message, best effort: a lost or undeliverable message is not an error here."""
+
+    async def broadcast(self, topic: str, step: int, payload: bytes) -> SignedEnvelope:
+        """Sign `payload` for slot (topic, step) and deliver it to every current member."""
+        envelope = SignedEnvelope.create(self.identity, topic, step, payload)
+        self.board.add(envelope)
+        data = envelope.to_bytes()
+        for peer in self.members():
+            if peer != self.peer_id:
+                await self.send(peer, BROADCAST_TOPIC, data)
+        return envelope
+
+    @abstractmethod
+    def members(self) -> list[str]:
+        """The current membership view: sorted peer ids, this peer included."""
+
+    @abstractmethod
+    async def charge_compute(self, flops: float) -> None:
+        """Account for `flops` of local work (virtual time in the simulator; a no-op on real hardware)."""
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def stop(self) -> None: ...
+
+    def report(self, evidence: Evidence) -> None:
+        """Record evidence against a peer and tell the listeners (ban ledgers, metrics)."""
+        log.info("evidence against %s: %s (%s)", evidence.peer[:8], evidence.kind, evidence.detail)
+        self.evidence.append(evidence)
+        for listener in self._evidence_listeners:
+            listener(evidence)
+
+    def on_evidence(self, listener: Callable[[Evidence], None]) -> None:
+        self._evidence_listeners.append(listener)
+
+    # --- what implementations call when bytes arrive ------------------------
+
+    def _deliver_message(self, sender: str, topic: str, payload: bytes) -> None:
+        if topic == BROADCAST_TOPIC:
+            self.board.receive(sender, payload)
+            return
+        handler = self._message_handlers.get(topic)
+        if handler is None:
+            log.debug("no handler for message topic %r from %s", topic, sender[:8])
+            return
+        try:
+            handler(sender, payload)
+        except RemoteError as exc:
+            self.report(exc.evidence)
+
+    async def _serve_request(self, sender: str, topic: str, payload: bytes) -> tuple[bool, bytes]:
+        """Run the handler; returns (ok, response or error text)."""
+        handler = self._request_handlers.get(topic)
+        if handler is None:
+            return False, f"no handler for topic {topic!r}".encode()
+        try:
+            return True, await handler(sender, payload)
+        except RemoteError as exc:
+            self.report(exc.evidence)
+            return False, str(exc).encode()
+
+    def _check_topic(self, topic: str, table: dict) -> None:
+        if topic.startswith("_"):
+            raise LocalError(f"topic {topic!r} is reserved: topics starting with '_' belong to the transport")
+        if topic in table:
+            raise LocalError(f"a handler for topic {topic!r} is already registered on this transport")
