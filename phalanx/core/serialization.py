@@ -91,10 +91,11 @@ def _to_header(value: Any, blobs: list[bytes]) -> Any:
         return [_to_header(v, blobs) for v in value]
     if isinstance(value, dict):
         out = {}
-        for key, v in value.items():
+        for key in value:
             if not isinstance(key, str) or key.startswith("__"):
                 raise TypeError(f"message dict keys must be str not starting with '__', got {key!r}")
-            out[key] = _to_header(v, blobs)
+        for key in sorted(value):  # sorted, so blob order does not depend on insertion order
+            out[key] = _to_header(value[key], blobs)
         return out
     raise TypeError(f"cannot encode {type(value).__name__}; encode dataclasses as dicts first")
 

@@ -1,0 +1,33 @@
+"""Training substrate: what is trained, on which public data, and how gradients are flattened.
+
+data.py  -- digits and character-corpus datasets; batch_indices, the public per-(peer, step) sampler
+mlp.py   -- MLP classifier          cnn.py -- small CNN for 8x8 digits
+gpt.py   -- nanoGPT-style GPT, cut-able into pipeline stages (GPT.stages)
+task.py  -- Task (model + data + loss + eval), make_task, flat param/grad helpers, compute_gradient
+"""
+from .cnn import CNN
+from .data import CharCorpus, DigitsSplit, batch_indices, batch_seed, load_digits_split
+from .gpt import GPT, GPTConfig
+from .mlp import MLP
+from .task import (
+    TASKS,
+    CharGPTTask,
+    DigitsTask,
+    Task,
+    compute_gradient,
+    flat_grad,
+    flat_params,
+    make_task,
+    num_params,
+    seeded,
+    set_flat_grad,
+    set_flat_params,
+    train_flops,
+)
+
+__all__ = [
+    "CNN", "CharCorpus", "DigitsSplit", "batch_indices", "batch_seed", "load_digits_split",
+    "GPT", "GPTConfig", "MLP",
+    "TASKS", "CharGPTTask", "DigitsTask", "Task", "compute_gradient", "flat_grad", "flat_params",
+    "make_task", "num_params", "seeded", "set_flat_grad", "set_flat_params", "train_flops",
+]

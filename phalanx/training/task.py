@@ -1,0 +1,231 @@
+"""Task abstraction: model + public data + loss + evaluation, and flat-vector helpers.
+
+The runtime and the experiment harness see training only through `Task` and
+the functions here: gradients and parameters travel as flat float32 vectors.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .cnn import CNN
+from .data import CharCorpus, batch_indices, load_digits_split
+from .gpt import GPT, GPTConfig
+from .mlp import MLP
+
+
+def seeded(seed: int, factory: Callable[[], nn.Module]) -> nn.Module:
+    """Build a module with the global RNG seeded to `seed`, leaving the caller's RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory()
+
+
+class Task(ABC):
+    name: str
+    num_classes: int | None  # None for language modelling
+    dataset_size: int  # number of distinct training samples (windows for LM)
+    tokens_per_sample: int  # 1 for classification, block_size for LM
+
+    @abstractmethod
+    def build_model(self, seed: int) -> nn.Module:
+        """A freshly initialised model; identical for identical seeds."""
+
+    @abstractmethod
+    def batch(self, run_seed: int, peer: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
+        """Public batch (x, y) of `peer` at `step`: a pure function of the arguments."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        """Mean cross-entropy of the model on (x, y)."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """{"loss", "accuracy"} on the fixed held-out split."""
+
+
+class DigitsTask(Task):
+    """Ten-class classification of 8x8 sklearn digits with an MLP or a CNN.
+
+    `hidden` shapes the MLP and `channels` the CNN; each is ignored by the other.
+    """
+
+    num_classes = 10
+    tokens_per_sample = 1
+
+    def __init__(self, arch: str = "mlp", hidden: Sequence[int] = (128,),
+                 channels: tuple[int, int] = (16, 32)) -> None:
+        if arch not in ("mlp", "cnn"):
+            raise ValueError(f"unknown digits architecture {arch!r}; allowed: 'mlp', 'cnn'")
+        self.arch = arch
+        self.name = f"digits-{arch}"
+        self.hidden = tuple(hidden)
+        self.channels = channels
+        self.data = load_digits_split()
+        self.dataset_size = len(self.data.y_train)
+
+    def build_model(self, seed: int) -> nn.Module:
+        if self.arch == "mlp":
+            return seeded(seed, lambda: MLP(64, self.hidden, self.num_classes))
+        return seeded(seed, lambda: CNN(self.channels, num_classes=self.num_classes))
+
+    def batch(self, run_seed: int, peer: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
+        idx = batch_indices(run_seed, peer, step, batch_size, self.dataset_size)
+        return self.data.x_train[idx], self.data.y_train[idx]
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return _evaluate(model, self.data.x_test, self.data.y_test)
+
+
+class CharGPTTask(Task):
+    """Next-character prediction on a CharCorpus with a small GPT.
+
+    A training sample is a window of block_size characters starting at any
+    position of the train split; evaluation uses `eval_windows` evenly spaced
+    windows of the val split (fixed, no randomness).
+    """
+
+    num_classes = None
+
+    def __init__(self, corpus: CharCorpus | str | Path | None = None, block_size: int = 64,
+                 n_layer: int = 2, n_head: int = 2, n_embd: int = 64, eval_windows: int = 64) -> None:
+        if corpus is None:
+            corpus = CharCorpus.default()
+        elif not isinstance(corpus, CharCorpus):
+            corpus = CharCorpus.from_file(corpus)
+        self.name = "chars-gpt"
+        self.corpus = corpus
+        self.cfg = GPTConfig(corpus.vocab_size, block_size, n_layer, n_head, n_embd)
+        self.tokens_per_sample = block_size
+        self.dataset_size = len(corpus.train) - block_size
+        n_val_starts = len(corpus.val) - block_size
+        if self.dataset_size < 1 or n_val_starts < 1:
+            raise ValueError(f"corpus {corpus.name} is too small for block_size {block_size} "
+                             f"(train {len(corpus.train)}, val {len(corpus.val)} characters)")
+        starts = torch.linspace(0, n_val_starts - 1, min(eval_windows, n_val_starts)).long()
+        self.x_val, self.y_val = self._windows(corpus.val, starts)
+
+    def _windows(self, ids: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+        offsets = starts[:, None] + torch.arange(self.cfg.block_size)
+        return ids[offsets], ids[offsets + 1]
+
+    def build_model(self, seed: int) -> nn.Module:
+        return seeded(seed, lambda: GPT(self.cfg))
+
+    def batch(self, run_seed: int, peer: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
+        starts = batch_indices(run_seed, peer, step, batch_size, self.dataset_size)
+        return self._windows(self.corpus.train, starts)
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return _evaluate(model, self.x_val, self.y_val)
+
+
+def _evaluate(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, float]:
+    """Mean loss and accuracy in one no-grad eval-mode batch; restores the model's mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(x)
+            logits = logits.reshape(-1, logits.shape[-1])
+            y = y.reshape(-1)
+            loss = F.cross_entropy(logits, y).item()
+            accuracy = (logits.argmax(dim=-1) == y).float().mean().item()
+    finally:
+        model.train(was_training)
+    return {"loss": loss, "accuracy": accuracy}
+
+
+TASKS: dict[str, Callable[..., Task]] = {
+    "digits-mlp": lambda **p: DigitsTask("mlp", **p),
+    "digits-cnn": lambda **p: DigitsTask("cnn", **p),
+    "chars-gpt": CharGPTTask,
+}
+
+
+def make_task(name: str, **params) -> Task:
+    """Build a task by name; keyword params go to its constructor."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; allowed: {', '.join(sorted(TASKS))}")
+    return TASKS[name](**params)
+
+
+# ---------------------------------------------------------------------------
+# flat vectors: parameters and gradients in model.parameters() order
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flat_params(model: nn.Module) -> Tensor:
+    """A detached float32 copy of all parameters as one 1-D vector."""
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def set_flat_params(model: nn.Module, vec: Tensor) -> None:
+    """Copy a flat vector (as from flat_params) into the model's parameters."""
+    _check_length(model, vec)
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p.copy_(vec[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def flat_grad(model: nn.Module) -> Tensor:
+    """All parameter gradients as one float32 1-D vector (zeros where grad is None)."""
+    return torch.cat([
+        (p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel())).float()
+        for p in model.parameters()
+    ])
+
+
+def set_flat_grad(model: nn.Module, vec: Tensor) -> None:
+    """Set every parameter's .grad from a flat vector (e.g. an aggregated gradient)."""
+    _check_length(model, vec)
+    offset = 0
+    for p in model.parameters():
+        p.grad = vec[offset:offset + p.numel()].detach().view_as(p).to(p.dtype).clone()
+        offset += p.numel()
+
+
+def _check_length(model: nn.Module, vec: Tensor) -> None:
+    n = num_params(model)
+    if vec.dim() != 1 or vec.numel() != n:
+        raise ValueError(f"expected a 1-D vector of {n} elements, got shape {tuple(vec.shape)}")
+
+
+def compute_gradient(task: Task, model: nn.Module, x: Tensor, y: Tensor,
+                     label_map: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, float]:
+    """Flat gradient (float32, contiguous, 1-D) of task.loss on (x, label_map(y)), and the loss.
+
+    Clears existing gradients first and leaves the new ones in the model's .grad.
+    """
+    if label_map is not None:
+        y = label_map(y)
+    model.zero_grad(set_to_none=True)
+    loss = task.loss(model, x, y)
+    loss.backward()
+    return flat_grad(model).contiguous(), loss.item()
+
+
+def train_flops(task: Task, model: nn.Module, batch_size: int) -> float:
+    """Rough forward+backward cost of one batch: 6 * params * tokens.
+
+    The dense-layer rule of thumb: it ignores attention scores and counts conv
+    weights once rather than once per position, so treat it as a relative cost.
+    """
+    return 6.0 * num_params(model) * batch_size * task.tokens_per_sample

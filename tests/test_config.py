@@ -1,0 +1,61 @@
+"""Configs: overrides, one-line errors naming the key, presets."""
+
+import json
+
+import pytest
+
+from phalanx.cli import main
+from phalanx.config import RunConfig, override
+from phalanx.core.errors import ConfigError
+from phalanx.presets import PRESETS, get_preset
+
+
+def test_override_nested_and_types():
+    config = override(get_preset("digits-dp"), ["train.lr=0.2", "peers=5", "network.loss=0.1", "train.optimizer=adam"])
+    assert config.train.lr == 0.2 and config.peers == 5 and config.network.loss == 0.1 and config.train.optimizer == "adam"
+
+
+@pytest.mark.parametrize(
+    "assignment, message",
+    [
+        ("train.lrr=1", "unknown key 'train.lrr'; allowed: train.task"),
+        ("peers=many", "peers='many' is not a valid int"),
+        ("network.loss=1.5", "network.loss=1.5 must be in [0, 1)"),
+        ("train.optimizer=rmsprop", "train.optimizer='rmsprop' is not allowed"),
+        ("train=3", "'train' is a group"),
+        ("nonsense", "expects key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(assignment, message):
+    with pytest.raises(ConfigError) as exc:
+        override(get_preset("digits-dp"), [assignment])
+    assert message in str(exc.value)
+
+
+def test_config_json_roundtrip_and_unknown_keys():
+    config = get_preset("digits-dp-crash")
+    assert RunConfig.from_dict(json.loads(config.to_json())) == config
+    data = json.loads(config.to_json())
+    data["train"]["bogus"] = 1
+    with pytest.raises(ConfigError, match="unknown key 'train.bogus'"):
+        RunConfig.from_dict(data)
+
+
+def test_every_preset_builds_and_describes_itself():
+    for name, fn in PRESETS.items():
+        assert fn().preset == name
+        assert fn.__doc__.strip()
+
+
+def test_cli_reports_config_errors_in_one_line(capsys):
+    assert main(["simulate", "digits-dp", "--set", "train.momentum=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "train.momentum=2.0 must be in [0, 1)" in err
+    assert main(["simulate", "no-such-preset"]) == 2
+    assert "unknown preset 'no-such-preset'" in capsys.readouterr().err
+
+
+def test_cli_presets_lists_all(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in PRESETS)
