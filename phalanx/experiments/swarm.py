@@ -75,7 +75,10 @@ async def run_peer(config: RunConfig, peer: DataParallelPeer, index: int, determ
         entropy = stream.randbytes
     else:
         entropy = secrets.token_bytes
+    me = peer.transport.peer_id
     for step in range(config.steps):
+        if peer.ledger.is_banned(me):
+            return  # the honest peers have banned us: they no longer listen
         record = await peer.train_step(step)
         if config.mprng_every and (step + 1) % config.mprng_every == 0:
             result = await run_mprng(peer.transport, peer.ledger, step, config.mprng, entropy, behaviour)

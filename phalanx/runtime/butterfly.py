@@ -37,9 +37,18 @@ def mean_reducer(stack: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class AllReduceConfig:
     timeout: float = 5.0  # seconds per phase before a silent peer is dropped from the step
-    pull_after: float = 0.5  # seconds into a phase before missing parts are pulled
-    pull_timeout: float = 1.0  # seconds per pull attempt
+    pull_after: float = 0.2  # seconds into a phase before missing parts are pulled (lost messages)
+    pull_timeout: float = 0.25  # seconds per pull attempt; the holder waits up to half of it for the part
     window: int = 2  # accept messages for steps up to this far ahead of ours
+
+    def __post_init__(self) -> None:
+        from ..core.errors import ConfigError
+
+        for name in ("timeout", "pull_after", "pull_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"allreduce.{name}={getattr(self, name)!r} must be > 0 seconds")
+        if self.window < 1:
+            raise ConfigError(f"allreduce.window={self.window} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -184,12 +193,12 @@ class ButterflyAllReduce:
 
     async def _pull(self, peer: str, step: int, kind: str, deadline: float) -> torch.Tensor | None:
         clock = self.transport.clock
-        request = encode({"step": step, "kind": kind, "wait": self.config.pull_timeout})
+        request = encode({"step": step, "kind": kind, "wait": self.config.pull_timeout / 2})
         while (remaining := deadline - clock.now()) > 0:
             if peer in self._inbox.get((step, kind), {}):
                 return None
             try:
-                response = await self.transport.request(peer, "ar.pull", request, min(remaining, self.config.pull_timeout * 2))
+                response = await self.transport.request(peer, "ar.pull", request, min(remaining, self.config.pull_timeout))
             except PhalanxError as exc:
                 log.debug("pull %s step %d from %s failed: %s", kind, step, peer[:8], exc)
                 await asyncio.sleep(min(max(deadline - clock.now(), 0), self.config.pull_timeout / 4))

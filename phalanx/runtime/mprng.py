@@ -27,6 +27,14 @@ class MPRNGConfig:
     timeout: float = 5.0  # seconds to wait for commitments, then again for reveals
     max_attempts: int = 5
 
+    def __post_init__(self) -> None:
+        from ..core.errors import ConfigError
+
+        if not self.timeout > 0:
+            raise ConfigError(f"mprng.timeout={self.timeout!r} must be > 0 seconds")
+        if self.max_attempts < 1:
+            raise ConfigError(f"mprng.max_attempts={self.max_attempts} must be >= 1")
+
 
 class MPRNGBehaviour:
     """What an honest peer reveals; attackers subclass and lie."""
