@@ -1,0 +1,136 @@
+"""Whole-swarm scenarios on the simulator: determinism, crashes, loss, MPRNG, bad messages."""
+
+import dataclasses
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from phalanx.algorithms.attacks import AttackSchedule, make_attack
+from phalanx.algorithms.bans import BanLedger
+from phalanx.config import override
+from phalanx.experiments.simulate import simulate
+from phalanx.experiments.swarm import peer_identity
+from phalanx.presets import get_preset
+from phalanx.runtime.dp_peer import DataParallelPeer, TrainConfig
+from phalanx.runtime.mprng import MPRNGConfig, WithholdReveal, WrongReveal, MPRNGBehaviour, run_mprng
+from phalanx.training.task import make_task
+from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+from phalanx.core.rng import py_stream
+
+
+def _metrics(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_same_seed_same_metrics_bytes(tmp_path):
+    config = dataclasses.replace(get_preset("digits-dp-lossy"), peers=6, steps=12)
+    simulate(config, tmp_path / "a", progress=False)
+    simulate(config, tmp_path / "b", progress=False)
+    simulate(dataclasses.replace(config, seed=1), tmp_path / "c", progress=False)
+    a = (tmp_path / "a" / "metrics.jsonl").read_bytes()
+    assert a == (tmp_path / "b" / "metrics.jsonl").read_bytes()
+    assert a != (tmp_path / "c" / "metrics.jsonl").read_bytes()
+    for name in ("config.json", "metrics.jsonl", "timeline.jsonl", "summary.json"):
+        assert (tmp_path / "a" / name).exists()
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    for key in ("preset", "peers", "steps", "seed", "final_loss", "final_accuracy", "wall_seconds", "simulated_seconds", "banned"):
+        assert key in summary
+
+
+def test_three_of_sixteen_crash_and_training_reaches_target(tmp_path):
+    summary = simulate(get_preset("digits-dp-crash"), tmp_path, progress=False)
+    metrics = _metrics(tmp_path)
+    crash_step = get_preset("digits-dp-crash").faults.crash_after_step
+    assert metrics[crash_step - 1]["peers"] == 16
+    assert metrics[-1]["peers"] == 13 and metrics[-1]["group"] == 13
+    assert summary["final_accuracy"] >= 0.9
+    assert len(summary["crashed"]) == 3
+
+
+def test_five_percent_message_loss_still_trains(tmp_path):
+    config = override(get_preset("digits-dp-lossy"), ["steps=100"])
+    summary = simulate(config, tmp_path, progress=False)
+    assert summary["network"]["messages_lost"] > 0
+    assert summary["final_accuracy"] >= 0.9
+    assert all(m["peers"] == 16 for m in _metrics(tmp_path))  # nobody was dropped for good
+
+
+def _mprng_swarm(behaviours: list[MPRNGBehaviour], rounds: int, seed: int = 0):
+    """Run `rounds` MPRNG rounds among len(behaviours) simulated peers; return values and ledgers."""
+    identities = [peer_identity(seed, i) for i in range(len(behaviours))]
+    values: dict[int, list[bytes]] = {i: [] for i in range(len(behaviours))}
+    ledgers = [BanLedger() for _ in behaviours]
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=seed))
+        transports = [network.add_peer(identity) for identity in identities]
+
+        def factory(i):
+            async def peer_main():
+                entropy = py_stream(seed, identities[i].peer_id, "mprng").randbytes
+                for r in range(rounds):
+                    if ledgers[i].is_banned(identities[i].peer_id):
+                        return
+                    result = await run_mprng(transports[i], ledgers[i], r, MPRNGConfig(timeout=1.0), entropy, behaviours[i])
+                    values[i].append(result.value)
+
+            return peer_main
+
+        tasks = [network.spawn(identity.peer_id, factory(i)) for i, identity in enumerate(identities)]
+        for task in tasks:
+            await task
+
+    run_simulation(main)
+    return identities, values, ledgers
+
+
+def test_mprng_bans_withholder_and_liar_and_stays_uniform():
+    behaviours = [MPRNGBehaviour() for _ in range(6)] + [WithholdReveal(), WrongReveal()]
+    identities, values, ledgers = _mprng_swarm(behaviours, rounds=150)
+    cheaters = {identities[6].peer_id, identities[7].peer_id}
+    honest = range(6)
+    for i in honest:
+        assert set(ledgers[i].banned) == cheaters
+        assert len(values[i]) == 150
+        assert values[i] == values[0]  # every honest peer got the same outputs
+    # chi-square on all output bytes: 150 rounds x 32 bytes over 256 bins
+    counts = Counter(b for value in values[0] for b in value)
+    total = sum(counts.values())
+    expected = total / 256
+    chi2 = sum((counts.get(b, 0) - expected) ** 2 / expected for b in range(256))
+    # 255 degrees of freedom: the 0.999 quantile is about 330
+    assert chi2 < 330, chi2
+    assert len(set(values[0])) == 150
+
+
+def test_mprng_without_cheaters_bans_nobody():
+    _, values, ledgers = _mprng_swarm([MPRNGBehaviour() for _ in range(4)], rounds=3)
+    assert all(ledger.banned == [] for ledger in ledgers)
+    assert values[0] == values[3] and len(values[0]) == 3
+
+
+def test_nan_sender_is_evidence_and_run_goes_on():
+    task = make_task("digits-mlp")
+    identities = [peer_identity(0, i) for i in range(4)]
+    peers = []
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=0))
+        transports = [network.add_peer(identity) for identity in identities]
+        for i, transport in enumerate(transports):
+            attack = make_attack("constant", AttackSchedule(), value=float("nan")) if i == 3 else None
+            peers.append(DataParallelPeer(transport, task, TrainConfig(), 0, attack=attack, evaluate=True))
+        tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(5)) for i in range(4)]
+        for task_ in tasks:
+            await task_
+
+    run_simulation(main)
+    villain = identities[3].peer_id
+    for peer in peers[:3]:
+        kinds = {e.kind for e in peer.transport.evidence if e.peer == villain}
+        assert kinds == {"non_finite"}
+        assert all(e.peer == villain for e in peer.transport.evidence)
+        assert all(torch.isfinite(p).all() for p in peer.model.parameters())
+        assert peer.step == 5
