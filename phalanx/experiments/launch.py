@@ -68,8 +68,8 @@ async def run_worker(
                 sink.write(json.dumps(record, sort_keys=True) + "\n")
                 sink.flush()
 
-            peer = build_peer(config, transport, -1 if index is None else index, on_step)
-            await run_peer(config, peer, -1 if index is None else index, deterministic=False)
+            role = -1 if index is None else index
+            await run_peer(config, build_peer(config, transport, role), role, False, on_step)
         # Stay until everyone is done: a slower peer may still pull our parts.
         await _barrier(transport, "done", peers)
     finally:

@@ -61,8 +61,8 @@ def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
 
         def factory(index: int):
             async def peer_main() -> None:
-                peer = build_peer(config, transports[index], index, on_step)
-                await run_peer(config, peer, index, deterministic=True)
+                peer = build_peer(config, transports[index], index)
+                await run_peer(config, peer, index, True, on_step)
                 finished[ids[index]].set()
 
             return peer_main

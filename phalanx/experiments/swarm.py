@@ -47,7 +47,7 @@ def crash_indices(config: RunConfig) -> list[int]:
     return sorted(py_stream(config.seed, "crash").sample(pool, min(config.faults.crash, len(pool))))
 
 
-def build_peer(config: RunConfig, transport: Transport, index: int, on_step: Callable[[dict], None]) -> DataParallelPeer:
+def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParallelPeer:
     byzantine = index in byzantine_indices(config)
     attack = None
     if byzantine and config.byzantine.attack != "none":
@@ -62,12 +62,13 @@ def build_peer(config: RunConfig, transport: Transport, index: int, on_step: Cal
         attack=attack,
         colluders=config.byzantine.count,
         evaluate=index < config.eval_peers,
-        on_step=on_step,
     )
 
 
-async def run_peer(config: RunConfig, peer: DataParallelPeer, index: int, deterministic: bool) -> None:
-    """Train for config.steps steps; after every mprng_every-th step, run an MPRNG round."""
+async def run_peer(
+    config: RunConfig, peer: DataParallelPeer, index: int, deterministic: bool, on_step: Callable[[dict], None]
+) -> None:
+    """Train for config.steps steps; after every mprng_every-th step, run an MPRNG round; report each step."""
     byzantine = index in byzantine_indices(config)
     behaviour = MPRNG_BEHAVIOURS[config.byzantine.mprng if byzantine else "honest"]()
     if deterministic:
@@ -85,6 +86,7 @@ async def run_peer(config: RunConfig, peer: DataParallelPeer, index: int, determ
             record["mprng"] = result.value.hex()[:16]
             record["banned"] = list(peer.ledger.banned)
         peer.step = step + 1
+        on_step(record)
 
 
 class Recorder:

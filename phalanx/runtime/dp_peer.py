@@ -8,7 +8,6 @@ policy that rewrites what it sends; nothing marks it to the others.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +67,6 @@ class DataParallelPeer:
         attack: Attack | None = None,
         colluders: int = 0,
         evaluate: bool = False,
-        on_step: Callable[[StepRecord], None] | None = None,
     ) -> None:
         self.transport = transport
         self.task = task
@@ -77,7 +75,6 @@ class DataParallelPeer:
         self.attack = attack
         self.colluders = colluders  # the f an attack assumes (ALIE's z depends on it)
         self.evaluate = evaluate
-        self.on_step = on_step
         self.ledger = BanLedger()
         self.model = task.build_model(run_seed)  # every replica starts from the same public seed
         self.optimizer = make_optimizer(config, self.model.parameters())
@@ -122,8 +119,6 @@ class DataParallelPeer:
         }
         if self.evaluate and ((step + 1) % self.config.eval_every == 0):
             record.update({f"test_{k}": v for k, v in self.task.evaluate(self.model).items()})
-        if self.on_step is not None:
-            self.on_step(record)
         return record
 
     def _attack_view(self, step: int, gradient: torch.Tensor, group: list[str], x, y) -> AttackView:
