@@ -40,6 +40,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def _tensor_from(meta: dict, blob: memoryview, bad, limits: Limits) -> torch.Ten
     count = math.prod(shape)
     if count > limits.max_tensor_elements:
         raise bad(f"tensor of {count} elements > {limits.max_tensor_elements}", "oversize")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[meta["dtype"]]
     if count * itemsize != len(blob):
         raise bad(f"tensor {meta['dtype']}{shape} needs {count * itemsize} bytes, got {len(blob)}")
     if count == 0:

@@ -170,9 +170,15 @@ class ButterflyAllReduce:
             if peer not in box:
                 continue
             try:
-                valid[peer] = check_tensor(box[peer], peer, shape=shape, dtype=torch.float32, step=step)
+                valid[peer] = check_tensor(box[peer], peer, shape=shape, dtype=torch.float32, finite=False, step=step)
             except RemoteError as exc:
                 self.transport.report(exc.evidence)
+        if valid:  # one finiteness check for the whole stack, not one per peer
+            finite = torch.isfinite(torch.stack(list(valid.values())).reshape(len(valid), -1)).all(dim=1).tolist()
+            for peer, ok in zip(list(valid), finite):
+                if not ok:
+                    self.transport.report(Evidence(peer, "non_finite", f"{kind} holds NaN or Inf", step))
+                    del valid[peer]
         return valid
 
     async def _wait(self, step: int, kind: str, peers: list[str], until: float) -> None:
@@ -228,26 +234,24 @@ class ButterflyAllReduce:
         return self._step - 1 <= step <= self._step + self.config.window
 
     def _tensor_of(self, sender: str, payload: bytes, step: int | None = None) -> torch.Tensor | None:
-        """The tensor in an all-reduce message; None for a pull answered "not ready"."""
+        """The tensor of a pulled all-reduce part; None when the holder answered "not ready"."""
         obj = decode(payload, sender, self.transport.limits)
-        if not isinstance(obj, dict) or (step is not None and obj.get("step") != step):
-            raise RemoteError(Evidence(sender, "malformed", "all-reduce message for another step", step))
+        if not isinstance(obj, dict) or obj.get("step") != step:
+            raise RemoteError(Evidence(sender, "malformed", "all-reduce answer for another step", step))
         tensor = obj.get("t")
-        if tensor is None and step is not None:
-            return None
-        if not isinstance(tensor, torch.Tensor):
-            raise RemoteError(Evidence(sender, "malformed", "all-reduce message without tensor", step))
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise RemoteError(Evidence(sender, "malformed", "all-reduce answer without tensor", step))
         return tensor
 
     def _store(self, sender: str, payload: bytes, kind: str) -> None:
         obj = decode(payload, sender, self.transport.limits)
         step = obj.get("step") if isinstance(obj, dict) else None
-        if not isinstance(step, int):
-            raise RemoteError(Evidence(sender, "malformed", "all-reduce message without integer step"))
+        tensor = obj.get("t") if isinstance(obj, dict) else None
+        if not isinstance(step, int) or not isinstance(tensor, torch.Tensor):
+            raise RemoteError(Evidence(sender, "malformed", "all-reduce message needs an integer step and a tensor"))
         if not self._accepts(step):
             log.debug("dropping %s for step %d from %s (at step %d)", kind, step, sender[:8], self._step)
             return
-        tensor = self._tensor_of(sender, payload)
         key = (step, kind)
         box = self._inbox.setdefault(key, {})
         if sender not in box:
