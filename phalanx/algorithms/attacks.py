@@ -10,6 +10,7 @@ step and a purpose string, so colluding attackers agree and reruns repeat.
 Pure torch, no I/O.
 """
 
+import functools
 import hashlib
 import math
 import statistics
@@ -57,7 +58,9 @@ class AttackSchedule:
 
     def __post_init__(self) -> None:
         if self.start_step < 0 or self.every < 1:
-            raise ValueError(f"need start_step >= 0 and every >= 1, got start_step={self.start_step}, every={self.every}")
+            raise ValueError(
+                f"need start_step >= 0 and every >= 1, got start_step={self.start_step}, every={self.every}"
+            )
 
     def is_active(self, step: int) -> bool:
         """Whether the attacker deviates at ``step``."""
@@ -78,8 +81,6 @@ class Attack:
         self.observe(view)
         if not self.schedule.is_active(view.step):
             return view.own_gradient
-        if self.omniscient and view.honest_gradients is None:
-            raise ValueError(f"{type(self).__name__} is omniscient: pass the honest gradients in AttackView.honest_gradients")
         return self.forge(view)
 
     def observe(self, view: AttackView) -> None:
@@ -91,7 +92,9 @@ class Attack:
 
 
 def _honest(view: AttackView) -> Tensor:
-    assert view.honest_gradients is not None
+    """The honest gradients of an omniscient attack's view, in the own gradient's dtype."""
+    if view.honest_gradients is None:
+        raise ValueError("this attack is omniscient: pass the honest gradients in AttackView.honest_gradients")
     return view.honest_gradients.to(view.own_gradient.dtype)
 
 
@@ -112,6 +115,13 @@ class SignFlip(Attack):
         return view.own_gradient * -self.scale
 
 
+@functools.lru_cache(maxsize=2)
+def _shared_direction(seed: int, size: int, dtype: torch.dtype) -> Tensor:
+    """The run's common random unit vector of length ``size`` (cached; never modify it)."""
+    direction = torch.randn(size, generator=_generator(seed, "random_direction", size), dtype=torch.float64)
+    return (direction / torch.linalg.vector_norm(direction)).to(dtype)
+
+
 @dataclass(kw_only=True)
 class RandomDirection(Attack):
     """Send scale * u for a unit direction u shared by all attackers (BTARD, lambda = 1000).
@@ -121,28 +131,24 @@ class RandomDirection(Attack):
     """
 
     scale: float = 1000.0
-    _direction: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def forge(self, view: AttackView) -> Tensor:
         gradient = view.own_gradient
-        cached = self._direction
-        if cached is None or cached.shape != gradient.shape or cached.dtype != gradient.dtype:
-            generator = _generator(view.seed, "random_direction", gradient.numel())
-            direction = torch.randn(gradient.numel(), generator=generator, dtype=torch.float64)
-            cached = (direction / torch.linalg.vector_norm(direction)).to(gradient.dtype)
-            self._direction = cached
-        return cached * self.scale
+        return _shared_direction(view.seed, gradient.numel(), gradient.dtype) * self.scale
 
 
 @dataclass(kw_only=True)
 class LabelFlip(Attack):
-    """Send the gradient recomputed on the own batch with labels l -> num_classes - 1 - l (BTARD: CIFAR-10)."""
+    """Send the gradient recomputed on the own batch with labels l -> num_classes - 1 - l.
+
+    BTARD flips CIFAR-10 labels, hence num_classes = 10 by default.
+    """
 
     num_classes: int = 10
 
     def forge(self, view: AttackView) -> Tensor:
         if view.recompute_gradient is None:
-            raise ValueError("LabelFlip needs AttackView.recompute_gradient to recompute the gradient on flipped labels")
+            raise ValueError("LabelFlip needs AttackView.recompute_gradient to redo its gradient on flipped labels")
         return view.recompute_gradient(lambda labels: self.num_classes - 1 - labels)
 
 
@@ -268,9 +274,7 @@ def _perturbation(honest: Tensor, mean: Tensor, kind: str) -> Tensor:
         return -_honest_std(honest)
     if kind == "unit_vector":
         return -mean / torch.linalg.vector_norm(mean).clamp_min(torch.finfo(mean.dtype).tiny)
-    if kind == "sign":
-        return -torch.sign(mean)
-    raise ValueError(f"unknown perturbation {kind!r}; choose one of {list(_PERTURBATIONS)}")
+    return -torch.sign(mean)
 
 
 def _largest_scale(quadratic: Tensor, linear: Tensor, constant: Tensor) -> float:
@@ -284,63 +288,66 @@ def _largest_scale(quadratic: Tensor, linear: Tensor, constant: Tensor) -> float
     return float(roots.min().clamp_min(0.0))
 
 
-def _shejwalkar(view: AttackView, perturbation: str, objective: str) -> Tensor:
-    """Min-Max / Min-Sum of Shejwalkar & Houmansadr 2021: mean + gamma * perturbation, gamma maximal.
-
-    The paper bisects on gamma; both constraints are convex quadratics in
-    gamma, so the largest feasible gamma is solved exactly (in float64, then
-    shrunk by 1e-6 relative so float rounding cannot break the constraint).
-    """
-    honest = _honest(view)
-    wide = honest.double()
-    mean = wide.mean(dim=0)
-    direction = _perturbation(wide, mean, perturbation)
-    squared_scale = direction.dot(direction)
-    if squared_scale == 0:
-        return mean.to(honest.dtype)
-    centered = wide - mean
-    gram = centered @ centered.T
-    alignment = centered @ direction
-    norms = gram.diagonal()
-    pairwise = (norms[:, None] + norms[None, :] - 2.0 * gram).clamp_min(0.0)
-    if objective == "max":
-        bound = pairwise.max()
-        gamma = _largest_scale(squared_scale, alignment, norms - bound)
-    else:
-        bound = pairwise.sum(dim=1).max()
-        count = honest.shape[0]
-        gamma = _largest_scale(count * squared_scale, alignment.sum(), norms.sum() - bound)
-    return (mean + gamma * (1.0 - 1e-6) * direction).to(honest.dtype)
-
-
 @dataclass(kw_only=True)
-class MinMax(Attack):
-    """Min-Max (Shejwalkar & Houmansadr 2021): mean + gamma * p with the largest gamma
-    keeping the max distance to any honest gradient <= the max honest pairwise distance.
+class _AgrAgnostic(Attack):
+    """Shejwalkar & Houmansadr 2021 (NDSS): send mean + gamma * p with the largest feasible gamma.
 
-    p is -std (default), -unit mean ("unit_vector") or -sign(mean) ("sign"). Omniscient.
+    p is -std (default, per coordinate, Bessel-corrected), -mean/||mean||
+    ("unit_vector") or -sign(mean) ("sign"). The paper bisects on gamma; both
+    constraints are convex quadratics in gamma, so the largest feasible gamma
+    is solved exactly in float64 and shrunk by 1e-6 relative so that float
+    rounding cannot break the constraint. Omniscient.
     """
 
     omniscient: ClassVar[bool] = True
+    objective: ClassVar[str]
     perturbation: str = "std"
 
+    def __post_init__(self) -> None:
+        if self.perturbation not in _PERTURBATIONS:
+            raise ValueError(f"unknown perturbation {self.perturbation!r}; choose one of {list(_PERTURBATIONS)}")
+
     def forge(self, view: AttackView) -> Tensor:
-        return _shejwalkar(view, self.perturbation, "max")
+        honest = _honest(view)
+        wide = honest.double()
+        mean = wide.mean(dim=0)
+        direction = _perturbation(wide, mean, self.perturbation)
+        squared_scale = direction.dot(direction)
+        if squared_scale == 0:
+            return mean.to(honest.dtype)
+        centered = wide - mean
+        gram = centered @ centered.T
+        alignment = centered @ direction
+        norms = gram.diagonal()
+        pairwise = (norms[:, None] + norms[None, :] - 2.0 * gram).clamp_min(0.0)
+        if self.objective == "max":
+            gamma = _largest_scale(squared_scale, alignment, norms - pairwise.max())
+        else:
+            count = honest.shape[0]
+            gamma = _largest_scale(count * squared_scale, alignment.sum(), norms.sum() - pairwise.sum(dim=1).max())
+        return (mean + gamma * (1.0 - 1e-6) * direction).to(honest.dtype)
 
 
 @dataclass(kw_only=True)
-class MinSum(Attack):
-    """Min-Sum (Shejwalkar & Houmansadr 2021): mean + gamma * p with the largest gamma keeping
-    the sum of squared distances to the honest gradients <= the largest such sum of an honest one.
+class MinMax(_AgrAgnostic):
+    """Min-Max (Shejwalkar & Houmansadr 2021): mean + gamma * p, gamma as large as keeps the
+    largest distance to any honest gradient <= the largest honest pairwise distance.
 
-    p is -std (default), -unit mean ("unit_vector") or -sign(mean) ("sign"). Omniscient.
+    ``perturbation`` picks p: "std" (default), "unit_vector" or "sign". Omniscient.
     """
 
-    omniscient: ClassVar[bool] = True
-    perturbation: str = "std"
+    objective: ClassVar[str] = "max"
 
-    def forge(self, view: AttackView) -> Tensor:
-        return _shejwalkar(view, self.perturbation, "sum")
+
+@dataclass(kw_only=True)
+class MinSum(_AgrAgnostic):
+    """Min-Sum (Shejwalkar & Houmansadr 2021): mean + gamma * p, gamma as large as keeps the
+    sum of squared distances to the honest gradients <= the largest such sum of an honest one.
+
+    ``perturbation`` picks p: "std" (default), "unit_vector" or "sign". Omniscient.
+    """
+
+    objective: ClassVar[str] = "sum"
 
 
 ATTACKS: dict[str, type[Attack]] = {

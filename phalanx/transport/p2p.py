@@ -1,0 +1,545 @@
+"""The real-network transport: each peer is an OS process with hivemind's libp2p daemon and DHT.
+
+Identity binding. The libp2p daemon runs with this peer's own Ed25519 key, so
+its libp2p id is derived from the same public key as its phalanx id, and
+libp2p's secure channel (noise or TLS 1.3) authenticates that key on every
+stream. A membership record ties the two ids together once more, under a
+signature, for others to check before they talk to a peer; a stream from a
+libp2p id without a valid record is dropped.
+
+Membership. Every peer stores a signed, expiring record in the DHT under
+``phalanx/<run_id>/members``, subkey = its phalanx id, and re-stores it every
+ttl/3. The signature covers (run_id, peer id, libp2p id, expiration), so a
+record cannot be moved to another run, peer or lifetime; a validator in every
+honest DHT node rejects records whose signature fails or whose DHT expiration
+differs from the signed one (BTARD App. G: replay cannot extend a record).
+A background task reads the records every ``refresh_interval``.
+
+Wire format. One libp2p stream per message or request, raw bytes through the
+daemon. A frame is ``kind u8 | topic length u8 | payload length u64 | topic |
+payload``; the receiver checks the lengths against its limits before it reads
+the payload. A one-way message is answered with an empty RESPONSE (an ack, so
+that `send` returns once the peer has it); a request with RESPONSE or ERROR.
+
+Importing this module imports hivemind (about a second), which also sets
+torch's sharing strategy to ``file_system`` and renames the WARNING log level
+to ``WARN`` process-wide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+from hivemind.dht import DHT
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from hivemind.proto import crypto_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from ..core.envelope import SignedEnvelope
+from ..core.errors import ConfigError, Evidence, LocalError, PeerTimeout, PeerUnreachable, RemoteError, RequestFailed
+from ..core.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify_signature
+from ..core.serialization import DEFAULT_LIMITS, Limits, decode, digest, encode
+from .base import BROADCAST_TOPIC, Transport
+
+log = logging.getLogger(__name__)
+
+MESSAGE, REQUEST, RESPONSE, ERROR = 0, 1, 2, 3
+_HEADER = struct.Struct("<BBQ")
+MAX_TOPIC_BYTES = 255
+WRITE_CHUNK = 2**20
+# How far in the future a record's expiration may lie beyond the ttl: the
+# allowance for clocks of different peers disagreeing.
+CLOCK_SKEW = 30.0
+STARTUP_TIMEOUT = 30.0
+
+
+def membership_key(run_id: str) -> str:
+    """The DHT key under which the members of run `run_id` store their records."""
+    return f"phalanx/{run_id}/members"
+
+
+def libp2p_id_of(public_key: bytes) -> bytes:
+    """The libp2p peer id of a raw Ed25519 public key (an identity multihash of its protobuf)."""
+    proto = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=public_key).SerializeToString()
+    return bytes([0x00, len(proto)]) + proto
+
+
+@dataclass(frozen=True)
+class MembershipRecord:
+    """A peer's signed claim: "I am `peer_id`, reachable as `libp2p_id`, until `expiration`"."""
+
+    peer_id: str
+    public_key: bytes
+    libp2p_id: bytes
+    expiration: float
+    signature: bytes
+
+    @staticmethod
+    def signed_digest(run_id: str, peer_id: str, libp2p_id: bytes, expiration: float) -> bytes:
+        """What the signature covers."""
+        return digest(encode(["phalanx-membership", run_id, peer_id, libp2p_id, expiration]))
+
+    @classmethod
+    def create(cls, identity: Identity, run_id: str, expiration: float) -> "MembershipRecord":
+        libp2p_id = libp2p_id_of(identity.public_key)
+        signature = identity.sign(cls.signed_digest(run_id, identity.peer_id, libp2p_id, expiration))
+        return cls(identity.peer_id, identity.public_key, libp2p_id, expiration, signature)
+
+    def to_bytes(self) -> bytes:
+        return encode(
+            {"libp2p": self.libp2p_id, "key": self.public_key, "expires": self.expiration, "sig": self.signature}
+        )
+
+    @classmethod
+    def parse(
+        cls, data: bytes, peer_id: str, run_id: str, *, latest_expiration: float, limits: Limits = DEFAULT_LIMITS
+    ) -> "MembershipRecord":
+        """Parse and verify the record stored under subkey `peer_id`; raise RemoteError if it is invalid.
+
+        An expired record is valid here (expiry is the caller's business); one
+        that expires after `latest_expiration` is not.
+        """
+
+        def bad(detail: str) -> RemoteError:
+            return RemoteError(Evidence(peer_id, "bad_record", detail, data=(data,)))
+
+        obj = decode(data, peer_id, limits)
+        if not isinstance(obj, dict) or set(obj) != {"libp2p", "key", "expires", "sig"}:
+            raise bad("membership record must hold exactly libp2p, key, expires, sig")
+        record = cls(peer_id, obj["key"], obj["libp2p"], obj["expires"], obj["sig"])
+        types_ok = (
+            isinstance(record.public_key, bytes)
+            and len(record.public_key) == PUBLIC_KEY_BYTES
+            and isinstance(record.libp2p_id, bytes)
+            and isinstance(record.expiration, float)
+            and isinstance(record.signature, bytes)
+        )
+        if not types_ok:
+            raise bad("membership record field of wrong type")
+        if peer_id_of(record.public_key) != peer_id:
+            raise bad("public key does not hash to the peer id")
+        if record.libp2p_id != libp2p_id_of(record.public_key):
+            raise bad("libp2p id is not derived from the public key")
+        expected = cls.signed_digest(run_id, peer_id, record.libp2p_id, record.expiration)
+        if not verify_signature(record.public_key, expected, record.signature):
+            raise bad("invalid signature")
+        if record.expiration > latest_expiration:
+            raise bad(f"expires {record.expiration - latest_expiration:.0f}s later than any record may")
+        return record
+
+
+class MembershipValidator(RecordValidatorBase):
+    """Runs inside the DHT process: refuses to store or accept invalid membership records.
+
+    Records under other keys pass untouched. A valid record's DHT expiration
+    must equal its signed expiration, so nobody can pin a stale record over a
+    fresh one by replaying it with a later DHT expiration.
+    """
+
+    def __init__(self, run_id: str, max_lifetime: float, limits: Limits) -> None:
+        self._run_id = run_id
+        self._key_id = DHTID.generate(source=membership_key(run_id)).to_bytes()
+        self._max_lifetime = max_lifetime
+        self._limits = limits
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self._key_id:
+            return True
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:  # msgpack raises many types on a peer's garbage; any of them means invalid
+            return False
+        if not isinstance(subkey, str) or not isinstance(value, bytes):
+            return False
+        try:
+            parsed = MembershipRecord.parse(
+                value,
+                subkey,
+                self._run_id,
+                latest_expiration=get_dht_time() + self._max_lifetime,
+                limits=self._limits,
+            )
+        except RemoteError:
+            return False
+        return parsed.expiration == record.expiration_time
+
+
+class HivemindTransport(Transport):
+    """One peer on a real libp2p network: a hivemind DHT child process plus raw streams through its daemon.
+
+    `run_id` separates runs that share a DHT; `initial_peers` are multiaddrs
+    of running peers (another peer's `visible_maddrs()`), empty for the first;
+    `host_maddrs` are where the daemon listens. Records live `membership_ttl`
+    seconds (every peer of a run must use about the same value) and the view
+    is re-read every `refresh_interval` seconds. `send_timeout` bounds a
+    one-way send and the reading of any incoming frame.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        run_id: str,
+        initial_peers: list[str] = [],
+        host_maddrs: list[str] = ["/ip4/127.0.0.1/tcp/0"],
+        membership_ttl: float = 30.0,
+        refresh_interval: float = 1.0,
+        send_timeout: float = 60.0,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        super().__init__(identity, limits)
+        if not 0 < refresh_interval < 2 * membership_ttl / 3:
+            # A record read just before its owner re-stores it has 2/3 of the ttl left.
+            raise ConfigError(
+                f"refresh_interval ({refresh_interval}) must be > 0 and < 2/3 of membership_ttl ({membership_ttl})"
+            )
+        if send_timeout <= 0:
+            raise ConfigError(f"send_timeout must be > 0 seconds, got {send_timeout}")
+        self.run_id = run_id
+        self._initial_peers = list(initial_peers)
+        self._host_maddrs = list(host_maddrs)
+        self._ttl = membership_ttl
+        self._refresh_interval = refresh_interval
+        self._send_timeout = send_timeout
+        self._key = membership_key(run_id)
+        self._protocol = f"/phalanx/{run_id}/stream/1"
+        self._dht: DHT | None = None
+        self._p2p: P2P | None = None
+        self._maddrs: list[str] = []
+        self._view: dict[str, MembershipRecord] = {}
+        self._by_libp2p: dict[bytes, str] = {}
+        self._reported_records: set[bytes] = set()
+        self._refresh_task: asyncio.Task | None = None
+        self._background: list[asyncio.Task] = []
+        self._inbound: set[asyncio.Task] = set()
+
+    # --- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the DHT process and its libp2p daemon, publish our record and read the others'."""
+        if self._dht is not None:
+            raise LocalError("this transport is already started")
+        loop = asyncio.get_running_loop()
+        key_dir = tempfile.mkdtemp(prefix="phalanx-key-")
+        try:
+            key_path = os.path.join(key_dir, "libp2p.key")
+            self._write_libp2p_key(key_path)
+            self._dht = DHT(
+                initial_peers=self._initial_peers,
+                host_maddrs=self._host_maddrs,
+                identity_path=key_path,
+                check_if_identity_free=False,
+                record_validators=[MembershipValidator(self.run_id, self._ttl + CLOCK_SKEW, self.limits)],
+                start=True,
+                await_ready=False,
+            )
+            await loop.run_in_executor(None, self._dht.wait_until_ready, STARTUP_TIMEOUT)
+        except P2PDaemonError as exc:
+            await self.stop()
+            raise LocalError(f"the libp2p daemon did not start ({exc}); check initial_peers and host_maddrs") from exc
+        except BaseException:
+            await self.stop()
+            raise
+        finally:
+            # The daemon has read its key by the time the DHT is ready; do not leave it on disk.
+            shutil.rmtree(key_dir, ignore_errors=True)
+        try:
+            self._p2p = await self._dht.replicate_p2p()
+            expected = libp2p_id_of(self.identity.public_key)
+            if self._p2p.peer_id.to_bytes() != expected:
+                raise LocalError(f"libp2p daemon runs as {self._p2p.peer_id}, not as our key's {PeerID(expected)}")
+            self._maddrs = [str(addr) for addr in await self._p2p.get_visible_maddrs()]
+            await self._p2p.add_binary_stream_handler(self._protocol, self._on_stream)
+            await self._publish()
+            await self._refresh_view()
+        except BaseException:
+            await self.stop()
+            raise
+        self._background = [
+            asyncio.create_task(self._every(self._ttl / 3, self._publish), name="phalanx-publish"),
+            asyncio.create_task(self._every(self._refresh_interval, self._refresh_view), name="phalanx-view"),
+        ]
+        for task in self._background:
+            task.add_done_callback(_log_death)
+
+    async def stop(self) -> None:
+        """Stop background work, close streams, shut down the DHT process and its daemon."""
+        tasks = [*self._background, *self._inbound]
+        if self._refresh_task is not None:
+            tasks.append(self._refresh_task)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._background, self._refresh_task = [], None
+        if self._p2p is not None:
+            await self._p2p.shutdown()
+            self._p2p = None
+        if self._dht is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._dht.shutdown)
+            self._dht = None
+        self._view, self._by_libp2p, self._maddrs = {}, {}, []
+
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (with /p2p/<libp2p id>) that other peers can pass as `initial_peers`."""
+        if not self._maddrs:
+            raise LocalError("visible_maddrs() is known only after `await start()`")
+        return list(self._maddrs)
+
+    def _write_libp2p_key(self, path: str) -> None:
+        """Write our Ed25519 key in libp2p's format, readable only by us, for the daemon to load."""
+        seed = self.identity.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        proto = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=seed + self.identity.public_key)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(proto.SerializeToString())
+
+    @staticmethod
+    async def _every(interval: float, job: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await job()
+
+    # --- membership ----------------------------------------------------------
+
+    def members(self) -> list[str]:
+        now = get_dht_time()
+        return sorted({self.peer_id, *(p for p, r in self._view.items() if r.expiration > now)})
+
+    async def wait_for_members(self, n: int, timeout: float) -> list[str]:
+        """Wait until the view holds at least `n` members (self included) and return it.
+
+        Raises TimeoutError if it does not within `timeout` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(members := self.members()) < n:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(members)} of {n} members in view after {timeout}s: {members}")
+            await asyncio.sleep(min(0.05, remaining))
+        return members
+
+    async def _publish(self) -> None:
+        """Store a fresh record of ours that lives `membership_ttl` seconds."""
+        assert self._dht is not None
+        record = MembershipRecord.create(self.identity, self.run_id, get_dht_time() + self._ttl)
+        try:
+            stored = await self._dht.store(
+                self._key, record.to_bytes(), record.expiration, subkey=self.peer_id, return_future=True
+            )
+        except Exception:  # the DHT process reports its failures as arbitrary exceptions
+            log.warning("could not publish our membership record", exc_info=True)
+            return
+        if not stored:
+            log.warning("the DHT refused our membership record (a newer one exists, or no node answered)")
+
+    async def _refresh_view(self) -> None:
+        """Re-read the membership records; concurrent callers share one DHT lookup."""
+        if self._refresh_task is None or self._refresh_task.done():
+            self._refresh_task = asyncio.create_task(self._fetch_view())
+        await asyncio.shield(self._refresh_task)
+
+    async def _fetch_view(self) -> None:
+        assert self._dht is not None
+        try:
+            found = await self._dht.get(self._key, latest=True, return_future=True)
+        except Exception:  # the DHT process reports its failures as arbitrary exceptions
+            log.warning("could not read membership records; keeping the old view", exc_info=True)
+            return
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        self._absorb({subkey: item.value for subkey, item in entries.items()})
+
+    def _absorb(self, entries: dict[Any, Any]) -> None:
+        """Replace the view by the valid, unexpired records in `entries` (subkey -> stored value)."""
+        now = get_dht_time()
+        view: dict[str, MembershipRecord] = {}
+        for subkey, value in entries.items():
+            if not isinstance(subkey, str) or not isinstance(value, bytes):
+                log.info("ignoring a membership entry of wrong type under subkey %r", subkey)
+                continue
+            try:
+                record = MembershipRecord.parse(
+                    value, subkey, self.run_id, latest_expiration=now + self._ttl + CLOCK_SKEW, limits=self.limits
+                )
+            except RemoteError as exc:
+                # The DHT shows the same bad record on every refresh; report it once.
+                if digest(value) not in self._reported_records:
+                    self._reported_records.add(digest(value))
+                    self.report(exc.evidence)
+                continue
+            if record.expiration > now and subkey != self.peer_id:
+                view[subkey] = record
+        self._view = view
+        self._by_libp2p = {r.libp2p_id: p for p, r in view.items()}
+
+    async def _peer_of(self, remote: PeerID) -> str | None:
+        """The phalanx id behind an authenticated libp2p id, refreshing the view once on a miss."""
+        peer = self._by_libp2p.get(remote.to_bytes())
+        if peer is None:
+            await self._refresh_view()
+            peer = self._by_libp2p.get(remote.to_bytes())
+        return peer
+
+    async def _record_of(self, peer: str) -> MembershipRecord:
+        """The live record of `peer`, refreshing the view once on a miss; PeerUnreachable if none."""
+        record = self._view.get(peer)
+        if record is None or record.expiration <= get_dht_time():
+            await self._refresh_view()
+            record = self._view.get(peer)
+        if record is None or record.expiration <= get_dht_time():
+            raise PeerUnreachable(peer, "not in the membership view")
+        return record
+
+    # --- sending -------------------------------------------------------------
+
+    async def request(self, peer: str, topic: str, payload: bytes, timeout: float) -> bytes:
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise LocalError(f"request timeout must be a finite number of seconds > 0, got {timeout!r}")
+        try:
+            return await asyncio.wait_for(self._exchange(peer, REQUEST, topic, payload), timeout)
+        except asyncio.TimeoutError:
+            raise PeerTimeout(peer, f"request {topic!r} got no answer in {timeout}s") from None
+
+    async def send(self, peer: str, topic: str, payload: bytes) -> None:
+        try:
+            await asyncio.wait_for(self._exchange(peer, MESSAGE, topic, payload), self._send_timeout)
+        except asyncio.TimeoutError:
+            log.info("message %r to %s not acknowledged in %ss", topic, peer[:8], self._send_timeout)
+        except (PeerUnreachable, RequestFailed) as exc:
+            log.info("message %r to %s lost: %s", topic, peer[:8], exc)
+
+    async def broadcast(self, topic: str, step: int, payload: bytes) -> SignedEnvelope:
+        """Sign `payload` for slot (topic, step) and send it to every other member at once."""
+        envelope = SignedEnvelope.create(self.identity, topic, step, payload)
+        self.board.add(envelope)
+        data = envelope.to_bytes()
+        await asyncio.gather(*(self.send(p, BROADCAST_TOPIC, data) for p in self.members() if p != self.peer_id))
+        return envelope
+
+    async def charge_compute(self, flops: float) -> None:
+        """Nothing to account for: real compute takes real time."""
+
+    async def _exchange(self, peer: str, kind: int, topic: str, payload: bytes) -> bytes:
+        """Open a stream to `peer`, write one frame, read the answer frame.
+
+        Raises PeerUnreachable (no route, broken stream) or RequestFailed (an
+        ERROR answer, or a malformed answer, which is also reported as evidence);
+        LocalError on misuse.
+        """
+        if not isinstance(payload, bytes):
+            raise LocalError(f"payload must be bytes, got {type(payload).__name__}: convert it with bytes(...)")
+        topic_bytes = topic.encode()
+        if len(topic_bytes) > MAX_TOPIC_BYTES:
+            raise LocalError(f"topic {topic[:40]!r}... is {len(topic_bytes)} bytes; the limit is {MAX_TOPIC_BYTES}")
+        if peer == self.peer_id:
+            return await self._exchange_with_self(kind, topic, payload)
+        if self._p2p is None:
+            raise LocalError("the transport is not started; `await start()` first")
+        record = await self._record_of(peer)
+        try:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID(record.libp2p_id), self._protocol)
+        except (P2PDaemonError, OSError) as exc:
+            raise PeerUnreachable(peer, f"cannot open a stream: {exc}") from None
+        try:
+            await _write_frame(writer, kind, topic_bytes, payload)
+            answer_kind, _, answer = await _read_frame(reader, peer, self.limits, {RESPONSE, ERROR})
+        except RemoteError as exc:
+            self.report(exc.evidence)
+            raise RequestFailed(peer, f"bad answer: {exc}") from None
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise PeerUnreachable(peer, f"stream broke: {exc!r}") from None
+        finally:
+            writer.close()
+        if answer_kind == ERROR:
+            raise RequestFailed(peer, answer.decode(errors="replace"))
+        return answer
+
+    async def _exchange_with_self(self, kind: int, topic: str, payload: bytes) -> bytes:
+        """What `_exchange` does for a message or request addressed to ourselves, without the network."""
+        if kind == MESSAGE:
+            self._deliver_message(self.peer_id, topic, payload)
+            return b""
+        ok, answer = await self._serve_request(self.peer_id, topic, payload)
+        if not ok:
+            raise RequestFailed(self.peer_id, answer.decode(errors="replace"))
+        return answer
+
+    # --- receiving -----------------------------------------------------------
+
+    async def _on_stream(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one incoming stream: one message (acked) or one request (answered)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._inbound.add(task)
+        try:
+            sender = await self._peer_of(info.peer_id)
+            if sender is None:
+                log.warning("dropping a stream from %s: no valid membership record", info.peer_id)
+                return
+            kind, topic, payload = await asyncio.wait_for(
+                _read_frame(reader, sender, self.limits, {MESSAGE, REQUEST}), self._send_timeout
+            )
+            if kind == MESSAGE:
+                self._deliver_message(sender, topic, payload)
+                await _write_frame(writer, RESPONSE, b"", b"")
+            else:
+                ok, answer = await self._serve_request(sender, topic, payload)
+                await asyncio.wait_for(_write_frame(writer, RESPONSE if ok else ERROR, b"", answer), self._send_timeout)
+            await asyncio.wait_for(reader.read(1), self._send_timeout)
+        except RemoteError as exc:
+            self.report(exc.evidence)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:
+            log.info("incoming stream from %s broke: %r", info.peer_id, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug in a handler must not take the listener down
+            log.exception("error while serving a stream from %s", info.peer_id)
+        finally:
+            writer.close()
+            self._inbound.discard(task)
+
+
+def _log_death(task: asyncio.Task) -> None:
+    """A background loop that ends other than by cancellation is a bug: say so at once."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s died", task.get_name(), exc_info=task.exception())
+
+
+async def _write_frame(writer: asyncio.StreamWriter, kind: int, topic: bytes, payload: bytes) -> None:
+    """Write one frame in chunks, so that a stream never buffers more than a chunk of a large payload."""
+    writer.write(_HEADER.pack(kind, len(topic), len(payload)) + topic)
+    view = memoryview(payload)
+    for offset in range(0, len(view), WRITE_CHUNK):
+        writer.write(view[offset : offset + WRITE_CHUNK])
+        await writer.drain()
+    await writer.drain()
+
+
+async def _read_frame(
+    reader: asyncio.StreamReader, sender: str, limits: Limits, kinds: set[int]
+) -> tuple[int, str, bytes]:
+    """Read one frame from `sender`, checking its kind and lengths before reading the payload."""
+    kind, topic_len, size = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if kind not in kinds:
+        raise RemoteError(Evidence(sender, "malformed", f"unexpected frame kind {kind}"))
+    if size > limits.max_message_bytes:
+        raise RemoteError(Evidence(sender, "oversize", f"{size} bytes > limit {limits.max_message_bytes}"))
+    try:
+        topic = (await reader.readexactly(topic_len)).decode()
+    except UnicodeDecodeError:
+        raise RemoteError(Evidence(sender, "malformed", "topic is not UTF-8")) from None
+    return kind, topic, await reader.readexactly(size)

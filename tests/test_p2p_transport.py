@@ -1,0 +1,346 @@
+"""HivemindTransport on loopback: real DHT child processes and libp2p daemons in one test process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from phalanx.core import (
+    ConfigError,
+    Evidence,
+    Identity,
+    Limits,
+    LocalError,
+    PeerTimeout,
+    PeerUnreachable,
+    RemoteError,
+    RequestFailed,
+)
+from phalanx.transport.p2p import (
+    MESSAGE,
+    HivemindTransport,
+    MembershipRecord,
+    MembershipValidator,
+    _HEADER,
+    libp2p_id_of,
+    membership_key,
+)
+
+TEST_TIMEOUT = 30.0
+JOIN_TIMEOUT = 10.0
+
+
+def run(body: Callable[[], Awaitable[None]], timeout: float = TEST_TIMEOUT) -> None:
+    """Run an async test body on a fresh event loop, failing it after `timeout` seconds."""
+    asyncio.run(asyncio.wait_for(body(), timeout))
+
+
+def _leftover_processes() -> list[str]:
+    """Command names of this process's live descendants (Linux /proc), except torch's shared-memory manager.
+
+    hivemind's MPFuture puts tensors in torch shared memory, which starts one
+    `torch_shm_manager` per process; it lives as long as the test process.
+    """
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+    found, frontier = [], {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier}
+        found.extend(frontier)
+    names = []
+    for pid in found:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                names.append(os.path.basename(f.read().split(b"\0")[0].decode()))
+        except OSError:
+            continue
+    return [name for name in names if name != "torch_shm_manager"]
+
+
+@asynccontextmanager
+async def swarm(n: int, *, ttl: float = 30.0, limits: Limits = Limits()) -> AsyncIterator[list[HivemindTransport]]:
+    """Start `n` peers of a fresh run (the first bootstraps the rest), wait until all see all; stop them after."""
+    run_id = uuid.uuid4().hex[:8]
+
+    def peer(i: int, initial_peers: list[str]) -> HivemindTransport:
+        identity = Identity.from_seed(f"{run_id}/{i}".encode())
+        return HivemindTransport(
+            identity,
+            run_id=run_id,
+            initial_peers=initial_peers,
+            membership_ttl=ttl,
+            refresh_interval=0.2,
+            limits=limits,
+        )
+
+    peers = [peer(0, [])]
+    try:
+        await peers[0].start()
+        peers += [peer(i, peers[0].visible_maddrs()) for i in range(1, n)]
+        await asyncio.gather(*(p.start() for p in peers[1:]))
+        for p in peers:
+            await p.wait_for_members(n, JOIN_TIMEOUT)
+        yield peers
+    finally:
+        for p in peers:
+            await p.stop()
+    assert _leftover_processes() == [], "stopped transports left processes behind"
+
+
+@pytest.mark.hivemind
+def test_membership_converges() -> None:
+    async def body() -> None:
+        async with swarm(3) as peers:
+            everyone = sorted(p.peer_id for p in peers)
+            for p in peers:
+                assert p.members() == everyone
+                assert p.evidence == []
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_request_roundtrip_1mb() -> None:
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+            seen: list[str] = []
+
+            async def reverse(sender: str, payload: bytes) -> bytes:
+                seen.append(sender)
+                return payload[::-1]
+
+            b.add_request_handler("reverse", reverse)
+            payload = os.urandom(2**20)
+            assert await a.request(b.peer_id, "reverse", payload, timeout=10) == payload[::-1]
+            assert seen == [a.peer_id]  # the authenticated stream is bound to a's phalanx id
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_request_timeout() -> None:
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+
+            async def stall(sender: str, payload: bytes) -> bytes:
+                await asyncio.sleep(5)
+                return b""
+
+            b.add_request_handler("stall", stall)
+            with pytest.raises(PeerTimeout):
+                await a.request(b.peer_id, "stall", b"", timeout=0.5)
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_one_way_send() -> None:
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+            got: list[tuple[str, bytes]] = []
+            b.add_message_handler("note", lambda sender, payload: got.append((sender, payload)))
+            await a.send(b.peer_id, "note", b"hello")
+            assert got == [(a.peer_id, b"hello")]  # send returns once the peer has acknowledged
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_broadcast_reaches_every_board() -> None:
+    async def body() -> None:
+        async with swarm(3) as (a, b, c):
+            envelope = await a.broadcast("grad", 7, b"commitment")
+            for p in (b, c):
+                got = await p.board.wait("grad", 7, [a.peer_id], timeout=5)
+                assert got == {a.peer_id: envelope}
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_remote_error_fails_request_and_is_evidence() -> None:
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+
+            async def picky(sender: str, payload: bytes) -> bytes:
+                raise RemoteError(Evidence(sender, "wrong_shape", "expected 4 bytes", step=3))
+
+            b.add_request_handler("picky", picky)
+            with pytest.raises(RequestFailed, match="expected 4 bytes"):
+                await a.request(b.peer_id, "picky", b"123", timeout=5)
+            assert [(e.peer, e.kind, e.step) for e in b.evidence] == [(a.peer_id, "wrong_shape", 3)]
+            assert a.evidence == []
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_unknown_peer_is_unreachable() -> None:
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+            ghost = Identity.from_seed(b"ghost").peer_id
+            with pytest.raises(PeerUnreachable):
+                await a.request(ghost, "anything", b"", timeout=5)
+            await a.send(ghost, "anything", b"")  # best effort: never raises
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_stopped_peer_leaves_views_after_its_record_expires() -> None:
+    ttl = 2.0
+
+    async def body() -> None:
+        async with swarm(3, ttl=ttl) as (a, b, c):
+            loop = asyncio.get_running_loop()
+            await c.stop()
+            stopped = loop.time()
+            while c.peer_id in a.members() or c.peer_id in b.members():
+                assert loop.time() - stopped < ttl + 2, "the stopped peer outlived its record"
+                await asyncio.sleep(0.1)
+            assert a.members() == b.members() == sorted([a.peer_id, b.peer_id])
+            with pytest.raises(PeerUnreachable):
+                await a.request(c.peer_id, "anything", b"", timeout=5)
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_oversize_message_is_evidence() -> None:
+    limits = Limits(max_message_bytes=64 * 2**10)
+
+    async def body() -> None:
+        async with swarm(2, limits=limits) as (a, b):
+            got: list[bytes] = []
+            b.add_message_handler("blob", lambda sender, payload: got.append(payload))
+            await a.send(b.peer_id, "blob", bytes(limits.max_message_bytes + 1))  # logged, not raised
+            await a.send(b.peer_id, "blob", bytes(limits.max_message_bytes))
+            assert [len(p) for p in got] == [limits.max_message_bytes]
+            assert [(e.peer, e.kind) for e in b.evidence] == [(a.peer_id, "oversize")]
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_stream_from_non_member_is_dropped() -> None:
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+            got: list[bytes] = []
+            b.add_message_handler("note", lambda sender, payload: got.append(payload))
+            outsider = await P2P.create(initial_peers=b.visible_maddrs())  # a libp2p peer with no record
+            try:
+                libp2p_id = PeerID(libp2p_id_of(b.identity.public_key))
+                _, reader, writer = await outsider.call_binary_stream_handler(libp2p_id, b._protocol)
+                writer.write(_HEADER.pack(MESSAGE, 4, 2) + b"note" + b"hi")
+                await writer.drain()
+                assert await reader.read() == b""  # closed without an ack
+                writer.close()
+            finally:
+                await outsider.shutdown()
+            assert got == []
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_dht_refuses_forged_and_replayed_records() -> None:
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+            dht = a._dht
+            assert dht is not None
+            victim, forger = Identity.from_seed(b"victim"), Identity.from_seed(b"forger")
+            expiration = get_dht_time() + 10
+            genuine = MembershipRecord.create(victim, a.run_id, expiration)
+            forged = MembershipRecord(
+                victim.peer_id, victim.public_key, genuine.libp2p_id, expiration, forger.sign(b"\0" * 32)
+            )
+            key = membership_key(a.run_id)
+            attempts = [(forged, expiration), (genuine, expiration + 100)]  # bad signature; replay with longer life
+            for record, dht_expiration in attempts:
+                stored = await dht.store(
+                    key, record.to_bytes(), dht_expiration, subkey=victim.peer_id, return_future=True
+                )
+                assert stored is False
+            await asyncio.sleep(0.5)
+            assert victim.peer_id not in a.members() + b.members()
+            assert a.evidence == b.evidence == []
+
+    run(body)
+
+
+def test_validator_checks_signature_binding_and_lifetime() -> None:
+    run_id = "r"
+    validator = MembershipValidator(run_id, max_lifetime=60, limits=Limits())
+    key_id = DHTID.generate(source=membership_key(run_id)).to_bytes()
+    ident, other = Identity.from_seed(b"x"), Identity.from_seed(b"y")
+
+    def accepts(record: MembershipRecord, subkey: str, expiration: float) -> bool:
+        value = MSGPackSerializer.dumps(record.to_bytes())
+        return validator.validate(DHTRecord(key_id, MSGPackSerializer.dumps(subkey), value, expiration))
+
+    now = get_dht_time()
+    good = MembershipRecord.create(ident, run_id, now + 30)
+    assert accepts(good, ident.peer_id, good.expiration)
+    assert not accepts(good, other.peer_id, good.expiration)  # moved to another peer's subkey
+    assert not accepts(good, ident.peer_id, good.expiration + 1)  # DHT expiration differs from the signed one
+    assert not accepts(MembershipRecord.create(ident, "other-run", now + 30), ident.peer_id, now + 30)
+    far = MembershipRecord.create(ident, run_id, now + 3600)
+    assert not accepts(far, ident.peer_id, far.expiration)  # would outlive any ttl
+    assert validator.validate(DHTRecord(b"other key", b"x", b"y", now))  # other keys are not ours to judge
+
+
+def test_invalid_record_in_view_is_evidence_once() -> None:
+    transport = HivemindTransport(Identity.from_seed(b"me"), run_id="r")
+    victim, forger = Identity.from_seed(b"victim"), Identity.from_seed(b"forger")
+    genuine = MembershipRecord.create(victim, "r", get_dht_time() + 10)
+    forged = MembershipRecord(
+        victim.peer_id, victim.public_key, genuine.libp2p_id, genuine.expiration, forger.sign(b"\0" * 32)
+    )
+    for _ in range(2):
+        transport._absorb({victim.peer_id: forged.to_bytes()})
+    assert [(e.peer, e.kind) for e in transport.evidence] == [(victim.peer_id, "bad_record")]
+    assert transport.members() == [transport.peer_id]
+    transport._absorb({victim.peer_id: genuine.to_bytes()})
+    assert transport.members() == sorted([transport.peer_id, victim.peer_id])
+
+
+@pytest.mark.hivemind
+def test_misuse_is_a_clear_local_error() -> None:
+    with pytest.raises(ConfigError, match="refresh_interval"):
+        HivemindTransport(Identity.from_seed(b"me"), run_id="r", membership_ttl=3, refresh_interval=2)
+
+    async def body() -> None:
+        transport = HivemindTransport(Identity.from_seed(b"me"), run_id="r")
+        other = Identity.from_seed(b"other").peer_id
+        with pytest.raises(LocalError, match="not started"):
+            await transport.request(other, "t", b"", timeout=1)
+        with pytest.raises(LocalError, match="must be bytes"):
+            await transport.send(other, "t", bytearray(3))  # type: ignore[arg-type]
+        with pytest.raises(LocalError, match="timeout"):
+            await transport.request(other, "t", b"", timeout=float("inf"))
+        with pytest.raises(LocalError, match="visible_maddrs"):
+            transport.visible_maddrs()
+        absent_peer = f"/ip4/127.0.0.1/tcp/9/p2p/{PeerID(libp2p_id_of(bytes(32)))}"
+        nowhere = HivemindTransport(Identity.from_seed(b"lost"), run_id="r", initial_peers=[absent_peer])
+        with pytest.raises(LocalError, match="initial_peers"):
+            await nowhere.start()
+        assert _leftover_processes() == []
+
+    run(body)
