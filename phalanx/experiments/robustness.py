@@ -58,9 +58,9 @@ AGGREGATORS: dict[str, callable] = {
 class RobustnessConfig:
     workers: int = 16
     byzantine: int = 7
-    steps: int = 200
-    attack_start: int = 0  # Byzantines behave honestly before this step
-    batch_size: int = 32
+    steps: int = 300
+    attack_start: int = 100  # Byzantines behave honestly before this step (BTARD: s = 1000 of 25k)
+    batch_size: int = 8  # per worker, as in BTARD Sec. 4.1; tau = 1 then clips about half the honest vectors
     lr: float = 0.05
     momentum: float = 0.9
     task: str = "digits-mlp"
@@ -87,15 +87,14 @@ class RobustnessConfig:
 def quick() -> RobustnessConfig:
     """A few minutes on 2 cores: the main attacks against the main rules."""
     return RobustnessConfig(
-        steps=120,
         attacks="none,sign_flip,random_direction,label_flip,ipm_0.6,alie",
         aggregators="mean,centered_clip_1,median,geometric_median,trimmed_mean,krum",
     )
 
 
 def full() -> RobustnessConfig:
-    """The whole grid."""
-    return RobustnessConfig(steps=300)
+    """The whole grid, trained twice as long."""
+    return RobustnessConfig(steps=600)
 
 
 PRESETS = {"quick": quick, "full": full}
