@@ -12,6 +12,7 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from phalanx.core import (
@@ -44,64 +45,87 @@ def run(body: Callable[[], Awaitable[None]], timeout: float = TEST_TIMEOUT) -> N
     asyncio.run(asyncio.wait_for(body(), timeout))
 
 
-def _leftover_processes() -> list[str]:
-    """Command names of this process's live descendants (Linux /proc), except torch's shared-memory manager.
+def _live_processes() -> dict[int, tuple[int, str]]:
+    """Every live (not zombie) process on this machine: pid -> (parent pid, program name), from /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                name = os.path.basename(f.read().split(b"\0")[0].decode())
+        except OSError:
+            continue
+        if state != "Z":
+            found[int(entry)] = (int(ppid), name)
+    return found
+
+
+def _descendants() -> set[int]:
+    """Pids of this test process's live descendants, except torch's shared-memory manager.
 
     hivemind's MPFuture puts tensors in torch shared memory, which starts one
     `torch_shm_manager` per process; it lives as long as the test process.
     """
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parents[int(entry)] = int(fields[1])
-    found, frontier = [], {os.getpid()}
+    processes = _live_processes()
+    found, frontier = set(), {os.getpid()}
     while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier}
-        found.extend(frontier)
-    names = []
-    for pid in found:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                names.append(os.path.basename(f.read().split(b"\0")[0].decode()))
-        except OSError:
-            continue
-    return [name for name in names if name != "torch_shm_manager"]
+        frontier = {pid for pid, (ppid, _) in processes.items() if ppid in frontier}
+        found |= frontier
+    return {pid for pid in found if processes[pid][1] != "torch_shm_manager"}
+
+
+class Mute(HivemindTransport):
+    """A member that takes streams and leaves them unanswered until `released`: stalled, or Byzantine."""
+
+    released = asyncio.Event()
+
+    async def _on_stream(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.released.wait()
+        writer.close()
 
 
 @asynccontextmanager
-async def swarm(n: int, *, ttl: float = 30.0, limits: Limits = Limits()) -> AsyncIterator[list[HivemindTransport]]:
-    """Start `n` peers of a fresh run (the first bootstraps the rest), wait until all see all; stop them after."""
+async def swarm(
+    n: int, *, ttl: float = 30.0, limits: Limits = Limits(), send_timeout: float = 60.0, mute_first: bool = False
+) -> AsyncIterator[list[HivemindTransport]]:
+    """Start `n` peers of a fresh run, sorted by peer id; wait until all see all; stop them after.
+
+    The first peer bootstraps the rest; with `mute_first` it is a `Mute`.
+    """
     run_id = uuid.uuid4().hex[:8]
+    identities = sorted((Identity.from_seed(f"{run_id}/{i}".encode()) for i in range(n)), key=lambda i: i.peer_id)
 
     def peer(i: int, initial_peers: list[str]) -> HivemindTransport:
-        identity = Identity.from_seed(f"{run_id}/{i}".encode())
-        return HivemindTransport(
-            identity,
+        kind = Mute if mute_first and i == 0 else HivemindTransport
+        return kind(
+            identities[i],
             run_id=run_id,
             initial_peers=initial_peers,
             membership_ttl=ttl,
             refresh_interval=0.2,
+            send_timeout=send_timeout,
             limits=limits,
         )
 
     peers = [peer(0, [])]
+    spawned: set[int] = set()
     try:
         await peers[0].start()
         peers += [peer(i, peers[0].visible_maddrs()) for i in range(1, n)]
         await asyncio.gather(*(p.start() for p in peers[1:]))
+        spawned = _descendants()  # DHT processes and their daemons
         for p in peers:
             await p.wait_for_members(n, JOIN_TIMEOUT)
         yield peers
     finally:
         for p in peers:
             await p.stop()
-    assert _leftover_processes() == [], "stopped transports left processes behind"
+    # Orphans would no longer be our descendants: look the spawned pids up by number too.
+    leftovers = _descendants() | (spawned & set(_live_processes()))
+    assert not leftovers, f"stopped transports left processes behind: {leftovers}"
 
 
 @pytest.mark.hivemind
@@ -170,6 +194,23 @@ def test_broadcast_reaches_every_board() -> None:
             for p in (b, c):
                 got = await p.board.wait("grad", 7, [a.peer_id], timeout=5)
                 assert got == {a.peer_id: envelope}
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_broadcast_is_not_held_up_by_a_stalled_member() -> None:
+    async def body() -> None:
+        Mute.released = asyncio.Event()
+        async with swarm(3, send_timeout=2.0, mute_first=True) as (mute, a, b):
+            try:
+                # Sequential sends would wait for `mute` (sorted first) before b.
+                broadcasting = asyncio.create_task(a.broadcast("grad", 1, b"commitment"))
+                assert a.peer_id in await b.board.wait("grad", 1, [a.peer_id], timeout=1.0)
+                assert not broadcasting.done()  # still waiting for the mute member's ack
+                await broadcasting  # gives up on it after send_timeout, without raising
+            finally:
+                Mute.released.set()
 
     run(body)
 
@@ -341,6 +382,6 @@ def test_misuse_is_a_clear_local_error() -> None:
         nowhere = HivemindTransport(Identity.from_seed(b"lost"), run_id="r", initial_peers=[absent_peer])
         with pytest.raises(LocalError, match="initial_peers"):
             await nowhere.start()
-        assert _leftover_processes() == []
+        assert not _descendants()
 
     run(body)

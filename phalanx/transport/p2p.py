@@ -20,6 +20,8 @@ daemon. A frame is ``kind u8 | topic length u8 | payload length u64 | topic |
 payload``; the receiver checks the lengths against its limits before it reads
 the payload. A one-way message is answered with an empty RESPONSE (an ack, so
 that `send` returns once the peer has it); a request with RESPONSE or ERROR.
+The requester closes the stream first; the answerer waits for that before it
+closes its end (the daemon may reset a stream closed early, cutting the answer).
 
 Importing this module imports hivemind (about a second), which also sets
 torch's sharing strategy to ``file_system`` and renames the WARNING log level
@@ -495,17 +497,22 @@ class HivemindTransport(Transport):
             )
             if kind == MESSAGE:
                 self._deliver_message(sender, topic, payload)
-                await _write_frame(writer, RESPONSE, b"", b"")
+                ok, answer = True, b""
             else:
                 ok, answer = await self._serve_request(sender, topic, payload)
-                await asyncio.wait_for(_write_frame(writer, RESPONSE if ok else ERROR, b"", answer), self._send_timeout)
+            await asyncio.wait_for(_write_frame(writer, RESPONSE if ok else ERROR, b"", answer), self._send_timeout)
+            # The requester closes first, once it has the whole answer: closing
+            # our end earlier lets the daemon reset the stream and cut the answer.
             await asyncio.wait_for(reader.read(1), self._send_timeout)
         except RemoteError as exc:
             self.report(exc.evidence)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:
             log.info("incoming stream from %s broke: %r", info.peer_id, exc)
         except asyncio.CancelledError:
-            raise
+            # Only stop() cancels these tasks, which belong to asyncio's stream
+            # server; ending them normally keeps Python 3.11 from logging the
+            # cancellation as an error in its connection callback.
+            log.debug("stopped serving a stream from %s", info.peer_id)
         except Exception:  # a bug in a handler must not take the listener down
             log.exception("error while serving a stream from %s", info.peer_id)
         finally:
