@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from phalanx.algorithms.attacks import AttackSchedule, make_attack
+from phalanx.algorithms.attacks import Attack, AttackSchedule, make_attack
 from phalanx.algorithms.bans import BanLedger
 from phalanx.config import override
 from phalanx.experiments.simulate import simulate
@@ -134,3 +134,38 @@ def test_nan_sender_is_evidence_and_run_goes_on():
         assert all(e.peer == villain for e in peer.transport.evidence)
         assert all(torch.isfinite(p).all() for p in peer.model.parameters())
         assert peer.step == 5
+
+
+@dataclasses.dataclass(kw_only=True)
+class Truncate(Attack):
+    """A peer that sends a gradient 7 entries short, so one of its parts has the wrong shape."""
+
+    def forge(self, view):
+        return view.own_gradient[:-7]
+
+
+def test_wrong_shape_part_is_evidence_against_its_sender():
+    task = make_task("digits-mlp")
+    identities = [peer_identity(0, i) for i in range(4)]
+    peers = []
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=0))
+        transports = [network.add_peer(identity) for identity in identities]
+        for i, transport in enumerate(transports):
+            peers.append(DataParallelPeer(transport, task, TrainConfig(), 0, attack=Truncate() if i == 0 else None))
+        tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(3)) for i in range(4)]
+        for task_ in tasks:
+            await task_
+
+    run_simulation(main)
+    villain = identities[0].peer_id
+    last = sorted(p.transport.peer_id for p in peers)[-1]
+    assert last != villain  # otherwise nobody would receive the short part
+    for peer in peers[1:]:
+        evidence = [(e.peer, e.kind) for e in peer.transport.evidence]
+        if peer.transport.peer_id == last:  # the owner of the last partition got the short part
+            assert evidence == [(villain, "wrong_shape")] * 3
+        else:
+            assert evidence == []
+        assert peer.step == 3
