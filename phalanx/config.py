@@ -14,6 +14,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 
+from .algorithms.attacks import ATTACKS
 from .core.errors import ConfigError
 from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
@@ -64,6 +65,8 @@ class ByzantineConfig:
 
     def __post_init__(self) -> None:
         _check(self.count >= 0, "byzantine.count", self.count, "must be >= 0")
+        allowed = ["none", *ATTACKS]
+        _check(self.attack in allowed, "byzantine.attack", self.attack, f"is not known; allowed: {', '.join(allowed)}")
         _check(self.every >= 1, "byzantine.every", self.every, "must be >= 1")
         _check(self.mprng in ("honest", "withhold", "wrong"), "byzantine.mprng", self.mprng, "allowed: honest, withhold, wrong")
 

@@ -24,6 +24,8 @@ def test_override_nested_and_types():
         ("train.optimizer=rmsprop", "train.optimizer='rmsprop' is not allowed"),
         ("train=3", "'train' is a group"),
         ("nonsense", "expects key=value"),
+        ("train.task=imagenet", "train.task='imagenet' is not known; allowed: digits-mlp"),
+        ("byzantine.attack=teleport", "byzantine.attack='teleport' is not known; allowed: none, sign_flip"),
     ],
 )
 def test_bad_overrides_name_the_key(assignment, message):

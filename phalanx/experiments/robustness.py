@@ -13,6 +13,7 @@ import argparse
 import csv
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ ATTACKS: dict[str, tuple[str, dict]] = {
 }
 
 # label -> function of (n, f) giving make_aggregator's arguments.
-AGGREGATORS: dict[str, callable] = {
+AGGREGATORS: dict[str, Callable[[int, int], tuple[str, dict]]] = {
     "mean": lambda n, f: ("mean", {}),
     "centered_clip_1": lambda n, f: ("centered_clip", {"tau": 1.0}),
     "centered_clip_10": lambda n, f: ("centered_clip", {"tau": 10.0}),

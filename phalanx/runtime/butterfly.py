@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.errors import Evidence, PhalanxError, RemoteError
+from ..core.errors import ConfigError, Evidence, PhalanxError, RemoteError
 from ..core.serialization import check_tensor, decode, encode
 from ..transport.base import Transport
 
@@ -42,8 +42,6 @@ class AllReduceConfig:
     window: int = 2  # accept messages for steps up to this far ahead of ours
 
     def __post_init__(self) -> None:
-        from ..core.errors import ConfigError
-
         for name in ("timeout", "pull_after", "pull_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"allreduce.{name}={getattr(self, name)!r} must be > 0 seconds")

@@ -14,7 +14,8 @@ import torch
 
 from ..algorithms.attacks import Attack, AttackView
 from ..algorithms.bans import BanLedger
-from ..training.task import Task, compute_gradient, num_params, set_flat_grad, train_flops
+from ..core.errors import ConfigError
+from ..training.task import TASKS, Task, compute_gradient, num_params, set_flat_grad, train_flops
 from ..transport.base import Transport
 from .butterfly import AllReduceConfig, ButterflyAllReduce, Reducer, mean_reducer
 
@@ -31,8 +32,8 @@ class TrainConfig:
     eval_every: int = 10  # evaluate on the held-out split every k steps (evaluating peers only)
 
     def __post_init__(self) -> None:
-        from ..core.errors import ConfigError
-
+        if self.task not in TASKS:
+            raise ConfigError(f"train.task={self.task!r} is not known; allowed: {', '.join(TASKS)}")
         if self.optimizer not in ("sgd", "adam"):
             raise ConfigError(f"train.optimizer={self.optimizer!r} is not allowed; use 'sgd' or 'adam'")
         if self.batch_size < 1:

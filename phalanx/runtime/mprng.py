@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..algorithms.bans import BanLedger, BanRecord
 from ..algorithms.mprng import SALT_BYTES, VALUE_BYTES, Reveal, commitment, resolve
-from ..core.errors import Evidence, LocalError, RemoteError
+from ..core.errors import ConfigError, Evidence, LocalError, RemoteError
 from ..core.serialization import decode, encode
 from ..transport.base import Transport
 
@@ -28,8 +28,6 @@ class MPRNGConfig:
     max_attempts: int = 5
 
     def __post_init__(self) -> None:
-        from ..core.errors import ConfigError
-
         if not self.timeout > 0:
             raise ConfigError(f"mprng.timeout={self.timeout!r} must be > 0 seconds")
         if self.max_attempts < 1:
