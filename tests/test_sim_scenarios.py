@@ -111,23 +111,27 @@ def test_mprng_without_cheaters_bans_nobody():
     assert values[0] == values[3] and len(values[0]) == 3
 
 
-def test_nan_sender_is_evidence_and_run_goes_on():
+def _dp_swarm(attacks: dict[int, Attack], peers_count: int, steps: int) -> list[DataParallelPeer]:
+    """Run `steps` data-parallel steps among simulated peers; peer i runs attacks.get(i)."""
     task = make_task("digits-mlp")
-    identities = [peer_identity(0, i) for i in range(4)]
+    identities = [peer_identity(0, i) for i in range(peers_count)]
     peers = []
 
     async def main():
         network = SimNetwork(SimConfig(seed=0))
-        transports = [network.add_peer(identity) for identity in identities]
-        for i, transport in enumerate(transports):
-            attack = make_attack("constant", AttackSchedule(), value=float("nan")) if i == 3 else None
-            peers.append(DataParallelPeer(transport, task, TrainConfig(), 0, attack=attack, evaluate=True))
-        tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(5)) for i in range(4)]
+        for i, identity in enumerate(identities):
+            peers.append(DataParallelPeer(network.add_peer(identity), task, TrainConfig(), 0, attack=attacks.get(i)))
+        tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(steps)) for i in range(peers_count)]
         for task_ in tasks:
             await task_
 
     run_simulation(main)
-    villain = identities[3].peer_id
+    return peers
+
+
+def test_nan_sender_is_evidence_and_run_goes_on():
+    peers = _dp_swarm({3: make_attack("constant", AttackSchedule(), value=float("nan"))}, 4, 5)
+    villain = peers[3].transport.peer_id
     for peer in peers[:3]:
         kinds = {e.kind for e in peer.transport.evidence if e.peer == villain}
         assert kinds == {"non_finite"}
@@ -145,21 +149,8 @@ class Truncate(Attack):
 
 
 def test_wrong_shape_part_is_evidence_against_its_sender():
-    task = make_task("digits-mlp")
-    identities = [peer_identity(0, i) for i in range(4)]
-    peers = []
-
-    async def main():
-        network = SimNetwork(SimConfig(seed=0))
-        transports = [network.add_peer(identity) for identity in identities]
-        for i, transport in enumerate(transports):
-            peers.append(DataParallelPeer(transport, task, TrainConfig(), 0, attack=Truncate() if i == 0 else None))
-        tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(3)) for i in range(4)]
-        for task_ in tasks:
-            await task_
-
-    run_simulation(main)
-    villain = identities[0].peer_id
+    peers = _dp_swarm({0: Truncate()}, 4, 3)
+    villain = peers[0].transport.peer_id
     last = sorted(p.transport.peer_id for p in peers)[-1]
     assert last != villain  # otherwise nobody would receive the short part
     for peer in peers[1:]:
