@@ -77,6 +77,20 @@ def test_centered_clip_float32_matches_plain_iteration_from_given_start() -> Non
     assert torch.allclose(ours, v, atol=1e-5)
 
 
+def test_centered_clip_float32_is_accurate_from_a_far_start() -> None:
+    # Rows sit ~42000 away from the zero start but only ~200 apart: float32 Gram products around
+    # the start would lose ~1e-5 relative accuracy; the rule must notice and match float64.
+    generator = torch.Generator().manual_seed(12)
+    rows = 300 * torch.randn(20_000, generator=generator, dtype=torch.float64)
+    rows = rows + torch.randn(16, 20_000, generator=generator, dtype=torch.float64)
+    rows[-4:] += 50 * torch.randn(4, 20_000, generator=generator, dtype=torch.float64)
+    xs = rows.float()
+    ours = agg.centered_clip(xs, 100.0, start=torch.zeros(20_000), eps=1e-7, max_iters=5000)
+    far_start = torch.zeros(20_000, dtype=torch.float64)
+    reference = agg.centered_clip(xs.double(), 100.0, start=far_start, eps=1e-7, max_iters=5000)
+    assert float(torch.linalg.vector_norm(ours.double() - reference) / torch.linalg.vector_norm(reference)) < 5e-7
+
+
 def test_centered_clip_tau_schedule_and_zero_distance() -> None:
     xs = torch.zeros(5, 10, dtype=torch.float64)
     xs[4] = 3.0
@@ -293,12 +307,13 @@ def test_make_aggregator_composes_and_validates() -> None:
         agg.make_aggregator("median", pre="nnm")
 
 
-def test_pairwise_distances_survive_huge_outliers() -> None:
-    honest = _honest_ball(6, 10, 1.0, seed=11)
-    xs = torch.cat([honest, torch.full((2, 10), 1e12, dtype=torch.float64)])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-9), (torch.float32, 1e-5)])
+def test_pairwise_distances_survive_huge_outliers(dtype: torch.dtype, tolerance: float) -> None:
+    honest = (_honest_ball(6, 10, 1.0, seed=11) + 30.0).to(dtype)
+    xs = torch.cat([honest, torch.full((2, 10), 1e12, dtype=dtype)])
     ours = agg._pairwise_squared_distances(xs)[:6, :6]
-    exact = torch.tensor([[float(((a - b) ** 2).sum()) for b in honest] for a in honest], dtype=torch.float64)
-    assert torch.allclose(ours, exact, atol=1e-9)
+    exact = torch.tensor([[float(((a.double() - b.double()) ** 2).sum()) for b in honest] for a in honest])
+    assert torch.allclose(ours, exact.double(), atol=tolerance)
 
 
 @pytest.mark.parametrize("size", range(1, 13))

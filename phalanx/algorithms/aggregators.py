@@ -9,8 +9,8 @@ small for it. Inputs are not checked for NaN or infinity.
 
 Rules that need pairwise or point-to-row distances (CenteredClip, geometric
 median, Krum, Multi-Krum, Bulyan, NNM) read the d-dimensional data once to
-build a float64 Gram matrix and then work with n x n quantities, so their cost
-barely grows with the number of iterations.
+build a Gram matrix, summed in float64, and then work with n x n quantities,
+so their cost barely grows with the number of iterations.
 """
 
 import functools
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-_CHUNK_BYTES = 1 << 16
+_CHUNK_BYTES = 1 << 17
+_FLOAT32_MAX_CONDITION = 16.0
 
 
 def _check_stack(xs: Tensor) -> tuple[int, int]:
@@ -44,26 +45,64 @@ def _check_byzantine_count(f: int) -> None:
         raise ValueError(f"the Byzantine count f must be >= 0, got f={f}")
 
 
-def _chunk_columns(xs: Tensor) -> int:
+def _chunk_columns(dtype: torch.dtype) -> int:
     """Columns per chunk so that one row of a chunk stays small and cache-resident."""
-    return max(1, _CHUNK_BYTES // xs.element_size())
+    return max(1, _CHUNK_BYTES // dtype.itemsize)
 
 
-def _gram(xs: Tensor, center: Tensor | None) -> Tensor:
-    """Float64 Gram matrix of the rows of ``xs - center``, accumulated chunk by chunk."""
+def _gram(xs: Tensor, center: Tensor | None, product_dtype: torch.dtype) -> Tensor:
+    """Float64 Gram matrix of the rows of ``xs - center``.
+
+    Chunks of columns are shifted and multiplied in ``product_dtype``; the
+    chunk products are summed in float64.
+    """
     n, d = xs.shape
-    step = _chunk_columns(xs)
+    step = _chunk_columns(product_dtype)
+    shift = None if center is None else center.to(product_dtype)
     gram = torch.zeros(n, n, dtype=torch.float64)
-    scratch = torch.empty(n, min(step, d), dtype=torch.float64)
+    scratch = torch.empty(n, min(step, d), dtype=product_dtype)
     for begin in range(0, d, step):
         block = xs[:, begin : begin + step]
         shifted = scratch[:, : block.shape[1]]
-        if center is None:
+        if shift is None:
             shifted.copy_(block)
+        elif block.dtype == product_dtype:
+            torch.sub(block, shift[begin : begin + step], out=shifted)
         else:
-            torch.sub(block, center[begin : begin + step], out=shifted)
-        gram.addmm_(shifted, shifted.T)
+            shifted.copy_(block).sub_(shift[begin : begin + step])
+        gram += shifted @ shifted.T
     return gram
+
+
+def _squared_distances_from_gram(gram: Tensor) -> Tensor:
+    norms = gram.diagonal()
+    return (norms[:, None] + norms[None, :] - 2.0 * gram).clamp_min(0.0).fill_diagonal_(0.0)
+
+
+def _centering_condition(gram: Tensor) -> float:
+    """max_i ||y_i||^2 / median_j ||y_i - y_j||^2: how far the center is from rows, relative to their spread."""
+    n = gram.shape[0]
+    others = _squared_distances_from_gram(gram)[~torch.eye(n, dtype=torch.bool)].view(n, n - 1)
+    spread = others.median(dim=1).values
+    return float((gram.diagonal() / spread).nan_to_num(nan=0.0).max())
+
+
+def _gram_around(xs: Tensor, center: Tensor | None) -> Tensor:
+    """Float64 Gram matrix of ``xs - center`` (``xs`` itself when center is None), accurate for distances.
+
+    Distances are differences of Gram entries, so they lose accuracy when the
+    rows are far from the center compared to their spread. For float32
+    stacks, chunk products are formed in float32 (about twice as fast) when
+    every row's squared distance to the center is at most
+    ``_FLOAT32_MAX_CONDITION`` times its median squared distance to the other
+    rows, and recomputed in float64 otherwise.
+    """
+    if xs.dtype != torch.float32 or xs.shape[0] == 1:
+        return _gram(xs, center, torch.float64)
+    gram = _gram(xs, center, torch.float32)
+    if _centering_condition(gram) <= _FLOAT32_MAX_CONDITION:
+        return gram
+    return _gram(xs, center, torch.float64)
 
 
 def _distances_to_point(gram: Tensor, coefficients: Tensor) -> Tensor:
@@ -86,10 +125,7 @@ def _point_in_span(xs: Tensor, center: Tensor, coefficients: Tensor) -> Tensor:
 
 def _pairwise_squared_distances(xs: Tensor) -> Tensor:
     """Float64 matrix of squared Euclidean distances between rows, zero on the diagonal."""
-    gram = _gram(xs, None)
-    norms = gram.diagonal()
-    squared = (norms[:, None] + norms[None, :] - 2.0 * gram).clamp_min(0.0)
-    return squared.fill_diagonal_(0.0)
+    return _squared_distances_from_gram(_gram_around(xs, None))
 
 
 def _group_means(xs: Tensor, groups: Sequence[Tensor]) -> Tensor:
@@ -133,7 +169,7 @@ def _reduce_sorted_columns(xs: Tensor, reduce_rows: Callable[[list[Tensor]], Ten
     """
     n, d = xs.shape
     network = _sorting_network(n)
-    step = _chunk_columns(xs)
+    step = _chunk_columns(xs.dtype)
     reduced = torch.empty(d, dtype=xs.dtype)
     for begin in range(0, d, step):
         rows = list(xs[:, begin : begin + step].unbind(0))
@@ -256,14 +292,16 @@ def centered_clip_with_info(
     delta < 1/2; Karimireddy et al. prove their guarantee for delta <= 0.1).
 
     The iterates stay in start + span{x_i - start}, so they are tracked as n
-    coefficients over a float64 Gram matrix: the d-dimensional data is read
-    once for the Gram matrix and once to materialise the result.
+    float64 coefficients over the Gram matrix of the x_i - start: the
+    d-dimensional data is read once for the Gram matrix (twice for float32
+    stacks far from ``start`` compared to their spread) and once to
+    materialise the result.
     """
     n, _ = _check_stack(xs)
     if eps < 0 or max_iters < 0:
         raise ValueError(f"need eps >= 0 and max_iters >= 0, got eps={eps}, max_iters={max_iters}")
     center = _start_point(xs, start)
-    gram = _gram(xs, center)
+    gram = _gram_around(xs, center)
     coefficients = torch.zeros(n, dtype=torch.float64)
 
     def tau_at(iteration: int) -> float:
@@ -328,7 +366,7 @@ def geometric_median(
     if eps <= 0 or tol < 0 or max_iters < 0:
         raise ValueError(f"need eps > 0, tol >= 0 and max_iters >= 0, got eps={eps}, tol={tol}, max_iters={max_iters}")
     center = _start_point(xs, start)
-    gram = _gram(xs, center)
+    gram = _gram_around(xs, center)
     coefficients = torch.zeros(n, dtype=torch.float64)
     for _ in range(max_iters):
         weights = 1.0 / _distances_to_point(gram, coefficients).clamp_min(eps)
