@@ -69,11 +69,6 @@ def resolve(commits: dict[str, bytes], reveals: dict[str, Reveal]) -> MPRNGOutco
     return MPRNGOutcome(bytes(out), participants, ())
 
 
-def to_unit_interval(value: bytes) -> float:
-    """Map MPRNG output to a float in [0, 1) with 53 random bits."""
-    return (int.from_bytes(value[:8], "little") >> 11) / float(1 << 53)
-
-
 def choose(value: bytes, options: list[str], k: int) -> list[str]:
     """Pick k distinct options from sorted `options`, driven only by `value` (e.g. validators)."""
     if not 0 <= k <= len(options):

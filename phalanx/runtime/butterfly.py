@@ -77,13 +77,11 @@ class ButterflyAllReduce:
         dim: int,
         reducer: Reducer = mean_reducer,
         config: AllReduceConfig = AllReduceConfig(),
-        on_reduce: Callable[[int, torch.Tensor, list[str]], None] | None = None,
     ) -> None:
         self.transport = transport
         self.dim = dim
         self.reducer = reducer
         self.config = config
-        self.on_reduce = on_reduce
         self._step = -1
         self._inbox: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self._waiters: dict[tuple[int, str], tuple[set[str], asyncio.Future]] = {}
@@ -112,8 +110,6 @@ class ButterflyAllReduce:
         contributors = [me] + [p for p in others if p in received]
         stack = torch.stack([parts[me]] + [received[p] for p in contributors[1:]])
         reduced = self.reducer(stack).to(torch.float32)
-        if self.on_reduce is not None:
-            self.on_reduce(step, stack, contributors)
         self._publish(step, REDUCED, {peer: reduced for peer in group})
         message = encode({"step": step, "t": reduced})
         for peer in others:
