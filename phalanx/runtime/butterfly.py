@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,13 +39,14 @@ def mean_reducer(stack: torch.Tensor) -> torch.Tensor:
 class AllReduceConfig:
     timeout: float = 5.0  # seconds per phase before a silent peer is dropped from the step
     pull_after: float = 0.2  # seconds into a phase before missing parts are pulled (lost messages)
-    pull_timeout: float = 0.25  # seconds per pull attempt; the holder waits up to half of it for the part
+    pull_timeout: float = 0.25  # seconds per pull attempt, plus transfer time; the holder waits up to half of it
+    pull_bandwidth: float = 20e6  # bytes/s assumed when sizing a pull's transfer time (slow links: lower it)
     window: int = 2  # accept messages for steps up to this far ahead of ours
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "pull_after", "pull_timeout"):
+        for name in ("timeout", "pull_after", "pull_timeout", "pull_bandwidth"):
             if not getattr(self, name) > 0:
-                raise ConfigError(f"allreduce.{name}={getattr(self, name)!r} must be > 0 seconds")
+                raise ConfigError(f"allreduce.{name}={getattr(self, name)!r} must be > 0")
         if self.window < 1:
             raise ConfigError(f"allreduce.window={self.window} must be >= 1")
 
@@ -115,16 +117,12 @@ class ButterflyAllReduce:
         for peer in others:
             await self.transport.send(peer, "ar.reduced", message)
 
-        out = torch.zeros(self.dim, dtype=torch.float32)
+        out = torch.empty(self.dim, dtype=torch.float32)
         out[lo:hi] = reduced
-        gathered = {}
-        for peer, (a, b) in zip(group, bounds):
-            if peer != me:
-                gathered[peer] = (a, b)
+        gathered = {peer: bound for peer, bound in zip(group, bounds) if peer != me}
         results = await self._collect_ranges(step, gathered)
-        for peer, tensor in results.items():
-            a, b = gathered[peer]
-            out[a:b] = tensor
+        for peer, (a, b) in gathered.items():
+            out[a:b] = results[peer] if peer in results else 0.0
         return AllReduceResult(
             out,
             tuple(group),
@@ -155,7 +153,8 @@ class ButterflyAllReduce:
         box = self._inbox.setdefault((step, kind), {})
         missing = [p for p in peers if p not in box]
         if missing:
-            pulled = await asyncio.gather(*(self._pull(p, step, kind, deadline) for p in missing))
+            nbytes = 4 * math.prod(shape)
+            pulled = await asyncio.gather(*(self._pull(p, step, kind, deadline, nbytes) for p in missing))
             for peer, tensor in zip(missing, pulled):
                 if tensor is not None and peer not in box:
                     box[peer] = tensor
@@ -167,10 +166,12 @@ class ButterflyAllReduce:
                 valid[peer] = check_tensor(box[peer], peer, shape=shape, dtype=torch.float32, finite=False, step=step)
             except RemoteError as exc:
                 self.transport.report(exc.evidence)
-        if valid:  # one finiteness check for the whole stack, not one per peer
-            finite = torch.isfinite(torch.stack(list(valid.values())).reshape(len(valid), -1)).all(dim=1).tolist()
-            for peer, ok in zip(list(valid), finite):
-                if not ok:
+        if valid:
+            # A part's sum is finite when all its entries are; only a non-finite sum
+            # (NaN/Inf, or an overflow of finite values) needs the exact check.
+            sums = torch.isfinite(torch.stack([t.sum() for t in valid.values()])).tolist()
+            for peer, ok in zip(list(valid), sums):
+                if not ok and not bool(torch.isfinite(valid[peer]).all()):
                     self.transport.report(Evidence(peer, "non_finite", f"{kind} holds NaN or Inf", step))
                     del valid[peer]
         return valid
@@ -191,14 +192,15 @@ class ButterflyAllReduce:
         finally:
             self._waiters.pop(key, None)
 
-    async def _pull(self, peer: str, step: int, kind: str, deadline: float) -> torch.Tensor | None:
+    async def _pull(self, peer: str, step: int, kind: str, deadline: float, nbytes: int) -> torch.Tensor | None:
         clock = self.transport.clock
         request = encode({"step": step, "kind": kind, "wait": self.config.pull_timeout / 2})
+        attempt = self.config.pull_timeout + nbytes / self.config.pull_bandwidth
         while (remaining := deadline - clock.now()) > 0:
             if peer in self._inbox.get((step, kind), {}):
                 return None
             try:
-                response = await self.transport.request(peer, "ar.pull", request, min(remaining, self.config.pull_timeout))
+                response = await self.transport.request(peer, "ar.pull", request, min(remaining, attempt))
             except PhalanxError as exc:
                 log.debug("pull %s step %d from %s failed: %s", kind, step, peer[:8], exc)
                 await asyncio.sleep(min(max(deadline - clock.now(), 0), self.config.pull_timeout / 4))
