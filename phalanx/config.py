@@ -61,14 +61,14 @@ class ByzantineConfig:
     attack: str = "none"  # a gradient attack from phalanx.algorithms.attacks, or "none"
     start_step: int = 0
     every: int = 1
-    mprng: str = "honest"  # honest | withhold | wrong: how they behave in MPRNG rounds
+    mprng: str = "honest"  # honest | withhold | wrong | split: how they behave in MPRNG rounds
 
     def __post_init__(self) -> None:
         _check(self.count >= 0, "byzantine.count", self.count, "must be >= 0")
         allowed = ["none", *ATTACKS]
         _check(self.attack in allowed, "byzantine.attack", self.attack, f"is not known; allowed: {', '.join(allowed)}")
         _check(self.every >= 1, "byzantine.every", self.every, "must be >= 1")
-        _check(self.mprng in ("honest", "withhold", "wrong"), "byzantine.mprng", self.mprng, "allowed: honest, withhold, wrong")
+        _check(self.mprng in ("honest", "withhold", "wrong", "split"), "byzantine.mprng", self.mprng, "allowed: honest, withhold, wrong, split")
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,11 @@ class RunConfig:
         _check(self.eval_peers >= 1, "eval_peers", self.eval_peers, "must be >= 1")
         _check(self.mprng_every >= 0, "mprng_every", self.mprng_every, "must be >= 0")
         _check(
-            self.faults.crash + self.byzantine.count < self.peers,
+            self.faults.crash + self.byzantine.count <= self.peers - min(self.eval_peers, self.peers),
             "faults.crash",
             self.faults.crash,
-            f"plus byzantine.count ({self.byzantine.count}) must leave at least one honest peer of {self.peers}",
+            f"plus byzantine.count ({self.byzantine.count}) must leave the {self.eval_peers} evaluating peers honest"
+            f" and running (peers={self.peers})",
         )
 
     def to_dict(self) -> dict:

@@ -121,3 +121,23 @@ def test_seeded_streams_depend_on_every_part():
     seeds = {derive_seed(1, "peer", 3, "batch"), derive_seed(2, "peer", 3, "batch"), derive_seed(1, "peer", 4, "batch"), derive_seed(1, "other", 3, "batch")}
     assert len(seeds) == 4
     assert torch.equal(torch.rand(5, generator=torch_stream(0, "x")), torch.rand(5, generator=torch_stream(0, "x")))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b'{"x":' + b"9" * 5000 + b"}",  # int beyond Python's digit limit
+        b"[" * 100_000 + b"]" * 100_000,  # nesting deeper than the JSON parser's recursion
+        b'{"t":{"__t":0,"dtype":["float32"],"shape":[1]}}',  # unhashable dtype
+        b'{"t":{"__t":0,"dtype":"float32","shape":[0,100000000000000000000]}}',  # absurd dimension
+        b'{"t":{"__t":0,"dtype":"float32","shape":[true]}}',  # bool is not a dimension
+        b"\xff\xfe",  # not UTF-8
+    ],
+)
+def test_crafted_headers_are_evidence_not_crashes(header):
+    import struct
+
+    data = b"PHX1" + struct.pack("<I", len(header)) + header + struct.pack("<Q", 4) + b"\x00" * 4
+    with pytest.raises(RemoteError) as exc:
+        decode(data, "villain")
+    assert exc.value.evidence.peer == "villain"

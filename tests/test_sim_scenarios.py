@@ -14,7 +14,7 @@ from phalanx.experiments.simulate import simulate
 from phalanx.experiments.swarm import peer_identity
 from phalanx.presets import get_preset
 from phalanx.runtime.dp_peer import DataParallelPeer, TrainConfig
-from phalanx.runtime.mprng import MPRNGConfig, WithholdReveal, WrongReveal, MPRNGBehaviour, run_mprng
+from phalanx.runtime.mprng import MPRNGBehaviour, MPRNGConfig, SplitView, WithholdReveal, WrongReveal, run_mprng
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 from phalanx.core.rng import py_stream
@@ -57,14 +57,14 @@ def test_five_percent_message_loss_still_trains(tmp_path):
     assert all(m["peers"] == 16 for m in _metrics(tmp_path))  # nobody was dropped for good
 
 
-def _mprng_swarm(behaviours: list[MPRNGBehaviour], rounds: int, seed: int = 0):
+def _mprng_swarm(behaviours: list[MPRNGBehaviour], rounds: int, seed: int = 0, loss: float = 0.0):
     """Run `rounds` MPRNG rounds among len(behaviours) simulated peers; return values and ledgers."""
     identities = [peer_identity(seed, i) for i in range(len(behaviours))]
     values: dict[int, list[bytes]] = {i: [] for i in range(len(behaviours))}
     ledgers = [BanLedger() for _ in behaviours]
 
     async def main():
-        network = SimNetwork(SimConfig(seed=seed))
+        network = SimNetwork(SimConfig(seed=seed, loss=loss))
         transports = [network.add_peer(identity) for identity in identities]
 
         def factory(i):
@@ -103,6 +103,21 @@ def test_mprng_bans_withholder_and_liar_and_stays_uniform():
     # 255 degrees of freedom: the 0.999 quantile is about 330
     assert chi2 < 330, chi2
     assert len(set(values[0])) == 150
+
+
+def test_mprng_under_message_loss_agrees_and_bans_no_honest_peer():
+    _, values, ledgers = _mprng_swarm([MPRNGBehaviour() for _ in range(8)], rounds=5, loss=0.1)
+    assert all(ledger.banned == [] for ledger in ledgers)
+    assert all(values[i] == values[0] and len(values[i]) == 5 for i in range(8))
+
+
+def test_mprng_split_view_equivocator_is_banned_by_every_honest_peer():
+    behaviours = [MPRNGBehaviour() for _ in range(6)] + [SplitView()]
+    identities, values, ledgers = _mprng_swarm(behaviours, rounds=2)
+    for i in range(6):
+        assert ledgers[i].banned == [identities[6].peer_id]
+        assert ledgers[i].records[0].reason == "equivocation"
+        assert values[i] == values[0] and len(values[i]) == 2
 
 
 def test_mprng_without_cheaters_bans_nobody():

@@ -125,9 +125,9 @@ def decode(data: bytes, sender: str, limits: Limits = DEFAULT_LIMITS) -> Any:
     if header_len > limits.max_header_bytes or 8 + header_len > len(data):
         raise bad(f"header length {header_len} out of range")
     try:
-        header = json.loads(data[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"header is not JSON: {exc}") from None
+        header = json.loads(bytes(data[8 : 8 + header_len]).decode())
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, huge ints, deep nesting
+        raise bad(f"header is not acceptable JSON: {type(exc).__name__}") from None
     blobs: list[memoryview] = []
     view = memoryview(data)
     pos = 8 + header_len
@@ -173,16 +173,17 @@ def _from_header(value: Any, blobs: list[memoryview], used: set[int], bad, limit
 
 
 def _tensor_from(meta: dict, blob: memoryview, bad, limits: Limits) -> torch.Tensor:
-    dtype = DTYPES.get(meta.get("dtype"))
+    name = meta.get("dtype")
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
     shape = meta.get("shape")
     if dtype is None:
-        raise bad(f"dtype {meta.get('dtype')!r} not allowed; allowed: {sorted(DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise bad(f"bad shape {shape!r}")
+        raise bad(f"dtype {str(name)[:32]!r} not allowed; allowed: {sorted(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > limits.max_depth or not all(type(s) is int and s >= 0 for s in shape):
+        raise bad(f"bad shape {str(shape)[:64]}")
     count = math.prod(shape)
-    if count > limits.max_tensor_elements:
+    if count > limits.max_tensor_elements or max(shape, default=0) > limits.max_tensor_elements:
         raise bad(f"tensor of {count} elements > {limits.max_tensor_elements}", "oversize")
-    itemsize = _ITEMSIZE[meta["dtype"]]
+    itemsize = _ITEMSIZE[name]
     if count * itemsize != len(blob):
         raise bad(f"tensor {meta['dtype']}{shape} needs {count * itemsize} bytes, got {len(blob)}")
     if count == 0:

@@ -100,20 +100,13 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
         for index in range(1, config.peers):
             procs.append(subprocess.Popen([*base, "--index", str(index), "--initial-peers", *addrs]))
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
-        while any(p.poll() is None for p in procs):
-            done = _lines(peer_dir / "0.jsonl")
-            bar.update(done - bar.n)
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
+        while any(p.poll() is None for p in procs) and not any(p.poll() not in (None, 0) for p in procs):
+            bar.update(_lines(peer_dir / "0.jsonl") - bar.n)
             time.sleep(0.5)
         bar.close()
-        for p in procs:
-            p.wait(timeout=BARRIER_TIMEOUT)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+        _stop(procs)
+    failed = [i for i, p in enumerate(procs) if p.wait() != 0]
     if failed:
         raise LocalError(f"peers {failed} exited with errors; see their output above")
     ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
@@ -123,6 +116,18 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
             recorder.add(json.loads(line))
     _to_relative_time(recorder.records)
     return recorder.write(out, {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start})
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Ask workers that are still running to stop, then kill those that do not."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def _to_relative_time(records: list[dict]) -> None:

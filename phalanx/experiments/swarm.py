@@ -9,6 +9,7 @@ object per step), timeline.jsonl (one object per peer and step), summary.json.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -18,14 +19,17 @@ from ..config import RunConfig
 from ..core.identity import Identity
 from ..core.rng import py_stream
 from ..runtime.dp_peer import DataParallelPeer
-from ..runtime.mprng import MPRNGBehaviour, WithholdReveal, WrongReveal, run_mprng
+from ..runtime.mprng import MPRNGBehaviour, MPRNGFailed, SplitView, WithholdReveal, WrongReveal, run_mprng
 from ..training.task import make_task
 from ..transport.base import Transport
+
+log = logging.getLogger(__name__)
 
 MPRNG_BEHAVIOURS: dict[str, type[MPRNGBehaviour]] = {
     "honest": MPRNGBehaviour,
     "withhold": WithholdReveal,
     "wrong": WrongReveal,
+    "split": SplitView,
 }
 
 
@@ -82,8 +86,12 @@ async def run_peer(
             return  # the honest peers have banned us: they no longer listen
         record = await peer.train_step(step)
         if config.mprng_every and (step + 1) % config.mprng_every == 0:
-            result = await run_mprng(peer.transport, peer.ledger, step, config.mprng, entropy, behaviour)
-            record["mprng"] = result.value.hex()[:16]
+            try:
+                result = await run_mprng(peer.transport, peer.ledger, step, config.mprng, entropy, behaviour)
+                record["mprng"] = result.value.hex()[:16]
+            except MPRNGFailed as exc:
+                log.warning("%s", exc)
+                record["mprng"] = None
             record["banned"] = list(peer.ledger.banned)
         peer.step = step + 1
         on_step(record)

@@ -13,6 +13,7 @@ Tensor[m] (mean here; robust aggregators from `phalanx.algorithms`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections.abc import Callable
@@ -85,7 +86,8 @@ class ButterflyAllReduce:
         self.reducer = reducer
         self.config = config
         self._step = -1
-        self._inbox: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self._group: dict[int, bytes] = {}  # step -> digest of the group this peer used
+        self._inbox: dict[tuple[int, str], dict[str, tuple[torch.Tensor, bytes]]] = {}
         self._waiters: dict[tuple[int, str], tuple[set[str], asyncio.Future]] = {}
         self._outbox: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self._ready: dict[tuple[int, str], asyncio.Event] = {}
@@ -98,7 +100,8 @@ class ButterflyAllReduce:
         if me not in group:
             raise PhalanxError(f"peer {me[:8]} is not in its own all-reduce group; pass a group that includes it")
         vector = vector.detach().reshape(-1).to(torch.float32)
-        self._begin(step)
+        g = group_digest(group)
+        self._begin(step, g)
         bounds = part_bounds(self.dim, len(group))
         index = group.index(me)
         lo, hi = bounds[index]
@@ -107,20 +110,20 @@ class ButterflyAllReduce:
         parts = {peer: vector[a:b] for peer, (a, b) in zip(group, bounds)}
         self._publish(step, PART, parts)
         for peer in others:
-            await self.transport.send(peer, "ar.part", encode({"step": step, "t": parts[peer]}))
-        received = await self._collect(step, PART, others, (hi - lo,))
+            await self.transport.send(peer, "ar.part", encode({"step": step, "g": g, "t": parts[peer]}))
+        received = await self._collect(step, PART, {p: (hi - lo,) for p in others})
         contributors = [me] + [p for p in others if p in received]
         stack = torch.stack([parts[me]] + [received[p] for p in contributors[1:]])
         reduced = self.reducer(stack).to(torch.float32)
         self._publish(step, REDUCED, {peer: reduced for peer in group})
-        message = encode({"step": step, "t": reduced})
+        message = encode({"step": step, "g": g, "t": reduced})
         for peer in others:
             await self.transport.send(peer, "ar.reduced", message)
 
         out = torch.empty(self.dim, dtype=torch.float32)
         out[lo:hi] = reduced
         gathered = {peer: bound for peer, bound in zip(group, bounds) if peer != me}
-        results = await self._collect_ranges(step, gathered)
+        results = await self._collect(step, REDUCED, {p: (b - a,) for p, (a, b) in gathered.items()})
         for peer, (a, b) in gathered.items():
             out[a:b] = results[peer] if peer in results else 0.0
         return AllReduceResult(
@@ -132,38 +135,32 @@ class ButterflyAllReduce:
 
     # --- phases -----------------------------------------------------------
 
-    async def _collect_ranges(self, step: int, ranges: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
-        by_shape: dict[tuple[int, ...], list[str]] = {}
-        for peer, (a, b) in ranges.items():
-            by_shape.setdefault((b - a,), []).append(peer)
-        out: dict[str, torch.Tensor] = {}
-        deadline = self.transport.clock.now() + self.config.timeout
-        for shape, peers in by_shape.items():
-            out.update(await self._collect(step, REDUCED, peers, shape, deadline))
-        return out
+    async def _collect(self, step: int, kind: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """Wait for each peer's tensor of (step, kind); pull what is late; drop who stays silent.
 
-    async def _collect(
-        self, step: int, kind: str, peers: list[str], shape: tuple[int, ...], deadline: float | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Wait for `peers`' tensors of (step, kind); pull what is late; drop who stays silent."""
+        A tensor sent for another group (the sender's membership view differed)
+        is not evidence: it is treated as missing.
+        """
         clock = self.transport.clock
-        if deadline is None:
-            deadline = clock.now() + self.config.timeout
+        deadline = clock.now() + self.config.timeout
+        peers = list(shapes)
         await self._wait(step, kind, peers, min(deadline, clock.now() + self.config.pull_after))
         box = self._inbox.setdefault((step, kind), {})
-        missing = [p for p in peers if p not in box]
+        mine = self._group[step]
+        missing = [p for p in peers if p not in box or box[p][1] != mine]
         if missing:
-            nbytes = 4 * math.prod(shape)
-            pulled = await asyncio.gather(*(self._pull(p, step, kind, deadline, nbytes) for p in missing))
+            pulled = await asyncio.gather(
+                *(self._pull(p, step, kind, deadline, 4 * math.prod(shapes[p])) for p in missing)
+            )
             for peer, tensor in zip(missing, pulled):
-                if tensor is not None and peer not in box:
-                    box[peer] = tensor
+                if tensor is not None:
+                    box[peer] = (tensor, mine)
         valid = {}
         for peer in peers:
-            if peer not in box:
+            if peer not in box or box[peer][1] != mine:
                 continue
             try:
-                valid[peer] = check_tensor(box[peer], peer, shape=shape, dtype=torch.float32, finite=False, step=step)
+                valid[peer] = check_tensor(box[peer][0], peer, shape=shapes[peer], dtype=torch.float32, finite=False, step=step)
             except RemoteError as exc:
                 self.transport.report(exc.evidence)
         if valid:
@@ -194,32 +191,35 @@ class ButterflyAllReduce:
 
     async def _pull(self, peer: str, step: int, kind: str, deadline: float, nbytes: int) -> torch.Tensor | None:
         clock = self.transport.clock
-        request = encode({"step": step, "kind": kind, "wait": self.config.pull_timeout / 2})
+        mine = self._group[step]
+        request = encode({"step": step, "kind": kind, "g": mine, "wait": self.config.pull_timeout / 2})
         attempt = self.config.pull_timeout + nbytes / self.config.pull_bandwidth
         while (remaining := deadline - clock.now()) > 0:
-            if peer in self._inbox.get((step, kind), {}):
-                return None
+            held = self._inbox.get((step, kind), {}).get(peer)
+            if held is not None and held[1] == mine:
+                return held[0]
             try:
                 response = await self.transport.request(peer, "ar.pull", request, min(remaining, attempt))
-            except PhalanxError as exc:
-                log.debug("pull %s step %d from %s failed: %s", kind, step, peer[:8], exc)
-                await asyncio.sleep(min(max(deadline - clock.now(), 0), self.config.pull_timeout / 4))
-                continue
-            try:
                 tensor = self._tensor_of(peer, response, step)
             except RemoteError as exc:
                 self.transport.report(exc.evidence)
                 return None
+            except PhalanxError as exc:
+                log.debug("pull %s step %d from %s failed: %s", kind, step, peer[:8], exc)
+                tensor = None
             if tensor is not None:
                 return tensor
+            # Not there yet (lost, or the holder is behind or saw another group): back off.
+            await asyncio.sleep(min(max(deadline - clock.now(), 0), self.config.pull_timeout / 4))
         return None
 
     # --- bookkeeping ------------------------------------------------------
 
-    def _begin(self, step: int) -> None:
+    def _begin(self, step: int, g: bytes) -> None:
         self._step = step
-        for table in (self._inbox, self._outbox, self._ready):
-            for key in [k for k in table if k[0] < step - 1]:
+        self._group[step] = g
+        for table in (self._inbox, self._outbox, self._ready, self._group):
+            for key in [k for k in table if (k if isinstance(k, int) else k[0]) < step - 1]:
                 del table[key]
 
     def _publish(self, step: int, kind: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -229,8 +229,8 @@ class ButterflyAllReduce:
     def _accepts(self, step: int) -> bool:
         return self._step - 1 <= step <= self._step + self.config.window
 
-    def _tensor_of(self, sender: str, payload: bytes, step: int | None = None) -> torch.Tensor | None:
-        """The tensor of a pulled all-reduce part; None when the holder answered "not ready"."""
+    def _tensor_of(self, sender: str, payload: bytes, step: int) -> torch.Tensor | None:
+        """The tensor of a pull answer; None when the holder answered "not available"."""
         obj = decode(payload, sender, self.transport.limits)
         if not isinstance(obj, dict) or obj.get("step") != step:
             raise RemoteError(Evidence(sender, "malformed", "all-reduce answer for another step", step))
@@ -241,17 +241,18 @@ class ButterflyAllReduce:
 
     def _store(self, sender: str, payload: bytes, kind: str) -> None:
         obj = decode(payload, sender, self.transport.limits)
-        step = obj.get("step") if isinstance(obj, dict) else None
-        tensor = obj.get("t") if isinstance(obj, dict) else None
-        if not isinstance(step, int) or not isinstance(tensor, torch.Tensor):
-            raise RemoteError(Evidence(sender, "malformed", "all-reduce message needs an integer step and a tensor"))
+        if not isinstance(obj, dict):
+            raise RemoteError(Evidence(sender, "malformed", "all-reduce message is not a mapping"))
+        step, g, tensor = obj.get("step"), obj.get("g"), obj.get("t")
+        if type(step) is not int or not isinstance(g, bytes) or not isinstance(tensor, torch.Tensor):
+            raise RemoteError(Evidence(sender, "malformed", "all-reduce message needs step, group digest and tensor"))
         if not self._accepts(step):
             log.debug("dropping %s for step %d from %s (at step %d)", kind, step, sender[:8], self._step)
             return
         key = (step, kind)
         box = self._inbox.setdefault(key, {})
         if sender not in box:
-            box[sender] = tensor
+            box[sender] = (tensor, g)
             waiter = self._waiters.get(key)
             if waiter is not None and sender in waiter[0]:
                 waiter[0].discard(sender)
@@ -266,18 +267,26 @@ class ButterflyAllReduce:
 
     async def _on_pull(self, sender: str, payload: bytes) -> bytes:
         obj = decode(payload, sender, self.transport.limits)
-        step, kind, wait = obj.get("step"), obj.get("kind"), obj.get("wait")
-        if not isinstance(step, int) or kind not in (PART, REDUCED) or not isinstance(wait, (int, float)):
+        if not isinstance(obj, dict):
+            raise RemoteError(Evidence(sender, "malformed", "all-reduce pull is not a mapping"))
+        step, kind, g, wait = obj.get("step"), obj.get("kind"), obj.get("g"), obj.get("wait")
+        if type(step) is not int or kind not in (PART, REDUCED) or not isinstance(g, bytes) or not isinstance(wait, (int, float)):
             raise RemoteError(Evidence(sender, "malformed", "bad all-reduce pull request"))
         key = (step, kind)
         if not self._accepts(step) and key not in self._outbox:
             return encode({"step": step})
         ready = self._ready.setdefault(key, asyncio.Event())
         try:
-            await asyncio.wait_for(ready.wait(), max(0.0, min(float(wait), self.config.timeout)))
-        except asyncio.TimeoutError:
+            wait_s = min(float(wait), self.config.timeout) if math.isfinite(wait) else 0.0
+            await asyncio.wait_for(ready.wait(), max(0.0, wait_s))
+        except (asyncio.TimeoutError, OverflowError):
             return encode({"step": step})
         tensor = self._outbox.get(key, {}).get(sender)
-        if tensor is None:
+        if tensor is None or self._group.get(step) != g:
             return encode({"step": step})
         return encode({"step": step, "t": tensor})
+
+
+def group_digest(group: list[str]) -> bytes:
+    """8 bytes naming a group: messages for another group are a view mismatch, not evidence."""
+    return hashlib.sha256("\n".join(group).encode()).digest()[:8]

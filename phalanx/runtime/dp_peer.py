@@ -98,6 +98,7 @@ class DataParallelPeer:
         clock = self.transport.clock
         started = clock.now()
         group = self.group()
+        self.transport.board.prune(step - 2)  # broadcasts older than two steps are settled
         x, y = self.task.batch(self.run_seed, me, step, self.config.batch_size)
         gradient, loss = compute_gradient(self.task, self.model, x, y)
         await self.transport.charge_compute(self.flops)

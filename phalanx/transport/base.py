@@ -13,15 +13,16 @@ answers with an error) and the run goes on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
 from ..core.clock import Clock
 from ..core.envelope import SignedEnvelope
-from ..core.errors import Evidence, LocalError, RemoteError
+from ..core.errors import Evidence, LocalError, PhalanxError, RemoteError
 from ..core.identity import Identity
-from ..core.serialization import DEFAULT_LIMITS, Limits
+from ..core.serialization import DEFAULT_LIMITS, Limits, decode, encode
 from .broadcast import BroadcastBoard
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ RequestHandler = Callable[[str, bytes], Awaitable[bytes]]
 MessageHandler = Callable[[str, bytes], None]
 
 BROADCAST_TOPIC = "_broadcast"
+BOARD_TOPIC = "_board"  # requests for signed envelopes another peer holds (relay of broadcasts)
+MAX_FETCH_SENDERS = 4096
 
 
 class Transport(ABC):
@@ -41,9 +44,13 @@ class Transport(ABC):
         self.clock = Clock()
         self.evidence: list[Evidence] = []
         self._evidence_listeners: list[Callable[[Evidence], None]] = []
-        self._request_handlers: dict[str, RequestHandler] = {}
+        self.reset_process_state()
+
+    def reset_process_state(self) -> None:
+        """Forget what a restarted process loses: handlers and received broadcasts."""
+        self._request_handlers: dict[str, RequestHandler] = {BOARD_TOPIC: self._serve_board}
         self._message_handlers: dict[str, MessageHandler] = {}
-        self.board = BroadcastBoard(self.report, limits)
+        self.board = BroadcastBoard(self.report, self.limits)
 
     @property
     def peer_id(self) -> str:
@@ -81,6 +88,63 @@ class Transport(ABC):
             if peer != self.peer_id:
                 await self.send(peer, BROADCAST_TOPIC, data)
         return envelope
+
+    async def collect_broadcasts(
+        self, topic: str, step: int, senders: list[str], timeout: float, relays: int = 2
+    ) -> dict[str, SignedEnvelope]:
+        """Envelopes of `senders` for (topic, step), waiting up to `timeout`.
+
+        Broadcast is best effort, so what has not arrived halfway through is
+        fetched from its sender and from `relays` other members: envelopes are
+        signed, so any peer may pass them on, and a lost message or a sender
+        that skipped some peers does not split honest views.
+        """
+        clock = self.clock
+        deadline = clock.now() + timeout
+        patience = timeout / 4
+        while True:
+            got = await self.board.wait(topic, step, senders, min(patience, max(0.0, deadline - clock.now())))
+            missing = [s for s in senders if s not in got and s != self.peer_id]
+            if not missing or clock.now() >= deadline:
+                return got
+            others = [p for p in self.members() if p != self.peer_id and p not in missing][:relays]
+            await self.fetch_broadcasts(topic, step, missing, [*missing, *others], min(patience, deadline - clock.now()))
+
+    async def fetch_broadcasts(self, topic: str, step: int, senders: list[str], sources: list[str], timeout: float) -> None:
+        """Ask `sources` for the envelopes they hold from `senders` for (topic, step); add them to the board."""
+        request = encode({"topic": topic, "step": step, "senders": senders[:MAX_FETCH_SENDERS]})
+
+        async def ask(source: str) -> None:
+            try:
+                response = await self.request(source, BOARD_TOPIC, request, timeout)
+                items = decode(response, source, self.limits)
+                if not isinstance(items, list) or not all(isinstance(i, bytes) for i in items):
+                    raise RemoteError(Evidence(source, "malformed", "board answer is not a list of envelopes", step))
+            except RemoteError as exc:
+                self.report(exc.evidence)
+                return
+            except PhalanxError as exc:
+                log.debug("fetching %s@%d from %s failed: %s", topic, step, source[:8], exc)
+                return
+            for item in items:
+                self.board.receive(source, item)
+
+        if timeout > 0:
+            await asyncio.gather(*(ask(source) for source in sources if source != self.peer_id))
+
+    async def _serve_board(self, sender: str, payload: bytes) -> bytes:
+        query = decode(payload, sender, self.limits)
+        ok = (
+            isinstance(query, dict)
+            and isinstance(query.get("topic"), str)
+            and type(query.get("step")) is int
+            and isinstance(query.get("senders"), list)
+            and len(query["senders"]) <= MAX_FETCH_SENDERS
+        )
+        if not ok:
+            raise RemoteError(Evidence(sender, "malformed", "bad board request"))
+        held = self.board.get(query["topic"], query["step"])
+        return encode([held[s].to_bytes() for s in query["senders"] if isinstance(s, str) and s in held])
 
     @abstractmethod
     def members(self) -> list[str]:

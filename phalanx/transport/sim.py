@@ -52,7 +52,6 @@ from ..core.identity import Identity
 from ..core.rng import py_stream
 from ..core.serialization import DEFAULT_LIMITS, Limits
 from .base import Transport
-from .broadcast import BroadcastBoard
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +416,7 @@ class SimNetwork:
         state.alive = True
         state.crashed_at = None
         state.restarts += 1
-        state.transport._reset_process_state()
+        state.transport.reset_process_state()
         for main in state.mains:
             self._start(state, main)
 
@@ -641,9 +640,3 @@ class SimTransport(Transport):
 
     async def stop(self) -> None:
         """Nothing to do: use SimNetwork.crash to take a peer down."""
-
-    def _reset_process_state(self) -> None:
-        """Forget what a restarted process loses: handlers and the broadcast board."""
-        self._request_handlers = {}
-        self._message_handlers = {}
-        self.board = BroadcastBoard(self.report, self.limits)
