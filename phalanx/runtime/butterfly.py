@@ -164,13 +164,9 @@ class ButterflyAllReduce:
             except RemoteError as exc:
                 self.transport.report(exc.evidence)
         if valid:
-            # A part's sum is finite when all its entries are; only a non-finite sum
-            # (NaN/Inf, or an overflow of finite values) needs the exact check.
-            sums = torch.isfinite(torch.stack([t.sum() for t in valid.values()])).tolist()
-            for peer, ok in zip(list(valid), sums):
-                if not ok and not bool(torch.isfinite(valid[peer]).all()):
-                    self.transport.report(Evidence(peer, "non_finite", f"{kind} holds NaN or Inf", step))
-                    del valid[peer]
+            for peer in _non_finite(list(valid.items())):
+                self.transport.report(Evidence(peer, "non_finite", f"{kind} holds NaN or Inf", step))
+                del valid[peer]
         return valid
 
     async def _wait(self, step: int, kind: str, peers: list[str], until: float) -> None:
@@ -285,6 +281,18 @@ class ButterflyAllReduce:
         if tensor is None or self._group.get(step) != g:
             return encode({"step": step})
         return encode({"step": step, "t": tensor})
+
+
+def _non_finite(tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Who sent a tensor holding NaN or Inf, checked with as few kernel calls as the sizes allow."""
+    if sum(t.numel() for _, t in tensors) <= 1 << 20:
+        # Many small parts (large swarms): one check over all of them, per part only if it fails.
+        if bool(torch.isfinite(torch.cat([t.reshape(-1) for _, t in tensors])).all()):
+            return []
+        return [peer for peer, t in tensors if not bool(torch.isfinite(t).all())]
+    # Few large parts: a part's sum is finite when all its entries are; only a
+    # non-finite sum (NaN/Inf, or an overflow of finite values) needs the exact check.
+    return [peer for peer, t in tensors if not (bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()))]
 
 
 def group_digest(group: list[str]) -> bytes:
