@@ -24,6 +24,7 @@ def test_override_nested_and_types():
         ("train.optimizer=rmsprop", "train.optimizer='rmsprop' is not allowed"),
         ("train=3", "'train' is a group"),
         ("nonsense", "expects key=value"),
+        ("train.corpus=/no/such/file.txt", "train.corpus is only used by train.task='chars-gpt'"),
         ("train.task=imagenet", "train.task='imagenet' is not known; allowed: digits-mlp"),
         ("byzantine.attack=teleport", "byzantine.attack='teleport' is not known; allowed: none, sign_flip"),
     ],
@@ -61,3 +62,14 @@ def test_cli_presets_lists_all(capsys):
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in PRESETS)
+
+
+def test_user_corpus_file(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    config = override(get_preset("chars-gpt-dp"), [f"train.corpus={text}"])
+    from phalanx.runtime.dp_peer import task_of
+
+    assert task_of(config.train).corpus.vocab_size == len(set(text.read_text()))
+    with pytest.raises(ConfigError, match="is not a readable file"):
+        override(get_preset("chars-gpt-dp"), [f"train.corpus={tmp_path / 'missing.txt'}"])

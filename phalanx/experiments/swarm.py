@@ -18,9 +18,8 @@ from ..algorithms.attacks import AttackSchedule, make_attack
 from ..config import RunConfig
 from ..core.identity import Identity
 from ..core.rng import py_stream
-from ..runtime.dp_peer import DataParallelPeer
+from ..runtime.dp_peer import DataParallelPeer, task_of
 from ..runtime.mprng import MPRNGBehaviour, MPRNGFailed, SplitView, WithholdReveal, WrongReveal, run_mprng
-from ..training.task import make_task
 from ..transport.base import Transport
 
 log = logging.getLogger(__name__)
@@ -59,7 +58,7 @@ def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParal
         attack = make_attack(config.byzantine.attack, schedule)
     return DataParallelPeer(
         transport,
-        make_task(config.train.task),
+        task_of(config.train),
         config.train,
         config.seed,
         allreduce=config.allreduce,

@@ -8,6 +8,7 @@ policy that rewrites what it sends; nothing marks it to the others.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ..algorithms.attacks import Attack, AttackView
 from ..algorithms.bans import BanLedger
 from ..core.errors import ConfigError
-from ..training.task import TASKS, Task, compute_gradient, num_params, set_flat_grad, train_flops
+from ..training.task import TASKS, Task, compute_gradient, make_task, num_params, set_flat_grad, train_flops
 from ..transport.base import Transport
 from .butterfly import AllReduceConfig, ButterflyAllReduce, Reducer, mean_reducer
 
@@ -30,10 +31,15 @@ class TrainConfig:
     lr: float = 0.1
     momentum: float = 0.9
     eval_every: int = 10  # evaluate on the held-out split every k steps (evaluating peers only)
+    corpus: str = ""  # chars-gpt only: a text file to train on ("" = the default corpus built from Python's docs)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ConfigError(f"train.task={self.task!r} is not known; allowed: {', '.join(TASKS)}")
+        if self.corpus and self.task != "chars-gpt":
+            raise ConfigError(f"train.corpus is only used by train.task='chars-gpt', not {self.task!r}")
+        if self.corpus and not Path(self.corpus).is_file():
+            raise ConfigError(f"train.corpus={self.corpus!r} is not a readable file; name a text file")
         if self.optimizer not in ("sgd", "adam"):
             raise ConfigError(f"train.optimizer={self.optimizer!r} is not allowed; use 'sgd' or 'adam'")
         if self.batch_size < 1:
@@ -44,6 +50,11 @@ class TrainConfig:
             raise ConfigError(f"train.momentum={self.momentum} must be in [0, 1)")
         if self.eval_every < 1:
             raise ConfigError(f"train.eval_every={self.eval_every} must be >= 1")
+
+
+def task_of(config: TrainConfig) -> Task:
+    """The training task a TrainConfig names (with its corpus for chars-gpt)."""
+    return make_task(config.task, corpus=config.corpus) if config.corpus else make_task(config.task)
 
 
 def make_optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
