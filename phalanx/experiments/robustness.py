@@ -89,7 +89,7 @@ def quick() -> RobustnessConfig:
     """A few minutes on 2 cores: the main attacks against the main rules."""
     return RobustnessConfig(
         attacks="none,sign_flip,random_direction,label_flip,ipm_0.6,alie",
-        aggregators="mean,centered_clip_1,median,geometric_median,trimmed_mean,krum",
+        aggregators="mean,centered_clip_1,median,geometric_median,trimmed_mean,nnm_centered_clip_1",
     )
 
 
