@@ -188,7 +188,10 @@ def draw_heatmap(config: RobustnessConfig, rows: list[dict], path: Path) -> None
     for i in range(len(attacks)):
         for j in range(len(aggregators)):
             value = float(grid[i, j])
-            ax.text(j, i, "n/a" if value != value else f"{value:.2f}", ha="center", va="center", color="w", fontsize=8)
+            if value != value:  # the rule refused this (n, f)
+                ax.text(j, i, "n/a", ha="center", va="center", color="gray", fontsize=8)
+            else:
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="k" if value > 0.6 else "w", fontsize=8)
     ax.set_title(f"final test accuracy, {config.byzantine} of {config.workers} Byzantine, {config.steps} steps")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
