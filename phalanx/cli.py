@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
 
 from .config import RunConfig, override
-from .core.errors import ConfigError
+from .core.errors import ConfigError, LocalError
 from .presets import describe, get_preset
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    config = get_preset(args.preset)
-    changes = {k: v for k in ("peers", "steps", "seed") if (v := getattr(args, k, None)) is not None}
-    config = dataclasses.replace(config, **changes)
-    return override(config, args.set or [])
+    flags = [f"{k}={v}" for k in ("peers", "steps", "seed") if (v := getattr(args, k, None)) is not None]
+    return override(get_preset(args.preset), flags + (args.set or []))
 
 
 def _out(args: argparse.Namespace, config: RunConfig, mode: str) -> Path:
@@ -68,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _dispatch(args)
-    except ConfigError as exc:
+    except (ConfigError, LocalError) as exc:
         print(f"phalanx: error: {exc}", file=sys.stderr)
         return 2
 
@@ -81,11 +78,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "report":
         from .experiments.report import report
 
-        try:
-            print(report(Path(args.dir)))
-        except FileNotFoundError as exc:
-            print(f"phalanx: error: {exc}", file=sys.stderr)
-            return 2
+        print(report(Path(args.dir)))
         return 0
     if args.command == "bench":
         from .experiments.robustness import run_cli

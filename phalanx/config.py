@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ class NetworkConfig:
     flops_spread: float = 0.0  # sigma of a log-normal spread of peer speeds (0: all equal)
 
     def __post_init__(self) -> None:
+        for key in ("latency", "bandwidth", "loss", "detection_delay", "flops", "flops_spread"):
+            _check(math.isfinite(getattr(self, key)), f"network.{key}", getattr(self, key), "must be a finite number")
         _check(self.latency >= 0, "network.latency", self.latency, "must be >= 0 seconds")
         _check(self.bandwidth > 0, "network.bandwidth", self.bandwidth, "must be > 0 bytes/s")
         _check(0 <= self.loss < 1, "network.loss", self.loss, "must be in [0, 1)")
@@ -129,33 +132,36 @@ def _build(cls: type, data: dict, prefix: str):
 
 
 def override(config, assignments: list[str]):
-    """Apply `key=value` strings (dotted keys for nested configs) to a frozen config."""
+    """Apply `key=value` strings (dotted keys for nested configs) to a frozen config.
+
+    All assignments are applied first and the result is validated once, so
+    their order does not matter (`byzantine.count=20 peers=40` works).
+    """
+    data = dataclasses.asdict(config)
     for assignment in assignments:
         key, sep, text = assignment.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {assignment!r}")
-        config = _set(config, key.split("."), text, "")
-    return config
+        _assign(type(config), data, key.split("."), text, "")
+    return _build(type(config), data, "")
 
 
-def _set(config, path: list[str], text: str, prefix: str):
-    hints = typing.get_type_hints(type(config))
-    fields = [f.name for f in dataclasses.fields(config)]
+def _assign(cls: type, data: dict, path: list[str], text: str, prefix: str) -> None:
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
     name = path[0]
     if name not in fields:
-        allowed = ", ".join(prefix + f for f in fields)
-        raise ConfigError(f"unknown key {prefix + name!r}; allowed: {allowed}")
+        raise ConfigError(f"unknown key {prefix + name!r}; allowed: {', '.join(prefix + f for f in fields)}")
     kind = hints[name]
-    current = getattr(config, name)
     if dataclasses.is_dataclass(kind):
         if len(path) == 1:
-            raise ConfigError(f"{prefix + name!r} is a group; set one of its keys, e.g. {prefix + name}.{dataclasses.fields(current)[0].name}=...")
-        value = _set(current, path[1:], text, f"{prefix}{name}.")
+            example = dataclasses.fields(kind)[0].name
+            raise ConfigError(f"{prefix + name!r} is a group; set one of its keys, e.g. {prefix + name}.{example}=...")
+        _assign(kind, data[name], path[1:], text, f"{prefix}{name}.")
     elif len(path) > 1:
         raise ConfigError(f"{prefix + name!r} has no sub-keys")
     else:
-        value = _parse(text, kind, prefix + name)
-    return dataclasses.replace(config, **{name: value})
+        data[name] = _parse(text, kind, prefix + name)
 
 
 def _parse(text: str, kind: type, key: str):

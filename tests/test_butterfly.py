@@ -37,8 +37,11 @@ def _allreduce(n: int, dim: int, reducer=None, crashed: tuple[int, ...] = (), lo
         tasks = [network.spawn(identities[i].peer_id, factory(i)) for i in range(n) if i not in crashed]
         for task in tasks:
             await task
+        return network.stats()
 
-    run_simulation(main)
+    stats = run_simulation(main)
+    assert len(results) == n - len(crashed)
+    assert (stats["messages_lost"] > 0) == (loss > 0)
     return identities, vectors, results
 
 

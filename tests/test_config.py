@@ -73,3 +73,25 @@ def test_user_corpus_file(tmp_path):
     assert task_of(config.train).corpus.vocab_size == len(set(text.read_text()))
     with pytest.raises(ConfigError, match="is not a readable file"):
         override(get_preset("chars-gpt-dp"), [f"train.corpus={tmp_path / 'missing.txt'}"])
+
+
+def test_overrides_are_validated_together_not_one_by_one():
+    config = override(get_preset("digits-dp"), ["byzantine.count=20", "peers=40"])
+    assert config.peers == 40 and config.byzantine.count == 20
+    with pytest.raises(ConfigError, match="must leave the 2 evaluating peers honest"):
+        override(get_preset("digits-dp"), ["byzantine.count=20"])
+
+
+def test_report_rejects_what_is_not_a_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "summary.json not found" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text("[1, 2]")
+    assert main(["report", str(tmp_path)]) == 2
+    assert "is not a phalanx run summary" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("assignment", ["jobs=-1", "task=imagenet", "lr=-1", "batch_size=0", "momentum=2"])
+def test_robustness_bench_config_errors_are_one_line(assignment, capsys):
+    assert main(["bench", "robustness", "--set", assignment]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("phalanx: error: ") and "\n" not in err

@@ -119,8 +119,10 @@ def test_check_tensor_shape_dtype_finite():
 def test_seeded_streams_depend_on_every_part():
     assert derive_seed(1, "peer", 3, "batch") == derive_seed(1, "peer", 3, "batch")
     seeds = {derive_seed(1, "peer", 3, "batch"), derive_seed(2, "peer", 3, "batch"), derive_seed(1, "peer", 4, "batch"), derive_seed(1, "other", 3, "batch")}
-    assert len(seeds) == 4
+    seeds.add(derive_seed(1, "peer", 3, "other"))
+    assert len(seeds) == 5
     assert torch.equal(torch.rand(5, generator=torch_stream(0, "x")), torch.rand(5, generator=torch_stream(0, "x")))
+    assert not torch.equal(torch.rand(5, generator=torch_stream(0, "x")), torch.rand(5, generator=torch_stream(0, "y")))
 
 
 @pytest.mark.parametrize(
@@ -140,4 +142,4 @@ def test_crafted_headers_are_evidence_not_crashes(header):
     data = b"PHX1" + struct.pack("<I", len(header)) + header + struct.pack("<Q", 4) + b"\x00" * 4
     with pytest.raises(RemoteError) as exc:
         decode(data, "villain")
-    assert exc.value.evidence.peer == "villain"
+    assert exc.value.evidence.peer == "villain" and exc.value.evidence.kind in ("malformed", "oversize")

@@ -27,6 +27,7 @@ def test_three_processes_train_and_agree_on_mprng(tmp_path):
     # Same seed, same public batches and identities: the simulator computes the same losses.
     simulated = simulate(config, tmp_path / "sim", progress=False)
     sim_rows = [json.loads(line) for line in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
+    assert len(sim_rows) == len(rows)
     for a, b in zip(rows, sim_rows):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert real["final_accuracy"] == pytest.approx(simulated["final_accuracy"], abs=0.02)

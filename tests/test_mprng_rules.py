@@ -37,11 +37,14 @@ def test_commitment_binds_peer_identity():
     assert resolve(commits, reveals).misbehaving[0].peer == "a"
 
 
-def test_choose_is_deterministic_and_distinct():
+def test_choose_is_deterministic_distinct_and_driven_by_the_value():
+    options = [f"p{i}" for i in range(10)]
     value = os.urandom(32)
-    picked = choose(value, ["p3", "p1", "p2", "p0"], 3)
-    assert picked == choose(value, ["p0", "p1", "p2", "p3"], 3)
-    assert len(set(picked)) == 3
+    picked = choose(value, list(reversed(options)), 3)
+    assert picked == choose(value, options, 3)
+    assert len(set(picked)) == 3 and set(picked) <= set(options)
+    draws = {tuple(choose(bytes([i]) * 32, options, 3)) for i in range(20)}
+    assert len(draws) > 10  # the value, not the option order, decides
 
 
 def test_ban_ledger_canonical_order_ignores_banned_accusers():

@@ -4,7 +4,6 @@ import dataclasses
 import json
 from collections import Counter
 
-import pytest
 import torch
 
 from phalanx.algorithms.attacks import Attack, AttackSchedule, make_attack
@@ -81,14 +80,15 @@ def _mprng_swarm(behaviours: list[MPRNGBehaviour], rounds: int, seed: int = 0, l
         tasks = [network.spawn(identity.peer_id, factory(i)) for i, identity in enumerate(identities)]
         for task in tasks:
             await task
+        return network.stats()
 
-    run_simulation(main)
-    return identities, values, ledgers
+    stats = run_simulation(main)
+    return identities, values, ledgers, stats
 
 
 def test_mprng_bans_withholder_and_liar_and_stays_uniform():
     behaviours = [MPRNGBehaviour() for _ in range(6)] + [WithholdReveal(), WrongReveal()]
-    identities, values, ledgers = _mprng_swarm(behaviours, rounds=150)
+    identities, values, ledgers, _ = _mprng_swarm(behaviours, rounds=150)
     cheaters = {identities[6].peer_id, identities[7].peer_id}
     honest = range(6)
     for i in honest:
@@ -106,14 +106,15 @@ def test_mprng_bans_withholder_and_liar_and_stays_uniform():
 
 
 def test_mprng_under_message_loss_agrees_and_bans_no_honest_peer():
-    _, values, ledgers = _mprng_swarm([MPRNGBehaviour() for _ in range(8)], rounds=5, loss=0.1)
+    _, values, ledgers, stats = _mprng_swarm([MPRNGBehaviour() for _ in range(8)], rounds=5, loss=0.1)
+    assert stats["messages_lost"] > 20
     assert all(ledger.banned == [] for ledger in ledgers)
     assert all(values[i] == values[0] and len(values[i]) == 5 for i in range(8))
 
 
 def test_mprng_split_view_equivocator_is_banned_by_every_honest_peer():
     behaviours = [MPRNGBehaviour() for _ in range(6)] + [SplitView()]
-    identities, values, ledgers = _mprng_swarm(behaviours, rounds=2)
+    identities, values, ledgers, _ = _mprng_swarm(behaviours, rounds=2)
     for i in range(6):
         assert ledgers[i].banned == [identities[6].peer_id]
         assert ledgers[i].records[0].reason == "equivocation"
@@ -121,7 +122,7 @@ def test_mprng_split_view_equivocator_is_banned_by_every_honest_peer():
 
 
 def test_mprng_without_cheaters_bans_nobody():
-    _, values, ledgers = _mprng_swarm([MPRNGBehaviour() for _ in range(4)], rounds=3)
+    _, values, ledgers, _ = _mprng_swarm([MPRNGBehaviour() for _ in range(4)], rounds=3)
     assert all(ledger.banned == [] for ledger in ledgers)
     assert values[0] == values[3] and len(values[0]) == 3
 

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import RunConfig
-from ..core.errors import LocalError
+from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
@@ -58,7 +58,13 @@ async def run_worker(
             tmp = address_file.with_suffix(".tmp")
             tmp.write_text("\n".join(transport.visible_maddrs()) + "\n")
             tmp.rename(address_file)
-        peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
+        try:
+            peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
+        except TimeoutError:
+            raise LocalError(
+                f"only {len(transport.members())} of {config.peers} peers joined within {JOIN_TIMEOUT:.0f} s: check"
+                " --initial-peers, and that every peer runs the same preset, seed and --peers"
+            ) from None
         await _barrier(transport, "start", peers)
         records_path.parent.mkdir(parents=True, exist_ok=True)
         with open(records_path, "w") as sink:
@@ -148,6 +154,8 @@ def _lines(path: Path) -> int:
 
 def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:
     """`phalanx peer`: one peer joining a swarm through --initial-peers."""
+    if args.index is not None and not 0 <= args.index < config.peers:
+        raise ConfigError(f"--index {args.index} must be in [0, {config.peers}) for a swarm of --peers {config.peers}")
     out = Path(args.out) if args.out else Path("runs") / f"{config.preset}-peer-seed{config.seed}"
     wall_start = time.perf_counter()
     name = str(args.index) if args.index is not None else "peer"

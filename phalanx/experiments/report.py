@@ -10,19 +10,32 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 
+from ..core.errors import LocalError  # noqa: E402
+
 
 def _jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise LocalError(f"{path} line {exc.lineno} is not JSON: is this a phalanx run directory?") from None
+    if not all(isinstance(row, dict) for row in rows):
+        raise LocalError(f"{path} holds something other than JSON objects: is this a phalanx run directory?")
+    return rows
 
 
 def report(run_dir: Path) -> str:
     """Draw loss.png, accuracy.png and timeline.png into `run_dir`; return a summary table."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
-        raise FileNotFoundError(f"{summary_path} not found: pass the --out directory of a finished run")
-    summary = json.loads(summary_path.read_text())
+        raise LocalError(f"{summary_path} not found: pass the --out directory of a finished run")
+    try:
+        summary = json.loads(summary_path.read_text())
+    except json.JSONDecodeError:
+        summary = None
+    if not isinstance(summary, dict) or not {"preset", "peers", "seed"} <= set(summary):
+        raise LocalError(f"{summary_path} is not a phalanx run summary: pass the --out directory of a finished run")
     metrics = _jsonl(run_dir / "metrics.jsonl")
     timeline = _jsonl(run_dir / "timeline.jsonl")
     title = f"{summary['preset']} — {summary['peers']} peers, seed {summary['seed']} ({summary.get('mode', '?')})"

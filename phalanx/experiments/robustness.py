@@ -24,7 +24,7 @@ from ..algorithms.aggregators import make_aggregator
 from ..algorithms.attacks import AttackSchedule, AttackView, make_attack
 from ..config import override
 from ..core.errors import ConfigError
-from ..training.task import compute_gradient, make_task, set_flat_grad
+from ..training.task import TASKS, compute_gradient, make_task, set_flat_grad
 
 # label -> (attack registry name, parameters); "none" is the no-attack reference.
 ATTACKS: dict[str, tuple[str, dict]] = {
@@ -71,6 +71,17 @@ class RobustnessConfig:
     jobs: int = 0  # parallel processes (0: one per core)
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"task={self.task!r} is not known; allowed: {', '.join(TASKS)}")
+        for key in ("workers", "steps", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.attack_start < 0 or self.jobs < 0:
+            raise ConfigError(f"attack_start={self.attack_start} and jobs={self.jobs} must be >= 0 (jobs=0: one per core)")
+        if not 0 < self.lr < float("inf"):
+            raise ConfigError(f"lr={self.lr} must be a finite number > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum={self.momentum} must be in [0, 1)")
         if not 0 <= self.byzantine < self.workers:
             raise ConfigError(f"byzantine={self.byzantine} must be in [0, workers={self.workers})")
         for key, table in (("attacks", ATTACKS), ("aggregators", AGGREGATORS)):

@@ -88,6 +88,7 @@ async def run_peer(
             try:
                 result = await run_mprng(peer.transport, peer.ledger, step, config.mprng, entropy, behaviour)
                 record["mprng"] = result.value.hex()[:16]
+                record["mprng_attempts"] = result.attempts
             except MPRNGFailed as exc:
                 log.warning("%s", exc)
                 record["mprng"] = None

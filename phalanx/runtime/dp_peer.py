@@ -44,8 +44,8 @@ class TrainConfig:
             raise ConfigError(f"train.optimizer={self.optimizer!r} is not allowed; use 'sgd' or 'adam'")
         if self.batch_size < 1:
             raise ConfigError(f"train.batch_size={self.batch_size} must be >= 1")
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if not 0 < self.lr < float("inf"):
+            raise ConfigError(f"train.lr={self.lr} must be a finite number > 0")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"train.momentum={self.momentum} must be in [0, 1)")
         if self.eval_every < 1:
