@@ -80,13 +80,14 @@ class Transport(ABC):
         """Send a one-way message, best effort: a lost or undeliverable message is not an error here."""
 
     async def broadcast(self, topic: str, step: int, payload: bytes) -> SignedEnvelope:
-        """Sign `payload` for slot (topic, step) and deliver it to every current member."""
+        """Sign `payload` for slot (topic, step) and send it to every other member at once.
+
+        Sends run concurrently, so a member that stalls does not hold up the rest.
+        """
         envelope = SignedEnvelope.create(self.identity, topic, step, payload)
         self.board.add(envelope)
         data = envelope.to_bytes()
-        for peer in self.members():
-            if peer != self.peer_id:
-                await self.send(peer, BROADCAST_TOPIC, data)
+        await asyncio.gather(*(self.send(p, BROADCAST_TOPIC, data) for p in self.members() if p != self.peer_id))
         return envelope
 
     async def collect_broadcasts(

@@ -50,11 +50,10 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from ..core.envelope import SignedEnvelope
 from ..core.errors import ConfigError, Evidence, LocalError, PeerTimeout, PeerUnreachable, RemoteError, RequestFailed
 from ..core.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify_signature
 from ..core.serialization import DEFAULT_LIMITS, Limits, decode, digest, encode
-from .base import BROADCAST_TOPIC, Transport
+from .base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -423,14 +422,6 @@ class HivemindTransport(Transport):
             log.info("message %r to %s not acknowledged in %ss", topic, peer[:8], self._send_timeout)
         except (PeerUnreachable, RequestFailed) as exc:
             log.info("message %r to %s lost: %s", topic, peer[:8], exc)
-
-    async def broadcast(self, topic: str, step: int, payload: bytes) -> SignedEnvelope:
-        """Sign `payload` for slot (topic, step) and send it to every other member at once."""
-        envelope = SignedEnvelope.create(self.identity, topic, step, payload)
-        self.board.add(envelope)
-        data = envelope.to_bytes()
-        await asyncio.gather(*(self.send(p, BROADCAST_TOPIC, data) for p in self.members() if p != self.peer_id))
-        return envelope
 
     async def charge_compute(self, flops: float) -> None:
         """Nothing to account for: real compute takes real time."""
