@@ -325,3 +325,67 @@ def test_sorting_network_sorts_every_binary_input(size: int) -> None:
             if values[low] > values[high]:
                 values[low], values[high] = values[high], values[low]
         assert values == sorted(bits)
+
+
+def _with_huge_row(seed: int) -> torch.Tensor:
+    """float32 stack whose row 3 is finite but of norm 3e19: its float32 squared norm (9e38) overflows."""
+    xs = torch.randn(8, 500, generator=torch.Generator().manual_seed(seed))
+    xs[3] = xs[3] / torch.linalg.vector_norm(xs[3]) * 3e19
+    assert bool(xs.isfinite().all())
+    return xs
+
+
+@pytest.mark.parametrize("rule", ["centered_clip", "geometric_median"])
+def test_huge_finite_row_gives_the_float64_result(rule: str) -> None:
+    xs = _with_huge_row(0)
+    got = agg.AGGREGATORS[rule](xs)
+    reference = agg.AGGREGATORS[rule](xs.double())
+    assert bool(got.isfinite().all())
+    honest = torch.cat([xs[:3], xs[4:]]).double()
+    # The huge row is clipped / down-weighted, so the result stays among the honest rows.
+    assert torch.linalg.vector_norm(got.double() - honest.mean(dim=0)) < torch.linalg.vector_norm(honest, dim=1).max()
+    assert torch.allclose(got.double(), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_centered_clip_with_infinite_tau_is_the_mean() -> None:
+    xs = torch.randn(16, 300, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    assert torch.allclose(agg.centered_clip(xs, tau=float("inf")), xs.mean(dim=0), atol=1e-12)
+    v = xs[0]
+    assert torch.allclose(agg.centered_clip_residual(xs, v, float("inf")), (xs - v).sum(dim=0), atol=1e-10)
+
+
+def _inf_and_far_copies(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same stack twice: row 3 holds an inf in one, a far finite row in the other."""
+    xs = torch.randn(8, 200, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    with_inf, far = xs.clone(), xs.clone()
+    with_inf[3, 5] = float("inf")
+    far[3] = 1e9
+    return with_inf, far
+
+
+def test_multi_krum_ignores_an_unselected_inf_row() -> None:
+    with_inf, far = _inf_and_far_copies(3)
+    got = agg.multi_krum(with_inf, f=2)
+    assert bool(got.isfinite().all())
+    assert torch.allclose(got, agg.multi_krum(far, f=2), atol=1e-12)
+
+
+def test_nnm_keeps_rows_that_do_not_mix_the_inf_row() -> None:
+    with_inf, far = _inf_and_far_copies(4)
+    got, reference = agg.nearest_neighbor_mixing(with_inf, f=2), agg.nearest_neighbor_mixing(far, f=2)
+    others = [i for i in range(8) if i != 3]
+    assert bool(got[others].isfinite().all())
+    assert torch.allclose(got[others], reference[others], atol=1e-12)
+
+
+def test_median_of_means_and_bucketing_confine_an_inf_row_to_its_group() -> None:
+    with_inf, _ = _inf_and_far_copies(5)
+    got = agg.median_of_means(with_inf, groups=4)
+    groups = torch.arange(8).tensor_split(4)
+    means = torch.stack([with_inf[g].mean(dim=0) for g in groups])
+    assert bool(got.isfinite().all())
+    assert torch.allclose(got, agg.coordinate_median(means), atol=1e-12)
+    buckets = agg.bucketing(with_inf, 2, torch.Generator().manual_seed(0))
+    finite_rows = buckets.isfinite().all(dim=1)
+    assert int((~finite_rows).sum()) == 1  # only the bucket that holds row 3
+    assert not bool(buckets.isnan().any())

@@ -5,7 +5,10 @@ to a single ``Tensor[d]``; the pre-aggregators (NNM, bucketing) map it to a
 smaller or mixed stack. Rules are pure torch functions without I/O. Each
 docstring states the largest number ``f`` of Byzantine rows the rule
 tolerates, and rules that take ``f`` raise ``ValueError`` when ``n`` is too
-small for it. Inputs are not checked for NaN or infinity.
+small for it. Inputs are not checked for NaN or infinity, but a row holding
+an infinity does not spoil rules that leave it out (distance-based rules see
+it as infinitely far, group means touch only the groups that hold it), and a
+finite row too large for float32 products is handled in float64.
 
 Rules that need pairwise or point-to-row distances (CenteredClip, geometric
 median, Krum, Multi-Krum, Bulyan, NNM) read the d-dimensional data once to
@@ -75,8 +78,10 @@ def _gram(xs: Tensor, center: Tensor | None, product_dtype: torch.dtype) -> Tens
 
 
 def _squared_distances_from_gram(gram: Tensor) -> Tensor:
+    """Squared distances from a Gram matrix; a pair involving a non-finite row is infinitely far apart."""
     norms = gram.diagonal()
-    return (norms[:, None] + norms[None, :] - 2.0 * gram).clamp_min(0.0).fill_diagonal_(0.0)
+    squared = (norms[:, None] + norms[None, :] - 2.0 * gram).nan_to_num(nan=float("inf"))
+    return squared.clamp_min(0.0).fill_diagonal_(0.0)
 
 
 def _centering_condition(gram: Tensor) -> float:
@@ -95,12 +100,13 @@ def _gram_around(xs: Tensor, center: Tensor | None) -> Tensor:
     stacks, chunk products are formed in float32 (about twice as fast) when
     every row's squared distance to the center is at most
     ``_FLOAT32_MAX_CONDITION`` times its median squared distance to the other
-    rows, and recomputed in float64 otherwise.
+    rows, and recomputed in float64 otherwise, in particular when a finite
+    row is so large (norm above ~1e19) that its float32 products overflow.
     """
     if xs.dtype != torch.float32 or xs.shape[0] == 1:
         return _gram(xs, center, torch.float64)
     gram = _gram(xs, center, torch.float32)
-    if _centering_condition(gram) <= _FLOAT32_MAX_CONDITION:
+    if bool(gram.isfinite().all()) and _centering_condition(gram) <= _FLOAT32_MAX_CONDITION:
         return gram
     return _gram(xs, center, torch.float64)
 
@@ -129,7 +135,14 @@ def _pairwise_squared_distances(xs: Tensor) -> Tensor:
 
 
 def _group_means(xs: Tensor, groups: Sequence[Tensor]) -> Tensor:
-    """Tensor[len(groups), d] whose row g is the mean of the rows of ``xs`` listed in ``groups[g]``."""
+    """Tensor[len(groups), d] whose row g is the mean of the rows of ``xs`` listed in ``groups[g]``.
+
+    One 0/1 matrix product when every value is finite; otherwise each group is
+    summed on its own, since 0 * inf in the product would put NaN into groups
+    that do not hold the non-finite row.
+    """
+    if not bool(xs.isfinite().all()):
+        return torch.stack([xs[torch.as_tensor(members)].mean(dim=0) for members in groups])
     membership = torch.zeros(len(groups), xs.shape[0], dtype=xs.dtype)
     for row, members in enumerate(groups):
         membership[row, members] = 1.0
@@ -257,10 +270,14 @@ def _check_tau(tau: float) -> float:
     return tau
 
 
+def _clip_weights(distances: Tensor, tau: float) -> Tensor:
+    """min(1, tau / distance) per row: 1 inside the radius (also for tau = inf), tau / distance outside."""
+    return torch.where(distances <= tau, torch.ones_like(distances), tau / distances)
+
+
 def _clip_update(gram: Tensor, coefficients: Tensor, tau: float) -> Tensor:
     """Coefficients of one CenteredClip step (1/n) sum_i (y_i - v) min(1, tau/||y_i - v||)."""
-    distances = _distances_to_point(gram, coefficients)
-    weights = tau / distances.clamp_min(tau)
+    weights = _clip_weights(_distances_to_point(gram, coefficients), tau)
     return (weights - weights.sum() * coefficients) / gram.shape[0]
 
 
@@ -343,9 +360,8 @@ def centered_clip_residual(xs: Tensor, v: Tensor, tau: float) -> Tensor:
     _check_stack(xs)
     _check_tau(tau)
     offsets = xs - v
-    distances = torch.linalg.vector_norm(offsets, dim=1)
-    weights = tau / distances.clamp_min(tau)
-    return weights @ offsets
+    weights = _clip_weights(torch.linalg.vector_norm(offsets, dim=1), tau)
+    return weights.to(offsets.dtype) @ offsets
 
 
 def geometric_median(
