@@ -5,4 +5,5 @@
 - launch: real OS processes over hivemind (`launch`, `peer`)
 - report: PNG plots and summary table of a run directory
 - robustness: the aggregator x attack benchmark (BTARD Fig. 3 baselines)
+- aspis: Aspis run config, presets and the simulated run (1 coordinator + K workers)
 """
