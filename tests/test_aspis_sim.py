@@ -2,9 +2,11 @@
 
 import asyncio
 
+import pytest
 import torch
 
 from phalanx.experiments.aspis import AspisAttackConfig, AspisRunConfig, build_role, coalition, detection_delays, simulate_aspis
+from phalanx.core.errors import ConfigError
 from phalanx.experiments.swarm import peer_identity
 from phalanx.runtime.aspis import TASK_TOPIC, AspisConfig, AspisWorker
 from phalanx.runtime.dp_peer import TrainConfig
@@ -26,7 +28,7 @@ def test_att1_byzantines_are_detected_in_the_first_iteration_and_excluded():
     byzantine = sorted(coalition(attacked).byzantine)
     run = simulate_aspis(attacked, None, progress=False)["records"]
     assert all(r["detected"] and r["flagged"] == byzantine for r in run)
-    assert all(r["files_used"] == 35 for r in run)  # C(7,3) files, none of them all-Byzantine with q = 2
+    assert all(r["files_used"] == 35 and r["distorted_fraction"] == 0 for r in run)  # no file is all-Byzantine at q = 2
     # Excluded means excluded: the model follows the honest run bit for bit (copies are exact on CPU).
     clean = simulate_aspis(_config("none"), None, progress=False)["records"]
     assert [r["loss"] for r in run] == [r["loss"] for r in clean]
@@ -79,3 +81,27 @@ def test_aspis_plus_att3_detects_within_a_few_iterations():
     assert delays[0] is not None and delays[0] <= 6
     assert summary["records"][-1]["flagged"] == byzantine
     assert torch.isfinite(torch.tensor(summary["records"][-1]["loss"]))
+
+
+def test_baselines_in_the_same_harness():
+    detox = AspisRunConfig(
+        peers=7,
+        steps=2,
+        aspis=AspisConfig(scheme="detox", r=3, q=2, samples_per_file=4),
+        attack=AspisAttackConfig(orchestration="majority", distortion="reversed"),
+    )
+    records = simulate_aspis(detox, None, progress=False)["records"]
+    # The optimal choice against DETOX puts both Byzantines in group 0: its vote is won by the lie.
+    assert coalition(detox).byzantine == frozenset({0, 1})
+    assert [r["distorted_fraction"] for r in records] == [0.5, 0.5]
+    plain = AspisRunConfig(
+        peers=8,
+        steps=2,
+        aspis=AspisConfig(scheme="none", q=2, aggregator="multi_krum", samples_per_file=8),
+        attack=AspisAttackConfig(orchestration="att1", distortion="constant"),
+    )
+    records = simulate_aspis(plain, None, progress=False)["records"]
+    assert [r["distorted_fraction"] for r in records] == [2 / 7, 2 / 7]
+    assert records[-1]["loss"] < records[0]["loss"]  # Multi-Krum drops the constant vectors
+    with pytest.raises(ConfigError, match="bulyan needs K >= 4q \\+ 3 = 11"):
+        AspisRunConfig(peers=8, aspis=AspisConfig(scheme="none", q=2, aggregator="bulyan"))

@@ -25,7 +25,7 @@ from ..algorithms.attacks import AttackSchedule, make_attack
 from ..config import NetworkConfig
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
-from ..runtime.aspis import AspisConfig, AspisCoordinator, AspisWorker, LiePolicy
+from ..runtime.aspis import AspisConfig, AspisCoordinator, AspisWorker, LiePolicy, assignment_at
 from ..runtime.dp_peer import TrainConfig, task_of
 from ..transport.base import Transport
 from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
@@ -128,6 +128,18 @@ def build_role(config: AspisRunConfig, transport: Transport, index: int, ids: li
     return AspisWorker(transport, task, config.aspis, config.seed, ids[0], index - 1, config.workers, policy)
 
 
+def count_distortion(config: AspisRunConfig, records: list[dict]) -> None:
+    """Replace each record's per-file `chosen` workers by `distorted_fraction`: files dropped or won by a lie."""
+    plan = coalition(config)
+    for record in records:
+        chosen = record.pop("chosen")
+        assignment = assignment_at(config.aspis, config.workers, config.seed, record["step"])
+        lies = plan.distorted_files(record["step"], assignment) if plan else frozenset()
+        liars = plan.byzantine_at(record["step"]) if plan else frozenset()
+        bad = sum(1 for i, w in enumerate(chosen) if w < 0 or (i in lies and w in liars))
+        record["distorted_fraction"] = bad / len(chosen)
+
+
 def detection_delays(config: AspisRunConfig, records: list[dict]) -> list[int | None]:
     """Per Byzantine window: iterations until every Byzantine of the window was flagged (None: never)."""
     plan = coalition(config)
@@ -165,6 +177,7 @@ def write_run(config: AspisRunConfig, records: list[dict], out: Path, extra: dic
         "byzantine": sorted(plan.byzantine_at(0)) if plan else [],
         "detection_delays": detection_delays(config, records),
         "detected_iterations": sum(1 for r in records if r["detected"]),
+        "mean_distorted_fraction": sum(r["distorted_fraction"] for r in records) / len(records) if records else None,
         **extra,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -182,6 +195,7 @@ def simulate_aspis(config: AspisRunConfig, out: Path | None, progress: bool = Tr
 
     def on_iteration(record: dict) -> None:
         records.append(record)
+        count_distortion(config, records[-1:])
         bar.update(1)
 
     async def main() -> tuple[float, dict]:

@@ -351,6 +351,7 @@ class AspisCoordinator:
             "max_cliques": detection.max_cliques,
             "files": len(assignment.files),
             "files_used": sum(c is not None for c in result.chosen),
+            "chosen": [-1 if c is None else c for c in result.chosen],
             "silent": sorted(j for j in range(k) if not replies[j]),
             "t_start": started,
             "t_collected": collected,
