@@ -199,3 +199,11 @@ def test_detox_optimal_byzantine_fills_groups_with_majorities():
     assert detox_optimal_byzantine(15, 3, 5) == frozenset({0, 1, 3, 4, 6})
     plan = Orchestration("majority", 15, 5, detox_optimal_byzantine(15, 3, 5))
     assert plan.distorted_files(0, group_assignment(15, 3)) == frozenset({0, 1})
+
+
+def test_distortion_table_matches_the_papers_table_iii():
+    from phalanx.experiments.aspis_bench import PAPER_TABLE_III, distortion_table
+
+    rows = distortion_table(15, 3, list(range(2, 8)))
+    for key, paper in PAPER_TABLE_III.items():
+        assert [round(row[key], 3) for row in rows] == pytest.approx(paper, abs=1e-3), key

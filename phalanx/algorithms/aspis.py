@@ -14,8 +14,9 @@ share files and never disagree (Alg. 1, lines 1-6).
 
 Detection. Aspis (`detect_clique`): keep the (K-q-1)-core of the graph (a
 worker of degree < K-q-1 is in no clique of K-q workers, so this is the
-degree pre-filter), enumerate its maximal cliques (networkx), and declare the
-unique maximum clique honest; two or more maximum cliques, or one smaller than
+degree pre-filter), enumerate maximal cliques (networkx) among the core
+workers that do not agree with the whole core, and declare the unique maximum
+clique honest; two or more maximum cliques, or one smaller than
 K-q, is a failed detection. Aspis+ (`WindowDetector`, Alg. 3): the graph is
 complete at the start of each window of T_d iterations and edges are only
 removed inside it; a worker of degree < K-q-1 is (re)detected, and when more
@@ -68,45 +69,54 @@ def file_labels(copies: Sequence[Copy], tolerance: float = 0.0) -> list[int]:
     return labels
 
 
-def disagreements(assignment: Assignment, labels: Sequence[Sequence[int]]) -> np.ndarray:
-    """K x K counts of shared files on which two workers' copies fall in different classes."""
+def _pair_counts(assignment: Assignment, keep: Callable[[int, int], np.ndarray] | None) -> np.ndarray:
+    """K x K symmetric counts over files of worker pairs (i-th, j-th member) where keep(i, j) holds."""
     k = assignment.workers
-    counts = np.zeros((k, k), dtype=np.int64)
+    counts = np.zeros(k * k, dtype=np.int64)
     if not assignment.files:
-        return counts
+        return counts.reshape(k, k)
     size = len(assignment.files[0])
     if any(len(f) != size for f in assignment.files):
-        raise ValueError("disagreements needs files of equal size")
+        raise ValueError("pair counts need files of equal size")
     members = np.asarray(assignment.files, dtype=np.int64)
-    classes = np.asarray(labels, dtype=np.int64).reshape(len(assignment.files), size)
     for i in range(size):
         for j in range(i + 1, size):
-            differ = classes[:, i] != classes[:, j]
-            np.add.at(counts, (members[differ, i], members[differ, j]), 1)
+            index = members[:, i] * k + members[:, j]
+            if keep is not None:
+                index = index[keep(i, j)]
+            counts += np.bincount(index, minlength=k * k)
+    counts = counts.reshape(k, k)
     return counts + counts.T
+
+
+def disagreements(assignment: Assignment, labels: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+    """K x K counts of shared files on which two workers' copies fall in different classes."""
+    classes = np.asarray(labels, dtype=np.int64).reshape(len(assignment.files), -1) if assignment.files else None
+    return _pair_counts(assignment, lambda i, j: classes[:, i] != classes[:, j])
 
 
 def shared_counts(assignment: Assignment) -> np.ndarray:
     """K x K counts of files two workers share (vectorised `Assignment.shared`)."""
-    k = assignment.workers
-    counts = np.zeros((k, k), dtype=np.int64)
-    if not assignment.files:
-        return counts
-    members = np.asarray(assignment.files, dtype=np.int64)
-    size = members.shape[1]
-    for i in range(size):
-        for j in range(i + 1, size):
-            np.add.at(counts, (members[:, i], members[:, j]), 1)
-    return counts + counts.T
+    return _pair_counts(assignment, None)
+
+
+def agreement_matrix(shared: np.ndarray, disagree: np.ndarray) -> np.ndarray:
+    """Boolean adjacency: two workers share at least one file and never disagree."""
+    adjacency = (shared > 0) & (disagree == 0)
+    np.fill_diagonal(adjacency, False)
+    return adjacency
 
 
 def agreement_graph(shared: np.ndarray, disagree: np.ndarray) -> nx.Graph:
-    """Workers joined when they share at least one file and never disagree."""
+    """The agreement matrix as a networkx graph on workers 0..K-1."""
+    return _graph_of(agreement_matrix(shared, disagree), list(range(shared.shape[0])))
+
+
+def _graph_of(adjacency: np.ndarray, names: list[int]) -> nx.Graph:
     graph = nx.Graph()
-    k = shared.shape[0]
-    graph.add_nodes_from(range(k))
-    rows, cols = np.nonzero(np.triu((shared > 0) & (disagree == 0), 1))
-    graph.add_edges_from(zip(rows.tolist(), cols.tolist()))
+    graph.add_nodes_from(names)
+    rows, cols = np.nonzero(np.triu(adjacency, 1))
+    graph.add_edges_from((names[a], names[b]) for a, b in zip(rows.tolist(), cols.tolist()))
     return graph
 
 
@@ -124,18 +134,44 @@ class Detection:
         return self.honest is not None
 
 
-def detect_clique(graph: nx.Graph, q: int) -> Detection:
-    """Alg. 1 with the degree pre-filter: a unique maximum clique of >= K-q workers is the honest set."""
-    k = graph.number_of_nodes()
-    core = nx.k_core(graph, max(k - q - 1, 0))
-    flagged = frozenset(set(graph.nodes) - set(core.nodes))
+def degree_core(adjacency: np.ndarray, min_degree: int) -> np.ndarray:
+    """Indices of the min_degree-core: repeatedly drop workers with fewer agreeing neighbours left."""
+    alive = np.ones(adjacency.shape[0], dtype=bool)
+    while True:
+        degrees = (adjacency & alive[None, :]).sum(axis=1)
+        drop = alive & (degrees < min_degree)
+        if not drop.any():
+            return np.nonzero(alive)[0]
+        alive &= ~drop
+
+
+def detect_clique(graph: nx.Graph | np.ndarray, q: int) -> Detection:
+    """Alg. 1 with the degree pre-filter: a unique maximum clique of >= K-q workers is the honest set.
+
+    Only the (K-q-1)-core can hold a clique of K-q workers. A core worker that
+    agrees with the whole core lies in every maximal clique of it, so networkx
+    enumerates maximal cliques only among the disputed core workers (none
+    under ATT-1; A u D under ATT-2).
+    """
+    if isinstance(graph, nx.Graph):
+        graph = nx.to_numpy_array(graph, nodelist=range(graph.number_of_nodes()), dtype=bool)
+    k = graph.shape[0]
+    core = degree_core(graph, max(k - q - 1, 0))
+    flagged = frozenset(range(k)) - frozenset(core.tolist())
+    sub = graph[np.ix_(core, core)]
+    universal = sub.sum(axis=1) == len(core) - 1  # agree with the whole core: in every maximal clique of it
+    common = frozenset(core[universal].tolist())
+    disputed = core[~universal].tolist()
     best: list[frozenset[int]] = []
     size = 0
-    for clique in nx.find_cliques(core):
-        if len(clique) > size:
-            size, best = len(clique), [frozenset(clique)]
-        elif len(clique) == size:
-            best.append(frozenset(clique))
+    if not disputed:
+        best, size = [common], len(common)
+    else:
+        for clique in nx.find_cliques(_graph_of(graph[np.ix_(disputed, disputed)], disputed)):
+            if len(clique) + len(common) > size:
+                size, best = len(clique) + len(common), [common | frozenset(clique)]
+            elif len(clique) + len(common) == size:
+                best.append(common | frozenset(clique))
     if len(best) == 1 and size >= k - q:
         honest = best[0]
         return Detection(honest, frozenset(range(k)) - honest, 1, size)

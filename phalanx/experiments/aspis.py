@@ -157,16 +157,11 @@ def detection_delays(config: AspisRunConfig, records: list[dict]) -> list[int | 
     return delays
 
 
-def write_run(config: AspisRunConfig, records: list[dict], out: Path, extra: dict) -> dict:
-    """Write config.json, metrics.jsonl and summary.json; return the summary."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config.to_json() + "\n")
-    with open(out / "metrics.jsonl", "w") as f:
-        for row in records:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+def summarize(config: AspisRunConfig, records: list[dict], extra: dict) -> dict:
+    """The run's summary: final accuracy, Byzantines, detection delays, mean distorted fraction."""
     evaluated = [r for r in records if "test_accuracy" in r]
     plan = coalition(config)
-    summary = {
+    return {
         "preset": config.preset,
         "peers": config.peers,
         "steps": config.steps,
@@ -180,6 +175,15 @@ def write_run(config: AspisRunConfig, records: list[dict], out: Path, extra: dic
         "mean_distorted_fraction": sum(r["distorted_fraction"] for r in records) / len(records) if records else None,
         **extra,
     }
+
+
+def write_run(config: AspisRunConfig, records: list[dict], out: Path, summary: dict) -> dict:
+    """Write config.json, metrics.jsonl and summary.json; return the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config.to_json() + "\n")
+    with open(out / "metrics.jsonl", "w") as f:
+        for row in records:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
 
@@ -230,10 +234,12 @@ def simulate_aspis(config: AspisRunConfig, out: Path | None, progress: bool = Tr
     finally:
         gc.set_threshold(*thresholds)
         bar.close()
-    extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds}
-    if out is None:
-        return {"records": records, **extra}
-    return {"records": records, **write_run(config, records, out, extra)}
+    summary = summarize(
+        config, records, {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds}
+    )
+    if out is not None:
+        write_run(config, records, out, summary)
+    return {"records": records, **summary}
 
 
 def aspis_digits() -> AspisRunConfig:

@@ -22,6 +22,7 @@ import asyncio
 import functools
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from ..algorithms.aspis import (
     Detection,
     WindowDetector,
     aggregate,
-    agreement_graph,
+    agreement_matrix,
     detect_clique,
     disagreements,
     file_labels,
@@ -331,15 +332,19 @@ class AspisCoordinator:
             *(self._ask(w, t, assignment.files_of[j], samples, weights) for j, w in enumerate(self.workers))
         )
         collected = clock.now()
+        work_start = time.perf_counter()
         copies = [[replies[w].get(i) for w in file] for i, file in enumerate(assignment.files)]
         labels = [file_labels(c, self.config.tolerance) for c in copies]
         shared = shared_counts(assignment)
         disagree = disagreements(assignment, labels)
+        detect_start = time.perf_counter()
         detection = self._detect(t, shared, disagree)
+        detect_seconds = time.perf_counter() - detect_start
         result = aggregate(assignment, copies, labels, detection, self.robust, self.config.samples_per_file)
         if result.vector is not None:
             set_flat_grad(self.model, result.vector)
             self.optimizer.step()
+        work_seconds = time.perf_counter() - work_start
         with torch.no_grad():
             flat = samples.reshape(-1)
             loss = float(self.task.loss(self.model, self.task.data.x_train[flat], self.task.data.y_train[flat]))
@@ -353,6 +358,8 @@ class AspisCoordinator:
             "files_used": sum(c is not None for c in result.chosen),
             "chosen": [-1 if c is None else c for c in result.chosen],
             "silent": sorted(j for j in range(k) if not replies[j]),
+            "detect_seconds": detect_seconds,  # wall time of the detection alone
+            "coordinator_seconds": work_seconds,  # wall time from the last reply to the optimizer step
             "t_start": started,
             "t_collected": collected,
             "t_end": clock.now(),
@@ -363,7 +370,7 @@ class AspisCoordinator:
 
     def _detect(self, t: int, shared, disagree) -> Detection:
         if self.config.scheme == "aspis":
-            return detect_clique(agreement_graph(shared, disagree), self.config.q)
+            return detect_clique(agreement_matrix(shared, disagree), self.config.q)
         if self.window is not None:
             return self.window.observe(t, shared, disagree)
         return Detection(None, frozenset())
