@@ -207,3 +207,12 @@ def test_distortion_table_matches_the_papers_table_iii():
     rows = distortion_table(15, 3, list(range(2, 8)))
     for key, paper in PAPER_TABLE_III.items():
         assert [round(row[key], 3) for row in rows] == pytest.approx(paper, abs=1e-3), key
+
+
+def test_failed_detection_flags_nobody_even_when_the_core_collapses():
+    # q = 2 ATT-2 liars {0, 1} against D = {2, 3}, plus a silent worker 4: more than q misbehave,
+    # peeling the (K-q-1)-core removes everyone, yet the vote must still count every copy.
+    k, q = 15, 2
+    missing = [(a, d) for a in (0, 1) for d in (2, 3)] + [(4, w) for w in range(k) if w != 4]
+    detection = detect_clique(_graph(k, missing), q)
+    assert not detection.success and detection.flagged == frozenset()

@@ -122,7 +122,7 @@ def _graph_of(adjacency: np.ndarray, names: list[int]) -> nx.Graph:
 
 @dataclass(frozen=True)
 class Detection:
-    """Outcome of one detection: `honest` is None when detection failed."""
+    """Outcome of one detection: `honest` is None when detection failed; `flagged` workers lose their votes."""
 
     honest: frozenset[int] | None
     flagged: frozenset[int]
@@ -157,7 +157,6 @@ def detect_clique(graph: nx.Graph | np.ndarray, q: int) -> Detection:
         graph = nx.to_numpy_array(graph, nodelist=range(graph.number_of_nodes()), dtype=bool)
     k = graph.shape[0]
     core = degree_core(graph, max(k - q - 1, 0))
-    flagged = frozenset(range(k)) - frozenset(core.tolist())
     sub = graph[np.ix_(core, core)]
     universal = sub.sum(axis=1) == len(core) - 1  # agree with the whole core: in every maximal clique of it
     common = frozenset(core[universal].tolist())
@@ -175,7 +174,9 @@ def detect_clique(graph: nx.Graph | np.ndarray, q: int) -> Detection:
     if len(best) == 1 and size >= k - q:
         honest = best[0]
         return Detection(honest, frozenset(range(k)) - honest, 1, size)
-    return Detection(None, flagged, len(best), size)
+    # Failed: Alg. 2 votes over every copy. (Peeling the core can cascade when more than q workers
+    # misbehave, e.g. q Byzantines plus a silent worker, so its leftovers are no verdict.)
+    return Detection(None, frozenset(), len(best), size)
 
 
 @dataclass

@@ -328,6 +328,7 @@ class AspisCoordinator:
         assignment = assignment_at(self.config, k, self.run_seed, t)
         samples = file_samples(self.task, self.run_seed, t, len(assignment.files), self.config.samples_per_file)
         weights = flat_params(self.model)
+        evidence_before = len(self.transport.evidence)
         replies = await asyncio.gather(
             *(self._ask(w, t, assignment.files_of[j], samples, weights) for j, w in enumerate(self.workers))
         )
@@ -358,6 +359,8 @@ class AspisCoordinator:
             "files_used": sum(c is not None for c in result.chosen),
             "chosen": [-1 if c is None else c for c in result.chosen],
             "silent": sorted(j for j in range(k) if not replies[j]),
+            "evidence": [f"{self.workers.index(e.peer) if e.peer in self.workers else -1}:{e.kind}" for e in self.transport.evidence[evidence_before:]],
+            "disagreeing_pairs": int((disagree > 0).sum()) // 2,
             "detect_seconds": detect_seconds,  # wall time of the detection alone
             "coordinator_seconds": work_seconds,  # wall time from the last reply to the optimizer step
             "t_start": started,
