@@ -8,7 +8,7 @@ import torch
 from phalanx.experiments.aspis import AspisAttackConfig, AspisRunConfig, build_role, coalition, detection_delays, simulate_aspis
 from phalanx.core.errors import ConfigError
 from phalanx.experiments.swarm import peer_identity
-from phalanx.runtime.aspis import TASK_TOPIC, AspisConfig, AspisWorker
+from phalanx.runtime.aspis import AspisConfig, AspisWorker
 from phalanx.runtime.dp_peer import TrainConfig
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
