@@ -133,13 +133,30 @@ def test_degree_rule_across_a_window():
     assert detector.observe(0, shared, disagree([(0, 3), (0, 4)])).flagged == frozenset()
     # Iteration 1: one more disagreement (0, 5); the removed edges stay removed: degree 3 -> flagged.
     assert detector.observe(1, shared, disagree([(0, 5)])).flagged == frozenset({0})
-    # Iteration 2: U1 disagrees with four workers at once (U0 stays flagged, re-detected at 2 with degree 3).
-    assert detector.observe(2, shared, disagree([(1, 3), (1, 4), (1, 5), (1, 6)])).flagged == frozenset({0, 1})
+    # Iteration 2: U1 disagrees with three workers at once.
+    assert detector.observe(2, shared, disagree([(1, 4), (1, 5), (1, 6)])).flagged == frozenset({0, 1})
     # Iteration 3: a new window starts from the complete graph; old flags persist (Alg. 3).
     assert detector.observe(3, shared, disagree([])).flagged == frozenset({0, 1})
-    # Iteration 4: U2 is detected; more than q flagged, so the q most recent stay: U2, then of the two
-    # detected at iteration 2 the one with fewer agreements (U1, degree 2 against U0's 3).
+    # Iteration 4: U2 is detected; more than q flagged, so the q most recently detected stay: U2 (4) and U1 (2).
     assert detector.observe(4, shared, disagree([(2, 3), (2, 4), (2, 5)])).flagged == frozenset({1, 2})
+    # Iteration 6 (new window): U0 (detected again, with a fresh time) and U3 are the most recent: {0, 3}.
+    flagged = detector.observe(6, shared, disagree([(0, 1), (0, 2), (0, 4), (0, 5), (3, 1), (3, 2), (3, 4)]))
+    assert flagged.flagged == frozenset({0, 3})
+
+
+def test_a_newly_detected_worker_displaces_an_old_one_inside_a_window():
+    # q = 1: U0 (flagged at 0) keeps a low degree for the rest of the window; U1, detected at 1, is the most recent.
+    k = 7
+    shared = np.ones((k, k), dtype=int) - np.eye(k, dtype=int)
+    detector = WindowDetector(k, q=1, window=10)
+    first = np.zeros((k, k), dtype=int)
+    for b in (2, 3, 4, 5):
+        first[0, b] = first[b, 0] = 1
+    assert detector.observe(0, shared, first).flagged == frozenset({0})
+    second = np.zeros((k, k), dtype=int)
+    for b in (4, 5):
+        second[1, b] = second[b, 1] = 1
+    assert detector.observe(1, shared, second).flagged == frozenset({1})
 
 
 @pytest.mark.parametrize(("k", "q"), [(7, 2), (7, 3), (9, 3), (11, 4), (15, 5)])

@@ -181,13 +181,22 @@ def detect_clique(graph: nx.Graph | np.ndarray, q: int) -> Detection:
 
 @dataclass
 class WindowDetector:
-    """Alg. 3 (Aspis+): degree counting over detection windows of `window` iterations."""
+    """Alg. 3 (Aspis+): degree counting over detection windows of `window` iterations.
+
+    A worker's detection time is the first iteration of the current window at
+    which its degree fell below K-q-1 (its edges stay removed for the rest of
+    the window, so it would otherwise be "re-detected" every iteration and an
+    old Byzantine could hold a slot against a newly detected one). When more
+    than q workers are flagged, the q most recently detected are kept (ties:
+    the lower degree at detection, then the lower index).
+    """
 
     workers: int
     q: int
     window: int
     edges: np.ndarray = field(init=False, repr=False)
     detected: dict[int, tuple[int, int]] = field(default_factory=dict, init=False)  # worker -> (iteration, -degree)
+    window_start: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.window < 1 or not 0 <= self.q < self.workers:
@@ -198,11 +207,12 @@ class WindowDetector:
         """Fold one iteration's disagreements into the window's graph; return the flagged set."""
         if iteration % self.window == 0:
             self.edges = ~np.eye(self.workers, dtype=bool)
-        self.edges &= (shared > 0) & (disagree == 0) | np.eye(self.workers, dtype=bool)
-        np.fill_diagonal(self.edges, False)
+            self.window_start = iteration
+        self.edges &= agreement_matrix(shared, disagree)
         degrees = self.edges.sum(axis=1)
         for worker in np.nonzero(degrees < self.workers - self.q - 1)[0].tolist():
-            self.detected[worker] = (iteration, -int(degrees[worker]))
+            if self.detected.get(worker, (-1, 0))[0] < self.window_start:
+                self.detected[worker] = (iteration, -int(degrees[worker]))
         if len(self.detected) > self.q:
             keep = sorted(self.detected, key=lambda w: (self.detected[w], -w), reverse=True)[: self.q]
             self.detected = {w: self.detected[w] for w in keep}
