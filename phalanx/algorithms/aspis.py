@@ -195,8 +195,8 @@ class WindowDetector:
     q: int
     window: int
     edges: np.ndarray = field(init=False, repr=False)
-    detected: dict[int, tuple[int, int]] = field(default_factory=dict, init=False)  # worker -> (iteration, -degree)
-    window_start: int = field(default=0, init=False)
+    detected: dict[int, tuple[int, int]] = field(default_factory=dict, init=False)  # flagged: worker -> (iteration, -degree)
+    first_seen: dict[int, tuple[int, int]] = field(default_factory=dict, init=False)  # this window's detections
 
     def __post_init__(self) -> None:
         if self.window < 1 or not 0 <= self.q < self.workers:
@@ -207,12 +207,11 @@ class WindowDetector:
         """Fold one iteration's disagreements into the window's graph; return the flagged set."""
         if iteration % self.window == 0:
             self.edges = ~np.eye(self.workers, dtype=bool)
-            self.window_start = iteration
+            self.first_seen = {}
         self.edges &= agreement_matrix(shared, disagree)
         degrees = self.edges.sum(axis=1)
         for worker in np.nonzero(degrees < self.workers - self.q - 1)[0].tolist():
-            if self.detected.get(worker, (-1, 0))[0] < self.window_start:
-                self.detected[worker] = (iteration, -int(degrees[worker]))
+            self.detected[worker] = self.first_seen.setdefault(worker, (iteration, -int(degrees[worker])))
         if len(self.detected) > self.q:
             keep = sorted(self.detected, key=lambda w: (self.detected[w], -w), reverse=True)[: self.q]
             self.detected = {w: self.detected[w] for w in keep}

@@ -140,18 +140,26 @@ def count_distortion(config: AspisRunConfig, records: list[dict]) -> None:
         record["distorted_fraction"] = bad / len(chosen)
 
 
-def detection_delays(config: AspisRunConfig, records: list[dict]) -> list[int | None]:
-    """Per Byzantine window: iterations until every Byzantine of the window was flagged (None: never)."""
+def detection_delays(config: AspisRunConfig, records: list[dict], from_window: bool = False) -> list[int | None]:
+    """Per Byzantine window: iterations until every Byzantine of the window was flagged (None: never).
+
+    Counted from the change of the Byzantine set, or with `from_window` from the
+    first Aspis+ detection window that starts at or after it (Alg. 3 assumes the
+    set is fixed inside a detection window).
+    """
     plan = coalition(config)
     if plan is None:
         return []
     span = plan.redraw_every if plan.kind == "att3" else config.steps
     delays: list[int | None] = []
     for start in range(0, config.steps, span):
+        origin = start
+        if from_window and config.aspis.scheme == "aspis+":
+            origin = -(-start // config.aspis.window) * config.aspis.window
         delay = None
-        for record in records[start : start + span]:
+        for record in records[origin : start + span]:
             if plan.byzantine_at(record["step"]) <= set(record["flagged"]):
-                delay = record["step"] - start + 1
+                delay = record["step"] - origin + 1
                 break
         delays.append(delay)
     return delays
@@ -171,6 +179,7 @@ def summarize(config: AspisRunConfig, records: list[dict], extra: dict) -> dict:
         "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
         "byzantine": sorted(plan.byzantine_at(0)) if plan else [],
         "detection_delays": detection_delays(config, records),
+        "detection_delays_from_window": detection_delays(config, records, from_window=True),
         "detected_iterations": sum(1 for r in records if r["detected"]),
         "mean_distorted_fraction": sum(r["distorted_fraction"] for r in records) / len(records) if records else None,
         **extra,

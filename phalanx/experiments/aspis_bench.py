@@ -196,6 +196,7 @@ def _run_one(label: str, config: AspisRunConfig) -> dict:
         "final_accuracy": result["final_accuracy"],
         "mean_distorted_fraction": result["mean_distorted_fraction"],
         "detection_delays": result["detection_delays"],
+        "detection_delays_from_window": result["detection_delays_from_window"],
         "wall_seconds": result["wall_seconds"],
         "curve": curve,
     }
@@ -353,7 +354,7 @@ def run_bench(config: AspisBenchConfig, out: Path) -> str:
     _write_csv(out / "curves.csv", [{"run": r["run"], "iteration": s, "accuracy": a} for r in results for s, a in r["curve"]])
     _plot(results, out / "curves.png")
     report += [f"## accuracy on digits after {config.steps} iterations (K={config.workers})",
-               _table(results, ["run", "final_accuracy", "mean_distorted_fraction", "detection_delays", "wall_seconds"])]
+               _table(results, ["run", "final_accuracy", "mean_distorted_fraction", "detection_delays", "detection_delays_from_window", "wall_seconds"])]
 
     detection = detection_times(config.k_list(), config.r, config.detection_repeats, config.seed)
     _write_csv(out / "detection.csv", detection)
