@@ -15,6 +15,7 @@ def test_fano_plane_coordinator_and_seven_workers_detect_the_byzantine(tmp_path)
         preset="aspis-fano-test",
         peers=8,
         steps=3,
+        seed=1010,  # identities differ from other swarms' on the same host (most use seed 0)
         aspis=AspisConfig(scheme="aspis+", q=1, window=10, samples_per_file=4, timeout=60.0),
         attack=AspisAttackConfig(orchestration="att1", distortion="constant"),
         train=TrainConfig(task="digits-mlp", lr=0.1, eval_every=3),

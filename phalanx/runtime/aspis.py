@@ -52,7 +52,7 @@ from ..algorithms.aspis_designs import (
     subset_assignment,
 )
 from ..algorithms.attacks import Attack, AttackView
-from ..core.errors import ConfigError, Evidence, PhalanxError, RemoteError
+from ..core.errors import ConfigError, Evidence, PeerTimeout, PhalanxError, RemoteError
 from ..core.rng import py_stream
 from ..core.serialization import decode, encode
 from ..training.data import batch_indices
@@ -63,6 +63,7 @@ from .dp_peer import TrainConfig, make_optimizer
 log = logging.getLogger(__name__)
 
 TASK_TOPIC = "aspis.task"
+RETRY_SECONDS = 1.0  # pause before asking again a worker whose request failed fast
 STOP_TOPIC = "aspis.stop"
 SCHEMES = ("aspis", "aspis+", "detox", "none")
 ROBUST_RULES = ("median", "mean", "trimmed_mean", "geometric_median", "multi_krum", "krum", "bulyan", "median_of_means", "centered_clip", "sign_majority")
@@ -379,16 +380,29 @@ class AspisCoordinator:
         return Detection(None, frozenset())
 
     async def _ask(self, worker: str, t: int, files: tuple[int, ...], samples: torch.Tensor, weights: torch.Tensor) -> dict[int, torch.Tensor]:
-        """The worker's file copies by file index; {} when it was silent or malformed (evidence recorded)."""
+        """The worker's file copies by file index; {} when it was silent or malformed (evidence recorded).
+
+        A request that fails fast (no route, a broken stream, no handler yet) is
+        retried every second until the timeout: only a worker that never answers
+        in time is silent.
+        """
         payload = encode({"t": t, "files": list(files), "samples": samples[list(files)].contiguous(), "weights": weights})
-        try:
-            response = await self.transport.request(worker, TASK_TOPIC, payload, self.config.timeout)
-            return self._parse_reply(worker, t, files, response)
-        except RemoteError as exc:
-            self.transport.report(exc.evidence)
-        except PhalanxError as exc:
-            log.info("worker %s gave no copies at iteration %d: %s", worker[:8], t, exc)
-        return {}
+        clock = self.transport.clock
+        deadline = clock.now() + self.config.timeout
+        while True:
+            try:
+                response = await self.transport.request(worker, TASK_TOPIC, payload, max(deadline - clock.now(), 1e-3))
+                return self._parse_reply(worker, t, files, response)
+            except RemoteError as exc:
+                self.transport.report(exc.evidence)
+                return {}
+            except PeerTimeout:
+                return {}
+            except PhalanxError as exc:
+                if clock.now() + RETRY_SECONDS >= deadline:
+                    log.info("worker %s gave no copies at iteration %d: %s", worker[:8], t, exc)
+                    return {}
+                await clock.sleep(RETRY_SECONDS)
 
     def _parse_reply(self, worker: str, t: int, files: tuple[int, ...], response: bytes) -> dict[int, torch.Tensor]:
         message = decode(response, worker, self.transport.limits)
