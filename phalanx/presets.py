@@ -72,6 +72,10 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "chars-gpt-dp": chars_gpt_dp,
 }
 
+from .experiments.aspis import aspis_digits, aspis_plus_digits  # noqa: E402  (own run kind, own module)
+
+PRESETS.update({"aspis-digits": aspis_digits, "aspis-plus-digits": aspis_plus_digits})
+
 
 def get_preset(name: str) -> RunConfig:
     if name not in PRESETS:

@@ -4,4 +4,7 @@
 - attacks: Byzantine gradient policies (sign flip, ALIE, IPM, min-max, ...)
 - mprng: commit-reveal rules of the multi-party random number generator
 - bans: the ban ledger with canonical ordering (no leader)
+- aspis_designs: Aspis subset assignment, Steiner triple systems, design checks, per-iteration permutations
+- aspis: agreement graph, clique and windowed-degree detection, majority vote aggregation (Aspis Alg. 1-3)
+- aspis_attacks: ATT-1/2/3 orchestrations (who lies on which file), Theorem 1, symbolic distortion counting
 """

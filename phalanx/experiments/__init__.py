@@ -5,4 +5,7 @@
 - launch: real OS processes over hivemind (`launch`, `peer`)
 - report: PNG plots and summary table of a run directory
 - robustness: the aggregator x attack benchmark (BTARD Fig. 3 baselines)
+- aspis: Aspis run config, presets and the simulated run (1 coordinator + K workers)
+- aspis_launch: Aspis runs as OS processes over hivemind (`launch` of an Aspis preset)
+- aspis_bench: `bench aspis` (distortion fraction, accuracy, detection and coordinator time)
 """

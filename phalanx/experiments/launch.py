@@ -85,6 +85,10 @@ async def run_worker(
 
 def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
     """Run `config` as config.peers OS processes on loopback; write the run's files to `out`."""
+    if not isinstance(config, RunConfig):
+        from .aspis_launch import launch_aspis
+
+        return launch_aspis(config, out, progress)
     out.mkdir(parents=True, exist_ok=True)
     wall_start = time.perf_counter()
     config_path = out / "config.json"
@@ -154,6 +158,8 @@ def _lines(path: Path) -> int:
 
 def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:
     """`phalanx peer`: one peer joining a swarm through --initial-peers."""
+    if not isinstance(config, RunConfig):
+        raise ConfigError(f"'phalanx peer' runs data-parallel presets only; run {config.preset!r} with 'phalanx launch'")
     if args.index is not None and not 0 <= args.index < config.peers:
         raise ConfigError(f"--index {args.index} must be in [0, {config.peers}) for a swarm of --peers {config.peers}")
     out = Path(args.out) if args.out else Path("runs") / f"{config.preset}-peer-seed{config.seed}"

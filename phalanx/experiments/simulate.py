@@ -25,6 +25,10 @@ def peer_speeds(config: RunConfig) -> list[float]:
 
 def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
     """Run `config` in the simulator, write the run's files to `out`, return the summary."""
+    if not isinstance(config, RunConfig):
+        from .aspis import simulate_aspis
+
+        return simulate_aspis(config, out, progress)
     torch.set_num_threads(1)  # one thread: deterministic kernels and no oversubscription
     wall_start = time.perf_counter()
     identities = [peer_identity(config.seed, i) for i in range(config.peers)]

@@ -1,0 +1,275 @@
+"""Aspis runs: their config, who is who, and the simulated run.
+
+Peer 0 is the trusted coordinator and peers 1..K are the workers (K = peers - 1).
+The Byzantine workers and their coalition plan come from the seed and the
+attack config; only the worker policies and the run record see them, never the
+coordinator. A run writes config.json, metrics.jsonl (one row per iteration,
+from the coordinator) and summary.json, like `simulate` does for swarms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..algorithms.aspis_attacks import ORCHESTRATIONS, Orchestration, detox_optimal_byzantine
+from ..algorithms.attacks import AttackSchedule, make_attack
+from ..config import NetworkConfig
+from ..core.errors import ConfigError
+from ..core.rng import py_stream
+from ..runtime.aspis import AspisConfig, AspisCoordinator, AspisWorker, LiePolicy, assignment_at
+from ..runtime.dp_peer import TrainConfig, task_of
+from ..transport.base import Transport
+from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
+from .swarm import peer_identity
+
+DISTORTIONS = ("alie", "ipm", "reversed", "constant", "sign_flip", "random_direction")
+
+
+@dataclass(frozen=True)
+class AspisAttackConfig:
+    """How the Byzantine workers are chosen and orchestrated, and how they distort."""
+
+    orchestration: str = "none"  # none | att1 | att2 | att3 | majority
+    distortion: str = "alie"  # alie | ipm | reversed | constant | sign_flip | random_direction
+    count: int = -1  # Byzantine workers (-1: aspis.q)
+    redraw_every: int = 50  # att3: T_b, iterations between fresh random Byzantine sets
+
+    def __post_init__(self) -> None:
+        allowed = ("none", *ORCHESTRATIONS)
+        if self.orchestration not in allowed:
+            raise ConfigError(f"attack.orchestration={self.orchestration!r} is not known; allowed: {', '.join(allowed)}")
+        if self.distortion not in DISTORTIONS:
+            raise ConfigError(f"attack.distortion={self.distortion!r} is not known; allowed: {', '.join(DISTORTIONS)}")
+        if self.count < -1 or self.redraw_every < 1:
+            raise ConfigError("attack.count must be >= 0 (or -1 for aspis.q) and attack.redraw_every >= 1")
+
+
+@dataclass(frozen=True)
+class AspisRunConfig:
+    """An Aspis run: 1 coordinator + K = peers - 1 workers for `steps` iterations."""
+
+    preset: str = "aspis-custom"
+    peers: int = 16
+    steps: int = 100
+    seed: int = 0
+    aspis: AspisConfig = field(default_factory=AspisConfig)
+    attack: AspisAttackConfig = field(default_factory=AspisAttackConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(task="digits-mlp", lr=0.05))
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def __post_init__(self) -> None:
+        if self.peers < 2 or self.steps < 1:
+            raise ConfigError(f"peers={self.peers} must be >= 2 (a coordinator and a worker) and steps={self.steps} >= 1")
+        if not self.train.task.startswith("digits"):
+            raise ConfigError(f"train.task={self.train.task!r}: Aspis runs use a digits task (digits-mlp or digits-cnn)")
+        self.aspis.check_workers(self.workers)
+        if self.attack.orchestration == "att2" and 2 * self.byzantine_count > self.workers:
+            raise ConfigError(f"att2 needs 2q <= K: {self.byzantine_count} Byzantines and as many targets among K={self.workers}")
+        if self.byzantine_count >= self.workers:
+            raise ConfigError(f"attack.count={self.byzantine_count} must be < K={self.workers}")
+
+    @property
+    def workers(self) -> int:
+        return self.peers - 1
+
+    @property
+    def byzantine_count(self) -> int:
+        return self.aspis.q if self.attack.count < 0 else self.attack.count
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "AspisRunConfig":
+        from ..config import _build
+
+        return _build(cls, data, "")
+
+
+def coalition(config: AspisRunConfig) -> Orchestration | None:
+    """The Byzantines' plan (None for an honest run): drawn from the seed, unknown to the coordinator."""
+    kind = config.attack.orchestration
+    if kind == "none" or config.byzantine_count == 0:
+        return None
+    k, q = config.workers, config.byzantine_count
+    stream = py_stream(config.seed, "aspis-byzantine")
+    if kind == "majority" and config.aspis.scheme == "detox":
+        byzantine = detox_optimal_byzantine(k, config.aspis.r, q)
+    else:
+        byzantine = frozenset(stream.sample(range(k), q))
+    targets = frozenset(stream.sample(sorted(set(range(k)) - byzantine), q)) if kind == "att2" else frozenset()
+    if kind == "att3":
+        byzantine = frozenset()
+    return Orchestration(kind, k, q, byzantine, targets, config.attack.redraw_every, config.seed)
+
+
+def distortion_of(config: AspisRunConfig):
+    return make_attack(config.attack.distortion, AttackSchedule())
+
+
+def build_role(config: AspisRunConfig, transport: Transport, index: int, ids: list[str]) -> AspisCoordinator | AspisWorker:
+    """Peer `index` of the run: the coordinator (0) or worker index - 1."""
+    task = task_of(config.train)
+    if index == 0:
+        return AspisCoordinator(transport, task, config.aspis, config.train, config.seed, ids[1:])
+    plan = coalition(config)
+    policy = None
+    if plan is not None and (plan.kind == "att3" or index - 1 in plan.byzantine):
+        policy = LiePolicy(plan, distortion_of(config))
+    return AspisWorker(transport, task, config.aspis, config.seed, ids[0], index - 1, config.workers, policy)
+
+
+def count_distortion(config: AspisRunConfig, records: list[dict]) -> None:
+    """Replace each record's per-file `chosen` workers by `distorted_fraction`: files dropped or won by a lie."""
+    plan = coalition(config)
+    for record in records:
+        chosen = record.pop("chosen")
+        assignment = assignment_at(config.aspis, config.workers, config.seed, record["step"])
+        lies = plan.distorted_files(record["step"], assignment) if plan else frozenset()
+        liars = plan.byzantine_at(record["step"]) if plan else frozenset()
+        bad = sum(1 for i, w in enumerate(chosen) if w < 0 or (i in lies and w in liars))
+        record["distorted_fraction"] = bad / len(chosen)
+
+
+def detection_delays(config: AspisRunConfig, records: list[dict], from_window: bool = False) -> list[int | None]:
+    """Per Byzantine window: iterations until every Byzantine of the window was flagged (None: never).
+
+    Counted from the change of the Byzantine set, or with `from_window` from the
+    first Aspis+ detection window that starts at or after it (Alg. 3 assumes the
+    set is fixed inside a detection window).
+    """
+    plan = coalition(config)
+    if plan is None:
+        return []
+    span = plan.redraw_every if plan.kind == "att3" else config.steps
+    delays: list[int | None] = []
+    for start in range(0, config.steps, span):
+        origin = start
+        if from_window and config.aspis.scheme == "aspis+":
+            origin = -(-start // config.aspis.window) * config.aspis.window
+        delay = None
+        for record in records[origin : start + span]:
+            if plan.byzantine_at(record["step"]) <= set(record["flagged"]):
+                delay = record["step"] - origin + 1
+                break
+        delays.append(delay)
+    return delays
+
+
+def summarize(config: AspisRunConfig, records: list[dict], extra: dict) -> dict:
+    """The run's summary: final accuracy, Byzantines, detection delays, mean distorted fraction."""
+    evaluated = [r for r in records if "test_accuracy" in r]
+    plan = coalition(config)
+    return {
+        "preset": config.preset,
+        "peers": config.peers,
+        "steps": config.steps,
+        "seed": config.seed,
+        "scheme": config.aspis.scheme,
+        "final_loss": records[-1]["loss"] if records else None,
+        "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
+        "byzantine": sorted(plan.byzantine_at(0)) if plan else [],
+        "detection_delays": detection_delays(config, records),
+        "detection_delays_from_window": detection_delays(config, records, from_window=True),
+        "detected_iterations": sum(1 for r in records if r["detected"]),
+        "mean_distorted_fraction": sum(r["distorted_fraction"] for r in records) / len(records) if records else None,
+        **extra,
+    }
+
+
+def write_run(config: AspisRunConfig, records: list[dict], out: Path, summary: dict) -> dict:
+    """Write config.json, metrics.jsonl and summary.json; return the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config.to_json() + "\n")
+    with open(out / "metrics.jsonl", "w") as f:
+        for row in records:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+def simulate_aspis(config: AspisRunConfig, out: Path | None, progress: bool = True) -> dict:
+    """Run `config` on the simulator; write the run's files to `out` (if given) and return the summary."""
+    torch.set_num_threads(1)
+    wall_start = time.perf_counter()
+    identities = [peer_identity(config.seed, i) for i in range(config.peers)]
+    ids = [identity.peer_id for identity in identities]
+    records: list[dict] = []
+    bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
+
+    def on_iteration(record: dict) -> None:
+        records.append(record)
+        count_distortion(config, records[-1:])
+        bar.update(1)
+
+    async def main() -> tuple[float, dict]:
+        network = SimNetwork(
+            SimConfig(
+                seed=config.seed,
+                link=LinkProfile(latency=config.network.latency, bandwidth=config.network.bandwidth),
+                loss=config.network.loss,
+                detection_delay=config.network.detection_delay,
+                default_flops=config.network.flops,
+            )
+        )
+        transports = [network.add_peer(identity) for identity in identities]
+        roles = [build_role(config, transports[i], i, ids) for i in range(config.peers)]
+        done = asyncio.Event()
+
+        async def coordinator_main() -> None:
+            await asyncio.sleep(0)  # let the workers register their handlers first
+            await roles[0].run(config.steps, on_iteration)
+            done.set()
+
+        for i in range(1, config.peers):
+            network.spawn(ids[i], roles[i].run)
+        network.spawn(ids[0], coordinator_main)
+        await done.wait()
+        return asyncio.get_running_loop().time(), network.stats()
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 100)
+    try:
+        simulated_seconds, stats = run_simulation(main)
+    finally:
+        gc.set_threshold(*thresholds)
+        bar.close()
+    summary = summarize(
+        config, records, {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds}
+    )
+    if out is not None:
+        write_run(config, records, out, summary)
+    return {"records": records, **summary}
+
+
+def aspis_digits() -> AspisRunConfig:
+    """Aspis, digits MLP: 1 coordinator + 15 workers, 455 files (r=3); 2 Byzantines run ATT-2 with ALIE."""
+    return AspisRunConfig(
+        preset="aspis-digits",
+        peers=16,
+        steps=100,
+        aspis=AspisConfig(scheme="aspis", r=3, q=2, samples_per_file=3),
+        attack=AspisAttackConfig(orchestration="att2", distortion="alie"),
+        train=TrainConfig(task="digits-mlp", lr=0.1, eval_every=10),
+    )
+
+
+def aspis_plus_digits() -> AspisRunConfig:
+    """Aspis+, digits MLP: 15 workers on the 2-(15,3,1) design; ATT-3 (q=2, T_b=50) with ALIE, T_d=15."""
+    return AspisRunConfig(
+        preset="aspis-plus-digits",
+        peers=16,
+        steps=100,
+        aspis=AspisConfig(scheme="aspis+", q=2, window=15, samples_per_file=8),
+        attack=AspisAttackConfig(orchestration="att3", distortion="alie", redraw_every=50),
+        train=TrainConfig(task="digits-mlp", lr=0.1, eval_every=10),
+    )

@@ -1,0 +1,153 @@
+"""`phalanx launch` for Aspis runs: 1 coordinator + K workers as OS processes over hivemind.
+
+Process 0 is the coordinator; its address seeds the others. Every process is
+started in its own session, so that after the run the launcher can see whether
+anything of it (the hivemind DHT child, the p2pd daemon) is left, and end it.
+The coordinator writes one record per iteration; the launcher turns them into
+the same files `simulate` writes for an Aspis run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..core.errors import LocalError
+from .aspis import AspisRunConfig, build_role, count_distortion, summarize, write_run
+from .launch import BARRIER_TIMEOUT, JOIN_TIMEOUT, _lines, run_id_of
+from .swarm import peer_identity
+
+EXIT_GRACE = 30.0  # seconds the workers get to leave after the coordinator is done
+
+
+async def run_process(config: AspisRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None) -> None:
+    """One Aspis peer over hivemind: join, wait for all, run the role, leave."""
+    from ..transport.p2p import HivemindTransport
+
+    torch.set_num_threads(1)
+    identity = peer_identity(config.seed, index)
+    transport = HivemindTransport(identity, run_id=run_id_of(config), initial_peers=initial_peers)
+    await transport.start()
+    try:
+        if address_file is not None:
+            tmp = address_file.with_suffix(".tmp")
+            tmp.write_text("\n".join(transport.visible_maddrs()) + "\n")
+            tmp.rename(address_file)
+        try:
+            await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
+        except TimeoutError:
+            raise LocalError(f"only {len(transport.members())} of {config.peers} Aspis peers joined within {JOIN_TIMEOUT:.0f} s") from None
+        ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
+        role = build_role(config, transport, index, ids)
+        if index == 0:
+            # Workers announce that their handlers are up; then the coordinator starts.
+            await transport.collect_broadcasts("aspis.ready", 0, ids[1:], BARRIER_TIMEOUT)
+            with open(records_path, "w") as sink:
+
+                def on_iteration(record: dict) -> None:
+                    sink.write(json.dumps(record, sort_keys=True) + "\n")
+                    sink.flush()
+
+                await role.run(config.steps, on_iteration)
+        else:
+            serving = asyncio.ensure_future(role.run())
+            await asyncio.sleep(0)
+            await transport.broadcast("aspis.ready", 0, b"")
+            await serving
+    finally:
+        await transport.stop()
+
+
+def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True) -> dict:
+    """Run `config` as config.peers processes on loopback; write the run's files to `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    wall_start = time.perf_counter()
+    config_path = out / "config.json"
+    config_path.write_text(config.to_json() + "\n")
+    peer_dir = out / "peers"
+    peer_dir.mkdir(exist_ok=True)
+    for old in peer_dir.glob("*"):
+        old.unlink()
+    address_file = peer_dir / "0.addr"
+    records_path = peer_dir / "0.jsonl"
+    base = [sys.executable, "-m", "phalanx.experiments.aspis_launch", "--config", str(config_path), "--out", str(records_path)]
+    procs = [subprocess.Popen([*base, "--index", "0", "--address-file", str(address_file)], start_new_session=True)]
+    leftovers = 0
+    try:
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while not address_file.exists():
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                raise LocalError(f"the coordinator did not start (exit code {procs[0].poll()}); see its output above")
+            time.sleep(0.1)
+        addrs = address_file.read_text().split()
+        for index in range(1, config.peers):
+            procs.append(subprocess.Popen([*base, "--index", str(index), "--initial-peers", *addrs], start_new_session=True))
+        bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
+        while procs[0].poll() is None and not any(p.poll() not in (None, 0) for p in procs):
+            bar.update(_lines(records_path) - bar.n)
+            time.sleep(0.5)
+        bar.close()
+        deadline = time.monotonic() + EXIT_GRACE
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and procs[0].returncode == 0:
+            time.sleep(0.2)
+    finally:
+        leftovers = _end_sessions(procs)
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise LocalError(f"Aspis peers {failed} exited with errors; see their output above")
+    records = [json.loads(line) for line in records_path.read_text().splitlines()]
+    count_distortion(config, records)
+    extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, "leftover_processes": leftovers}
+    return write_run(config, records, out, summarize(config, records, extra))
+
+
+def _end_sessions(procs: list[subprocess.Popen]) -> int:
+    """Terminate peers still running, then kill whatever is left in their sessions; return how many sessions had leftovers."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    leftovers = 0
+    for p in procs:
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            continue
+        leftovers += 1
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return leftovers
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description="one Aspis peer process (started by `phalanx launch`)")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--out", required=True, help="the coordinator's records file")
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--address-file")
+    args = parser.parse_args()
+    config = AspisRunConfig.from_dict(json.loads(Path(args.config).read_text()))
+    address_file = Path(args.address_file) if args.address_file else None
+    asyncio.run(run_process(config, args.index, args.initial_peers, Path(args.out), address_file))
+
+
+if __name__ == "__main__":
+    _main()
