@@ -18,7 +18,7 @@ from ..algorithms.bans import BanLedger
 from ..core.errors import ConfigError
 from ..training.task import TASKS, Task, compute_gradient, make_task, num_params, set_flat_grad, train_flops
 from ..transport.base import Transport
-from .butterfly import AllReduceConfig, ButterflyAllReduce, Reducer, mean_reducer
+from .butterfly import AllReduceConfig, ButterflyAllReduce, Reducer
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class DataParallelPeer:
         run_seed: int,
         *,
         allreduce: AllReduceConfig = AllReduceConfig(),
-        reducer: Reducer = mean_reducer,
+        reducer: Reducer | None = None,
         attack: Attack | None = None,
         colluders: int = 0,
         evaluate: bool = False,
@@ -92,7 +92,7 @@ class DataParallelPeer:
         self.optimizer = make_optimizer(config, self.model.parameters())
         self.dim = num_params(self.model)
         self.flops = train_flops(task, self.model, config.batch_size)
-        self.allreduce = ButterflyAllReduce(transport, self.dim, reducer, allreduce)
+        self.allreduce = ButterflyAllReduce(transport, self.dim, reducer or allreduce.build_reducer(), allreduce)
         self.step = 0
 
     def group(self) -> list[str]:
