@@ -59,3 +59,96 @@ def test_short_vector_from_the_last_partition_owner_is_evidence_not_a_crash():
     assert all(torch.isfinite(p).all() for peer in peers for p in peer.model.parameters())
     # The short part is the villain's own partition: nobody else receives it, so there is no evidence.
     assert [e for peer in peers for e in peer.transport.evidence] == []
+
+
+# --- verification math ---------------------------------------------------------
+
+import math
+
+from phalanx.algorithms.bans import BanLedger
+from phalanx.algorithms.btard_checks import (
+    ACCUSE,
+    ELIMINATE,
+    Claim,
+    Verdict,
+    gradient_matches,
+    norm_matches,
+    project,
+    resolve,
+    s_matches,
+    sum_holds,
+    sum_tolerance,
+)
+
+
+def _partition(gen, k=8, m=64):
+    """k honest-looking float32 parts (one an outlier) and their CenteredClip aggregate."""
+    xs = (torch.randn(m, generator=gen) + 0.3 * torch.randn(k, m, generator=gen)).float()
+    xs[0] += 20.0 * torch.randn(m, generator=gen)
+    return xs, make_reducer("centered_clip", tau=1.0, eps=1e-6)(xs)
+
+
+def test_projection_matches_direct_recomputation():
+    gen = torch.Generator().manual_seed(1)
+    xs, a = _partition(gen)
+    z = torch.randn(a.shape, generator=gen)
+    for x in xs:
+        diff = [float(u) - float(v) for u, v in zip(x, a)]
+        norm = math.sqrt(math.fsum(d * d for d in diff))
+        weight = min(1.0, 1.0 / norm)
+        s = math.fsum(float(zk) * d * weight for zk, d in zip(z, diff))
+        p = project(x, a, z, 1.0)
+        assert p.norm == pytest.approx(norm, rel=1e-12)
+        assert p.s == pytest.approx(s, rel=1e-9, abs=1e-12)
+        assert p.delta_norm == pytest.approx(min(norm, 1.0), rel=1e-12)
+
+
+def test_honest_values_never_trip_and_lies_of_one_in_a_thousand_do():
+    gen = torch.Generator().manual_seed(0)
+    sum_lies_caught = 0
+    for trial in range(1000):  # 250 partitions (CenteredClip is the slow part), 4 directions each
+        if trial % 4 == 0:
+            xs, a = _partition(gen)
+        z = torch.randn(a.shape, generator=gen)
+        z_norm = float(z.norm())
+        projections = [project(x, a, z, 1.0) for x in xs]
+        # the reporter computes the same quantities in another summation order
+        flipped = [project(x.flip(0), a.flip(0), z.flip(0), 1.0) for x in xs]
+        for p, q in zip(projections, flipped):
+            assert norm_matches(q.norm, p.norm)  # V1, honest
+            assert s_matches(q.s, p, z_norm)  # V2 owner check, honest
+            assert not norm_matches(q.norm * (1 + 1e-3), p.norm)  # V1, lie
+            assert not s_matches(q.s + 1e-3 * z_norm * p.delta_norm, p, z_norm)  # V2, lie
+        tolerance = sum_tolerance(len(xs), 1e-6, float(a.norm()), z_norm, [p.delta_norm for p in projections])
+        assert sum_holds([q.s for q in flipped], tolerance)  # V2 sum, honest owner
+        shift = torch.randn(a.shape, generator=gen)
+        shifted = a + 1e-3 * float(a.norm()) * shift / shift.norm()
+        lied = [project(x, shifted, z, 1.0) for x in xs]
+        sum_lies_caught += not sum_holds([p.s for p in lied], sum_tolerance(len(xs), 1e-6, float(shifted.norm()), z_norm, [p.delta_norm for p in lied]))
+        g = xs.reshape(-1)
+        assert gradient_matches(g.clone(), g)
+        assert not gradient_matches(g + 1e-3 * float(g.norm()) * shift.repeat(len(xs)) / (shift.norm() * math.sqrt(len(xs))), g)
+    # The sum sees a shifted aggregate through one random projection: it misses it only when
+    # |N(0,1)| falls under tolerance / signal (about 0.5% here); validators catch the rest.
+    assert sum_lies_caught >= 980
+
+
+def test_resolve_orders_claims_and_bans_eliminators_and_slanderers():
+    ledger = BanLedger()
+    claims = [
+        Claim(ELIMINATE, "h1", "b1", "part_hash"),
+        Claim(ELIMINATE, "h2", "b1", "part_hash"),  # ignored: b1 is banned by then
+        Claim(ACCUSE, "b2", "h3", "gradient"),  # slander
+        Claim(ACCUSE, "h4", "b3", "gradient"),  # upheld, with b2's cover (b2 is already banned)
+        Claim(ACCUSE, "h4", "b4", "gradient"),
+    ]
+    verdicts = {"h3": Verdict(False), "b3": Verdict(True, ("b2",)), "b4": Verdict(True, ("b5",))}
+    applied = resolve(ledger, 7, claims, lambda c: verdicts[c.target])
+    assert set(ledger.banned) == {"b1", "h1", "b2", "b3", "b4", "b5"}
+    reasons = {r.peer: (r.reason, r.accuser) for r in applied}
+    assert reasons["b2"] == ("slander:gradient", "b2")
+    assert reasons["b1"] == ("eliminated:part_hash", "h1") and reasons["h1"] == ("eliminator", "h1")
+    assert reasons["b5"] == ("covered:gradient", "h4")
+    dry = BanLedger()
+    assert len(resolve(dry, 7, claims, lambda c: verdicts[c.target], apply=False)) == len(applied)
+    assert dry.banned == []

@@ -171,6 +171,14 @@ class Recorder:
                 return recs[-1]["banned"]
         return []
 
+    def banned_by_peer(self) -> dict[str, list[str]]:
+        """Each peer's ban list at its last recorded step (BTARD runs; honest ones must agree)."""
+        last: dict[str, dict] = {}
+        for r in self.records:
+            if "banned" in r and r["step"] >= last.get(r["peer"], {}).get("step", -1):
+                last[r["peer"]] = r
+        return {peer: r["banned"] for peer, r in sorted(last.items())}
+
     def ban_records(self) -> list[dict]:
         """Every ban (step, peer, reason, accuser) in the order the lowest-index honest BTARD peer applied them."""
         for index, peer in enumerate(self.ids):
@@ -204,6 +212,7 @@ class Recorder:
             "final_test_loss": evaluated[-1]["test_loss"] if evaluated else None,
             "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
             "banned": self.banned(),
+            "banned_by_peer": self.banned_by_peer(),
             "byzantine": [self.ids[i] for i in sorted(self.byzantine)],
             "crashed": [self.ids[i] for i in crash_indices(self.config)],
             "peer_ids": self.ids,
