@@ -1,6 +1,7 @@
 """BTARD: reducer config, secure round, verifications, bans, attacks, admission."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -152,3 +153,59 @@ def test_resolve_orders_claims_and_bans_eliminators_and_slanderers():
     dry = BanLedger()
     assert len(resolve(dry, 7, claims, lambda c: verdicts[c.target], apply=False)) == len(applied)
     assert dry.banned == []
+
+
+# --- whole-swarm scenarios -------------------------------------------------------
+
+from phalanx.experiments.simulate import simulate
+
+
+def _btard_run(tmp_path, attack, *extra, peers=5, steps=6, count=1):
+    config = override(
+        get_preset("btard-digits"),
+        [f"peers={peers}", f"steps={steps}", f"byzantine.count={count}", f"byzantine.attack={attack}",
+         "byzantine.start_step=0", "btard.timeout=1.0", *extra],
+    )
+    summary = simulate(config, tmp_path, progress=False)
+    honest = [p for p in summary["peer_ids"] if p not in summary["byzantine"]]
+    views = {p: set(summary["banned_by_peer"][p]) for p in honest}
+    return summary, honest, views
+
+
+def test_eliminate_bans_the_forger_and_exactly_one_honest_owner(tmp_path):
+    summary, honest, views = _btard_run(tmp_path, "wrong_hash", steps=3)
+    expected = {summary["byzantine"][0], min(honest)}  # canonical order: the lowest-id accuser goes with it
+    assert all(view == expected for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert {(r["peer"], r["reason"]) for r in rows} == {(summary["byzantine"][0], "eliminated:part_hash"), (min(honest), "eliminator")}
+    assert all(r["step"] == 0 for r in rows)
+
+
+def test_accuse_bans_a_sign_flipper_found_by_a_validator_and_nobody_else(tmp_path):
+    summary, honest, views = _btard_run(tmp_path, "sign_flip", "btard.validators=2", steps=8)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in rows] == ["gradient"] and rows[0]["accuser"] in honest
+
+
+def test_slanderer_is_banned_instead_of_its_victim(tmp_path):
+    summary, honest, views = _btard_run(tmp_path, "slander", steps=3)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["step"]) for r in rows] == [("slander:gradient", 0)]
+
+
+@pytest.mark.parametrize("attack, reason", [("agg_shift", "v2_sum"), ("lie_norms", "v1_norm"), ("constant", "bad_aggregate")])
+def test_aggregation_and_metadata_lies_and_nan_parts_are_banned_at_once(tmp_path, attack, reason):
+    extra = ["byzantine.params.value=nan"] if attack == "constant" else []
+    summary, honest, views = _btard_run(tmp_path, attack, *extra, peers=4, steps=2)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert rows[0]["reason"] == reason and rows[0]["step"] == 0
+
+
+def test_same_seed_same_bans_and_metrics_with_attacks_on(tmp_path):
+    _btard_run(tmp_path / "a", "sign_flip", "btard.validators=2", steps=5)
+    _btard_run(tmp_path / "b", "sign_flip", "btard.validators=2", steps=5)
+    for name in ("metrics.jsonl", "bans.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
