@@ -209,3 +209,31 @@ def test_same_seed_same_bans_and_metrics_with_attacks_on(tmp_path):
     _btard_run(tmp_path / "b", "sign_flip", "btard.validators=2", steps=5)
     for name in ("metrics.jsonl", "bans.jsonl"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+# --- Sybil-resistant admission (App. F) -------------------------------------------
+
+from phalanx.algorithms.admission import Admission, AdmissionConfig, Admitted, Banned, Queued, Trusted
+
+
+def test_admission_limits_untrusted_peers_and_trusts_after_t_approvals():
+    admission = Admission([f"t{i}" for i in range(5)], AdmissionConfig(approvals=3))
+    assert admission.slots == 2
+    assert admission.join("a") == [Admitted("a")]
+    assert admission.join("b") == [Admitted("b")]
+    assert admission.join("c") == [Queued("c", 0)]
+    assert admission.join("d") == [Queued("d", 1)]
+    assert "a" not in admission.aggregated() and "a" in admission.committing()
+    assert admission.approved("a") == [] and admission.approved("a") == []
+    assert admission.approved("a") == [Trusted("a"), Admitted("c"), Admitted("d")]  # t = 6: 3 slots
+    assert admission.slots == 3 and admission.untrusted == {"b": 0, "c": 0, "d": 0}
+    assert "a" in admission.aggregated()
+    assert admission.join("e") == [Queued("e", 0)]
+    assert admission.approved("c") == [] and admission.approved("zz") == []
+    assert admission.broke_chain("b", "missing_commitment") == [Banned("b", "missing_commitment"), Admitted("e")]
+    assert admission.join("b") == []  # a banned identity cannot come back under the same key
+    assert admission.ban("t0", "gradient") == [Banned("t0", "gradient")]  # 2 slots now; nobody is evicted
+    assert admission.slots == 2 and admission.untrusted == {"c": 1, "d": 0, "e": 0}
+    assert admission.join("f") == [Queued("f", 0)]
+    with pytest.raises(ConfigError, match="admission.approvals"):
+        AdmissionConfig(approvals=0)

@@ -183,7 +183,8 @@ def resolve(
     that never came), so nobody else can tell whether i or j lies, and banning
     both removes at least one Byzantine while costing at most one honest peer.
     ACCUSE bans the target (and those who covered it) when the evidence holds,
-    else the accuser (slander). With `apply=False` nothing is banned (a
+    else the accuser (slander). An accuser "" marks a failure that every
+    honest peer derives from broadcasts it holds (a failed sum, a split view). With `apply=False` nothing is banned (a
     benchmark baseline); the would-be bans are still returned.
     """
     shadow = ledger if apply else _copy(ledger)
@@ -201,6 +202,8 @@ def resolve(
             if outcome.guilty:
                 records = [BanRecord(step, claim.target, claim.reason, claim.accuser)]
                 records += [BanRecord(step, peer, f"covered:{claim.reason}", claim.accuser) for peer in outcome.covered_by]
+            elif not claim.accuser:
+                records = []  # a failure every honest peer derives itself did not hold: nobody to blame
             else:
                 records = [BanRecord(step, claim.accuser, f"slander:{claim.reason}", claim.accuser)]
         for record in records:

@@ -161,15 +161,20 @@ class Recorder:
             )
         return rows
 
-    def banned(self) -> list[str]:
-        """Bans as seen by the last record of the lowest-index honest peer that ran MPRNG."""
+    def _witness(self, key: str) -> str | None:
+        """The honest peer that recorded `key` the longest (lowest index on ties): banned peers stop early."""
+        best, best_step = None, -1
         for index, peer in enumerate(self.ids):
-            if index in self.byzantine:
-                continue
-            recs = [r for r in self.records if r["peer"] == peer and "banned" in r]
-            if recs:
-                return recs[-1]["banned"]
-        return []
+            steps = [r["step"] for r in self.records if r["peer"] == peer and key in r]
+            if index not in self.byzantine and steps and max(steps) > best_step:
+                best, best_step = peer, max(steps)
+        return best
+
+    def banned(self) -> list[str]:
+        """Bans as seen by the last record of the honest peer that ran longest (lowest index on ties)."""
+        witness = self._witness("banned")
+        recs = [r for r in self.records if r["peer"] == witness and "banned" in r]
+        return max(recs, key=lambda r: r["step"])["banned"] if recs else []
 
     def banned_by_peer(self) -> dict[str, list[str]]:
         """Each peer's ban list at its last recorded step (BTARD runs; honest ones must agree)."""
@@ -180,12 +185,10 @@ class Recorder:
         return {peer: r["banned"] for peer, r in sorted(last.items())}
 
     def ban_records(self) -> list[dict]:
-        """Every ban (step, peer, reason, accuser) in the order the lowest-index honest BTARD peer applied them."""
-        for index, peer in enumerate(self.ids):
-            recs = [r for r in self.records if r["peer"] == peer and "bans" in r]
-            if index not in self.byzantine and recs:
-                return [ban for r in sorted(recs, key=lambda r: r["step"]) for ban in r["bans"]]
-        return []
+        """Every ban (step, peer, reason, accuser) in the order the longest-running honest BTARD peer applied them."""
+        witness = self._witness("bans")
+        recs = sorted((r for r in self.records if r["peer"] == witness and "bans" in r), key=lambda r: r["step"])
+        return [ban for r in recs for ban in r["bans"]]
 
     def write(self, out: Path, extra: dict) -> dict:
         out.mkdir(parents=True, exist_ok=True)

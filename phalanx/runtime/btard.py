@@ -230,7 +230,9 @@ class SecureRound(ButterflyAllReduce):
         for peer in group:
             if peer != me:
                 await tr.send(peer, "ar.reduced", message)
-        envelopes = await tr.collect_broadcasts("bt.rcommit", step, group, self.btard.timeout, relays=len(group))
+        # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
+        wait = self.config.timeout + self.btard.timeout
+        envelopes = await tr.collect_broadcasts("bt.rcommit", step, group, wait, relays=len(group))
         for peer, env in envelopes.items():
             parsed = _rcommit_of(env.payload, peer, group, tr)
             if parsed is None:
@@ -267,7 +269,9 @@ class SecureRound(ButterflyAllReduce):
             chosen = choose(r, contributors_all, 2 * m)
             st.pairs = list(zip(chosen[:m], chosen[m:]))
             await self._send_meta(st, parts, me)
-            envelopes = await tr.collect_broadcasts("bt.meta", step, contributors_all, self.btard.timeout, relays=len(group))
+            # A peer may have waited the whole gather timeout for a silent owner's aggregate.
+            wait = self.config.timeout + self.btard.timeout
+            envelopes = await tr.collect_broadcasts("bt.meta", step, contributors_all, wait, relays=len(group))
             for peer, env in envelopes.items():
                 parsed = _meta_of(env.payload, peer, tr)
                 if parsed is not None:
@@ -295,7 +299,8 @@ class SecureRound(ButterflyAllReduce):
             "approve": approvals,
             "seen": st.commit_seen,
         }))
-        envelopes = await tr.collect_broadcasts("bt.report", step, group, self.btard.timeout, relays=len(group))
+        # A validator may have waited one timeout for a silent target and one for CHECKAVERAGING.
+        envelopes = await tr.collect_broadcasts("bt.report", step, group, 3 * self.btard.timeout, relays=len(group))
         everyone: list[Claim] = []
         for peer, env in envelopes.items():
             report = _report_of(env.payload, peer, tr)
