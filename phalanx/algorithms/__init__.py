@@ -4,4 +4,8 @@
 - attacks: Byzantine gradient policies (sign flip, ALIE, IPM, min-max, ...)
 - mprng: commit-reveal rules of the multi-party random number generator
 - bans: the ban ledger with canonical ordering (no leader)
+- reducers: the rule a partition owner applies, by name (CenteredClip with tau/eps/cap, ...)
+- btard_checks: BTARD verification math (V1-V3, validation, CHECKAVERAGING) with derived tolerances, claims and their canonical resolution
+- btard_attacks: BTARD protocol-level attack policies (aggregation, reputation, protocol violations)
+- admission: Sybil-resistant admission of mid-run joiners (untrusted -> trusted after T approvals)
 """
