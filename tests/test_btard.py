@@ -32,6 +32,19 @@ def test_reducer_config_names_rules_and_rejects_unknown():
         AllReduceConfig(tau=0.0)
 
 
+def test_attack_params_are_a_mapping_checked_against_the_attack():
+    config = override(get_preset("btard-digits"), ["byzantine.attack=agg_shift", "byzantine.params.scale=0.5", "byzantine.params.consistent=false"])
+    assert config.byzantine.params == {"scale": 0.5, "consistent": False}
+    with pytest.raises(ConfigError, match="byzantine.params"):
+        override(get_preset("btard-digits"), ["byzantine.attack=sign_flip", "byzantine.params.bogus=1"])
+    with pytest.raises(ConfigError, match="btard.enabled"):
+        override(get_preset("digits-dp"), ["byzantine.count=1", "byzantine.attack=slander"])
+    with pytest.raises(ConfigError, match="cannot be verified"):
+        override(get_preset("btard-digits"), ["allreduce.reducer=krum"])
+    with pytest.raises(ConfigError, match="mapping"):
+        override(get_preset("btard-digits"), ["byzantine.params=3"])
+
+
 @dataclasses.dataclass(kw_only=True)
 class Truncate(Attack):
     """A peer that sends a gradient 7 entries short, so its last part has the wrong length."""
