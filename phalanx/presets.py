@@ -69,7 +69,6 @@ def btard_digits() -> RunConfig:
     return replace(
         digits_dp(),
         preset="btard-digits",
-        steps=100,
         allreduce=AllReduceConfig(reducer="centered_clip", tau=1.0),
         btard=BTARDConfig(enabled=True, validators=2),
         byzantine=ByzantineConfig(count=7, attack="none", start_step=10),
