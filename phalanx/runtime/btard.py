@@ -323,6 +323,8 @@ class SecureRound(ButterflyAllReduce):
             if not judged:
                 everyone.append(Claim(ACCUSE, "", validator, "not_validating"))
         bans = resolve(self.ledger, step, everyone, lambda c: self._verdict(st, c), apply=self.btard.bans)
+        if not self.btard.bans:
+            bans = []  # would-be bans of a run without bans are not bans: the ledger stays empty
         return SecureResult(
             out,
             tuple(group),
