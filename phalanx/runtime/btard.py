@@ -1,8 +1,10 @@
 """BTARD's secure all-reduce round for one data-parallel peer (Alg. 5-7, App. B, D.3).
 
-One call per step, with the step's group G (the unbanned members, the same on
-every honest peer because bans are agreed):
+One call per step, with the candidates (the unbanned members in this peer's view):
 
+0. join: broadcast a signed, empty join; the step's group G is every unbanned
+   peer whose join reached me (directly or through relays) by the deadline, so
+   a membership view that lags does not split honest peers.
 1. commit: broadcast signed hashes of each part g_i(j) and of the whole g_i;
    collect everyone's, repairing lost ones through relays. The peers whose
    commitment I hold after the wait are the step's contributors. A commitment
@@ -164,6 +166,11 @@ class SecureRound(ButterflyAllReduce):
         if me not in group:
             raise PhalanxError(f"peer {me[:8]} is not in its own BTARD group; pass a group that includes it")
         self._evidence.clear()
+        # 0. the step's group: every unbanned peer whose signed join for this step reached me
+        # directly or through a relay, so that a lagging membership view does not split the group.
+        await tr.broadcast("bt.join", step, b"")
+        await tr.collect_broadcasts("bt.join", step, group, self.btard.timeout, relays=len(group))
+        group = sorted(p for p in set(tr.board.get("bt.join", step)) | {me} if not self.ledger.is_banned(p))
         g = group_digest(group)
         self._begin(step, g)
         for table in (self._grads, self._used):
@@ -176,14 +183,17 @@ class SecureRound(ButterflyAllReduce):
         parts = [committed[a:b] for a, b in st.bounds]
         self._grads[step] = committed
 
-        # 1. commitments
-        payload = encode({"parts": [tensor_hash(p) for p in parts], "whole": tensor_hash(committed)})
+        # 1. commitments (each names the group its sender settled on: another group is a view
+        # mismatch, which excludes the sender from my step but proves nothing against it)
+        payload = encode({"g": g, "parts": [tensor_hash(p) for p in parts], "whole": tensor_hash(committed)})
         if self.policy.equivocate(step):
-            await self._split_commit(step, payload, encode({"parts": [tensor_hash(-p) for p in parts], "whole": tensor_hash(-committed)}))
+            await self._split_commit(step, payload, encode({"g": g, "parts": [tensor_hash(-p) for p in parts], "whole": tensor_hash(-committed)}))
         else:
             await tr.broadcast("bt.commit", step, payload)
         envelopes = await tr.collect_broadcasts("bt.commit", step, group, self.btard.timeout, relays=len(group))
         for peer, env in envelopes.items():
+            if _group_of(env.payload, peer, tr) != g:
+                continue
             parsed = _commit_of(env.payload, peer, len(group), tr)
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
@@ -224,7 +234,7 @@ class SecureRound(ButterflyAllReduce):
         # 3. reduce, commit the aggregate, send it
         aggregate = self.reducer(torch.stack(rows)).to(torch.float32) if rows else torch.zeros(hi - lo)
         mine, sent_aggregate = self.policy.aggregate(step, aggregate)
-        await tr.broadcast("bt.rcommit", step, encode({"h": tensor_hash(mine), "from": used}))
+        await tr.broadcast("bt.rcommit", step, encode({"g": g, "h": tensor_hash(mine), "from": used}))
         self._publish(step, REDUCED, {peer: sent_aggregate for peer in group})
         message = encode({"step": step, "g": g, "t": sent_aggregate})
         for peer in group:
@@ -234,6 +244,8 @@ class SecureRound(ButterflyAllReduce):
         wait = self.config.timeout + self.btard.timeout
         envelopes = await tr.collect_broadcasts("bt.rcommit", step, group, wait, relays=len(group))
         for peer, env in envelopes.items():
+            if _group_of(env.payload, peer, tr) != g:
+                continue
             parsed = _rcommit_of(env.payload, peer, group, tr)
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
@@ -295,6 +307,7 @@ class SecureRound(ButterflyAllReduce):
 
         # 6. reports, equivocation proofs, canonical resolution
         await tr.broadcast("bt.report", step, encode({
+            "g": g,
             "claims": [{"kind": c.kind, "target": c.target, "reason": c.reason, "ev": list(c.evidence)} for c in claims],
             "approve": approvals,
             "seen": st.commit_seen,
@@ -303,6 +316,8 @@ class SecureRound(ButterflyAllReduce):
         envelopes = await tr.collect_broadcasts("bt.report", step, group, 3 * self.btard.timeout, relays=len(group))
         everyone: list[Claim] = []
         for peer, env in envelopes.items():
+            if _group_of(env.payload, peer, tr) != g:
+                continue  # a peer that settled on another group judged another step: its claims do not apply here
             report = _report_of(env.payload, peer, tr)
             if report is None:
                 everyone.append(Claim(ACCUSE, me, peer, "bad_report", (env.to_bytes(),)))
@@ -510,7 +525,8 @@ class SecureRound(ButterflyAllReduce):
             env = SignedEnvelope.from_bytes(ev[0], target, self.transport.limits).verify()
             parse = {"bad_commit": lambda: _commit_of(env.payload, target, len(st.group), None) or _rcommit_of(env.payload, target, st.group, None),
                      "bad_report": lambda: _report_of(env.payload, target, None)}[claim.reason]
-            return Verdict(env.sender == target and env.step == st.step and parse() is None)
+            same_group = _group_of(env.payload, target, None) == group_digest(st.group)
+            return Verdict(env.sender == target and env.step == st.step and same_group and parse() is None)
         if claim.reason == "bad_part":
             j, part = ev
             ok = j == st.group.index(claim.accuser) and target in st.commits and tensor_hash(part) == st.commits[target][0][j]
@@ -573,9 +589,15 @@ def _decoded(payload: bytes, sender: str, transport: Transport | None):
         return None
 
 
+def _group_of(payload: bytes, sender: str, transport) -> bytes | None:
+    """The group digest a signed payload names (None: none)."""
+    obj = _decoded(payload, sender, transport)
+    return obj.get("g") if isinstance(obj, dict) and isinstance(obj.get("g"), bytes) else None
+
+
 def _commit_of(payload: bytes, sender: str, n: int, transport) -> tuple[list[bytes], bytes] | None:
     obj = _decoded(payload, sender, transport)
-    if not isinstance(obj, dict) or set(obj) != {"parts", "whole"}:
+    if not isinstance(obj, dict) or set(obj) != {"g", "parts", "whole"}:
         return None
     parts, whole = obj["parts"], obj["whole"]
     if not isinstance(parts, list) or len(parts) != n or not all(isinstance(h, bytes) and len(h) == 32 for h in parts):
@@ -585,7 +607,7 @@ def _commit_of(payload: bytes, sender: str, n: int, transport) -> tuple[list[byt
 
 def _rcommit_of(payload: bytes, sender: str, group: list[str], transport) -> tuple[bytes, list[str]] | None:
     obj = _decoded(payload, sender, transport)
-    if not isinstance(obj, dict) or set(obj) != {"h", "from"}:
+    if not isinstance(obj, dict) or set(obj) != {"g", "h", "from"}:
         return None
     h, used = obj["h"], obj["from"]
     if not isinstance(h, bytes) or len(h) != 32 or not isinstance(used, list) or not all(p in group for p in used):
