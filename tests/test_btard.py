@@ -2,14 +2,31 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
 
+from phalanx.algorithms.admission import Admission, AdmissionConfig, Admitted, Banned, Queued, Trusted
 from phalanx.algorithms.attacks import Attack
+from phalanx.algorithms.bans import BanLedger
+from phalanx.algorithms.btard_checks import (
+    ACCUSE,
+    ELIMINATE,
+    Claim,
+    Verdict,
+    gradient_matches,
+    norm_matches,
+    project,
+    resolve,
+    s_matches,
+    sum_holds,
+    sum_tolerance,
+)
 from phalanx.algorithms.reducers import make_reducer
 from phalanx.config import override
 from phalanx.core.errors import ConfigError
+from phalanx.experiments.simulate import simulate
 from phalanx.experiments.swarm import peer_identity
 from phalanx.presets import get_preset
 from phalanx.runtime.butterfly import AllReduceConfig
@@ -76,23 +93,6 @@ def test_short_vector_from_the_last_partition_owner_is_evidence_not_a_crash():
 
 
 # --- verification math ---------------------------------------------------------
-
-import math
-
-from phalanx.algorithms.bans import BanLedger
-from phalanx.algorithms.btard_checks import (
-    ACCUSE,
-    ELIMINATE,
-    Claim,
-    Verdict,
-    gradient_matches,
-    norm_matches,
-    project,
-    resolve,
-    s_matches,
-    sum_holds,
-    sum_tolerance,
-)
 
 
 def _partition(gen, k=8, m=64):
@@ -170,8 +170,6 @@ def test_resolve_orders_claims_and_bans_eliminators_and_slanderers():
 
 # --- whole-swarm scenarios -------------------------------------------------------
 
-from phalanx.experiments.simulate import simulate
-
 
 def _btard_run(tmp_path, attack, *extra, peers=5, steps=6, count=1):
     config = override(
@@ -233,8 +231,6 @@ def test_same_seed_same_bans_and_metrics_with_attacks_on(tmp_path):
 
 
 # --- Sybil-resistant admission (App. F) -------------------------------------------
-
-from phalanx.algorithms.admission import Admission, AdmissionConfig, Admitted, Banned, Queued, Trusted
 
 
 def test_admission_limits_untrusted_peers_and_trusts_after_t_approvals():
