@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -10,6 +11,15 @@ from pathlib import Path
 from .config import RunConfig, override
 from .core.errors import ConfigError, LocalError
 from .presets import describe, get_preset
+
+# `phalanx bench NAME` runs run_cli(args) of this module of phalanx.experiments.
+BENCHES = {
+    "robustness": "robustness",
+    "btard": "btard_bench",
+    "gwtf": "gwtf_bench",
+    "aspis": "aspis_bench",
+    "sentinel": "sentinel_bench",
+}
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -56,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("presets", help="list presets")
 
     p = sub.add_parser("bench", help="run an experiment benchmark")
-    p.add_argument("name", choices=["robustness", "aspis"])
+    p.add_argument("name", choices=sorted(BENCHES))
     p.add_argument("--preset", default="quick", help="benchmark preset: quick or full")
     p.add_argument("--out", help="output directory (default runs/bench-NAME-PRESET)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a benchmark config key")
@@ -80,14 +90,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(report(Path(args.dir)))
         return 0
-    if args.command == "bench" and args.name == "aspis":
-        from .experiments.aspis_bench import run_cli as run_aspis_bench
-
-        return run_aspis_bench(args)
     if args.command == "bench":
-        from .experiments.robustness import run_cli
-
-        return run_cli(args)
+        return importlib.import_module(f".experiments.{BENCHES[args.name]}", __package__).run_cli(args)
     config = _config(args)
     if args.command == "simulate":
         from .experiments.simulate import simulate

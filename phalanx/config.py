@@ -15,8 +15,10 @@ import math
 import typing
 from dataclasses import dataclass, field
 
-from .algorithms.attacks import ATTACKS
+from .algorithms.attacks import ATTACKS, AttackSchedule, make_attack
+from .algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
 from .core.errors import ConfigError
+from .runtime.btard import SECURE_REDUCERS, BTARDConfig
 from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
 from .runtime.mprng import MPRNGConfig
@@ -61,16 +63,26 @@ class ByzantineConfig:
     """Peers that run the protocol and lie."""
 
     count: int = 0
-    attack: str = "none"  # a gradient attack from phalanx.algorithms.attacks, or "none"
+    attack: str = "none"  # a gradient attack (phalanx.algorithms.attacks), a BTARD protocol attack, or "none"
     start_step: int = 0
     every: int = 1
     mprng: str = "honest"  # honest | withhold | wrong | split: how they behave in MPRNG rounds
+    params: dict[str, float | str] = field(default_factory=dict)  # the attack's parameters: --set byzantine.params.scale=10
 
     def __post_init__(self) -> None:
         _check(self.count >= 0, "byzantine.count", self.count, "must be >= 0")
-        allowed = ["none", *ATTACKS]
+        allowed = ["none", *ATTACKS, *PROTOCOL_ATTACKS]
         _check(self.attack in allowed, "byzantine.attack", self.attack, f"is not known; allowed: {', '.join(allowed)}")
         _check(self.every >= 1, "byzantine.every", self.every, "must be >= 1")
+        _check(self.start_step >= 0, "byzantine.start_step", self.start_step, "must be >= 0")
+        try:
+            schedule = AttackSchedule(self.start_step, self.every)
+            if self.attack in ATTACKS:
+                make_attack(self.attack, schedule, **self.params)
+            else:
+                make_policy(self.attack, schedule, 0, frozenset(), **self.params)
+        except ValueError as exc:
+            raise ConfigError(f"byzantine.params={self.params!r} do not fit byzantine.attack={self.attack!r}: {exc}") from None
         _check(self.mprng in ("honest", "withhold", "wrong", "split"), "byzantine.mprng", self.mprng, "allowed: honest, withhold, wrong, split")
 
 
@@ -88,8 +100,14 @@ class RunConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     byzantine: ByzantineConfig = field(default_factory=ByzantineConfig)
+    btard: BTARDConfig = field(default_factory=BTARDConfig)
 
     def __post_init__(self) -> None:
+        if self.btard.enabled:
+            _check(self.mprng_every == 0, "mprng_every", self.mprng_every, "must be 0 with btard.enabled (BTARD runs its own MPRNG round every step)")
+            _check(self.allreduce.reducer in SECURE_REDUCERS, "allreduce.reducer", self.allreduce.reducer, f"cannot be verified by BTARD; use one of {', '.join(SECURE_REDUCERS)}")
+        elif self.byzantine.attack in PROTOCOL_ATTACKS:
+            _check(False, "byzantine.attack", self.byzantine.attack, "is a BTARD protocol attack: set btard.enabled=true")
         _check(self.peers >= 1, "peers", self.peers, "must be >= 1")
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         _check(self.eval_peers >= 1, "eval_peers", self.eval_peers, "must be >= 1")
@@ -153,7 +171,11 @@ def _assign(cls: type, data: dict, path: list[str], text: str, prefix: str) -> N
     if name not in fields:
         raise ConfigError(f"unknown key {prefix + name!r}; allowed: {', '.join(prefix + f for f in fields)}")
     kind = hints[name]
-    if dataclasses.is_dataclass(kind):
+    if typing.get_origin(kind) is dict:
+        if len(path) != 2:
+            raise ConfigError(f"{prefix + name!r} is a mapping; set one entry, e.g. {prefix + name}.scale=10")
+        data[name][path[1]] = _scalar(text)
+    elif dataclasses.is_dataclass(kind):
         if len(path) == 1:
             example = dataclasses.fields(kind)[0].name
             raise ConfigError(f"{prefix + name!r} is a group; set one of its keys, e.g. {prefix + name}.{example}=...")
@@ -162,6 +184,20 @@ def _assign(cls: type, data: dict, path: list[str], text: str, prefix: str) -> N
         raise ConfigError(f"{prefix + name!r} has no sub-keys")
     else:
         data[name] = _parse(text, kind, prefix + name)
+
+
+def _scalar(text: str) -> float | str | bool:
+    """A mapping entry from the command line: a number, true/false, or else the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _parse(text: str, kind: type, key: str):

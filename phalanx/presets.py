@@ -7,6 +7,8 @@ from dataclasses import replace
 
 from .config import ByzantineConfig, FaultsConfig, NetworkConfig, RunConfig
 from .core.errors import ConfigError
+from .runtime.btard import BTARDConfig
+from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
 
 
@@ -62,6 +64,17 @@ def chars_gpt_dp() -> RunConfig:
     )
 
 
+def btard_digits() -> RunConfig:
+    """Digits MLP, 16 peers (7 Byzantine, honest unless byzantine.attack is set), BTARD: CenteredClip tau=1, 2 validators."""
+    return replace(
+        digits_dp(),
+        preset="btard-digits",
+        allreduce=AllReduceConfig(reducer="centered_clip", tau=1.0),
+        btard=BTARDConfig(enabled=True, validators=2),
+        byzantine=ByzantineConfig(count=7, attack="none", start_step=10),
+    )
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "digits-dp": digits_dp,
     "digits-cnn-dp": digits_cnn_dp,
@@ -70,6 +83,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "digits-dp-hetero": digits_dp_hetero,
     "mprng-demo": mprng_demo,
     "chars-gpt-dp": chars_gpt_dp,
+    "btard-digits": btard_digits,
 }
 
 from .experiments.aspis import aspis_digits, aspis_plus_digits  # noqa: E402  (own run kind, own module)

@@ -7,4 +7,8 @@
 - aspis_designs: Aspis subset assignment, Steiner triple systems, design checks, per-iteration permutations
 - aspis: agreement graph, clique and windowed-degree detection, majority vote aggregation (Aspis Alg. 1-3)
 - aspis_attacks: ATT-1/2/3 orchestrations (who lies on which file), Theorem 1, symbolic distortion counting
+- reducers: the rule a partition owner applies, by name (CenteredClip with tau/eps/cap, ...)
+- btard_checks: BTARD verification math (V1-V3, validation, CHECKAVERAGING) with derived tolerances, claims and their canonical resolution
+- btard_attacks: BTARD protocol-level attack policies (aggregation, reputation, protocol violations)
+- admission: Sybil-resistant admission of mid-run joiners (untrusted -> trusted after T approvals)
 """

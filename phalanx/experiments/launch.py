@@ -25,6 +25,7 @@ from .swarm import Recorder, build_peer, peer_identity, run_peer
 
 JOIN_TIMEOUT = 120.0  # seconds for all peers to appear in the membership view
 BARRIER_TIMEOUT = 120.0
+BARRIER_STEP = 1 << 40
 
 
 def run_id_of(config: RunConfig) -> str:
@@ -32,9 +33,13 @@ def run_id_of(config: RunConfig) -> str:
 
 
 async def _barrier(transport, name: str, peers: list[str]) -> None:
-    """Wait until every peer has announced `name` (or the timeout passes)."""
-    await transport.broadcast(f"barrier.{name}", 0, b"")
-    await transport.board.wait(f"barrier.{name}", 0, peers, BARRIER_TIMEOUT)
+    """Wait until every peer has announced `name` (or the timeout passes).
+
+    The slot's step is beyond any training step, so pruning old broadcasts never
+    drops the announcement of a peer that left early (a banned peer stops at once).
+    """
+    await transport.broadcast(f"barrier.{name}", BARRIER_STEP, b"")
+    await transport.board.wait(f"barrier.{name}", BARRIER_STEP, peers, BARRIER_TIMEOUT)
 
 
 async def run_worker(

@@ -70,6 +70,10 @@ def report(run_dir: Path) -> str:
     fig.savefig(run_dir / "timeline.png", dpi=110)
     plt.close(fig)
 
+    bans = _jsonl(run_dir / "bans.jsonl")
+    if bans:
+        _ban_timeline(run_dir, summary, bans, title)
+
     rows = [
         ("preset", summary["preset"]),
         ("mode", summary.get("mode", "?")),
@@ -88,6 +92,23 @@ def report(run_dir: Path) -> str:
     table = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
     (run_dir / "summary.txt").write_text(table + "\n")
     return table
+
+
+def _ban_timeline(run_dir: Path, summary: dict, bans: list[dict], title: str) -> None:
+    """bans.png: when each peer was banned and why (Byzantine peers in red)."""
+    ids = summary.get("peer_ids", [])
+    byzantine = set(summary.get("byzantine", []))
+    fig, ax = plt.subplots(figsize=(8, max(3, 0.3 * len(bans) + 1.5)))
+    for k, ban in enumerate(bans):
+        color = "tab:red" if ban["peer"] in byzantine else "tab:blue"
+        label = f"peer {ids.index(ban['peer'])}" if ban["peer"] in ids else ban["peer"][:8]
+        ax.plot([ban["step"]], [k], "o", color=color)
+        ax.annotate(f"{label}: {ban['reason']}", (ban["step"], k), xytext=(6, -3), textcoords="offset points", fontsize=8)
+    ax.set(xlabel="step", ylabel="ban (in canonical order)", title=f"bans — {title} (red: Byzantine, blue: honest)")
+    ax.set_xlim(-1, max(summary.get("steps", 1), max(b["step"] for b in bans) + 1))
+    fig.tight_layout()
+    fig.savefig(run_dir / "bans.png", dpi=110)
+    plt.close(fig)
 
 
 def _fmt(value) -> str:

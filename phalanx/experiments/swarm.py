@@ -14,11 +14,13 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from ..algorithms.attacks import AttackSchedule, make_attack
+from ..algorithms.attacks import ATTACKS, AttackSchedule, make_attack
+from ..algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
 from ..config import RunConfig
 from ..core.identity import Identity
 from ..core.rng import py_stream
 from ..runtime.dp_peer import DataParallelPeer, task_of
+from ..runtime.btard import SecureRound
 from ..runtime.mprng import MPRNGBehaviour, MPRNGFailed, SplitView, WithholdReveal, WrongReveal, run_mprng
 from ..transport.base import Transport
 
@@ -52,10 +54,13 @@ def crash_indices(config: RunConfig) -> list[int]:
 
 def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParallelPeer:
     byzantine = index in byzantine_indices(config)
-    attack = None
-    if byzantine and config.byzantine.attack != "none":
-        schedule = AttackSchedule(start_step=config.byzantine.start_step, every=config.byzantine.every)
-        attack = make_attack(config.byzantine.attack, schedule)
+    attack = policy = None
+    schedule = AttackSchedule(start_step=config.byzantine.start_step, every=config.byzantine.every)
+    if byzantine and config.byzantine.attack in ATTACKS:
+        attack = make_attack(config.byzantine.attack, schedule, **config.byzantine.params)
+    if byzantine and config.byzantine.attack in PROTOCOL_ATTACKS:
+        colluders = frozenset(peer_identity(config.seed, i).peer_id for i in byzantine_indices(config))
+        policy = make_policy(config.byzantine.attack, schedule, config.seed, colluders, **config.byzantine.params)
     return DataParallelPeer(
         transport,
         task_of(config.train),
@@ -65,6 +70,8 @@ def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParal
         attack=attack,
         colluders=config.byzantine.count,
         evaluate=index < config.eval_peers,
+        btard=config.btard,
+        policy=policy,
     )
 
 
@@ -80,6 +87,8 @@ async def run_peer(
     else:
         entropy = secrets.token_bytes
     me = peer.transport.peer_id
+    if isinstance(peer.allreduce, SecureRound):
+        peer.allreduce.entropy = entropy
     for step in range(config.steps):
         if peer.ledger.is_banned(me):
             return  # the honest peers have banned us: they no longer listen
@@ -152,19 +161,42 @@ class Recorder:
             )
         return rows
 
-    def banned(self) -> list[str]:
-        """Bans as seen by the last record of the lowest-index honest peer that ran MPRNG."""
+    def _witness(self, key: str) -> str | None:
+        """The honest peer that recorded `key` the longest (lowest index on ties): banned peers stop early."""
+        best, best_step = None, -1
         for index, peer in enumerate(self.ids):
-            if index in self.byzantine:
-                continue
-            recs = [r for r in self.records if r["peer"] == peer and "banned" in r]
-            if recs:
-                return recs[-1]["banned"]
-        return []
+            steps = [r["step"] for r in self.records if r["peer"] == peer and key in r]
+            if index not in self.byzantine and steps and max(steps) > best_step:
+                best, best_step = peer, max(steps)
+        return best
+
+    def banned(self) -> list[str]:
+        """Bans as seen by the last record of the honest peer that ran longest (lowest index on ties)."""
+        witness = self._witness("banned")
+        recs = [r for r in self.records if r["peer"] == witness and "banned" in r]
+        return max(recs, key=lambda r: r["step"])["banned"] if recs else []
+
+    def banned_by_peer(self) -> dict[str, list[str]]:
+        """Each peer's ban list at its last recorded step (BTARD runs; honest ones must agree)."""
+        last: dict[str, dict] = {}
+        for r in self.records:
+            if "banned" in r and r["step"] >= last.get(r["peer"], {}).get("step", -1):
+                last[r["peer"]] = r
+        return {peer: r["banned"] for peer, r in sorted(last.items())}
+
+    def ban_records(self) -> list[dict]:
+        """Every ban (step, peer, reason, accuser) in the order the longest-running honest BTARD peer applied them."""
+        witness = self._witness("bans")
+        recs = sorted((r for r in self.records if r["peer"] == witness and "bans" in r), key=lambda r: r["step"])
+        return [ban for r in recs for ban in r["bans"]]
 
     def write(self, out: Path, extra: dict) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         metrics = self.metrics()
+        if any("bans" in r for r in self.records):
+            with open(out / "bans.jsonl", "w") as f:
+                for ban in self.ban_records():
+                    f.write(json.dumps(ban, sort_keys=True) + "\n")
         (out / "config.json").write_text(self.config.to_json() + "\n")
         with open(out / "metrics.jsonl", "w") as f:
             for row in metrics:
@@ -183,6 +215,7 @@ class Recorder:
             "final_test_loss": evaluated[-1]["test_loss"] if evaluated else None,
             "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
             "banned": self.banned(),
+            "banned_by_peer": self.banned_by_peer(),
             "byzantine": [self.ids[i] for i in sorted(self.byzantine)],
             "crashed": [self.ids[i] for i in crash_indices(self.config)],
             "peer_ids": self.ids,

@@ -2,6 +2,7 @@
 
 - butterfly: butterfly all-reduce with a pluggable reduction rule
 - mprng: the MPRNG round (commit, reveal, verify, ban, re-run)
+- btard: the BTARD secure round (commitments, ELIMINATE/ACCUSE, validators, verifications) and BTARDConfig
 - dp_peer: a data-parallel training peer (and its TrainConfig)
 - aspis: the Aspis / Aspis+ coordinator and worker roles (and AspisConfig)
 """

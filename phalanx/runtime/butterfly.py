@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..algorithms.reducers import REDUCERS, make_reducer
 from ..core.errors import ConfigError, Evidence, PhalanxError, RemoteError
 from ..core.serialization import check_tensor, decode, encode
 from ..transport.base import Transport
@@ -43,6 +44,11 @@ class AllReduceConfig:
     pull_timeout: float = 0.25  # seconds per pull attempt, plus transfer time; the holder waits up to half of it
     pull_bandwidth: float = 20e6  # bytes/s assumed when sizing a pull's transfer time (slow links: lower it)
     window: int = 2  # accept messages for steps up to this far ahead of ours
+    reducer: str = "mean"  # the rule each partition owner applies: any of phalanx.algorithms.reducers.REDUCERS
+    tau: float = 1.0  # CenteredClip radius (inf: the mean)
+    eps: float = 1e-6  # CenteredClip stops when an update moves the aggregate by at most this
+    max_iters: int = 1000  # CenteredClip iteration cap
+    f: int = 0  # Byzantine count assumed by rules that take one (trimmed_mean, krum, bulyan, median_of_means)
 
     def __post_init__(self) -> None:
         for name in ("timeout", "pull_after", "pull_timeout", "pull_bandwidth"):
@@ -50,6 +56,20 @@ class AllReduceConfig:
                 raise ConfigError(f"allreduce.{name}={getattr(self, name)!r} must be > 0")
         if self.window < 1:
             raise ConfigError(f"allreduce.window={self.window} must be >= 1")
+        if self.reducer not in REDUCERS:
+            raise ConfigError(f"allreduce.reducer={self.reducer!r} is not known; allowed: {', '.join(REDUCERS)}")
+        if not self.tau > 0 or math.isnan(self.tau):
+            raise ConfigError(f"allreduce.tau={self.tau!r} must be > 0 (inf: the mean)")
+        if not 0 <= self.eps < float("inf"):
+            raise ConfigError(f"allreduce.eps={self.eps!r} must be a finite number >= 0")
+        if self.max_iters < 1:
+            raise ConfigError(f"allreduce.max_iters={self.max_iters} must be >= 1")
+        if self.f < 0:
+            raise ConfigError(f"allreduce.f={self.f} must be >= 0")
+
+    def build_reducer(self) -> Reducer:
+        """The reduction rule this config names."""
+        return make_reducer(self.reducer, tau=self.tau, eps=self.eps, max_iters=self.max_iters, f=self.f)
 
 
 @dataclass(frozen=True)
@@ -113,7 +133,8 @@ class ButterflyAllReduce:
             await self.transport.send(peer, "ar.part", encode({"step": step, "g": g, "t": parts[peer]}))
         received = await self._collect(step, PART, {p: (hi - lo,) for p in others})
         contributors = [me] + [p for p in others if p in received]
-        stack = torch.stack([parts[me]] + [received[p] for p in contributors[1:]])
+        own = parts[me] if parts[me].shape == (hi - lo,) else torch.zeros(hi - lo)  # an attack's vector may be short
+        stack = torch.stack([own] + [received[p] for p in contributors[1:]])
         reduced = self.reducer(stack).to(torch.float32)
         self._publish(step, REDUCED, {peer: reduced for peer in group})
         message = encode({"step": step, "g": g, "t": reduced})

@@ -7,6 +7,7 @@ policy that rewrites what it sends; nothing marks it to the others.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from ..algorithms.bans import BanLedger
 from ..core.errors import ConfigError
 from ..training.task import TASKS, Task, compute_gradient, make_task, num_params, set_flat_grad, train_flops
 from ..transport.base import Transport
-from .butterfly import AllReduceConfig, ButterflyAllReduce, Reducer, mean_reducer
+from ..algorithms.btard_attacks import ProtocolPolicy
+from .btard import BTARDConfig, SecureResult, SecureRound
+from .butterfly import AllReduceConfig, ButterflyAllReduce, Reducer
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +78,12 @@ class DataParallelPeer:
         run_seed: int,
         *,
         allreduce: AllReduceConfig = AllReduceConfig(),
-        reducer: Reducer = mean_reducer,
+        reducer: Reducer | None = None,
         attack: Attack | None = None,
         colluders: int = 0,
         evaluate: bool = False,
+        btard: BTARDConfig = BTARDConfig(),
+        policy: ProtocolPolicy | None = None,
     ) -> None:
         self.transport = transport
         self.task = task
@@ -92,7 +97,10 @@ class DataParallelPeer:
         self.optimizer = make_optimizer(config, self.model.parameters())
         self.dim = num_params(self.model)
         self.flops = train_flops(task, self.model, config.batch_size)
-        self.allreduce = ButterflyAllReduce(transport, self.dim, reducer, allreduce)
+        if btard.enabled:
+            self.allreduce = SecureRound(transport, self.dim, allreduce, btard, self.ledger, self._public_gradient, policy)
+        else:
+            self.allreduce = ButterflyAllReduce(transport, self.dim, reducer or allreduce.build_reducer(), allreduce)
         self.step = 0
 
     def group(self) -> list[str]:
@@ -130,9 +138,16 @@ class DataParallelPeer:
             "t_computed": computed,
             "t_end": clock.now(),
         }
+        if isinstance(result, SecureResult):
+            record["bans"] = [dataclasses.asdict(b) for b in result.bans]
+            record["banned"] = list(self.ledger.banned)
         if self.evaluate and ((step + 1) % self.config.eval_every == 0):
             record.update({f"test_{k}": v for k, v in self.task.evaluate(self.model).items()})
         return record
+
+    def _public_gradient(self, peer: str, step: int) -> torch.Tensor:
+        """`peer`'s gradient at `step` recomputed from its public batch on this peer's model (validation)."""
+        return compute_gradient(self.task, self.model, *self.task.batch(self.run_seed, peer, step, self.config.batch_size))[0]
 
     def _attack_view(self, step: int, gradient: torch.Tensor, group: list[str], x, y) -> AttackView:
         honest = None

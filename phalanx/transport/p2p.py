@@ -361,13 +361,22 @@ class HivemindTransport(Transport):
         except Exception:  # the DHT process reports its failures as arbitrary exceptions
             log.warning("could not read membership records; keeping the old view", exc_info=True)
             return
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        if found is None or not isinstance(found.value, dict):
+            # Our own record is always stored, so no answer means the lookup failed (a busy
+            # DHT times out): keep the old view rather than forget every member at once.
+            log.debug("membership lookup returned nothing; keeping the old view")
+            return
+        entries = found.value
         self._absorb({subkey: item.value for subkey, item in entries.items()})
 
     def _absorb(self, entries: dict[Any, Any]) -> None:
-        """Replace the view by the valid, unexpired records in `entries` (subkey -> stored value)."""
+        """Merge the valid records in `entries` (subkey -> stored value) into the view; drop expired ones.
+
+        A lookup under load may return only some records; a member leaves the
+        view when its record expires, not when one lookup misses it.
+        """
         now = get_dht_time()
-        view: dict[str, MembershipRecord] = {}
+        view: dict[str, MembershipRecord] = {p: r for p, r in self._view.items() if r.expiration > now}
         for subkey, value in entries.items():
             if not isinstance(subkey, str) or not isinstance(value, bytes):
                 log.info("ignoring a membership entry of wrong type under subkey %r", subkey)
@@ -382,7 +391,7 @@ class HivemindTransport(Transport):
                     self._reported_records.add(digest(value))
                     self.report(exc.evidence)
                 continue
-            if record.expiration > now and subkey != self.peer_id:
+            if record.expiration > now and subkey != self.peer_id and (subkey not in view or record.expiration > view[subkey].expiration):
                 view[subkey] = record
         self._view = view
         self._by_libp2p = {r.libp2p_id: p for p, r in view.items()}

@@ -1,0 +1,645 @@
+"""BTARD's secure all-reduce round for one data-parallel peer (Alg. 5-7, App. B, D.3).
+
+One call per step, with the candidates (the unbanned members in this peer's view):
+
+0. join: broadcast a signed, empty join; the step's group G is every unbanned
+   peer whose join reached me (directly or through relays) by the deadline, so
+   a membership view that lags does not split honest peers.
+1. commit: broadcast signed hashes of each part g_i(j) and of the whole g_i;
+   collect everyone's, repairing lost ones through relays. The peers whose
+   commitment I hold after the wait are the step's contributors. A commitment
+   that arrives later is ignored for this step: its sender's parts are not
+   aggregated, and it is not banned (lateness proves nothing), but if it then
+   sends a part that a committed-and-late view cannot match, it is treated as
+   any uncommitted sender: ignored.
+2. scatter: send g_i(j) to owner j; the owner checks each part against its
+   commitment: missing or mismatching -> ELIMINATE(owner, sender); matching
+   but NaN/Inf, wrong shape or dtype -> ACCUSE with the part as proof.
+3. reduce: the owner runs the configured rule (CenteredClip), broadcasts the
+   hash of the result and the list of parts it used, then sends the result;
+   receivers check it the same way.
+4. MPRNG (run while the aggregates travel, after all hashes are out, App. B)
+   gives r: the direction z (Verification 2) and m validator/target pairs.
+5. meta: each contributor broadcasts norm_ij and s_ij for every partition.
+   Owners run V1 and V2 on their contributors; everyone checks Σ_i s_i^j = 0;
+   V3 flags trigger CHECKAVERAGING. Validators fetch their target's gradient,
+   check it against its commitment, recompute it from the public batch and
+   check its norms and inner products (Alg. 7).
+6. report: each peer broadcasts its claims (ACCUSE with evidence, ELIMINATE),
+   approvals and a digest of the commitments it saw; the reports are
+   collected, split views are turned into equivocation proofs, and every
+   honest peer resolves the same claims in one canonical order
+   (`btard_checks.resolve`). The peer then takes its SGD step.
+
+Protocol messages a peer gets wrong never raise: they become claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..algorithms.bans import BanLedger, BanRecord
+from ..algorithms.btard_attacks import ProtocolPolicy
+from ..algorithms.btard_checks import (
+    ACCUSE,
+    ELIMINATE,
+    Claim,
+    Verdict,
+    averaging_matches,
+    direction,
+    gradient_matches,
+    norm_matches,
+    project,
+    resolve,
+    s_matches,
+    sum_holds,
+    sum_tolerance,
+    tensor_hash,
+    v3_flags,
+)
+from ..algorithms.mprng import choose
+from ..core.envelope import SignedEnvelope
+from ..core.errors import ConfigError, Evidence, PhalanxError, RemoteError
+from ..core.serialization import DEFAULT_LIMITS, decode, digest, encode
+from ..transport.base import BROADCAST_TOPIC, Transport
+from .butterfly import PART, REDUCED, AllReduceConfig, AllReduceResult, ButterflyAllReduce, group_digest, part_bounds
+from .mprng import MPRNGConfig, MPRNGFailed, run_mprng
+
+log = logging.getLogger(__name__)
+
+META_REASONS = ("v1_norm", "v2_s", "no_meta")
+HANDLED_EVIDENCE = ("wrong_shape", "wrong_dtype", "non_finite", "equivocation", "no_reveal", "bad_reveal")
+SECURE_REDUCERS = ("centered_clip", "mean")
+
+
+@dataclass(frozen=True)
+class BTARDConfig:
+    enabled: bool = False  # run the secure round instead of plain butterfly all-reduce
+    validators: int = 1  # m: validator/target pairs drawn per step
+    timeout: float = 5.0  # seconds per broadcast phase (commitments, metadata, reports)
+    delta_max: float = float("inf")  # V3 threshold on ||g_i(j) - ĝ(j)|| (inf: V3 never fires)
+    bans: bool = True  # False: claims are resolved but nobody is banned (a benchmark baseline)
+
+    def __post_init__(self) -> None:
+        if self.validators < 0:
+            raise ConfigError(f"btard.validators={self.validators} must be >= 0")
+        if not 0 < self.timeout < float("inf"):
+            raise ConfigError(f"btard.timeout={self.timeout!r} must be a finite number > 0")
+        if not self.delta_max > 0:
+            raise ConfigError(f"btard.delta_max={self.delta_max!r} must be > 0 (inf: V3 off)")
+
+
+@dataclass(frozen=True)
+class SecureResult(AllReduceResult):
+    bans: tuple[BanRecord, ...] = ()
+    claims: int = 0
+    validators: tuple[str, ...] = ()
+
+
+@dataclass
+class _Step:
+    """Everything one step's checks and verdicts read."""
+
+    step: int
+    group: list[str]
+    bounds: list[tuple[int, int]]
+    commits: dict[str, tuple[list[bytes], bytes]] = field(default_factory=dict)
+    commit_seen: dict[str, bytes] = field(default_factory=dict)
+    rcommits: dict[str, tuple[bytes, list[str]]] = field(default_factory=dict)
+    aggregates: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, tuple[dict, dict]] = field(default_factory=dict)
+    z: torch.Tensor | None = None
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    reports: dict[str, dict] = field(default_factory=dict)
+    sum_failed: set[str] = field(default_factory=set)
+    averaging: dict[str, bool] = field(default_factory=dict)
+
+    def slice(self, owner: str) -> slice:
+        a, b = self.bounds[self.group.index(owner)]
+        return slice(a, b)
+
+
+class SecureRound(ButterflyAllReduce):
+    """One peer's side of BTARD; `await round(step, gradient, group)` once per step."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        dim: int,
+        allreduce: AllReduceConfig,
+        config: BTARDConfig,
+        ledger: BanLedger,
+        recompute: Callable[[str, int], torch.Tensor],
+        policy: ProtocolPolicy | None = None,
+        mprng: MPRNGConfig = MPRNGConfig(),
+        entropy: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> None:
+        if allreduce.reducer not in SECURE_REDUCERS:
+            raise ConfigError(f"allreduce.reducer={allreduce.reducer!r} cannot be verified by BTARD; use one of {', '.join(SECURE_REDUCERS)}")
+        super().__init__(transport, dim, allreduce.build_reducer(), allreduce)
+        self.btard = config
+        self.tau = allreduce.tau if allreduce.reducer == "centered_clip" else float("inf")
+        self.eps = allreduce.eps
+        self.ledger = ledger
+        self.recompute = recompute
+        self.policy = policy or ProtocolPolicy()
+        self.mprng = mprng
+        self.entropy = entropy
+        self._grads: dict[int, torch.Tensor] = {}
+        self._used: dict[int, dict[str, torch.Tensor]] = {}
+        self._evidence: list[Evidence] = []
+        transport.add_request_handler("bt.grad", self._on_grad)
+        transport.add_request_handler("bt.parts", self._on_parts)
+        transport.on_evidence(self._evidence.append)
+
+    # --- the round -------------------------------------------------------------
+
+    async def __call__(self, step: int, vector: torch.Tensor, group: list[str]) -> SecureResult:
+        tr, me = self.transport, self.transport.peer_id
+        if me not in group:
+            raise PhalanxError(f"peer {me[:8]} is not in its own BTARD group; pass a group that includes it")
+        self._evidence.clear()
+        # 0. the step's group: every unbanned peer whose signed join for this step reached me
+        # directly or through a relay, so that a lagging membership view does not split the group.
+        await tr.broadcast("bt.join", step, b"")
+        await tr.collect_broadcasts("bt.join", step, group, self.btard.timeout, relays=len(group))
+        group = sorted(p for p in set(tr.board.get("bt.join", step)) | {me} if not self.ledger.is_banned(p))
+        g = group_digest(group)
+        self._begin(step, g)
+        for table in (self._grads, self._used):
+            for key in [k for k in table if k < step - 1]:
+                del table[key]
+        st = _Step(step, list(group), part_bounds(self.dim, len(group)))
+        index = group.index(me)
+        claims: list[Claim] = []
+        committed = self.policy.committed_gradient(step, vector.detach().reshape(-1).to(torch.float32))
+        parts = [committed[a:b] for a, b in st.bounds]
+        self._grads[step] = committed
+
+        # 1. commitments (each names the group its sender settled on: another group is a view
+        # mismatch, which excludes the sender from my step but proves nothing against it)
+        payload = encode({"g": g, "parts": [tensor_hash(p) for p in parts], "whole": tensor_hash(committed)})
+        if self.policy.equivocate(step):
+            await self._split_commit(step, payload, encode({"g": g, "parts": [tensor_hash(-p) for p in parts], "whole": tensor_hash(-committed)}))
+        else:
+            await tr.broadcast("bt.commit", step, payload)
+        envelopes = await tr.collect_broadcasts("bt.commit", step, group, self.btard.timeout, relays=len(group))
+        for peer, env in envelopes.items():
+            if _group_of(env.payload, peer, tr) != g:
+                continue
+            parsed = _commit_of(env.payload, peer, len(group), tr)
+            if parsed is None:
+                claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
+            else:
+                st.commits[peer] = parsed
+                st.commit_seen[peer] = digest(env.payload)
+        contributors_all = [p for p in group if p in st.commits]
+
+        # 2. scatter and check parts against their commitments
+        sent = {owner: self.policy.part_for(step, owner, parts[j], group) for j, owner in enumerate(group)}
+        self._publish(step, PART, {o: t for o, t in sent.items() if t is not None})
+        for owner, tensor in sent.items():
+            if owner != me and tensor is not None:
+                await tr.send(owner, "ar.part", encode({"step": step, "g": g, "t": tensor}))
+        lo, hi = st.bounds[index]
+        valid = await self._collect(step, PART, {p: (hi - lo,) for p in contributors_all if p != me})
+        box = self._inbox.get((step, PART), {})
+        rows, used = [], []
+        for peer in contributors_all:
+            if peer == me:
+                if parts[index].shape == (hi - lo,):
+                    rows.append(parts[index])
+                    used.append(me)
+                continue
+            held = box.get(peer)
+            raw = held[0] if held is not None and held[1] == g else None
+            if raw is None:
+                claims.append(Claim(ELIMINATE, me, peer, "missing_part"))
+            elif tensor_hash(raw) != st.commits[peer][0][index]:
+                claims.append(Claim(ELIMINATE, me, peer, "part_hash"))
+            elif peer not in valid:
+                claims.append(Claim(ACCUSE, me, peer, "bad_part", (index, raw)))
+            else:
+                rows.append(valid[peer])
+                used.append(peer)
+        self._used[step] = dict(zip(used, rows))
+
+        # 3. reduce, commit the aggregate, send it
+        aggregate = self.reducer(torch.stack(rows)).to(torch.float32) if rows else torch.zeros(hi - lo)
+        mine, sent_aggregate = self.policy.aggregate(step, aggregate)
+        await tr.broadcast("bt.rcommit", step, encode({"g": g, "h": tensor_hash(mine), "from": used}))
+        self._publish(step, REDUCED, {peer: sent_aggregate for peer in group})
+        message = encode({"step": step, "g": g, "t": sent_aggregate})
+        for peer in group:
+            if peer != me:
+                await tr.send(peer, "ar.reduced", message)
+        # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
+        wait = self.config.timeout + self.btard.timeout
+        envelopes = await tr.collect_broadcasts("bt.rcommit", step, group, wait, relays=len(group))
+        for peer, env in envelopes.items():
+            if _group_of(env.payload, peer, tr) != g:
+                continue
+            parsed = _rcommit_of(env.payload, peer, group, tr)
+            if parsed is None:
+                claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
+            else:
+                st.rcommits[peer] = parsed
+
+        # 4. gather aggregates while MPRNG draws r
+        owners = {o: (st.slice(o).stop - st.slice(o).start,) for o in group if o != me and o in st.rcommits}
+        results, r = await asyncio.gather(self._collect(step, REDUCED, owners), self._draw(step))
+        rbox = self._inbox.get((step, REDUCED), {})
+        out = torch.zeros(self.dim, dtype=torch.float32)
+        st.aggregates[me] = mine
+        for owner in owners:
+            held = rbox.get(owner)
+            raw = held[0] if held is not None and held[1] == g else None
+            if raw is None:
+                claims.append(Claim(ELIMINATE, me, owner, "missing_aggregate"))
+            elif tensor_hash(raw) != st.rcommits[owner][0]:
+                claims.append(Claim(ELIMINATE, me, owner, "aggregate_hash"))
+            elif owner not in results:
+                claims.append(Claim(ACCUSE, me, owner, "bad_aggregate", (raw,)))
+            else:
+                st.aggregates[owner] = results[owner]
+        for owner, tensor in st.aggregates.items():
+            out[st.slice(owner)] = tensor
+        missing = tuple(o for o in group if o not in st.aggregates)
+
+        # 5. verification metadata and checks
+        approvals: list[str] = []
+        if r is not None:
+            st.z = direction(r, self.dim)
+            m = min(self.btard.validators, len(contributors_all) // 2)
+            chosen = choose(r, contributors_all, 2 * m)
+            st.pairs = list(zip(chosen[:m], chosen[m:]))
+            await self._send_meta(st, parts, me)
+            # A peer may have waited the whole gather timeout for a silent owner's aggregate.
+            wait = self.config.timeout + self.btard.timeout
+            envelopes = await tr.collect_broadcasts("bt.meta", step, contributors_all, wait, relays=len(group))
+            for peer, env in envelopes.items():
+                parsed = _meta_of(env.payload, peer, tr)
+                if parsed is not None:
+                    st.meta[peer] = parsed
+            claims += self._owner_checks(st, me)
+            self._sum_checks(st)
+            await self._v3(st)
+            for validator, target in st.pairs:
+                if validator == me:
+                    claim = await self._validate(st, target)
+                    if claim is None:
+                        approvals.append(target)
+                    elif claim != "skip":
+                        claims.append(claim)
+            for target in self.policy.slander(step, [p for p in contributors_all if p != me]):
+                gradient = await self._fetch_gradient(st, target)
+                claims.append(Claim(ACCUSE, me, target, "gradient", (gradient if gradient is not None else torch.zeros(self.dim),)))
+        for ev in self._evidence:
+            if ev.peer in group and ev.peer != me and ev.kind not in HANDLED_EVIDENCE:
+                claims.append(Claim(ELIMINATE, me, ev.peer, ev.kind))
+
+        # 6. reports, equivocation proofs, canonical resolution
+        await tr.broadcast("bt.report", step, encode({
+            "g": g,
+            "claims": [{"kind": c.kind, "target": c.target, "reason": c.reason, "ev": list(c.evidence)} for c in claims],
+            "approve": approvals,
+            "seen": st.commit_seen,
+        }))
+        # A validator may have waited one timeout for a silent target and one for CHECKAVERAGING.
+        envelopes = await tr.collect_broadcasts("bt.report", step, group, 3 * self.btard.timeout, relays=len(group))
+        everyone: list[Claim] = []
+        for peer, env in envelopes.items():
+            if _group_of(env.payload, peer, tr) != g:
+                continue  # a peer that settled on another group judged another step: its claims do not apply here
+            report = _report_of(env.payload, peer, tr)
+            if report is None:
+                everyone.append(Claim(ACCUSE, me, peer, "bad_report", (env.to_bytes(),)))
+                continue
+            st.reports[peer] = report
+            everyone += [Claim(c["kind"], peer, c["target"], c["reason"], tuple(c["ev"])) for c in report["claims"]]
+        await self._compare_views(st)
+        for proof in tr.board.proofs:
+            if proof.first.topic == "bt.commit" and proof.first.step == step and proof.first.sender in group:
+                everyone.append(Claim(ACCUSE, "", proof.first.sender, "equivocation"))
+        # Failures every honest peer derives from the same broadcasts are claimed by nobody in
+        # particular (accuser ""), so that agreeing peers are never banned as slanderers.
+        everyone += [Claim(ACCUSE, "", o, "v2_sum") for o in st.sum_failed]
+        everyone += [Claim(ACCUSE, "", o, "averaging") for o, ok in st.averaging.items() if not ok]
+        for validator, target in st.pairs:
+            report = st.reports.get(validator)
+            judged = report is not None and (target in report["approve"] or any(c["target"] == target for c in report["claims"]))
+            if not judged:
+                everyone.append(Claim(ACCUSE, "", validator, "not_validating"))
+        bans = resolve(self.ledger, step, everyone, lambda c: self._verdict(st, c), apply=self.btard.bans)
+        if not self.btard.bans:
+            bans = []  # would-be bans of a run without bans are not bans: the ledger stays empty
+        return SecureResult(
+            out,
+            tuple(group),
+            tuple(p for p in contributors_all if p != me and p not in used),
+            missing,
+            tuple(bans),
+            len(everyone),
+            tuple(v for v, _ in st.pairs),
+        )
+
+    # --- phases ----------------------------------------------------------------
+
+    async def _draw(self, step: int) -> bytes | None:
+        try:
+            return (await run_mprng(self.transport, self.ledger, step, self.mprng, self.entropy)).value
+        except MPRNGFailed as exc:
+            log.warning("BTARD step %d has no random value (%s): V2 and validation are skipped", step, exc)
+            return None
+
+    async def _split_commit(self, step: int, first: bytes, second: bytes) -> None:
+        tr = self.transport
+        a = SignedEnvelope.create(tr.identity, "bt.commit", step, first)
+        b = SignedEnvelope.create(tr.identity, "bt.commit", step, second)
+        tr.board.add(a)
+        others = [p for p in tr.members() if p != tr.peer_id]
+        for i, peer in enumerate(others):
+            await tr.send(peer, BROADCAST_TOPIC, (a if i < len(others) // 2 else b).to_bytes())
+
+    async def _send_meta(self, st: _Step, parts: list[torch.Tensor], me: str) -> None:
+        norms, s = {}, {}
+        for j, owner in enumerate(st.group):
+            if owner in st.aggregates and me in self._contributors(st, owner):
+                proj = project(parts[j], st.aggregates[owner], st.z[st.slice(owner)], self.tau)
+                norms[owner], s[owner] = proj.norm, proj.s
+        norms, s = self.policy.report(st.step, norms, s)
+        await self.transport.broadcast("bt.meta", st.step, encode({"norm": norms, "s": s}))
+
+    def _contributors(self, st: _Step, owner: str) -> list[str]:
+        if owner == self.transport.peer_id:
+            return list(self._used.get(st.step, {}))
+        return st.rcommits[owner][1] if owner in st.rcommits else []
+
+    def _meta_lie(self, st: _Step, peer: str, owner: str, part: torch.Tensor) -> str | None:
+        """Which of peer's reports about partition `owner` is false, given its part; None if both hold."""
+        meta = st.meta.get(peer)
+        if meta is None or owner not in meta[0] or owner not in meta[1]:
+            return "no_meta"
+        proj = project(part, st.aggregates[owner], st.z[st.slice(owner)], self.tau)
+        if not norm_matches(meta[0][owner], proj.norm):
+            return "v1_norm"
+        if not s_matches(meta[1][owner], proj, float(st.z[st.slice(owner)].norm())):
+            return "v2_s"
+        return None
+
+    def _owner_checks(self, st: _Step, me: str) -> list[Claim]:
+        """V1 and V2 on the parts this peer aggregated."""
+        index = st.group.index(me)
+        claims = []
+        for peer, part in self._used.get(st.step, {}).items():
+            if peer != me and (lie := self._meta_lie(st, peer, me, part)) is not None:
+                claims.append(Claim(ACCUSE, me, peer, lie, (index, part)))
+        return claims
+
+    def _sum_checks(self, st: _Step) -> None:
+        """Owners whose partition fails Σ_i s_i^j = 0 (everyone checks every partition)."""
+        failed = []
+        for owner, aggregate in st.aggregates.items():
+            contributors = self._contributors(st, owner)
+            if not contributors:
+                continue
+            s_values, deltas = [], []
+            for peer in contributors:
+                meta = st.meta.get(peer)
+                s_values.append(meta[1].get(owner, math.nan) if meta else math.nan)
+                deltas.append(min(meta[0].get(owner, math.inf), self.tau) if meta else math.inf)
+            z = st.z[st.slice(owner)]
+            tolerance = sum_tolerance(len(contributors), self.eps, float(aggregate.norm()), float(z.norm()), deltas)
+            if not sum_holds(s_values, tolerance):
+                failed.append(owner)
+        st.sum_failed = set(failed)
+
+    async def _v3(self, st: _Step) -> None:
+        """V3: run CHECKAVERAGING on partitions where over half the reported norms exceed Δ_max."""
+        for owner in st.aggregates:
+            contributors = self._contributors(st, owner)
+            norms = [st.meta[p][0].get(owner, math.inf) for p in contributors if p in st.meta]
+            if contributors and v3_flags(norms, self.btard.delta_max) > len(contributors) / 2:
+                st.averaging[owner] = await self._check_averaging(st, owner)
+
+    async def _check_averaging(self, st: _Step, owner: str) -> bool:
+        """CHECKAVERAGING(j): fetch the committed parts the owner used, rerun its rule, compare."""
+        contributors = self._contributors(st, owner)
+        j = st.group.index(owner)
+        if owner == self.transport.peer_id:
+            parts = self._used.get(st.step, {})
+        else:
+            try:
+                answer = decode(await self.transport.request(owner, "bt.parts", encode({"step": st.step}), self.btard.timeout), owner, self.transport.limits)
+                parts = answer.get("parts") if isinstance(answer, dict) else None
+            except PhalanxError:
+                parts = None
+        if not isinstance(parts, dict):
+            return False
+        rows = []
+        for peer in contributors:
+            part = parts.get(peer)
+            if not isinstance(part, torch.Tensor) or peer not in st.commits or tensor_hash(part) != st.commits[peer][0][j]:
+                return False
+            rows.append(part)
+        recomputed = self.reducer(torch.stack(rows)).to(torch.float32)
+        return averaging_matches(st.aggregates[owner], recomputed, self.eps)
+
+    async def _fetch_gradient(self, st: _Step, target: str) -> torch.Tensor | None:
+        """The target's committed gradient, checked against its whole and part hashes."""
+        try:
+            answer = decode(await self.transport.request(target, "bt.grad", encode({"step": st.step}), self.btard.timeout), target, self.transport.limits)
+        except RemoteError as exc:
+            self.transport.report(exc.evidence)
+            return None
+        except PhalanxError:
+            return None
+        gradient = answer.get("t") if isinstance(answer, dict) else None
+        if not isinstance(gradient, torch.Tensor) or target not in st.commits:
+            return None
+        hashes, whole = st.commits[target]
+        if tensor_hash(gradient) != whole or gradient.dim() != 1 or gradient.numel() != self.dim:
+            return None
+        if any(tensor_hash(gradient[a:b]) != h for (a, b), h in zip(st.bounds, hashes)):
+            return None
+        return gradient
+
+    async def _validate(self, st: _Step, target: str) -> Claim | str | None:
+        """Alg. 7: None approves the target; a claim accuses or eliminates it; 'skip' sends no verdict."""
+        me = self.transport.peer_id
+        decision = self.policy.validate(st.step, target)
+        if decision == "approve":
+            return None
+        if decision == "skip":
+            return "skip"
+        gradient = await self._fetch_gradient(st, target)
+        if gradient is None:
+            return Claim(ELIMINATE, me, target, "no_gradient")
+        if self._gradient_guilty(st, target, gradient):
+            return Claim(ACCUSE, me, target, "gradient", (gradient,))
+        return None
+
+    def _gradient_guilty(self, st: _Step, target: str, gradient: torch.Tensor) -> bool:
+        if not gradient_matches(gradient, self.recompute(target, st.step)):
+            return True
+        return bool(self._lied_about(st, target, gradient))
+
+    def _lied_about(self, st: _Step, target: str, gradient: torch.Tensor) -> list[str]:
+        """Owners whose partition the target reported false metadata about."""
+        return [
+            owner
+            for owner in st.aggregates
+            if target in self._contributors(st, owner) and self._meta_lie(st, target, owner, gradient[st.slice(owner)]) is not None
+        ]
+
+    async def _compare_views(self, st: _Step) -> None:
+        """Fetch commitments a reporter saw differently: a split view becomes an equivocation proof."""
+        mine = st.commit_seen
+        for reporter, report in st.reports.items():
+            differing = [p for p, d in report["seen"].items() if p in mine and mine[p] != d]
+            if differing:
+                await self.transport.fetch_broadcasts("bt.commit", st.step, differing, [reporter], self.btard.timeout / 2)
+
+    # --- verdicts (the same inputs on every honest peer) ---------------------------
+
+    def _verdict(self, st: _Step, claim: Claim) -> Verdict:
+        try:
+            return self._judge(st, claim)
+        except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+            log.info("claim %s against %s has unusable evidence (%s): the accuser is at fault", claim.reason, claim.target[:8], exc)
+            return Verdict(False)
+
+    def _judge(self, st: _Step, claim: Claim) -> Verdict:
+        target, ev = claim.target, claim.evidence
+        if claim.reason in ("equivocation", "not_validating", "v2_sum", "averaging"):
+            if claim.accuser != "":  # only derived from broadcasts every honest peer holds
+                return Verdict(False)
+        if claim.reason in ("bad_commit", "bad_report"):
+            env = SignedEnvelope.from_bytes(ev[0], target, self.transport.limits).verify()
+            parse = {"bad_commit": lambda: _commit_of(env.payload, target, len(st.group), None) or _rcommit_of(env.payload, target, st.group, None),
+                     "bad_report": lambda: _report_of(env.payload, target, None)}[claim.reason]
+            same_group = _group_of(env.payload, target, None) == group_digest(st.group)
+            return Verdict(env.sender == target and env.step == st.step and same_group and parse() is None)
+        if claim.reason == "bad_part":
+            j, part = ev
+            ok = j == st.group.index(claim.accuser) and target in st.commits and tensor_hash(part) == st.commits[target][0][j]
+            return Verdict(ok and _malformed(part, st.bounds[j][1] - st.bounds[j][0]))
+        if claim.reason == "bad_aggregate":
+            (part,) = ev
+            ok = target in st.rcommits and tensor_hash(part) == st.rcommits[target][0]
+            sl = st.slice(target)
+            return Verdict(ok and _malformed(part, sl.stop - sl.start))
+        if claim.reason in META_REASONS:
+            j, part = ev
+            owner = claim.accuser
+            ok = j == st.group.index(owner) and target in st.commits and tensor_hash(part) == st.commits[target][0][j]
+            return Verdict(ok and st.z is not None and owner in st.aggregates and self._meta_lie(st, target, owner, part) is not None)
+        if claim.reason in ("equivocation", "not_validating"):
+            return Verdict(True)
+        if claim.reason == "v2_sum":
+            excused = any(c["reason"] in META_REASONS for c in st.reports.get(target, {}).get("claims", []))
+            return Verdict(target in st.sum_failed and not excused)
+        if claim.reason == "averaging":
+            return Verdict(st.averaging.get(target, True) is False)
+        if claim.reason == "gradient":
+            (gradient,) = ev
+            if target not in st.commits or not isinstance(gradient, torch.Tensor) or tensor_hash(gradient) != st.commits[target][1]:
+                return Verdict(False)
+            if gradient.numel() != self.dim or st.z is None or not self._gradient_guilty(st, target, gradient):
+                return Verdict(False)
+            approvers = [v for v, t in st.pairs if t == target and target in st.reports.get(v, {}).get("approve", [])]
+            silent_owners = [
+                o for o in self._lied_about(st, target, gradient)
+                if o != claim.accuser and not any(c["target"] == target for c in st.reports.get(o, {}).get("claims", []))
+            ]
+            return Verdict(True, tuple(p for p in dict.fromkeys(approvers + silent_owners) if p != claim.accuser))
+        return Verdict(False)
+
+    # --- serving ----------------------------------------------------------------
+
+    async def _on_grad(self, sender: str, payload: bytes) -> bytes:
+        obj = decode(payload, sender, self.transport.limits)
+        step = obj.get("step") if isinstance(obj, dict) else None
+        if type(step) is not int:
+            raise RemoteError(Evidence(sender, "malformed", "bad gradient request"))
+        return encode({"step": step, "t": self._grads.get(step)})
+
+    async def _on_parts(self, sender: str, payload: bytes) -> bytes:
+        obj = decode(payload, sender, self.transport.limits)
+        step = obj.get("step") if isinstance(obj, dict) else None
+        if type(step) is not int:
+            raise RemoteError(Evidence(sender, "malformed", "bad parts request"))
+        return encode({"step": step, "parts": self._used.get(step, {})})
+
+
+# --- parsing signed payloads (None: malformed) -----------------------------------------
+
+
+def _decoded(payload: bytes, sender: str, transport: Transport | None):
+    try:
+        return decode(payload, sender, transport.limits if transport else DEFAULT_LIMITS)
+    except RemoteError:
+        return None
+
+
+def _group_of(payload: bytes, sender: str, transport) -> bytes | None:
+    """The group digest a signed payload names (None: none)."""
+    obj = _decoded(payload, sender, transport)
+    return obj.get("g") if isinstance(obj, dict) and isinstance(obj.get("g"), bytes) else None
+
+
+def _commit_of(payload: bytes, sender: str, n: int, transport) -> tuple[list[bytes], bytes] | None:
+    obj = _decoded(payload, sender, transport)
+    if not isinstance(obj, dict) or set(obj) != {"g", "parts", "whole"}:
+        return None
+    parts, whole = obj["parts"], obj["whole"]
+    if not isinstance(parts, list) or len(parts) != n or not all(isinstance(h, bytes) and len(h) == 32 for h in parts):
+        return None
+    return (parts, whole) if isinstance(whole, bytes) and len(whole) == 32 else None
+
+
+def _rcommit_of(payload: bytes, sender: str, group: list[str], transport) -> tuple[bytes, list[str]] | None:
+    obj = _decoded(payload, sender, transport)
+    if not isinstance(obj, dict) or set(obj) != {"g", "h", "from"}:
+        return None
+    h, used = obj["h"], obj["from"]
+    if not isinstance(h, bytes) or len(h) != 32 or not isinstance(used, list) or not all(p in group for p in used):
+        return None
+    return (h, used) if len(set(used)) == len(used) else None
+
+
+def _meta_of(payload: bytes, sender: str, transport) -> tuple[dict, dict] | None:
+    obj = _decoded(payload, sender, transport)
+    if not isinstance(obj, dict) or not isinstance(obj.get("norm"), dict) or not isinstance(obj.get("s"), dict):
+        return None
+    norms = {k: float(v) for k, v in obj["norm"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    s = {k: float(v) for k, v in obj["s"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return norms, s
+
+
+def _report_of(payload: bytes, sender: str, transport) -> dict | None:
+    obj = _decoded(payload, sender, transport)
+    if not isinstance(obj, dict) or not isinstance(obj.get("claims"), list) or not isinstance(obj.get("approve"), list):
+        return None
+    if not isinstance(obj.get("seen"), dict) or not all(isinstance(v, bytes) for v in obj["seen"].values()):
+        return None
+    for c in obj["claims"]:
+        if not isinstance(c, dict) or c.get("kind") not in (ACCUSE, ELIMINATE) or not isinstance(c.get("target"), str):
+            return None
+        if not isinstance(c.get("reason"), str) or not isinstance(c.get("ev"), list):
+            return None
+    return obj
+
+
+def _malformed(part, size: int) -> bool:
+    """A part that no honest peer sends: not a float32 vector of `size` finite values."""
+    if not isinstance(part, torch.Tensor) or part.dtype != torch.float32 or tuple(part.shape) != (size,):
+        return True
+    return not bool(torch.isfinite(part).all())

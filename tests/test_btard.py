@@ -1,0 +1,256 @@
+"""BTARD: reducer config, secure round, verifications, bans, attacks, admission."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from phalanx.algorithms.admission import Admission, AdmissionConfig, Admitted, Banned, Queued, Trusted
+from phalanx.algorithms.attacks import Attack
+from phalanx.algorithms.bans import BanLedger
+from phalanx.algorithms.btard_checks import (
+    ACCUSE,
+    ELIMINATE,
+    Claim,
+    Verdict,
+    gradient_matches,
+    norm_matches,
+    project,
+    resolve,
+    s_matches,
+    sum_holds,
+    sum_tolerance,
+)
+from phalanx.algorithms.reducers import make_reducer
+from phalanx.config import override
+from phalanx.core.errors import ConfigError
+from phalanx.experiments.simulate import simulate
+from phalanx.experiments.swarm import peer_identity
+from phalanx.presets import get_preset
+from phalanx.runtime.butterfly import AllReduceConfig
+from phalanx.runtime.dp_peer import DataParallelPeer, TrainConfig
+from phalanx.training.task import make_task
+from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+
+def test_reducer_config_names_rules_and_rejects_unknown():
+    config = override(get_preset("digits-dp"), ["allreduce.reducer=centered_clip", "allreduce.tau=10"])
+    reduce = config.allreduce.build_reducer()
+    xs = torch.tensor([[0.0, 0.0], [1.0, 0.0], [100.0, 0.0]])
+    assert reduce(xs)[0].item() == pytest.approx(make_reducer("centered_clip", tau=10.0)(xs)[0].item())
+    assert reduce(xs)[0].item() < 20  # clipped, unlike the mean (33.7)
+    assert make_reducer("centered_clip", tau=float("inf"))(xs)[0].item() == pytest.approx(101 / 3)
+    assert make_reducer("trimmed_mean", f=5)(xs)[0].item() == 1.0  # trim clamped to what 3 rows allow
+    with pytest.raises(ConfigError, match="allreduce.reducer"):
+        override(get_preset("digits-dp"), ["allreduce.reducer=average"])
+    with pytest.raises(ConfigError, match="allreduce.tau"):
+        AllReduceConfig(tau=0.0)
+
+
+def test_attack_params_are_a_mapping_checked_against_the_attack():
+    config = override(get_preset("btard-digits"), ["byzantine.attack=agg_shift", "byzantine.params.scale=0.5", "byzantine.params.consistent=false"])
+    assert config.byzantine.params == {"scale": 0.5, "consistent": False}
+    with pytest.raises(ConfigError, match="byzantine.params"):
+        override(get_preset("btard-digits"), ["byzantine.attack=sign_flip", "byzantine.params.bogus=1"])
+    with pytest.raises(ConfigError, match="btard.enabled"):
+        override(get_preset("digits-dp"), ["byzantine.count=1", "byzantine.attack=slander"])
+    with pytest.raises(ConfigError, match="cannot be verified"):
+        override(get_preset("btard-digits"), ["allreduce.reducer=krum"])
+    with pytest.raises(ConfigError, match="mapping"):
+        override(get_preset("btard-digits"), ["byzantine.params=3"])
+
+
+@dataclasses.dataclass(kw_only=True)
+class Truncate(Attack):
+    """A peer that sends a gradient 7 entries short, so its last part has the wrong length."""
+
+    def forge(self, view):
+        return view.own_gradient[:-7]
+
+
+def test_short_vector_from_the_last_partition_owner_is_evidence_not_a_crash():
+    identities = [peer_identity(0, i) for i in range(4)]
+    last = max(range(4), key=lambda i: identities[i].peer_id)
+    task = make_task("digits-mlp")
+    peers = []
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=0))
+        for i, identity in enumerate(identities):
+            attack = Truncate() if i == last else None
+            peers.append(DataParallelPeer(network.add_peer(identity), task, TrainConfig(), 0, attack=attack))
+        tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(3)) for i in range(4)]
+        for t in tasks:
+            await t
+
+    run_simulation(main)
+    assert all(p.step == 3 for p in peers)  # this stack of unequal rows used to crash the run
+    assert all(torch.isfinite(p).all() for peer in peers for p in peer.model.parameters())
+    # The short part is the villain's own partition: nobody else receives it, so there is no evidence.
+    assert [e for peer in peers for e in peer.transport.evidence] == []
+
+
+# --- verification math ---------------------------------------------------------
+
+
+def _partition(gen, k=8, m=64):
+    """k honest-looking float32 parts (one an outlier) and their CenteredClip aggregate."""
+    xs = (torch.randn(m, generator=gen) + 0.3 * torch.randn(k, m, generator=gen)).float()
+    xs[0] += 20.0 * torch.randn(m, generator=gen)
+    return xs, make_reducer("centered_clip", tau=1.0, eps=1e-6)(xs)
+
+
+def test_projection_matches_direct_recomputation():
+    gen = torch.Generator().manual_seed(1)
+    xs, a = _partition(gen)
+    z = torch.randn(a.shape, generator=gen)
+    for x in xs:
+        diff = [float(u) - float(v) for u, v in zip(x, a)]
+        norm = math.sqrt(math.fsum(d * d for d in diff))
+        weight = min(1.0, 1.0 / norm)
+        s = math.fsum(float(zk) * d * weight for zk, d in zip(z, diff))
+        p = project(x, a, z, 1.0)
+        assert p.norm == pytest.approx(norm, rel=1e-12)
+        assert p.s == pytest.approx(s, rel=1e-9, abs=1e-12)
+        assert p.delta_norm == pytest.approx(min(norm, 1.0), rel=1e-12)
+
+
+def test_honest_values_never_trip_and_lies_of_one_in_a_thousand_do():
+    gen = torch.Generator().manual_seed(0)
+    sum_lies_caught = 0
+    for trial in range(1000):  # 250 partitions (CenteredClip is the slow part), 4 directions each
+        if trial % 4 == 0:
+            xs, a = _partition(gen)
+        z = torch.randn(a.shape, generator=gen)
+        z_norm = float(z.norm())
+        projections = [project(x, a, z, 1.0) for x in xs]
+        # the reporter computes the same quantities in another summation order
+        flipped = [project(x.flip(0), a.flip(0), z.flip(0), 1.0) for x in xs]
+        for p, q in zip(projections, flipped):
+            assert norm_matches(q.norm, p.norm)  # V1, honest
+            assert s_matches(q.s, p, z_norm)  # V2 owner check, honest
+            assert not norm_matches(q.norm * (1 + 1e-3), p.norm)  # V1, lie
+            assert not s_matches(q.s + 1e-3 * z_norm * p.delta_norm, p, z_norm)  # V2, lie
+        tolerance = sum_tolerance(len(xs), 1e-6, float(a.norm()), z_norm, [p.delta_norm for p in projections])
+        assert sum_holds([q.s for q in flipped], tolerance)  # V2 sum, honest owner
+        shift = torch.randn(a.shape, generator=gen)
+        shifted = a + 1e-3 * float(a.norm()) * shift / shift.norm()
+        lied = [project(x, shifted, z, 1.0) for x in xs]
+        sum_lies_caught += not sum_holds([p.s for p in lied], sum_tolerance(len(xs), 1e-6, float(shifted.norm()), z_norm, [p.delta_norm for p in lied]))
+        g = xs.reshape(-1)
+        assert gradient_matches(g.clone(), g)
+        assert not gradient_matches(g + 1e-3 * float(g.norm()) * shift.repeat(len(xs)) / (shift.norm() * math.sqrt(len(xs))), g)
+    # The sum sees a shifted aggregate through one random projection: it misses it only when
+    # |N(0,1)| falls under tolerance / signal (about 0.5% here); validators catch the rest.
+    assert sum_lies_caught >= 980
+
+
+def test_resolve_orders_claims_and_bans_eliminators_and_slanderers():
+    ledger = BanLedger()
+    claims = [
+        Claim(ELIMINATE, "h1", "b1", "part_hash"),
+        Claim(ELIMINATE, "h2", "b1", "part_hash"),  # ignored: b1 is banned by then
+        Claim(ACCUSE, "b2", "h3", "gradient"),  # slander
+        Claim(ACCUSE, "h4", "b3", "gradient"),  # upheld, with b2's cover (b2 is already banned)
+        Claim(ACCUSE, "h4", "b4", "gradient"),
+    ]
+    verdicts = {"h3": Verdict(False), "b3": Verdict(True, ("b2",)), "b4": Verdict(True, ("b5",))}
+    applied = resolve(ledger, 7, claims, lambda c: verdicts[c.target])
+    assert set(ledger.banned) == {"b1", "h1", "b2", "b3", "b4", "b5"}
+    reasons = {r.peer: (r.reason, r.accuser) for r in applied}
+    assert reasons["b2"] == ("slander:gradient", "b2")
+    assert reasons["b1"] == ("eliminated:part_hash", "h1") and reasons["h1"] == ("eliminator", "h1")
+    assert reasons["b5"] == ("covered:gradient", "h4")
+    dry = BanLedger()
+    assert len(resolve(dry, 7, claims, lambda c: verdicts[c.target], apply=False)) == len(applied)
+    assert dry.banned == []
+
+
+# --- whole-swarm scenarios -------------------------------------------------------
+
+
+def _btard_run(tmp_path, attack, *extra, peers=5, steps=6, count=1):
+    config = override(
+        get_preset("btard-digits"),
+        [f"peers={peers}", f"steps={steps}", f"byzantine.count={count}", f"byzantine.attack={attack}",
+         "byzantine.start_step=0", "btard.timeout=1.0", *extra],
+    )
+    summary = simulate(config, tmp_path, progress=False)
+    honest = [p for p in summary["peer_ids"] if p not in summary["byzantine"]]
+    views = {p: set(summary["banned_by_peer"][p]) for p in honest}
+    return summary, honest, views
+
+
+def test_eliminate_bans_the_forger_and_exactly_one_honest_owner(tmp_path):
+    summary, honest, views = _btard_run(tmp_path, "wrong_hash", steps=3)
+    expected = {summary["byzantine"][0], min(honest)}  # canonical order: the lowest-id accuser goes with it
+    assert all(view == expected for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert {(r["peer"], r["reason"]) for r in rows} == {(summary["byzantine"][0], "eliminated:part_hash"), (min(honest), "eliminator")}
+    assert all(r["step"] == 0 for r in rows)
+
+
+def test_accuse_bans_a_sign_flipper_found_by_a_validator_and_nobody_else(tmp_path):
+    summary, honest, views = _btard_run(tmp_path, "sign_flip", "btard.validators=2", steps=8)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in rows] == ["gradient"] and rows[0]["accuser"] in honest
+
+
+def test_slanderer_is_banned_instead_of_its_victim(tmp_path):
+    summary, honest, views = _btard_run(tmp_path, "slander", steps=3)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["step"]) for r in rows] == [("slander:gradient", 0)]
+
+
+@pytest.mark.parametrize(
+    "attack, reason, extra",
+    [
+        ("agg_shift", "v2_sum", []),
+        ("agg_shift", "averaging", ["btard.delta_max=1e-9"]),  # V3 fires everywhere: honest owners pass CHECKAVERAGING
+        ("lie_norms", "v1_norm", []),
+        ("lie_inner_products", "v2_sum", []),  # its lie also breaks its own partition's sum, claimed first (accuser "")
+        ("constant", "bad_aggregate", ["byzantine.params.value=nan"]),
+    ],
+)
+def test_aggregation_and_metadata_lies_and_nan_parts_are_banned_at_once(tmp_path, attack, reason, extra):
+    summary, honest, views = _btard_run(tmp_path, attack, *extra, peers=4, steps=2)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert rows[0]["reason"] == reason and rows[0]["step"] == 0
+
+
+def test_same_seed_same_bans_and_metrics_with_attacks_on(tmp_path):
+    _btard_run(tmp_path / "a", "sign_flip", "btard.validators=2", steps=5)
+    _btard_run(tmp_path / "b", "sign_flip", "btard.validators=2", steps=5)
+    for name in ("metrics.jsonl", "bans.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+# --- Sybil-resistant admission (App. F) -------------------------------------------
+
+
+def test_admission_limits_untrusted_peers_and_trusts_after_t_approvals():
+    admission = Admission([f"t{i}" for i in range(5)], AdmissionConfig(approvals=3))
+    assert admission.slots == 2
+    assert admission.join("a") == [Admitted("a")]
+    assert admission.join("b") == [Admitted("b")]
+    assert admission.join("c") == [Queued("c", 0)]
+    assert admission.join("d") == [Queued("d", 1)]
+    assert "a" not in admission.aggregated() and "a" in admission.committing()
+    assert admission.approved("a") == [] and admission.approved("a") == []
+    assert admission.approved("a") == [Trusted("a"), Admitted("c"), Admitted("d")]  # t = 6: 3 slots
+    assert admission.slots == 3 and admission.untrusted == {"b": 0, "c": 0, "d": 0}
+    assert "a" in admission.aggregated()
+    assert admission.join("e") == [Queued("e", 0)]
+    assert admission.approved("c") == [] and admission.approved("zz") == []
+    assert admission.broke_chain("b", "missing_commitment") == [Banned("b", "missing_commitment"), Admitted("e")]
+    assert admission.join("b") == []  # a banned identity cannot come back under the same key
+    assert admission.ban("t0", "gradient") == [Banned("t0", "gradient")]  # 2 slots now; nobody is evicted
+    assert admission.slots == 2 and admission.untrusted == {"c": 1, "d": 0, "e": 0}
+    assert admission.join("f") == [Queued("f", 0)]
+    with pytest.raises(ConfigError, match="admission.approvals"):
+        AdmissionConfig(approvals=0)
