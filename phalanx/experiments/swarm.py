@@ -106,6 +106,11 @@ class Recorder:
         self.index_of = {p: i for i, p in enumerate(ids)}
         self.records: list[dict] = []
         self.byzantine = set(byzantine_indices(config))
+        self.crashed = [ids[i] for i in crash_indices(config) if i < len(ids)]  # launch sets the observed ones
+
+    def last_step(self, peer: str) -> int | None:
+        """The last step `peer` recorded (None if it recorded none): where a crashed peer was last seen."""
+        return max((r["step"] for r in self.records if r["peer"] == peer), default=None)
 
     def add(self, record: dict) -> None:
         self.records.append(record)
@@ -184,7 +189,7 @@ class Recorder:
             "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
             "banned": self.banned(),
             "byzantine": [self.ids[i] for i in sorted(self.byzantine)],
-            "crashed": [self.ids[i] for i in crash_indices(self.config)],
+            "crashed": {peer: self.last_step(peer) for peer in self.crashed},
             "peer_ids": self.ids,
             **extra,
         }
