@@ -28,7 +28,7 @@ from .swarm import Recorder, build_peer, peer_identity, run_peer
 
 JOIN_TIMEOUT = 120.0  # seconds for all peers to appear in the membership view
 BARRIER_TIMEOUT = 120.0
-MEMBERSHIP_TTL = 10.0  # seconds a dead peer's membership record outlives it (its detection delay)
+MEMBERSHIP_TTL = 20.0  # seconds a dead peer's membership record outlives it (its detection delay)
 STOP_GRACE = 10.0  # seconds a worker has to stop after SIGTERM before it is killed
 
 

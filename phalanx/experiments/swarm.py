@@ -18,6 +18,7 @@ from ..algorithms.attacks import AttackSchedule, make_attack
 from ..config import RunConfig
 from ..core.identity import Identity
 from ..core.rng import py_stream
+from ..runtime.catchup import CatchupService
 from ..runtime.dp_peer import DataParallelPeer, task_of
 from ..runtime.mprng import MPRNGBehaviour, MPRNGFailed, SplitView, WithholdReveal, WrongReveal, run_mprng
 from ..transport.base import Transport
@@ -69,9 +70,18 @@ def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParal
 
 
 async def run_peer(
-    config: RunConfig, peer: DataParallelPeer, index: int, deterministic: bool, on_step: Callable[[dict], None]
+    config: RunConfig,
+    peer: DataParallelPeer,
+    index: int,
+    deterministic: bool,
+    on_step: Callable[[dict], None],
+    catchup: CatchupService | None = None,
 ) -> None:
-    """Train for config.steps steps; after every mprng_every-th step, run an MPRNG round; report each step."""
+    """Train from peer.step to config.steps; after every mprng_every-th step, run an MPRNG round; report each step.
+
+    With `catchup`, the peer serves state to joiners and checks its digest at sync points;
+    its last record carries its final state digest.
+    """
     byzantine = index in byzantine_indices(config)
     behaviour = MPRNG_BEHAVIOURS[config.byzantine.mprng if byzantine else "honest"]()
     if deterministic:
@@ -80,9 +90,11 @@ async def run_peer(
     else:
         entropy = secrets.token_bytes
     me = peer.transport.peer_id
-    for step in range(config.steps):
+    for step in range(peer.step, config.steps):
         if peer.ledger.is_banned(me):
             return  # the honest peers have banned us: they no longer listen
+        if catchup is not None:
+            await catchup.before_step(step)
         record = await peer.train_step(step)
         if config.mprng_every and (step + 1) % config.mprng_every == 0:
             try:
@@ -94,6 +106,8 @@ async def run_peer(
                 record["mprng"] = None
             record["banned"] = list(peer.ledger.banned)
         peer.step = step + 1
+        if catchup is not None and peer.step == config.steps:
+            record["digest"] = catchup.state_digest().hex()
         on_step(record)
 
 
@@ -190,6 +204,7 @@ class Recorder:
             "banned": self.banned(),
             "byzantine": [self.ids[i] for i in sorted(self.byzantine)],
             "crashed": {peer: self.last_step(peer) for peer in self.crashed},
+            "final_digests": {r["peer"]: r["digest"] for r in self.records if "digest" in r},
             "peer_ids": self.ids,
             **extra,
         }
