@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
+from ..runtime.catchup import CatchupService, collect_offers
 from .processes import MARKER_ENV, guard_worker, kill_group, kill_marked, new_marker
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
@@ -52,6 +53,18 @@ async def _leave_together(transport) -> None:
         if all(p in done for p in transport.members() if p != transport.peer_id):
             return
         await asyncio.sleep(0.2)
+
+
+async def _swarm_is_training(transport, initial_peers: list[str], config: RunConfig) -> bool:
+    """Whether peers we can see are already training this run (then we join by catch-up)."""
+    if not initial_peers:
+        return False
+    try:
+        await transport.wait_for_members(2, JOIN_TIMEOUT)
+    except TimeoutError:
+        return False
+    others = [p for p in transport.members() if p != transport.peer_id]
+    return bool(await collect_offers(transport, others, config.catchup))
 
 
 async def run_worker(
@@ -84,14 +97,21 @@ async def run_worker(
             tmp = address_file.with_suffix(".tmp")
             tmp.write_text("\n".join(transport.visible_maddrs()) + "\n")
             tmp.rename(address_file)
-        try:
-            peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
-        except TimeoutError:
-            raise LocalError(
-                f"only {len(transport.members())} of {config.peers} peers joined within {JOIN_TIMEOUT:.0f} s: check"
-                " --initial-peers, and that every peer runs the same preset, seed and --peers"
-            ) from None
-        await _barrier(transport, "start", peers)
+        role = -1 if index is None else index
+        peer = build_peer(config, transport, role)
+        service = CatchupService(peer, config.catchup)
+        if await _swarm_is_training(transport, initial_peers, config):
+            await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is
+        else:
+            try:
+                peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
+            except TimeoutError:
+                raise LocalError(
+                    f"only {len(transport.members())} of {config.peers} peers joined within {JOIN_TIMEOUT:.0f} s: check"
+                    " --initial-peers, and that every peer runs the same preset, seed and --peers"
+                ) from None
+            service.set_roster(peers)
+            await _barrier(transport, "start", peers)
         records_path.parent.mkdir(parents=True, exist_ok=True)
         with open(records_path, "w") as sink:
 
@@ -100,8 +120,7 @@ async def run_worker(
                 sink.write(json.dumps(record, sort_keys=True) + "\n")
                 sink.flush()
 
-            role = -1 if index is None else index
-            await run_peer(config, build_peer(config, transport, role), role, False, on_step)
+            await run_peer(config, peer, role, False, on_step, service)
         # Stay until everyone is done: a slower peer may still pull our parts.
         await _leave_together(transport)
     finally:

@@ -3,4 +3,5 @@
 - butterfly: butterfly all-reduce with a pluggable reduction rule
 - mprng: the MPRNG round (commit, reveal, verify, ban, re-run)
 - dp_peer: a data-parallel training peer (and its TrainConfig)
+- catchup: state catch-up (join, rejoin, re-sync), the roster of who trains at a step
 """

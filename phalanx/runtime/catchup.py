@@ -252,6 +252,7 @@ class CatchupService:
         self._updates: dict[int, tuple[torch.Tensor, bytes]] = {}
         self._check_at: int | None = None
         self._rosters: list[dict] = []  # the roster views of the last offers
+        self._sending: set[asyncio.Future] = set()
         peer.admit = self.roster.admit
         peer.on_update.append(self._record_update)
         t = peer.transport
@@ -259,6 +260,11 @@ class CatchupService:
         t.add_request_handler("catchup.manifest", self._serve_manifest)
         t.add_request_handler("catchup.chunk", self._serve_chunk)
         t.add_request_handler("catchup.updates", self._serve_updates)
+
+    def set_roster(self, initial: list[str] | None) -> None:
+        """Start over with `initial` as the peers that train from step 0 (None: every member)."""
+        self.roster = Roster(self.transport, initial, self.config.margin)
+        self.peer.admit = self.roster.admit
 
     # --- as a training replica ---------------------------------------------
 
@@ -271,7 +277,10 @@ class CatchupService:
         if step % self.config.sync_every == 0:
             self._snapshot(step)
             self._check_at = step
-            await self.transport.broadcast(DIGEST, step, self._snapshots[step][2])
+            # In the background: a slow member must not hold up our step.
+            task = asyncio.ensure_future(self.transport.broadcast(DIGEST, step, self._snapshots[step][2]))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     def _snapshot(self, step: int) -> None:
         data = state_bytes(self.peer, step)
@@ -355,6 +364,7 @@ class CatchupService:
             raise CatchupFailed(f"the run ends at step {end}, before this peer could enter at step {target}")
         self.roster.enter(self.transport.peer_id, target)
         await self.transport.broadcast(READY, target, b"")
+        log.info("caught up at step %d; entering at step %d", self.peer.step, target)
         while self.peer.step < target:  # follow until our entry step
             await self._replay(await self._offers(self._others(), joining=False))
             if self.peer.step < target:
