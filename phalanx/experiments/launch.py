@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,7 +86,12 @@ async def run_worker(
     torch.set_num_threads(1)
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+
+    def on_sigterm() -> None:
+        task.cancel()
+        _exit_after(STOP_GRACE, 128 + signal.SIGTERM)
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     identity = peer_identity(config.seed, index) if index is not None else Identity.generate()
     transport = HivemindTransport(
         identity, run_id=run_id_of(config), initial_peers=initial_peers, host_maddrs=[host], membership_ttl=MEMBERSHIP_TTL
@@ -125,8 +131,22 @@ async def run_worker(
         await _leave_together(transport)
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+        _exit_after(3 * STOP_GRACE, 1)  # a shutdown that hangs (a stuck DHT child) must not keep us alive
         await transport.stop()
     return records
+
+
+def _exit_after(seconds: float, code: int) -> None:
+    """Unless this process has exited `seconds` from now: kill what it started, then exit with `code`."""
+
+    def hard_exit() -> None:
+        kill_marked(os.environ.get(MARKER_ENV, ""))
+        os._exit(code)
+
+    if os.environ.get(MARKER_ENV):
+        timer = threading.Timer(seconds, hard_exit)
+        timer.daemon = True
+        timer.start()
 
 
 class _Workers:
