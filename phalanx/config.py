@@ -20,6 +20,7 @@ from .algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
 from .core.errors import ConfigError
 from .runtime.btard import SECURE_REDUCERS, BTARDConfig
 from .runtime.butterfly import AllReduceConfig
+from .runtime.catchup import CatchupConfig
 from .runtime.dp_peer import TrainConfig
 from .runtime.mprng import MPRNGConfig
 
@@ -52,10 +53,23 @@ class FaultsConfig:
 
     crash: int = 0  # how many peers crash
     crash_after_step: int = 0  # they crash when the first peer finishes this step
+    restart_after: int = 0  # crashed peers restart (same identity, catch-up) this many steps later; 0: never
+    join: int = 0  # new peers (new identities) that join the running swarm
+    join_after_step: int = 0  # they join when the first peer finishes this step
+    leave_rate: float = 0.0  # per step, each non-evaluating peer leaves (crashes) with this probability
+    join_rate: float = 0.0  # per step, each peer that left comes back (catch-up) with this probability
 
     def __post_init__(self) -> None:
-        _check(self.crash >= 0, "faults.crash", self.crash, "must be >= 0")
-        _check(self.crash_after_step >= 0, "faults.crash_after_step", self.crash_after_step, "must be >= 0")
+        for key in ("crash", "crash_after_step", "restart_after", "join", "join_after_step"):
+            _check(getattr(self, key) >= 0, f"faults.{key}", getattr(self, key), "must be >= 0")
+        for key in ("leave_rate", "join_rate"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and 0 <= value <= 1, f"faults.{key}", value, "must be a probability in [0, 1]")
+
+    @property
+    def churn(self) -> bool:
+        """Whether peers join mid-run (so replicas must serve catch-up)."""
+        return bool(self.restart_after or self.join or self.leave_rate or self.join_rate)
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,7 @@ class RunConfig:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     byzantine: ByzantineConfig = field(default_factory=ByzantineConfig)
     btard: BTARDConfig = field(default_factory=BTARDConfig)
+    catchup: CatchupConfig = field(default_factory=CatchupConfig)
 
     def __post_init__(self) -> None:
         if self.btard.enabled:

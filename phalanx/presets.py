@@ -29,6 +29,11 @@ def digits_dp_crash() -> RunConfig:
     return replace(digits_dp(), preset="digits-dp-crash", faults=FaultsConfig(crash=3, crash_after_step=40))
 
 
+def digits_dp_churn() -> RunConfig:
+    """Digits MLP, 16 peers; each leaves with 5% per step and comes back (state catch-up) with 20% per step."""
+    return replace(digits_dp(), preset="digits-dp-churn", faults=FaultsConfig(leave_rate=0.05, join_rate=0.2))
+
+
 def digits_dp_lossy() -> RunConfig:
     """Digits MLP, 16 peers over links that lose 5% of messages."""
     return replace(digits_dp(), preset="digits-dp-lossy", network=NetworkConfig(loss=0.05))
@@ -79,6 +84,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "digits-dp": digits_dp,
     "digits-cnn-dp": digits_cnn_dp,
     "digits-dp-crash": digits_dp_crash,
+    "digits-dp-churn": digits_dp_churn,
     "digits-dp-lossy": digits_dp_lossy,
     "digits-dp-hetero": digits_dp_hetero,
     "mprng-demo": mprng_demo,

@@ -11,4 +11,5 @@
 - btard_checks: BTARD verification math (V1-V3, validation, CHECKAVERAGING) with derived tolerances, claims and their canonical resolution
 - btard_attacks: BTARD protocol-level attack policies (aggregation, reputation, protocol violations)
 - admission: Sybil-resistant admission of mid-run joiners (untrusted -> trusted after T approvals)
+- catchup: state manifests and the digest-agreement rules a joining peer trusts
 """

@@ -49,6 +49,10 @@ class BanLedger:
             applied.append(record)
         return applied
 
+    def restore(self, records: list[BanRecord]) -> None:
+        """Replace the ledger by `records`, in their order (a state fetched by catch-up)."""
+        self._banned = {r.peer: r for r in records}
+
     def filter(self, peers: list[str]) -> list[str]:
         """The peers that are not banned, in the given order."""
         return [p for p in peers if p not in self._banned]

@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,11 +24,15 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
+from ..runtime.catchup import CatchupService, collect_offers
+from .processes import MARKER_ENV, guard_worker, kill_group, kill_marked, new_marker
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
 JOIN_TIMEOUT = 120.0  # seconds for all peers to appear in the membership view
 BARRIER_TIMEOUT = 120.0
 BARRIER_STEP = 1 << 40
+MEMBERSHIP_TTL = 20.0  # seconds a dead peer's membership record outlives it (its detection delay)
+STOP_GRACE = 10.0  # seconds a worker has to stop after SIGTERM before it is killed
 
 
 def run_id_of(config: RunConfig) -> str:
@@ -42,6 +49,30 @@ async def _barrier(transport, name: str, peers: list[str]) -> None:
     await transport.board.wait(f"barrier.{name}", BARRIER_STEP, peers, BARRIER_TIMEOUT)
 
 
+async def _leave_together(transport) -> None:
+    """Announce we are done; wait until every live member has too (a dead one leaves the view)."""
+    await transport.broadcast("barrier.done", BARRIER_STEP, b"")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BARRIER_TIMEOUT
+    while loop.time() < deadline:
+        done = transport.board.get("barrier.done", BARRIER_STEP)
+        if all(p in done for p in transport.members() if p != transport.peer_id):
+            return
+        await asyncio.sleep(0.2)
+
+
+async def _swarm_is_training(transport, initial_peers: list[str], config: RunConfig) -> bool:
+    """Whether peers we can see are already training this run (then we join by catch-up)."""
+    if not initial_peers:
+        return False
+    try:
+        await transport.wait_for_members(2, JOIN_TIMEOUT)
+    except TimeoutError:
+        return False
+    others = [p for p in transport.members() if p != transport.peer_id]
+    return bool(await collect_offers(transport, others, config.catchup))
+
+
 async def run_worker(
     config: RunConfig,
     index: int | None,
@@ -50,12 +81,26 @@ async def run_worker(
     host: str = "/ip4/127.0.0.1/tcp/0",
     address_file: Path | None = None,
 ) -> list[dict]:
-    """One real peer: join, wait for the swarm, train, leave together."""
+    """One real peer: join, wait for the swarm, train, leave together.
+
+    SIGTERM stops it cleanly (like Ctrl-C): the transport, its DHT child and
+    p2pd are shut down before it returns.
+    """
     from ..transport.p2p import HivemindTransport
 
     torch.set_num_threads(1)
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+
+    def on_sigterm() -> None:
+        task.cancel()
+        _exit_after(STOP_GRACE, 128 + signal.SIGTERM)
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     identity = peer_identity(config.seed, index) if index is not None else Identity.generate()
-    transport = HivemindTransport(identity, run_id=run_id_of(config), initial_peers=initial_peers, host_maddrs=[host])
+    transport = HivemindTransport(
+        identity, run_id=run_id_of(config), initial_peers=initial_peers, host_maddrs=[host], membership_ttl=MEMBERSHIP_TTL
+    )
     await transport.start()
     records: list[dict] = []
     try:
@@ -63,14 +108,21 @@ async def run_worker(
             tmp = address_file.with_suffix(".tmp")
             tmp.write_text("\n".join(transport.visible_maddrs()) + "\n")
             tmp.rename(address_file)
-        try:
-            peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
-        except TimeoutError:
-            raise LocalError(
-                f"only {len(transport.members())} of {config.peers} peers joined within {JOIN_TIMEOUT:.0f} s: check"
-                " --initial-peers, and that every peer runs the same preset, seed and --peers"
-            ) from None
-        await _barrier(transport, "start", peers)
+        role = -1 if index is None else index
+        peer = build_peer(config, transport, role)
+        service = CatchupService(peer, config.catchup)
+        if await _swarm_is_training(transport, initial_peers, config):
+            await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is
+        else:
+            try:
+                peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
+            except TimeoutError:
+                raise LocalError(
+                    f"only {len(transport.members())} of {config.peers} peers joined within {JOIN_TIMEOUT:.0f} s: check"
+                    " --initial-peers, and that every peer runs the same preset, seed and --peers"
+                ) from None
+            service.set_roster(peers)
+            await _barrier(transport, "start", peers)
         records_path.parent.mkdir(parents=True, exist_ok=True)
         with open(records_path, "w") as sink:
 
@@ -79,17 +131,105 @@ async def run_worker(
                 sink.write(json.dumps(record, sort_keys=True) + "\n")
                 sink.flush()
 
-            role = -1 if index is None else index
-            await run_peer(config, build_peer(config, transport, role), role, False, on_step)
+            await run_peer(config, peer, role, False, on_step, service)
         # Stay until everyone is done: a slower peer may still pull our parts.
-        await _barrier(transport, "done", peers)
+        await _leave_together(transport)
     finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        _exit_after(3 * STOP_GRACE, 1)  # a shutdown that hangs (a stuck DHT child) must not keep us alive
         await transport.stop()
     return records
 
 
+def _exit_after(seconds: float, code: int) -> None:
+    """Unless this process has exited `seconds` from now: kill what it started, then exit with `code`."""
+
+    def hard_exit() -> None:
+        kill_marked(os.environ.get(MARKER_ENV, ""))
+        os._exit(code)
+
+    if os.environ.get(MARKER_ENV):
+        timer = threading.Timer(seconds, hard_exit)
+        timer.daemon = True
+        timer.start()
+
+
+class _Workers:
+    """The launcher's worker processes: each in its own process group, with its own marker."""
+
+    def __init__(self, config_path: Path, peer_dir: Path, token: str) -> None:
+        self.base = [sys.executable, "-m", "phalanx.experiments.launch", "--config", str(config_path), "--out", str(peer_dir)]
+        self.token = token
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.failed: dict[int, int] = {}  # index -> exit status, for workers that ended by themselves
+        self.stopping = False
+
+    def start(self, index: int, *args: str) -> subprocess.Popen:
+        env = {**os.environ, MARKER_ENV: self.marker(index)}
+        cmd = [*self.base, "--index", str(index), "--die-with-parent", *args]
+        self.procs[index] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        return self.procs[index]
+
+    def marker(self, index: int) -> str:
+        return f"{self.token}/{index}"
+
+    def running(self) -> list[int]:
+        return [i for i, p in self.procs.items() if p.poll() is None]
+
+    def reap(self) -> list[int]:
+        """Note workers that ended by themselves; sweep what each one left. Returns newly failed indices."""
+        new = []
+        for index, proc in self.procs.items():
+            code = proc.poll()
+            if code is None or index in self.failed or self.stopping:
+                continue
+            self.sweep(index)
+            if code != 0:
+                self.failed[index] = code
+                new.append(index)
+        return new
+
+    def sweep(self, index: int) -> None:
+        kill_group(self.procs[index].pid)
+        kill_marked(self.marker(index))
+
+    def stop(self) -> None:
+        """Ask workers that still run to stop, kill those that do not, then sweep every group and marker."""
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for index in self.procs:
+            self.sweep(index)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _raise_on_sigterm(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
-    """Run `config` as config.peers OS processes on loopback; write the run's files to `out`."""
+    """Run `config` as config.peers OS processes on loopback; write the run's files to `out`.
+
+    A worker that dies (killed, out of memory, an exception) is dropped by
+    the others and the run goes on; it is listed under `crashed` with the
+    last step it recorded. Raises LocalError only when no worker finished.
+    """
     if not isinstance(config, RunConfig):
         from .aspis_launch import launch_aspis
 
@@ -103,46 +243,60 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
     for old in peer_dir.glob("*"):
         old.unlink()
     address_file = peer_dir / "0.addr"
-    base = [sys.executable, "-m", "phalanx.experiments.launch", "--config", str(config_path), "--out", str(peer_dir)]
-    procs = [subprocess.Popen([*base, "--index", "0", "--address-file", str(address_file)])]
+    workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker())
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
+        first = workers.start(0, "--address-file", str(address_file))
         deadline = time.monotonic() + JOIN_TIMEOUT
         while not address_file.exists():
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise LocalError(f"the first peer did not start (exit code {procs[0].poll()}); see its output above")
+            if first.poll() is not None or time.monotonic() > deadline:
+                raise LocalError(f"the first peer did not start (exit code {first.poll()}); see its output above")
             time.sleep(0.1)
         addrs = address_file.read_text().split()
         for index in range(1, config.peers):
-            procs.append(subprocess.Popen([*base, "--index", str(index), "--initial-peers", *addrs]))
+            workers.start(index, "--initial-peers", *addrs)
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
-        while any(p.poll() is None for p in procs) and not any(p.poll() not in (None, 0) for p in procs):
-            bar.update(_lines(peer_dir / "0.jsonl") - bar.n)
+        while workers.running():
+            for index in workers.reap():
+                last = _last_step(peer_dir / f"{index}.jsonl")
+                print(
+                    f"phalanx: peer {index} {_exit_text(workers.failed[index])} after step {last}; the others go on",
+                    file=sys.stderr,
+                )
+            bar.update(max(_lines(peer_dir / f"{i}.jsonl") for i in workers.procs) - bar.n)
             time.sleep(0.5)
+        workers.reap()
         bar.close()
     finally:
-        _stop(procs)
-    failed = [i for i, p in enumerate(procs) if p.wait() != 0]
-    if failed:
-        raise LocalError(f"peers {failed} exited with errors; see their output above")
+        workers.stop()
+        signal.signal(signal.SIGTERM, previous)
     ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
     recorder = Recorder(config, ids)
     for index in range(config.peers):
-        for line in (peer_dir / f"{index}.jsonl").read_text().splitlines():
+        path = peer_dir / f"{index}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
             recorder.add(json.loads(line))
+    finished = any(r["step"] == config.steps - 1 for r in recorder.records)
+    if not finished:
+        failed = ", ".join(f"{i} {_exit_text(c)}" for i, c in sorted(workers.failed.items()))
+        raise LocalError(f"the run did not finish: peers {failed}; see their output above")
     _to_relative_time(recorder.records)
+    recorder.crashed = [ids[i] for i in sorted(workers.failed)]
     return recorder.write(out, {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start})
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Ask workers that are still running to stop, then kill those that do not."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
+def _last_step(path: Path) -> int | None:
+    """The step of the last record in a peer's file (None before its first step)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
         try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+            return json.loads(line)["step"]
+        except (ValueError, KeyError):
+            continue  # a line cut by the kill
+    return None
 
 
 def _to_relative_time(records: list[dict]) -> None:
@@ -171,6 +325,8 @@ def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:
     wall_start = time.perf_counter()
     name = str(args.index) if args.index is not None else "peer"
     address_file = Path(args.address_file) if args.address_file else None
+    inherited = os.environ.get(MARKER_ENV)
+    guard_worker(f"{inherited}/peer-{os.getpid()}" if inherited else new_marker(), die_with_parent=False)
     records = asyncio.run(run_worker(config, args.index, args.initial_peers, out / "peers" / f"{name}.jsonl", args.host, address_file))
     recorder = Recorder(config, sorted({r["peer"] for r in records}))
     for record in records:
@@ -186,10 +342,15 @@ def _worker_main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     args = parser.parse_args()
+    guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = RunConfig.from_dict(json.loads(Path(args.config).read_text()))
     address_file = Path(args.address_file) if args.address_file else None
-    asyncio.run(run_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl", address_file=address_file))
+    try:
+        asyncio.run(run_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl", address_file=address_file))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..core.rng import py_stream
 from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
-from .swarm import Recorder, build_peer, crash_indices, peer_identity, run_peer
+from .churn import FaultDriver
+from .swarm import Recorder, peer_identity
 
 
 def peer_speeds(config: RunConfig) -> list[float]:
@@ -31,13 +32,14 @@ def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
         return simulate_aspis(config, out, progress)
     torch.set_num_threads(1)  # one thread: deterministic kernels and no oversubscription
     wall_start = time.perf_counter()
-    identities = [peer_identity(config.seed, i) for i in range(config.peers)]
+    identities = [peer_identity(config.seed, i) for i in range(config.peers + config.faults.join)]
     ids = [identity.peer_id for identity in identities]
     recorder = Recorder(config, ids)
-    victims = [ids[i] for i in crash_indices(config)]
     bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
+    driver: FaultDriver | None = None
 
     async def main() -> tuple[float, dict]:
+        nonlocal driver
         network = SimNetwork(
             SimConfig(
                 seed=config.seed,
@@ -47,36 +49,21 @@ def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
                 default_flops=config.network.flops,
             )
         )
-        speeds = peer_speeds(config)
+        speeds = peer_speeds(config) + [config.network.flops] * config.faults.join  # joiners: the median speed
         transports = [network.add_peer(identity, flops=speed) for identity, speed in zip(identities, speeds)]
-        finished: dict[str, asyncio.Event] = {p: asyncio.Event() for p in ids}
-        crashed = False
         progress_step = -1
 
         def on_step(record: dict) -> None:
-            nonlocal crashed, progress_step
+            nonlocal progress_step
             recorder.add(record)
             if record["step"] > progress_step:
                 bar.update(record["step"] - progress_step)
                 progress_step = record["step"]
-            if victims and not crashed and record["step"] >= config.faults.crash_after_step:
-                crashed = True
-                for victim in victims:
-                    network.crash(victim)
 
-        def factory(index: int):
-            async def peer_main() -> None:
-                peer = build_peer(config, transports[index], index)
-                await run_peer(config, peer, index, True, on_step)
-                finished[ids[index]].set()
-
-            return peer_main
-
-        for index, peer_id in enumerate(ids):
-            network.spawn(peer_id, factory(index))
-        for peer_id in ids:
-            if peer_id not in victims:
-                await finished[peer_id].wait()
+        driver = FaultDriver(config, network, transports, on_step)
+        for index in range(config.peers):
+            driver.start(index)
+        await driver.wait()
         return asyncio.get_running_loop().time(), network.stats()
 
     # Hundreds of peers make millions of short-lived objects; the default
@@ -88,10 +75,12 @@ def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
     finally:
         gc.set_threshold(*thresholds)
         bar.close()
+    recorder.crashed = sorted(driver.crashed_ever, key=ids.index)
     return recorder.write(
         out,
         {
             "mode": "simulate",
+            "joins": driver.joins,
             "wall_seconds": time.perf_counter() - wall_start,
             "simulated_seconds": simulated_seconds,
             "network": stats,

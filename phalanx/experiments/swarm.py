@@ -19,6 +19,7 @@ from ..algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
 from ..config import RunConfig
 from ..core.identity import Identity
 from ..core.rng import py_stream
+from ..runtime.catchup import CatchupService
 from ..runtime.dp_peer import DataParallelPeer, task_of
 from ..runtime.btard import SecureRound
 from ..runtime.mprng import MPRNGBehaviour, MPRNGFailed, SplitView, WithholdReveal, WrongReveal, run_mprng
@@ -76,9 +77,18 @@ def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParal
 
 
 async def run_peer(
-    config: RunConfig, peer: DataParallelPeer, index: int, deterministic: bool, on_step: Callable[[dict], None]
+    config: RunConfig,
+    peer: DataParallelPeer,
+    index: int,
+    deterministic: bool,
+    on_step: Callable[[dict], None],
+    catchup: CatchupService | None = None,
 ) -> None:
-    """Train for config.steps steps; after every mprng_every-th step, run an MPRNG round; report each step."""
+    """Train from peer.step to config.steps; after every mprng_every-th step, run an MPRNG round; report each step.
+
+    With `catchup`, the peer serves state to joiners and checks its digest at sync points;
+    its last record carries its final state digest.
+    """
     byzantine = index in byzantine_indices(config)
     behaviour = MPRNG_BEHAVIOURS[config.byzantine.mprng if byzantine else "honest"]()
     if deterministic:
@@ -89,9 +99,11 @@ async def run_peer(
     me = peer.transport.peer_id
     if isinstance(peer.allreduce, SecureRound):
         peer.allreduce.entropy = entropy
-    for step in range(config.steps):
+    for step in range(peer.step, config.steps):
         if peer.ledger.is_banned(me):
             return  # the honest peers have banned us: they no longer listen
+        if catchup is not None:
+            await catchup.before_step(step)
         record = await peer.train_step(step)
         if config.mprng_every and (step + 1) % config.mprng_every == 0:
             try:
@@ -103,6 +115,8 @@ async def run_peer(
                 record["mprng"] = None
             record["banned"] = list(peer.ledger.banned)
         peer.step = step + 1
+        if catchup is not None and peer.step == config.steps:
+            record["digest"] = catchup.state_digest().hex()
         on_step(record)
 
 
@@ -115,6 +129,11 @@ class Recorder:
         self.index_of = {p: i for i, p in enumerate(ids)}
         self.records: list[dict] = []
         self.byzantine = set(byzantine_indices(config))
+        self.crashed = [ids[i] for i in crash_indices(config) if i < len(ids)]  # launch sets the observed ones
+
+    def last_step(self, peer: str) -> int | None:
+        """The last step `peer` recorded (None if it recorded none): where a crashed peer was last seen."""
+        return max((r["step"] for r in self.records if r["peer"] == peer), default=None)
 
     def add(self, record: dict) -> None:
         self.records.append(record)
@@ -217,7 +236,8 @@ class Recorder:
             "banned": self.banned(),
             "banned_by_peer": self.banned_by_peer(),
             "byzantine": [self.ids[i] for i in sorted(self.byzantine)],
-            "crashed": [self.ids[i] for i in crash_indices(self.config)],
+            "crashed": {peer: self.last_step(peer) for peer in self.crashed},
+            "final_digests": {r["peer"]: r["digest"] for r in self.records if "digest" in r},
             "peer_ids": self.ids,
             **extra,
         }

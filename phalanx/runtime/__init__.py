@@ -5,4 +5,5 @@
 - btard: the BTARD secure round (commitments, ELIMINATE/ACCUSE, validators, verifications) and BTARDConfig
 - dp_peer: a data-parallel training peer (and its TrainConfig)
 - aspis: the Aspis / Aspis+ coordinator and worker roles (and AspisConfig)
+- catchup: state catch-up (join, rejoin, re-sync), the roster of who trains at a step
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from dataclasses import dataclass
 
@@ -102,10 +103,15 @@ class DataParallelPeer:
         else:
             self.allreduce = ButterflyAllReduce(transport, self.dim, reducer or allreduce.build_reducer(), allreduce)
         self.step = 0
+        self.admit: Callable[[int, list[str]], list[str]] | None = None  # who trains at a step (catch-up's roster)
+        self.on_update: list[Callable[[int, torch.Tensor], None]] = []  # told each step's applied update
 
-    def group(self) -> list[str]:
-        """This step's group: current members that are not banned, in sorted order."""
-        return self.ledger.filter(self.transport.members())
+    def group(self, step: int | None = None) -> list[str]:
+        """This step's group: current members that are admitted and not banned, in sorted order."""
+        members = self.transport.members()
+        if self.admit is not None:
+            members = self.admit(self.step if step is None else step, members)
+        return self.ledger.filter(members)
 
     async def run(self, steps: int) -> None:
         while self.step < steps:
@@ -116,7 +122,7 @@ class DataParallelPeer:
         me = self.transport.peer_id
         clock = self.transport.clock
         started = clock.now()
-        group = self.group()
+        group = self.group(step)
         self.transport.board.prune(step - 2)  # broadcasts older than two steps are settled
         x, y = self.task.batch(self.run_seed, me, step, self.config.batch_size)
         gradient, loss = compute_gradient(self.task, self.model, x, y)
@@ -127,6 +133,8 @@ class DataParallelPeer:
         result = await self.allreduce(step, gradient, group)
         set_flat_grad(self.model, result.vector)
         self.optimizer.step()
+        for listener in self.on_update:
+            listener(step, result.vector)
         record: StepRecord = {
             "step": step,
             "peer": me,

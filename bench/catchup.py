@@ -1,0 +1,93 @@
+"""Seconds for a joiner to download and verify a state over hivemind on loopback, against model size.
+
+Three holder peers serve the same snapshot (N float32 parameters, encoded as
+catch-up encodes states) through the catch-up topics; a joiner fetches it with
+`fetch_snapshot` (manifest from one holder, chunks spread over all three,
+every chunk checked against the agreed manifest). The raw figure moves the
+same bytes with plain requests of one chunk each from one holder, one after
+another: the transport's own throughput. All peers run in this process, each
+with its own DHT process and libp2p daemon.
+
+    PYTHONPATH=. .venv/bin/python bench/catchup.py [--params 1,10,50] (millions)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+
+import torch
+
+from phalanx.algorithms.catchup import Agreed, manifest_digest, manifest_of
+from phalanx.core import Identity
+from phalanx.core.serialization import decode, encode
+from phalanx.runtime.catchup import CatchupConfig, fetch_snapshot
+from phalanx.transport.p2p import HivemindTransport
+
+HOLDERS = 3
+
+
+def holder_handlers(transport: HivemindTransport, snapshots: dict[int, tuple[bytes, dict]], chunk: int) -> None:
+    async def manifest(sender: str, payload: bytes) -> bytes:
+        held = snapshots.get(decode(payload, sender)["step"])
+        return encode({"manifest": held[1] if held else None})
+
+    async def chunk_of(sender: str, payload: bytes) -> bytes:
+        request = decode(payload, sender)
+        data = snapshots[request["step"]][0]
+        return encode({"data": data[request["index"] * chunk : (request["index"] + 1) * chunk]})
+
+    async def raw(sender: str, payload: bytes) -> bytes:
+        return bytes(int.from_bytes(payload, "little"))
+
+    transport.add_request_handler("catchup.manifest", manifest)
+    transport.add_request_handler("catchup.chunk", chunk_of)
+    transport.add_request_handler("raw", raw)
+
+
+async def main(sizes: list[int]) -> None:
+    config = CatchupConfig()
+    run_id = f"bench-catchup-{uuid.uuid4().hex[:8]}"
+    snapshots: dict[int, tuple[bytes, dict]] = {}
+    peers = []
+    try:
+        for i in range(HOLDERS + 1):
+            initial = peers[0].visible_maddrs() if peers else []
+            t = HivemindTransport(Identity.from_seed(f"bench-catchup/{i}".encode()), run_id=run_id, initial_peers=initial)
+            await t.start()
+            peers.append(t)
+        holders, joiner = peers[:HOLDERS], peers[HOLDERS]
+        for t in holders:
+            holder_handlers(t, snapshots, config.chunk_bytes)
+        await joiner.wait_for_members(HOLDERS + 1, 60)
+        ids = tuple(t.peer_id for t in holders)
+        print(f"{'params':>8} {'MB':>8} {'catch-up s':>11} {'raw s':>8} {'ratio':>6} {'catch-up MB/s':>14} {'raw MB/s':>9}")
+        for step, millions in enumerate(sizes):
+            state = encode({"model": {"w": torch.randn(millions * 10**6, generator=torch.Generator().manual_seed(step))}})
+            manifest = manifest_of(state, config.chunk_bytes)
+            snapshots[step] = (state, manifest)
+            choice = Agreed(step, manifest_digest(manifest), ids)
+            started = time.perf_counter()
+            data = await fetch_snapshot(joiner, choice, config)
+            catchup = time.perf_counter() - started
+            assert data == state
+            started = time.perf_counter()
+            for offset in range(0, len(state), config.chunk_bytes):
+                size = min(config.chunk_bytes, len(state) - offset)
+                await joiner.request(ids[0], "raw", size.to_bytes(8, "little"), 120)
+            raw = time.perf_counter() - started
+            mb = len(state) / 1e6
+            print(f"{millions:>7}M {mb:8.1f} {catchup:11.2f} {raw:8.2f} {catchup / raw:6.2f} {mb / catchup:14.1f} {mb / raw:9.1f}")
+            del snapshots[step]
+    finally:
+        for t in peers:
+            await t.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="1,10,50", help="model sizes in millions of parameters")
+    args = parser.parse_args()
+    asyncio.run(main([int(x) for x in args.params.split(",")]))

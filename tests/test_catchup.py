@@ -1,0 +1,113 @@
+"""State catch-up: agreement rules, a joiner and a restarted peer in the simulator, a diverged replica re-syncing."""
+
+import json
+
+import pytest
+import torch
+
+from phalanx.algorithms.catchup import Offer, agreed, agreed_updates, choose_snapshot, manifest_digest, manifest_of, needed_votes
+from phalanx.config import override
+from phalanx.core.errors import RemoteError
+from phalanx.experiments.simulate import simulate
+from phalanx.experiments.swarm import build_peer, peer_identity, run_peer
+from phalanx.presets import get_preset
+from phalanx.runtime.catchup import CatchupConfig, CatchupService, load_state, state_bytes
+from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+D1, D2 = b"\x01" * 32, b"\x02" * 32
+
+
+def test_votes_needed_and_majority():
+    assert needed_votes(10, 2) == 3
+    assert needed_votes(2, 2) == 2 and needed_votes(1, 2) == 1
+    assert agreed({"a": D1, "b": D1, "c": D2}, 3, 2) is None  # 2 of 3: fewer than 1 + 2 confirmations
+    assert agreed({"a": D1, "b": D1, "c": D1, "d": D2}, 4, 2) == (D1, ("a", "b", "c"))
+    # three liars agreeing cannot outvote four honest replicas, nor tie them
+    assert agreed({**{p: D1 for p in "abcd"}, **{p: D2 for p in "xyz"}}, 7, 2)[0] == D1
+    assert agreed({**{p: D1 for p in "abc"}, **{p: D2 for p in "xyz"}}, 6, 2) is None
+
+
+def test_choose_latest_agreed_snapshot_and_consecutive_updates():
+    offers = {
+        "a": Offer(25, {10: D1, 20: D1}, {20: D1, 21: D1, 22: D2}),
+        "b": Offer(25, {10: D1, 20: D1}, {20: D1, 21: D1, 22: D2}),
+        "c": Offer(25, {10: D1, 20: D2}, {20: D1, 21: D1}),
+        "d": Offer(24, {10: D1}, {20: D1, 21: D1, 22: D2}),
+    }
+    choice = choose_snapshot(offers, 2)
+    assert (choice.step, choice.digest) == (10, D1)  # step 20 has only 2 agreeing of 4 answers
+    offers["d"] = Offer(25, {10: D1, 20: D1}, offers["d"].updates)
+    assert choose_snapshot(offers, 2).step == 20
+    assert [a.step for a in agreed_updates(offers, 20, 2)] == [20, 21, 22]
+    assert agreed_updates(offers, 23, 2) == []
+
+
+def test_manifest_names_the_chunks():
+    data = bytes(range(256)) * 40
+    m = manifest_of(data, 1000)
+    assert m["size"] == len(data) and len(m["hashes"]) == 11
+    assert manifest_digest(m) != manifest_digest(manifest_of(data[:-1] + b"x", 1000))
+
+
+def test_joiner_and_restarted_peer_end_with_the_swarms_state(tmp_path):
+    config = override(
+        get_preset("digits-dp"),
+        [
+            "peers=5", "steps=40", "train.eval_every=40",
+            "faults.join=1", "faults.join_after_step=20",
+            "faults.crash=1", "faults.crash_after_step=6", "faults.restart_after=4",
+        ],
+    )
+    summary = simulate(config, tmp_path, progress=False)
+    assert summary["joins"] == 2  # the restarted peer and the new one
+    digests = summary["final_digests"]
+    assert len(digests) == 6 and len(set(digests.values())) == 1
+    crashed = list(summary["crashed"])
+    assert len(crashed) == 1 and crashed[0] in digests
+    timeline = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    joiner_steps = sorted(r["step"] for r in timeline if r["peer"] == 5)
+    assert joiner_steps[0] > 20 and joiner_steps[-1] == 39
+    assert joiner_steps == list(range(joiner_steps[0], 40))
+    assert summary["final_accuracy"] > 0.8
+
+
+def test_diverged_replica_resyncs_at_the_next_sync_point():
+    config = override(get_preset("digits-dp"), ["peers=4", "steps=26", "train.eval_every=100"])
+    ids = [peer_identity(config.seed, i) for i in range(4)]
+    services: list[CatchupService] = []
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=0))
+        transports = [network.add_peer(identity) for identity in ids]
+        peers = [build_peer(config, t, i) for i, t in enumerate(transports)]
+        services.extend(CatchupService(p, CatchupConfig(sync_every=10), [i.peer_id for i in ids]) for p in peers)
+
+        def on_step(record):
+            if record["peer"] == ids[3].peer_id and record["step"] == 12:
+                with torch.no_grad():  # as if it had missed a gather: its replica drifts
+                    next(peers[3].model.parameters()).add_(0.01)
+
+        tasks = [network.spawn(t.peer_id, lambda i=i: run_peer(config, peers[i], i, True, on_step, services[i])) for i, t in enumerate(transports)]
+        for task in tasks:
+            await task
+
+    run_simulation(main)
+    assert [s.resyncs for s in services] == [0, 0, 0, 1]
+    assert len({s.state_digest() for s in services}) == 1
+
+
+def test_malformed_state_is_evidence():
+    config = override(get_preset("digits-dp"), ["peers=2"])
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=0))
+        t = network.add_peer(peer_identity(0, 0))
+        peer = build_peer(config, t, 0)
+        good = state_bytes(peer, 7)
+        assert load_state(peer, good, "x") == 7 and peer.step == 7
+        other = build_peer(override(config, ["train.task=digits-cnn"]), network.add_peer(peer_identity(0, 1)), 1)
+        with pytest.raises(RemoteError) as info:
+            load_state(peer, state_bytes(other, 3), "liar")
+        assert info.value.evidence.peer == "liar" and info.value.evidence.kind == "bad_state"
+
+    run_simulation(main)
