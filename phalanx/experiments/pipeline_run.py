@@ -1,0 +1,248 @@
+"""Pipeline runs: build data nodes and relays from a `PipelineRunConfig`, run them, write the run's files.
+
+Files: config.json, metrics.jsonl (one object per iteration), microbatches.jsonl
+(path, times, recomputations, outcome of every microbatch attempt that settled),
+events.jsonl (every forward, backward, loss and aggregation with its node,
+stage and times: the stage x time diagram), summary.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..core.rng import py_stream
+from ..pipeline_config import PipelineRunConfig
+from ..runtime.dp_peer import task_of
+from ..runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
+from ..runtime.pipeline.routing import Router
+from ..training.task import Task
+from ..transport.base import Transport
+from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
+from .swarm import peer_identity
+
+
+def capacities(config: PipelineRunConfig) -> list[int]:
+    """Capacity of every peer index (data nodes: their microbatch count)."""
+    rng = py_stream(config.seed, "pipeline", "capacity")
+    caps = [config.pipeline.microbatches] * config.data_nodes
+    for _ in range(config.relays):
+        caps.append(rng.randint(config.capacity_min, config.capacity_max) if config.capacity_max else config.pipeline.capacity)
+    return caps
+
+
+def speeds(config: PipelineRunConfig) -> list[float]:
+    rng = py_stream(config.seed, "pipeline", "speeds")
+    return [config.network.flops * math.exp(config.network.flops_spread * rng.gauss(0.0, 1.0)) for _ in range(config.peers)]
+
+
+def make_router(config: PipelineRunConfig, peer: str) -> Router:
+    rng = py_stream(config.seed, peer, "route")
+    return SwarmRouter(rng, config.pipeline.ema, penalty=4 * config.pipeline.complete_timeout)
+
+
+def build_node(
+    config: PipelineRunConfig, transport: Transport, index: int, directory: dict[str, int], task: Task,
+    on_event: Callable[[dict], None], stage: int | None = None,
+) -> DataNode | Relay:
+    stage = config.stage_of(index) if stage is None else stage
+    staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size)
+    cls = DataNode if index < config.data_nodes else Relay
+    return cls(
+        transport, task, staged, stage, config.train, config.pipeline, directory, config.seed,
+        make_router(config, transport.peer_id), capacity=capacities(config)[index], allreduce=config.allreduce,
+        on_event=on_event,
+    )
+
+
+class PipelineRecorder:
+    """Iteration records of the data nodes and events of every node; writes the run's files."""
+
+    def __init__(self, config: PipelineRunConfig, ids: list[str]) -> None:
+        self.config = config
+        self.ids = ids
+        self.iterations: list[dict] = []
+        self.events: list[dict] = []
+
+    def metrics(self) -> list[dict]:
+        rows = []
+        for it in sorted({r["it"] for r in self.iterations}):
+            recs = [r for r in self.iterations if r["it"] == it]
+            losses = [(r["loss"], r["completed"]) for r in recs if r["loss"] is not None]
+            done = sum(c for _, c in losses)
+            t0, t1 = min(r["t_start"] for r in recs), max(r["t_end"] for r in recs)
+            rows.append({
+                "step": it,
+                "loss": sum(loss * c for loss, c in losses) / done if done else None,
+                "completed": sum(r["completed"] for r in recs),
+                "deferred": sum(r["deferred"] for r in recs),
+                "t_start": t0, "time": t1, "duration": t1 - t0,
+                "train_seconds": max(r["t_train"] for r in recs) - t0,
+            })
+        return rows
+
+    def microbatches(self) -> list[dict]:
+        return [mb for r in self.iterations for mb in r["microbatches"]]
+
+    def wasted_compute(self) -> float:
+        """Compute seconds spent on (microbatch attempt, node) pairs that are not on a finished path."""
+        useful = {(mb["src"], mb["seq"], mb["att"], peer) for mb in self.microbatches() if mb["outcome"] == "ok" for peer in mb["path"]}
+        return sum(e["t1"] - e["t0"] for e in self.events if e["kind"] in ("fwd", "bwd")
+                   and (e["src"], e["seq"], e["att"], e["peer"]) not in useful)
+
+    def write(self, out: Path, extra: dict) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = self.metrics()
+        (out / "config.json").write_text(self.config.to_json() + "\n")
+        for name, rows in (("metrics", metrics), ("microbatches", self.microbatches()), ("events", self.events)):
+            with open(out / f"{name}.jsonl", "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row, sort_keys=True) + "\n")
+        losses = [m["loss"] for m in metrics if m["loss"] is not None]
+        mbs = self.microbatches()
+        ok = [mb for mb in mbs if mb["outcome"] == "ok"]
+        summary = {
+            "preset": self.config.preset, "kind": "pipeline", "peers": self.config.peers, "steps": self.config.steps,
+            "seed": self.config.seed, "task": self.config.train.task, "routing": self.config.pipeline.routing,
+            "final_loss": losses[-1] if losses else None,
+            "microbatches_ok": len(ok), "microbatches_deferred": len(mbs) - len(ok),
+            "throughput_per_iteration": len(ok) / max(1, len(metrics)),
+            "recomputed_stages": sum(len(mb["recomputed"]) for mb in ok),
+            "restarts": sum(mb["restarts"] for mb in mbs), "repairs": sum(mb["repairs"] for mb in mbs),
+            "wasted_compute_seconds": self.wasted_compute(), "peer_ids": self.ids,
+            **extra,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        return summary
+
+
+def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progress: bool = True) -> dict:
+    """Run a pipeline config in the simulator; write its files to `out` (if given); return the summary."""
+    torch.set_num_threads(1)
+    wall_start = time.perf_counter()
+    identities = [peer_identity(config.seed, i) for i in range(config.peers)]
+    ids = [identity.peer_id for identity in identities]
+    directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
+    task = task_of(config.train)
+    recorder = PipelineRecorder(config, ids)
+    bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
+    relay_ids = ids[config.data_nodes:]
+
+    async def main() -> tuple[float, dict]:
+        net = config.network
+        network = SimNetwork(SimConfig(
+            seed=config.seed, link=LinkProfile(latency=net.latency, bandwidth=net.bandwidth_max), loss=net.loss,
+            detection_delay=net.detection_delay, default_flops=net.flops,
+        ))
+        transports = [network.add_peer(identity, flops=speed) for identity, speed in zip(identities, speeds(config))]
+        if net.bandwidth_min < net.bandwidth_max:
+            rng = py_stream(config.seed, "pipeline", "links")
+            for a in ids:
+                for b in ids:
+                    if a != b:
+                        network.set_link(a, b, LinkProfile(net.latency, rng.uniform(net.bandwidth_min, net.bandwidth_max)))
+        done = [asyncio.Event() for _ in range(config.data_nodes)]
+        churn = py_stream(config.seed, "pipeline", "churn")
+        crashed: set[str] = set()
+        nodes: dict[str, DataNode | Relay] = {}
+
+        def on_iteration(record: dict) -> None:
+            recorder.iterations.append(record)
+            if record["peer"] == ids[0]:
+                bar.update(1)
+
+        def on_start(it: int, duration: float) -> None:
+            """The first data node opens iteration `it`: inject this iteration's faults."""
+            f = config.faults
+            if f.crash_relay >= 0 and it == f.crash_iteration:
+                victim = relay_ids[f.crash_relay]
+                network.schedule(asyncio.get_running_loop().time() + f.crash_at, lambda: _crash(victim))
+            for pid in relay_ids:
+                if pid in crashed:
+                    continue
+                if f.leave_rate and churn.random() < f.leave_rate:
+                    at = asyncio.get_running_loop().time() + churn.uniform(0, duration)
+                    network.schedule(at, lambda pid=pid: _crash(pid))
+
+        def _crash(pid: str) -> None:
+            if pid not in crashed:
+                crashed.add(pid)
+                network.crash(pid)
+
+        def factory(index: int):
+            async def node_main() -> None:
+                node = build_node(config, transports[index], index, directory, task, recorder.events.append)
+                nodes[ids[index]] = node
+                if isinstance(node, DataNode):
+                    await node.run(config.steps, on_iteration, on_start if index == 0 else None)
+                    done[index].set()
+                else:
+                    await node.serve()
+
+            return node_main
+
+        for index, pid in enumerate(ids):
+            network.spawn(pid, factory(index))
+        for event in done:
+            await event.wait()
+        digests = {pid: [node.stage, node.version, param_digest(node)] for pid, node in nodes.items() if pid not in crashed}
+        return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests}
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 100)
+    try:
+        simulated_seconds, stats = run_simulation(main)
+    finally:
+        gc.set_threshold(*thresholds)
+        bar.close()
+    extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
+             "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"]}
+    if out is None:
+        summary = dict(extra)
+        summary["metrics"] = recorder.metrics()
+        summary["microbatches"] = recorder.microbatches()
+        summary["events"] = recorder.events
+        summary["wasted_compute_seconds"] = recorder.wasted_compute()
+        return summary
+    summary = recorder.write(out, extra)
+    return summary
+
+
+def param_digest(node: DataNode | Relay) -> str:
+    """sha256 prefix of a node's stage parameters (replicas of a stage must agree)."""
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in node.params)).hexdigest()[:16]
+
+
+def reference_losses(config: PipelineRunConfig) -> list[float]:
+    """Single-process training on the same microbatches: mean loss per iteration (no churn)."""
+    torch.set_num_threads(1)
+    task = task_of(config.train)
+    model = task.build_model(config.seed)
+    from ..runtime.dp_peer import make_optimizer
+    from ..runtime.pipeline.stages import logits_loss
+
+    optimizer = make_optimizer(config.train, model.parameters())
+    sources = sorted(peer_identity(config.seed, i).peer_id for i in range(config.data_nodes))
+    m = config.pipeline.microbatches
+    losses = []
+    for it in range(config.steps):
+        optimizer.zero_grad(set_to_none=True)
+        values = []
+        for src in sources:
+            for seq in range(it * m, (it + 1) * m):
+                x, y = task.batch(config.seed, src, seq, config.train.batch_size)
+                loss = logits_loss(model(x), y)
+                (loss / (m * len(sources))).backward()
+                values.append(float(loss.detach()))
+        optimizer.step()
+        losses.append(sum(values) / len(values))
+    return losses
