@@ -55,3 +55,56 @@ def test_gpt_pipeline_equals_single_process_training():
     assert sorted(by_stage) == [0, 1, 2] and all(len(d) == 1 for d in by_stage.values())
     paths = {tuple(mb["path"]) for mb in summary["microbatches"]}
     assert len(paths) > 1  # microbatches went through more than one pipeline
+
+
+def _crash_config(routing: str) -> PipelineRunConfig:
+    # 1 data node + 3 stages x 2 relays; relay 1 (stage 2) dies 0.9 s into iteration 1: it has
+    # finished the forward of one microbatch (whose backward then breaks) and is computing the next.
+    return PipelineRunConfig(
+        peers=7, data_nodes=1, steps=3,
+        train=TrainConfig(task="digits-mlp", batch_size=8, lr=0.1),
+        pipeline=PipelineConfig(stages=3, microbatches=4, capacity=4, routing=routing, flops_scale=2e5, complete_timeout=4.0),
+        faults=ChurnConfig(crash_relay=1, crash_iteration=1, crash_at=0.9),
+    )
+
+
+def _forward_counts(summary: dict, src: str, seq: int, att: int) -> dict[int, int]:
+    counts: dict[int, int] = defaultdict(int)
+    for e in summary["events"]:
+        if e["kind"] == "fwd" and (e["src"], e["seq"], e["att"]) == (src, seq, att):
+            counts[e["stage"]] += 1
+    return dict(counts)
+
+
+def test_gwtf_crash_forward_resend_and_backward_repair_recompute_only_the_lost_stage():
+    config = _crash_config("gwtf")
+    summary = simulate_pipeline(config, progress=False)
+    victim = summary["peer_ids"][config.data_nodes + config.faults.crash_relay]
+    it1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
+    assert [mb["outcome"] for mb in it1] == ["ok"] * 4
+    assert all(victim not in mb["path"] and mb["restarts"] == 0 for mb in it1)
+    repaired = [mb for mb in it1 if mb["repairs"]]
+    assert len(repaired) == 1 and repaired[0]["recomputed"] == [2]
+    mb = repaired[0]
+    # stage 2 ran twice (the victim, then the repair peer); every other stage exactly once
+    assert _forward_counts(summary, mb["src"], mb["seq"], mb["att"]) == {0: 1, 1: 1, 2: 2, 3: 1}
+    # the forward crash: a microbatch the victim was computing went to the other stage-2 relay
+    # by resend from stage 1, no restart and no recomputation
+    failed_sends = {(e["src"], e["seq"], e["att"]) for e in summary["events"]
+                    if e["kind"] == "send" and e["to"] == victim and e["answer"] is None}
+    resent = [m for m in it1 if (m["src"], m["seq"], m["att"]) in failed_sends and not m["repairs"]]
+    assert resent and all(m["recomputed"] == [] for m in resent)
+    # no microbatch was lost, so training is exactly the crash-free one
+    assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+    assert victim not in summary["replicas"]
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
+def test_swarm_backward_crash_restarts_from_the_data_node():
+    summary = simulate_pipeline(_crash_config("swarm"), progress=False)
+    it1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
+    assert [mb["outcome"] for mb in it1] == ["ok"] * 4
+    restarted = [mb for mb in it1 if mb["restarts"]]
+    assert restarted and all(mb["repairs"] == 0 and mb["att"] >= 1 for mb in restarted)
+    assert summary["wasted_compute_seconds"] > 0
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())

@@ -22,13 +22,25 @@ from tqdm import tqdm
 
 from ..core.rng import py_stream
 from ..pipeline_config import PipelineRunConfig
-from ..runtime.dp_peer import task_of
 from ..runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
-from ..runtime.pipeline.routing import Router
-from ..training.task import Task
+from ..runtime.pipeline.routing import RepairRouter, Router
+from ..core.errors import ConfigError
+from ..training.task import Task, make_task
 from ..transport.base import Transport
 from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
 from .swarm import peer_identity
+
+
+def pipeline_task(config: PipelineRunConfig) -> Task:
+    """The task, deep enough for the stages: an MLP with one 64-wide hidden layer per stage, or a GPT
+    with max(2, stages - 1) blocks (data nodes hold the first piece, relays one piece each)."""
+    stages = config.pipeline.stages
+    corpus = {"corpus": config.train.corpus} if config.train.corpus else {}
+    if config.train.task == "digits-mlp":
+        return make_task("digits-mlp", hidden=(64,) * stages)
+    if config.train.task == "chars-gpt":
+        return make_task("chars-gpt", n_layer=max(2, stages - 1), **corpus)
+    raise ConfigError(f"train.task={config.train.task!r} has no pipeline split; use chars-gpt or digits-mlp")
 
 
 def capacities(config: PipelineRunConfig) -> list[int]:
@@ -46,8 +58,10 @@ def speeds(config: PipelineRunConfig) -> list[float]:
 
 
 def make_router(config: PipelineRunConfig, peer: str) -> Router:
-    rng = py_stream(config.seed, peer, "route")
-    return SwarmRouter(rng, config.pipeline.ema, penalty=4 * config.pipeline.complete_timeout)
+    penalty = 4 * config.pipeline.complete_timeout
+    if config.pipeline.routing == "gwtf":
+        return RepairRouter(config.pipeline.ema, penalty)
+    return SwarmRouter(py_stream(config.seed, peer, "route"), config.pipeline.ema, penalty)
 
 
 def build_node(
@@ -132,7 +146,7 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
     identities = [peer_identity(config.seed, i) for i in range(config.peers)]
     ids = [identity.peer_id for identity in identities]
     directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
-    task = task_of(config.train)
+    task = pipeline_task(config)
     recorder = PipelineRecorder(config, ids)
     bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
     relay_ids = ids[config.data_nodes:]
@@ -212,6 +226,7 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
         summary["microbatches"] = recorder.microbatches()
         summary["events"] = recorder.events
         summary["wasted_compute_seconds"] = recorder.wasted_compute()
+        summary["peer_ids"] = ids
         return summary
     summary = recorder.write(out, extra)
     return summary
@@ -225,7 +240,7 @@ def param_digest(node: DataNode | Relay) -> str:
 def reference_losses(config: PipelineRunConfig) -> list[float]:
     """Single-process training on the same microbatches: mean loss per iteration (no churn)."""
     torch.set_num_threads(1)
-    task = task_of(config.train)
+    task = pipeline_task(config)
     model = task.build_model(config.seed)
     from ..runtime.dp_peer import make_optimizer
     from ..runtime.pipeline.stages import logits_loss

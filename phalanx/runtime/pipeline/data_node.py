@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.errors import Evidence, RemoteError
-from ...core.serialization import check_tensor, encode
+from ...core.serialization import check_tensor, decode, encode
 from . import messages as m
 from .node import Held, PipelineNode
 from .stages import logits_loss
@@ -65,6 +65,7 @@ class DataNode(PipelineNode):
         self._report_event = asyncio.Event()
         self.transport.add_message_handler(m.BROKEN, self._on_broken)
         self.transport.add_message_handler(m.DONE, self._on_done)
+        self.transport.add_message_handler(m.SUSPECT, self._on_suspect)
 
     def leader(self) -> str:
         return self.data_nodes()[0]
@@ -173,6 +174,13 @@ class DataNode(PipelineNode):
             if peer != self.me:
                 await self.transport.send(peer, m.BEGIN, payload)
         self._on_begin(self.me, payload)
+
+    def _on_suspect(self, sender: str, payload: bytes) -> None:
+        peer = decode(payload, sender, self.transport.limits)
+        if not isinstance(peer, str):
+            raise RemoteError(Evidence(sender, "malformed", "suspect report without a peer id"))
+        if self.directory.get(sender, 0) > 0 and self.directory.get(peer, 0) > 0:
+            self.suspects.add(peer)
 
     def _store_report(self, sender: str, report: dict) -> None:
         self.reports.setdefault(report["it"], {})[sender] = report

@@ -25,6 +25,9 @@ RESUME = "pp.resume"  # request, repair peer -> gradient holder: the broken stag
 DONE = "pp.done"  # one-way, data node -> leader: my microbatches of this iteration are settled
 BEGIN = "pp.begin"  # one-way flood, front to back: BEGIN AGGREGATION
 CAN_TAKE = "pp.cantake"  # one-way, back to front: aggregated, ready for the next iteration
+SUSPECT = "pp.suspect"  # one-way, relay -> data nodes: this peer did not answer me
+HELLO = "pp.hello"  # broadcast: I serve this stage (joiners, after downloading the weights)
+JOIN = "pp.join"  # request, joiner -> leader: my capacity; answered with a stage and the current iteration
 WEIGHTS = "pp.weights"  # request: a stage's parameters and optimizer state at a version
 
 OK, DENIED, STALE, UNKNOWN = "ok", "deny", "stale", "unknown"

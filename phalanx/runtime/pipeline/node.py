@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...core.errors import Evidence, PeerTimeout, PhalanxError, RemoteError
-from ...core.serialization import check_tensor, decode, encode
+from ...core.errors import Evidence, PeerTimeout, PeerUnreachable, PhalanxError, RemoteError
+from ...core.serialization import check_tensor, decode, digest, encode
 from ...training.task import Task, num_params
 from ...transport.base import Transport
 from ..butterfly import AllReduceConfig, ButterflyAllReduce, Reducer, mean_reducer
@@ -112,6 +112,7 @@ class PipelineNode:
         transport.add_message_handler(m.DENY, self._on_deny)
         transport.add_message_handler(m.BEGIN, self._on_begin)
         transport.add_message_handler(m.CAN_TAKE, self._on_can_take)
+        transport.add_request_handler(m.WEIGHTS, self._on_weights)
 
     # --- helpers ------------------------------------------------------------
 
@@ -215,6 +216,7 @@ class PipelineNode:
             carry = m.Carry(key, h.carry.it, nxt, path, h.out.detach(), h.carry.repair, h.carry.holder, h.recomputed)
             t0 = self.now()
             word = await self._ask(peer, m.FORWARD, carry.to_bytes())
+            self._emit("send", key, h.carry.it, t0, to=peer, answer=word)
             if word == m.OK:
                 self.router.observe(peer, self.now() - t0)
                 h.next_peer = peer
@@ -232,12 +234,21 @@ class PipelineNode:
         except RemoteError as exc:
             self.transport.report(exc.evidence)
         except PeerTimeout:
-            self.suspects.add(peer)
+            await self.suspect(peer)
+        except PeerUnreachable:
+            await self.suspect(peer)
         except PhalanxError as exc:
             log.debug("%s to %s failed: %s", topic, peer[:8], exc)
-            if "unreachable" in str(exc):
-                self.suspects.add(peer)
         return None
+
+    async def suspect(self, peer: str) -> None:
+        """`peer` did not answer: leave it out of this iteration's aggregation (data nodes decide groups)."""
+        if peer in self.suspects:
+            return
+        self.suspects.add(peer)
+        if self.stage > 0:
+            for node in self.data_nodes():
+                await self.transport.send(node, m.SUSPECT, encode(peer))
 
     async def give_up(self, key: m.Key) -> None:
         """No next-stage peer takes this microbatch: tell upstream (DENY) and free the slot."""
@@ -274,12 +285,13 @@ class PipelineNode:
                 return m.answer(m.STALE)
             raise RemoteError(Evidence(sender, "unknown_microbatch", f"never held {m.key_name(c.key)}", c.it))
         check_tensor(c.tensor, sender, shape=tuple(h.out.shape), dtype=torch.float32, step=c.it)
+        del self.held[c.key]  # a second backward for it (a resend) finds nothing to do
         t0 = self.now()
         async with self.compute_lock:
             inputs = ([h.x] if h.x is not None else []) + self.params
             grads = torch.autograd.grad(h.out, inputs, c.tensor, allow_unused=True)
             await self._compute(2 * self.staged.forward_flops[self.stage])
-        if self.held.pop(c.key, None) is None:
+        if c.it != self.version:
             return m.answer(m.STALE)
         gx = grads[0] if h.x is not None else None
         self.grads[c.key] = (self.me, flat(list(grads[len(grads) - len(self.params):]), self.params))
@@ -412,6 +424,8 @@ class PipelineNode:
                     offset += p.numel()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+        else:
+            await self.sync_weights(it + 1, [p for p in group if p != self.me])
         self.on_event({"kind": "aggregate", "peer": self.me, "stage": self.stage, "it": it, "t0": t0, "t1": self.now(),
                        "group": len(group), "count": count, "in_group": self.me in group})
         self.version = it + 1
@@ -444,3 +458,89 @@ class PipelineNode:
             raise RemoteError(Evidence(sender, "malformed", "CAN TAKE without an iteration"))
         if self.directory.get(sender) == self.stage + 1:
             self.can_take_event(it).set()
+
+    # --- weights (joiners, and replicas left out of an aggregation) ---------------------
+
+    def state_digest(self) -> bytes:
+        return digest(b"".join(p.detach().numpy().tobytes() for p in self.params))
+
+    async def _on_weights(self, sender: str, payload: bytes) -> bytes:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "weights request")
+        version, full = obj.get("version"), obj.get("full")
+        if type(version) is not int or not isinstance(full, bool):
+            raise RemoteError(Evidence(sender, "malformed", "bad weights request"))
+        if version > self.version:
+            await self.wait_version(version, self.config.aggregation_timeout)
+        if version != self.version:
+            return encode({"version": self.version})
+        body: dict = {"version": version, "digest": self.state_digest()}
+        if full:
+            body["params"] = [p.detach() for p in self.params]
+            state = self.optimizer.state_dict()["state"]
+            body["state"] = {str(i): dict(v) for i, v in state.items()}
+        return encode(body)
+
+    async def fetch_weights(self, version: int, sources: list[str]) -> bool:
+        """Download this stage's parameters and optimizer state at `version` from one source,
+        with the digest confirmed by a second source when there is one. False if nobody delivered."""
+        for index, source in enumerate(sources):
+            body = await self._weights_from(source, version, True)
+            if body is None:
+                continue
+            try:
+                params, state = self._check_weights(source, body)
+            except RemoteError as exc:
+                self.transport.report(exc.evidence)
+                continue
+            got = digest(b"".join(p.numpy().tobytes() for p in params))
+            if got != body["digest"]:
+                self.transport.report(Evidence(source, "bad_digest", "weights do not match their digest"))
+                continue
+            others = [p for p in sources if p != source]
+            confirmations = [await self._weights_from(p, version, False) for p in others[:1]]
+            if any(c is not None and c.get("digest") != got for c in confirmations):
+                continue  # two stage peers disagree: try the next source
+            with torch.no_grad():
+                for p, value in zip(self.params, params):
+                    p.copy_(value)
+            sd = self.optimizer.state_dict()
+            sd["state"] = state
+            self.optimizer.load_state_dict(sd)
+            return True
+        return False
+
+    async def sync_weights(self, version: int, sources: list[str]) -> None:
+        if not await self.fetch_weights(version, sources):
+            log.warning("%s: could not fetch stage %d weights at version %d", self.me[:8], self.stage, version)
+
+    async def _weights_from(self, source: str, version: int, full: bool) -> dict | None:
+        try:
+            response = await self.transport.request(source, m.WEIGHTS, encode({"version": version, "full": full}),
+                                                    self.config.aggregation_timeout)
+            body = decode(response, source, self.transport.limits)
+        except RemoteError as exc:
+            self.transport.report(exc.evidence)
+            return None
+        except PhalanxError:
+            return None
+        if not isinstance(body, dict) or body.get("version") != version or not isinstance(body.get("digest"), bytes):
+            return None
+        return body
+
+    def _check_weights(self, source: str, body: dict) -> tuple[list[torch.Tensor], dict]:
+        params, state = body.get("params"), body.get("state")
+        if not isinstance(params, list) or len(params) != len(self.params) or not isinstance(state, dict):
+            raise RemoteError(Evidence(source, "malformed", "weights answer without parameters and state"))
+        checked = [check_tensor(t, source, shape=tuple(p.shape), dtype=p.dtype) for t, p in zip(params, self.params)]
+        loaded: dict[int, dict] = {}
+        for name, entry in state.items():
+            if not (name.isdigit() and int(name) < len(self.params) and isinstance(entry, dict)):
+                raise RemoteError(Evidence(source, "malformed", "optimizer state for an unknown parameter"))
+            shape = tuple(self.params[int(name)].shape)
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    check_tensor(value, source, shape=shape, dtype=torch.float32)
+                elif not isinstance(value, (int, float, torch.Tensor)):
+                    raise RemoteError(Evidence(source, "malformed", f"optimizer state {key!r} is not a number"))
+            loaded[int(name)] = entry
+        return checked, loaded

@@ -61,3 +61,31 @@ class SwarmRouter(Router):
 
     def failed(self, peer: str) -> None:
         self.observe(peer, self.penalty)
+
+
+class RepairRouter(Router):
+    """Cheapest measured next peer first (unmeasured peers are tried first); broken backwards are repaired.
+
+    The runtime's stand-in for GWTF routing before the flow algorithm has
+    formed flows, and the fallback of `FlowRouter` when it has none.
+    """
+
+    name = "repair"
+    restart_on_backward_failure = False
+
+    def __init__(self, ema: float, penalty: float) -> None:
+        self.ema = ema
+        self.penalty = penalty
+        self.latency: dict[str, float] = {}
+
+    def choose(self, stage: int, candidates: list[str]) -> str | None:
+        if not candidates:
+            return None
+        return min(candidates, key=lambda p: (self.latency.get(p, 0.0), p))
+
+    def observe(self, peer: str, seconds: float) -> None:
+        old = self.latency.get(peer)
+        self.latency[peer] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+
+    def failed(self, peer: str) -> None:
+        self.observe(peer, self.penalty)
