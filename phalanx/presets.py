@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from .config import ByzantineConfig, FaultsConfig, NetworkConfig, RunConfig
 from .core.errors import ConfigError
+from .pipeline_presets import PIPELINE_PRESETS
 from .runtime.dp_peer import TrainConfig
 
 
@@ -70,6 +71,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "digits-dp-hetero": digits_dp_hetero,
     "mprng-demo": mprng_demo,
     "chars-gpt-dp": chars_gpt_dp,
+    **PIPELINE_PRESETS,
 }
 
 
