@@ -4,4 +4,6 @@
 - attacks: Byzantine gradient policies (sign flip, ALIE, IPM, min-max, ...)
 - mprng: commit-reveal rules of the multi-party random number generator
 - bans: the ban ledger with canonical ordering (no leader)
+- flow: GWTF's decentralized flow state machine (Request Flow / Change / Redirect, annealing) and a sync driver
+- flowgraph: static staged graphs, networkx min-cost-flow optimum, SWARM's greedy choice (flow tests)
 """
