@@ -206,6 +206,8 @@ class DataNode(PipelineNode):
         key = mb.key(self.me)
         mb.t_start = t0 = self.now()
         async with self.compute_lock:
+            if it != self.version:
+                return
             with torch.enable_grad():
                 out = self.part(mb.x)
             await self._compute(self.staged.forward_flops[0])

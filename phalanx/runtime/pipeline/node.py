@@ -182,6 +182,9 @@ class PipelineNode:
             return m.answer(m.DENIED)
         t0 = self.now()
         async with self.compute_lock:
+            if c.it != self.version:
+                self.held.pop(c.key, None)
+                return m.answer(m.STALE)
             x = c.tensor.detach().clone().requires_grad_(True)
             with torch.enable_grad():
                 out = self.part(x)
@@ -288,11 +291,11 @@ class PipelineNode:
         del self.held[c.key]  # a second backward for it (a resend) finds nothing to do
         t0 = self.now()
         async with self.compute_lock:
+            if c.it != self.version:
+                return m.answer(m.STALE)  # aggregation stepped the weights while this waited
             inputs = ([h.x] if h.x is not None else []) + self.params
             grads = torch.autograd.grad(h.out, inputs, c.tensor, allow_unused=True)
             await self._compute(2 * self.staged.forward_flops[self.stage])
-        if c.it != self.version:
-            return m.answer(m.STALE)
         gx = grads[0] if h.x is not None else None
         self.grads[c.key] = (self.me, flat(list(grads[len(grads) - len(self.params):]), self.params))
         self._emit("bwd", c.key, c.it, t0)
@@ -422,8 +425,9 @@ class PipelineNode:
                 for p in self.params:
                     p.grad = vector[offset: offset + p.numel()].view_as(p).clone()
                     offset += p.numel()
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                async with self.compute_lock:  # no forward or backward runs across a step
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
         else:
             await self.sync_weights(it + 1, [p for p in group if p != self.me])
         self.on_event({"kind": "aggregate", "peer": self.me, "stage": self.stage, "it": it, "t0": t0, "t1": self.now(),
