@@ -51,6 +51,8 @@ class ChurnConfig:
     crash_relay: int = -1  # crash this relay (index among relays) once ...
     crash_at: float = 0.0  # ... at this many seconds into iteration `crash_iteration`
     crash_iteration: int = 0
+    crash_stage: int = 0  # > 0: instead, crash the first relay of this stage to finish a forward in
+    # iteration `crash_iteration`, `crash_at` seconds after that forward
 
     def __post_init__(self) -> None:
         _check(0 <= self.leave_rate <= 1, "faults.leave_rate", self.leave_rate, "must be a probability in [0, 1]")
@@ -58,6 +60,7 @@ class ChurnConfig:
         _check(self.crash_relay >= -1, "faults.crash_relay", self.crash_relay, "must be a relay index or -1 (none)")
         _check(self.crash_at >= 0, "faults.crash_at", self.crash_at, "must be >= 0 seconds")
         _check(self.crash_iteration >= 0, "faults.crash_iteration", self.crash_iteration, "must be >= 0")
+        _check(self.crash_stage >= 0, "faults.crash_stage", self.crash_stage, "must be >= 0 (0: use faults.crash_relay)")
 
 
 @dataclass(frozen=True)

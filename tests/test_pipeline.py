@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
@@ -58,13 +59,14 @@ def test_gpt_pipeline_equals_single_process_training():
 
 
 def _crash_config(routing: str) -> PipelineRunConfig:
-    # 1 data node + 3 stages x 2 relays; relay 1 (stage 2) dies 0.9 s into iteration 1: it has
-    # finished the forward of one microbatch (whose backward then breaks) and is computing the next.
+    # 1 data node + 3 stages x 2 relays (forward 0.27 s per stage and microbatch); the first
+    # stage-2 relay to finish a forward in iteration 1 dies 0.1 s later: the backward of that
+    # microbatch breaks, and the next one it was sent is lost mid-forward.
     return PipelineRunConfig(
         peers=7, data_nodes=1, steps=3,
         train=TrainConfig(task="digits-mlp", batch_size=8, lr=0.1),
         pipeline=PipelineConfig(stages=3, microbatches=4, capacity=4, routing=routing, flops_scale=2e5, complete_timeout=4.0),
-        faults=ChurnConfig(crash_relay=1, crash_iteration=1, crash_at=0.9),
+        faults=ChurnConfig(crash_stage=2, crash_iteration=1, crash_at=0.1),
     )
 
 
@@ -76,10 +78,10 @@ def _forward_counts(summary: dict, src: str, seq: int, att: int) -> dict[int, in
     return dict(counts)
 
 
-def test_gwtf_crash_forward_resend_and_backward_repair_recompute_only_the_lost_stage():
+def test_gwtf_backward_crash_is_repaired_recomputing_only_the_lost_stage():
     config = _crash_config("gwtf")
     summary = simulate_pipeline(config, progress=False)
-    victim = summary["peer_ids"][config.data_nodes + config.faults.crash_relay]
+    victim = next(e["peer"] for e in summary["events"] if e["kind"] == "fwd" and e["stage"] == 2 and e["it"] == 1)
     it1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
     assert [mb["outcome"] for mb in it1] == ["ok"] * 4
     assert all(victim not in mb["path"] and mb["restarts"] == 0 for mb in it1)
@@ -88,12 +90,6 @@ def test_gwtf_crash_forward_resend_and_backward_repair_recompute_only_the_lost_s
     mb = repaired[0]
     # stage 2 ran twice (the victim, then the repair peer); every other stage exactly once
     assert _forward_counts(summary, mb["src"], mb["seq"], mb["att"]) == {0: 1, 1: 1, 2: 2, 3: 1}
-    # the forward crash: a microbatch the victim was computing went to the other stage-2 relay
-    # by resend from stage 1, no restart and no recomputation
-    failed_sends = {(e["src"], e["seq"], e["att"]) for e in summary["events"]
-                    if e["kind"] == "send" and e["to"] == victim and e["answer"] is None}
-    resent = [m for m in it1 if (m["src"], m["seq"], m["att"]) in failed_sends and not m["repairs"]]
-    assert resent and all(m["recomputed"] == [] for m in resent)
     # no microbatch was lost, so training is exactly the crash-free one
     assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
     assert victim not in summary["replicas"]
@@ -108,3 +104,18 @@ def test_swarm_backward_crash_restarts_from_the_data_node():
     assert restarted and all(mb["repairs"] == 0 and mb["att"] >= 1 for mb in restarted)
     assert summary["wasted_compute_seconds"] > 0
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
+def test_forward_crash_resends_to_another_next_stage_peer():
+    # relay 1 (stage 2) is dead from the start of iteration 1, before the membership view drops it
+    config = replace(_crash_config("swarm"), faults=ChurnConfig(crash_relay=1, crash_iteration=1, crash_at=0.0))
+    summary = simulate_pipeline(config, progress=False)
+    victim = summary["peer_ids"][config.data_nodes + 1]
+    failed = {(e["src"], e["seq"], e["att"]) for e in summary["events"]
+              if e["kind"] == "send" and e["to"] == victim and e["answer"] is None}
+    it1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
+    resent = [mb for mb in it1 if (mb["src"], mb["seq"], mb["att"]) in failed]
+    assert resent, "no microbatch was sent to the dead relay"
+    assert all(mb["outcome"] == "ok" and mb["restarts"] == 0 and mb["recomputed"] == [] for mb in resent)
+    assert all(victim not in mb["path"] for mb in it1)
+    assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)

@@ -23,6 +23,8 @@ from tqdm import tqdm
 from ..core.rng import py_stream
 from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
+from ..algorithms.flow import FlowConfig
+from ..runtime.pipeline.gwtf import FlowDriver, FlowRouter
 from ..runtime.pipeline.routing import RepairRouter, Router
 from ..core.errors import ConfigError
 from ..training.task import Task, make_task
@@ -64,6 +66,16 @@ def make_router(config: PipelineRunConfig, peer: str) -> Router:
     return SwarmRouter(py_stream(config.seed, peer, "route"), config.pipeline.ema, penalty)
 
 
+def make_routing(config: PipelineRunConfig, transport: Transport, stage: int, capacity: int) -> tuple[Router, FlowDriver | None]:
+    """The router of a node and, under gwtf routing, the flow driver it routes by."""
+    router = make_router(config, transport.peer_id)
+    if config.pipeline.routing != "gwtf":
+        return router, None
+    flow = FlowDriver(transport, stage, config.pipeline.stages, capacity, config.pipeline.microbatches, FlowConfig(),
+                      py_stream(config.seed, transport.peer_id, "gwtf-flow"), config.pipeline.flow_period)
+    return FlowRouter(flow.node, router), flow
+
+
 def build_node(
     config: PipelineRunConfig, transport: Transport, index: int, directory: dict[str, int], task: Task,
     on_event: Callable[[dict], None], stage: int | None = None,
@@ -71,10 +83,11 @@ def build_node(
     stage = config.stage_of(index) if stage is None else stage
     staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size)
     cls = DataNode if index < config.data_nodes else Relay
+    capacity = capacities(config)[index]
+    router, flow = make_routing(config, transport, stage, capacity)
     return cls(
         transport, task, staged, stage, config.train, config.pipeline, directory, config.seed,
-        make_router(config, transport.peer_id), capacity=capacities(config)[index], allreduce=config.allreduce,
-        on_event=on_event,
+        router, capacity=capacity, allreduce=config.allreduce, on_event=on_event, flow=flow,
     )
 
 
@@ -167,6 +180,7 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
         done = [asyncio.Event() for _ in range(config.data_nodes)]
         churn = py_stream(config.seed, "pipeline", "churn")
         crashed: set[str] = set()
+        triggered: list[str] = []
         nodes: dict[str, DataNode | Relay] = {}
 
         def on_iteration(record: dict) -> None:
@@ -187,6 +201,14 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
                     at = asyncio.get_running_loop().time() + churn.uniform(0, duration)
                     network.schedule(at, lambda pid=pid: _crash(pid))
 
+        def on_event(event: dict) -> None:
+            recorder.events.append(event)
+            f = config.faults
+            if (f.crash_stage and event["kind"] == "fwd" and event["stage"] == f.crash_stage
+                    and event["it"] == f.crash_iteration and not crashed and not triggered):
+                triggered.append(event["peer"])
+                network.schedule(event["t1"] + f.crash_at, lambda: _crash(event["peer"]))
+
         def _crash(pid: str) -> None:
             if pid not in crashed:
                 crashed.add(pid)
@@ -194,7 +216,7 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
 
         def factory(index: int):
             async def node_main() -> None:
-                node = build_node(config, transports[index], index, directory, task, recorder.events.append)
+                node = build_node(config, transports[index], index, directory, task, on_event)
                 nodes[ids[index]] = node
                 if isinstance(node, DataNode):
                     await node.run(config.steps, on_iteration, on_start if index == 0 else None)

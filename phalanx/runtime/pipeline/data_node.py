@@ -78,6 +78,9 @@ class DataNode(PipelineNode):
     ) -> None:
         """Train `iterations` iterations; `on_start(it, last duration)` is told when each opens."""
         duration = self.config.complete_timeout
+        self.start_background()
+        if self.flow is not None:
+            await asyncio.sleep(self.config.flow_warmup)  # let the flow algorithm form pipelines first
         for it in range(iterations):
             if it > 0:
                 await self.aggregated_event(it - 1).wait()

@@ -35,6 +35,7 @@ from ..butterfly import AllReduceConfig, ButterflyAllReduce, Reducer, mean_reduc
 from ..dp_peer import TrainConfig, make_optimizer
 from . import messages as m
 from .config import PipelineConfig
+from .gwtf import FlowDriver
 from .routing import Router
 from .stages import StagedModel, flat
 
@@ -74,6 +75,7 @@ class PipelineNode:
         allreduce: AllReduceConfig = AllReduceConfig(),
         reducer: Reducer = mean_reducer,
         on_event: EventSink | None = None,
+        flow: FlowDriver | None = None,
     ) -> None:
         self.transport = transport
         self.me = transport.peer_id
@@ -89,6 +91,8 @@ class PipelineNode:
         self.router = router
         self.capacity = capacity if capacity is not None else config.capacity
         self.on_event = on_event or (lambda event: None)
+        self.flow = flow
+        self._stopped = asyncio.Event()
         self.part = staged.parts[stage]
         self.params = list(self.part.parameters())
         self.optimizer = make_optimizer(train, self.params)
@@ -115,6 +119,14 @@ class PipelineNode:
         transport.add_request_handler(m.WEIGHTS, self._on_weights)
 
     # --- helpers ------------------------------------------------------------
+
+    def start_background(self) -> None:
+        """Start what runs beside training (the flow algorithm under gwtf routing)."""
+        if self.flow is not None:
+            self.spawn(self.flow.loop(lambda: self.directory, self._stopped))
+
+    def stop(self) -> None:
+        self._stopped.set()
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -154,7 +166,10 @@ class PipelineNode:
                        "seq": key[1], "att": key[2], "it": it, "t0": t0, "t1": self.now(), **extra})
 
     async def _compute(self, flops: float) -> None:
+        t0 = self.now()
         await self.transport.charge_compute(flops * self.config.flops_scale)
+        if self.flow is not None:
+            self.flow.measured_compute(self.now() - t0, self.config.ema)
 
     # --- forward --------------------------------------------------------------
 
@@ -212,7 +227,12 @@ class PipelineNode:
                 candidates = [key[0]] if key[0] not in h.excluded else []
             else:
                 candidates = [p for p in self.live(nxt) if p not in h.excluded]
-            peer = self.router.choose(nxt, candidates)
+            load: dict[str, int] = {}
+            for other in self.held.values():
+                if other.next_peer is not None:
+                    load[other.next_peer] = load.get(other.next_peer, 0) + 1
+            upstream = h.carry.path[-1] if h.carry.path else ""
+            peer = self.router.choose(nxt, candidates, key[0], upstream, load)
             if peer is None:
                 await self.give_up(key)
                 return
@@ -222,6 +242,8 @@ class PipelineNode:
             self._emit("send", key, h.carry.it, t0, to=peer, answer=word)
             if word == m.OK:
                 self.router.observe(peer, self.now() - t0)
+                if self.flow is not None:
+                    await self.flow.send(self.flow.measured_rtt(peer, self.now() - t0, self.config.ema))
                 h.next_peer = peer
                 return
             if word == m.STALE:
@@ -249,6 +271,8 @@ class PipelineNode:
         if peer in self.suspects:
             return
         self.suspects.add(peer)
+        if self.flow is not None:
+            await self.flow.send(self.flow.lost(peer))
         if self.stage > 0:
             for node in self.data_nodes():
                 await self.transport.send(node, m.SUSPECT, encode(peer))

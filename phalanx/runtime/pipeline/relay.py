@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from .node import PipelineNode
 
 
 class Relay(PipelineNode):
     """A relay node; `serve()` keeps it alive until `stop()`."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._stopped = asyncio.Event()
-
     async def serve(self) -> None:
+        self.start_background()
         await self._stopped.wait()
-
-    def stop(self) -> None:
-        self._stopped.set()

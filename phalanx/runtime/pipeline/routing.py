@@ -19,8 +19,13 @@ class Router(ABC):
     restart_on_backward_failure: bool  # SWARM restarts a microbatch; GWTF repairs the broken stage
 
     @abstractmethod
-    def choose(self, stage: int, candidates: list[str]) -> str | None:
-        """The next peer of `stage` among `candidates` (sorted), or None to give up."""
+    def choose(self, stage: int, candidates: list[str], sink: str = "", upstream: str = "",
+               load: dict[str, int] | None = None) -> str | None:
+        """The next peer of `stage` among `candidates` (sorted), or None to give up.
+
+        `sink` is the microbatch's data node, `upstream` the peer it came from, `load` how many
+        microbatches this node has in flight at each peer.
+        """
 
     def observe(self, peer: str, seconds: float) -> None:
         """A COMPLETE from `peer` came `seconds` after the activation left."""
@@ -47,7 +52,8 @@ class SwarmRouter(Router):
         self.penalty = penalty
         self.latency: dict[str, float] = {}
 
-    def choose(self, stage: int, candidates: list[str]) -> str | None:
+    def choose(self, stage: int, candidates: list[str], sink: str = "", upstream: str = "",
+               load: dict[str, int] | None = None) -> str | None:
         if not candidates:
             return None
         known = [self.latency[p] for p in candidates if p in self.latency]
@@ -78,7 +84,8 @@ class RepairRouter(Router):
         self.penalty = penalty
         self.latency: dict[str, float] = {}
 
-    def choose(self, stage: int, candidates: list[str]) -> str | None:
+    def choose(self, stage: int, candidates: list[str], sink: str = "", upstream: str = "",
+               load: dict[str, int] | None = None) -> str | None:
         if not candidates:
             return None
         return min(candidates, key=lambda p: (self.latency.get(p, 0.0), p))
