@@ -6,4 +6,5 @@
 - bans: the ban ledger with canonical ordering (no leader)
 - flow: GWTF's decentralized flow state machine (Request Flow / Change / Redirect, annealing) and a sync driver
 - flowgraph: static staged graphs, networkx min-cost-flow optimum, SWARM's greedy choice (flow tests)
+- placement: GWTF leader choice, flooded stage utilization, joiner placement and its baselines
 """

@@ -134,6 +134,12 @@ def optimal(graph: FlowGraph, value: int | None = None) -> tuple[int, float]:
     return value, total / _SCALE
 
 
+def node_flows(graph: FlowGraph) -> dict[str, int]:
+    """Microbatches through each relay in a min-cost max flow."""
+    flow = nx.max_flow_min_cost(_network(graph), "SRC", "SNK")
+    return {r: flow[("in", r)][("out", r)] for members in graph.stages for r in members}
+
+
 def max_flow(graph: FlowGraph) -> int:
     return int(nx.maximum_flow_value(_network(graph), "SRC", "SNK"))
 

@@ -17,11 +17,22 @@ import argparse
 import csv
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..algorithms.flow import FlowConfig, SyncDriver
-from ..algorithms.flowgraph import build_nodes, max_flow, optimal, random_graph, swarm_greedy
+from ..algorithms.flowgraph import FlowGraph, build_nodes, max_flow, node_flows, optimal, random_graph, swarm_greedy
+from ..algorithms.placement import (
+    UtilQuery,
+    flood_step,
+    merge_entries,
+    place_capacity_first,
+    place_joiners,
+    place_optimal,
+    place_random,
+    stage_utilization,
+)
 from ..config import override
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
@@ -132,6 +143,131 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+# GWTF Table IV at laptop scale: stages, floor(U(capacity)), floor(U(interlayer cost)), random stage sizes
+JOIN_SETTINGS: dict[str, tuple[int, tuple[int, int], tuple[int, int], bool]] = {
+    "1": (4, (1, 20), (1, 100), False),
+    "2": (4, (1, 20), (20, 100), False),
+    "3": (4, (1, 5), (1, 100), False),
+    "4": (5, (1, 20), (1, 100), False),
+    "5*": (4, (1, 20), (1, 100), True),
+}
+JOIN_POLICIES = ("gwtf", "capacity_first", "random", "optimal")
+
+
+@dataclass(frozen=True)
+class JoinBenchConfig:
+    runs: int = 10
+    relays_per_stage: int = 4
+    batches: int = 3
+    microbatches: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("runs", "relays_per_stage", "batches", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class _JoinWorld:
+    """One run: fixed pairwise link costs, the relays already placed, and a pool of candidates."""
+
+    def __init__(self, setting: str, run: int, config: JoinBenchConfig) -> None:
+        self.stages, cap_range, self.cost_range, random_sizes = JOIN_SETTINGS[setting]
+        self.seed = (config.seed, setting, run)
+        self.microbatches = config.microbatches
+        rng = py_stream(config.seed, "gwtf-join", setting, run)
+        sizes = [rng.randint(1, 2 * config.relays_per_stage - 1) if random_sizes else config.relays_per_stage
+                 for _ in range(self.stages)]
+        self.placed: dict[str, int] = {f"r{k}.{i}": k for k in range(self.stages) for i in range(sizes[k])}
+        self.capacity = {r: int(rng.uniform(*cap_range)) for r in self.placed}
+        self.candidates = [f"j{i}" for i in range(config.batches * self.stages)]
+        self.capacity.update({c: int(rng.uniform(*cap_range)) for c in self.candidates})
+        self._pairs: dict[tuple[str, str], float] = {}
+
+    def pair_cost(self, a: str, b: str) -> float:
+        key = (min(a, b), max(a, b))
+        if key not in self._pairs:
+            self._pairs[key] = float(int(py_stream(*self.seed, "pair", *key).uniform(*self.cost_range)))
+        return self._pairs[key]
+
+    def graph(self, placed: Mapping[str, int]) -> FlowGraph:
+        members = tuple(tuple(sorted(r for r, k in placed.items() if k == s)) for s in range(self.stages))
+        layers = [("d",), *members, ("d",)]
+        cost = {(a, b): self.pair_cost(a, b) for la, lb in zip(layers, layers[1:]) for a in la for b in lb}
+        return FlowGraph(("d",), members, {r: self.capacity[r] for r in placed}, {"d": 10**6}, cost)
+
+    def iteration_cost(self, placed: Mapping[str, int]) -> float:
+        """Mean path cost times the waves needed for `microbatches` at the max flow (lower is better)."""
+        graph = self.graph(placed)
+        value, total = optimal(graph)
+        if value == 0:
+            return float("inf")
+        return (total / value) * (self.microbatches / value)
+
+    def utilization(self, placed: Mapping[str, int]) -> dict[int, float]:
+        """GWTF's flooded utilization query over the current min-cost flow."""
+        graph = self.graph(placed)
+        flow = node_flows(graph)
+        entries: tuple = ()
+        returned: list[UtilQuery] = []
+        for k in range(self.stages):
+            targets = graph.stages[k + 1] if k + 1 < self.stages else ("d",)
+            returned = []
+            for r in graph.stages[k]:  # each relay merges the copies it got, adds itself, forwards
+                query = UtilQuery("prev", r, "d", 0, entries)
+                returned += flood_step(query, r, k, graph.capacity[r], flow.get(r, 0), targets)
+            entries = tuple(sorted((p, *v) for p, v in merge_entries(returned).items()))
+        return stage_utilization(merge_entries(returned), self.stages)
+
+
+def run_join_case(setting: str, run: int, config: JoinBenchConfig) -> list[dict]:
+    world = _JoinWorld(setting, run, config)
+    start_cost = world.iteration_cost(world.placed)
+    rows = []
+    for policy in JOIN_POLICIES:
+        placed = dict(world.placed)
+        rng = py_stream(config.seed, "gwtf-join-random", setting, run)
+        for b in range(config.batches):
+            batch = {c: world.capacity[c] for c in world.candidates[b * world.stages:(b + 1) * world.stages]}
+            if policy == "gwtf":
+                choice = place_joiners(batch, world.utilization(placed))
+            elif policy == "capacity_first":
+                choice = place_capacity_first(batch, world.stages)
+            elif policy == "random":
+                choice = place_random(batch, world.stages, rng)
+            else:
+                choice = place_optimal(batch, world.stages, lambda a, p=placed: world.iteration_cost({**p, **a}))
+            placed.update(choice)
+        end_cost = world.iteration_cost(placed)
+        rows.append({"setting": setting, "run": run, "policy": policy, "stages": world.stages,
+                     "relays": len(world.placed), "joiners": len(world.candidates),
+                     "cost_before": start_cost, "cost_after": end_cost,
+                     "improvement": (start_cost - end_cost) / start_cost})
+    return rows
+
+
+def run_join(config: JoinBenchConfig, out: Path) -> list[dict]:
+    rows = [row for s in JOIN_SETTINGS for run in range(config.runs) for row in run_join_case(s, run, config)]
+    _write_csv(out / "join.csv", rows)
+    return rows
+
+
+def format_join_table(rows: list[dict]) -> str:
+    head = f"{'set':>4} {'stages':>6} " + " ".join(f"{p:>15}" for p in JOIN_POLICIES) + f" {'GWTF/opt':>9}"
+    lines = [head, "-" * len(head)]
+    for s in JOIN_SETTINGS:
+        rs = [r for r in rows if r["setting"] == s]
+        if not rs:
+            continue
+        cells = [_mean_std([r["improvement"] for r in rs if r["policy"] == p]) for p in JOIN_POLICIES]
+        after = {p: statistics.mean(r["cost_after"] for r in rs if r["policy"] == p) for p in ("gwtf", "optimal")}
+        lines.append(f"{s:>4} {rs[0]['stages']:>6} " + " ".join(f"{c:>15}" for c in cells)
+                     + f" {after['gwtf'] / after['optimal']:>9.3f}")
+    lines.append("improvement = (cost_before - cost_after) / cost_before, cost = mean path cost x microbatches / max flow;")
+    lines.append("optimal = brute force over every assignment of each batch of S joiners to the S stages")
+    return "\n".join(lines)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Dispatch `phalanx bench gwtf` on --preset."""
     preset = "flow" if args.preset == "quick" else args.preset
@@ -143,9 +279,11 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"wrote {out / 'flow.csv'}")
         return 0
     if preset == "join":
-        from .gwtf_join import run_join_cli
-
-        return run_join_cli(args, out)
+        config = override(JoinBenchConfig(), args.set or [])
+        rows = run_join(config, out)
+        print(format_join_table(rows))
+        print(f"wrote {out / 'join.csv'}")
+        return 0
     if preset == "table2":
         from .gwtf_table2 import run_cli as run_table2
 
