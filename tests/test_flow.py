@@ -25,6 +25,7 @@ from phalanx.algorithms.flow import (
 from phalanx.algorithms.flowgraph import FlowGraph, build_nodes, max_flow, optimal, random_graph, swarm_greedy
 from phalanx.core.errors import ConfigError, RemoteError
 from phalanx.core.rng import py_stream
+from phalanx.core.serialization import decode, encode
 
 
 def _graph(seed: int, sources: int = 1, relays: int = 9, stages: int = 3) -> FlowGraph:
@@ -195,6 +196,7 @@ def test_wire_round_trip_and_garbage() -> None:
     ]
     for msg in msgs:
         assert from_wire(to_wire(msg), "a", "b") == msg
+        assert from_wire(decode(encode(to_wire(msg)), "a"), "a", "b") == msg  # through the canonical encoding
     assert set(MESSAGE_TYPES) >= {"Offer", "RequestFlow", "ChangeRequest", "RedirectRequest", "Deny"}
     for garbage in (None, {"type": "Nope", "body": {}}, {"type": "Offer", "body": {"stage": "x", "entries": []}},
                     {"type": "Offer", "body": {"stage": 1, "entries": [], "extra": 1}}):

@@ -467,6 +467,14 @@ class FlowNode:
                       if u.sink == sink and u.upstream == upstream and u.downstream is not None)
         return hops[0] if hops else None
 
+    def routes(self, sink: str, upstream: str) -> dict[str, int]:
+        """Next hop -> number of units that receive from `upstream` towards `sink` (for load balancing)."""
+        hops: dict[str, int] = {}
+        for u in self._units.values():
+            if u.sink == sink and u.upstream == upstream and u.downstream is not None:
+                hops[u.downstream] = hops.get(u.downstream, 0) + 1
+        return dict(sorted(hops.items()))
+
     def flows(self) -> int:
         """Source units of a data node (each is one microbatch slot with a next hop)."""
         return sum(1 for u in self._units.values() if u.kind == "source" and u.downstream is not None)
