@@ -57,10 +57,11 @@ class FlowConfig:
     objective: str = "sum"  # "sum" of f*d (Eq. 2) or "max" (the paper's local min-max variant)
     query_every: int = 3
     pending_timeout: int = 6
-    deny_after: int = 4
+    deny_after: int = 6
     audit_every: int = 8
     offer_every: int = 8
     min_gain: float = 1e-6
+    sink_slack: float = 0.0  # a sink grants ceil(demand * (1 + slack)) units: spare chains for repairs
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -72,6 +73,8 @@ class FlowConfig:
         for name in ("query_every", "pending_timeout", "deny_after", "audit_every", "offer_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"flow.{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.sink_slack) and self.sink_slack >= 0):
+            raise ConfigError(f"flow.sink_slack must be a finite number >= 0, got {self.sink_slack}")
         if not (math.isfinite(self.min_gain) and self.min_gain >= 0):
             raise ConfigError(f"flow.min_gain must be a finite number >= 0, got {self.min_gain}")
 
@@ -553,6 +556,9 @@ class FlowNode:
             return math.inf
         return self._costs[u.downstream] + u.cont
 
+    def _grants(self) -> int:
+        return math.ceil(self.demand * (1 + self.config.sink_slack))
+
     def _next_stage(self) -> int:
         return 0 if self.is_data else (self.stage + 1 if self.stage + 1 < self.num_stages else DATA)
 
@@ -635,7 +641,7 @@ class FlowNode:
                     per.setdefault(u.sink, []).append(c)
         entries = [(s, min(cs), len(cs)) for s, cs in per.items()]
         if self.is_data:
-            free = self.demand - sum(1 for u in self._units.values() if u.kind == "sink")
+            free = self._grants() - sum(1 for u in self._units.values() if u.kind == "sink")
             if free > 0:
                 entries.append((self.peer, 0.0, free))
         return tuple(sorted(entries))
@@ -713,17 +719,18 @@ class FlowNode:
             out.append(self._request("flow", best[1], self.peer, best[2]))
         return out + self._switches()
 
-    def _repair_inflows(self) -> list[FlowMessage]:
+    def _repair_inflows(self, count: bool = True) -> list[FlowMessage]:
+        """Units with a sender but no next hop ask for one; after `deny_after` ticks they DENY upstream."""
         out: list[FlowMessage] = []
         for u in sorted(self._units.values(), key=lambda u: u.uid):
             if u.kind != "relay" or u.downstream is not None or u.upstream is None or u.locked:
                 continue
-            best = self._best_offer(u.sink)
-            if best is not None:
-                out.append(self._request("attach", best[1], u.sink, best[2], uid=u.uid))
-                continue
-            u.idle += 1
-            if u.idle > self.config.deny_after:
+            u.idle += count
+            if u.idle <= self.config.deny_after:
+                best = self._best_offer(u.sink)
+                if best is not None:
+                    out.append(self._request("attach", best[1], u.sink, best[2], uid=u.uid))
+            else:
                 out.append(Deny(self.peer, u.upstream, u.in_link))
                 del self._units[u.uid]
         return out
@@ -733,7 +740,7 @@ class FlowNode:
         out: list[FlowMessage] = []
         order = sorted(self._units.values(), key=lambda u: (u.upstream is None, -self._cost(u), u.uid))
         for u in order:
-            if u.kind == "sink" or u.downstream is None or u.locked:
+            if u.kind == "sink" or u.downstream is None or u.locked or (u.kind == "relay" and u.upstream is None):
                 continue
             best = self._best_offer(u.sink)
             if best is not None and best[0] < self._cost(u) - max(self.config.min_gain, _TOL):
@@ -869,13 +876,13 @@ class FlowNode:
         self._offers[msg.src] = {sink: (cost, count) for sink, cost, count in msg.entries}
         if self.is_data:
             return self._tick_source()
-        return self._repair_inflows() + self._new_flows()
+        return self._repair_inflows(count=False) + self._new_flows()
 
     def _on_RequestFlow(self, msg: RequestFlow) -> list[FlowMessage]:
         if self._stages.get(msg.src) != self._prev_stage():
             return [Reject(self.peer, msg.src, msg.req, msg.sink, -1.0)]
         if self.is_data:
-            if msg.sink != self.peer or sum(1 for u in self._units.values() if u.kind == "sink") >= self.demand:
+            if msg.sink != self.peer or sum(1 for u in self._units.values() if u.kind == "sink") >= self._grants():
                 return [Reject(self.peer, msg.src, msg.req, msg.sink, -1.0)]
             link = self._new_link()
             uid = self._new_id()
@@ -923,7 +930,7 @@ class FlowNode:
             offers[msg.sink] = (msg.cost, offers[msg.sink][1])
         if self.is_data:
             return self._tick_source()
-        return self._repair_inflows() + self._new_flows()
+        return self._repair_inflows(count=False) + self._new_flows()
 
     def _on_CostUpdate(self, msg: CostUpdate) -> list[FlowMessage]:
         u = self._unit_by("out_link", msg.link, msg.src)
