@@ -5,4 +5,5 @@
 - launch: real OS processes over hivemind (`launch`, `peer`)
 - report: PNG plots and summary table of a run directory
 - robustness: the aggregator x attack benchmark (BTARD Fig. 3 baselines)
+- gwtf_bench: `bench gwtf` presets flow (Table V) and join (Table IV / Fig. 5); table2 is dispatched to gwtf_table2
 """
