@@ -25,6 +25,7 @@ from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
 from ..algorithms.flow import FlowConfig
 from ..runtime.pipeline.gwtf import FlowDriver, FlowRouter
+from ..runtime.pipeline.relay import ask_for_stage
 from ..runtime.pipeline.routing import RepairRouter, Router
 from ..core.errors import ConfigError
 from ..training.task import Task, make_task
@@ -196,10 +197,13 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
                 network.schedule(asyncio.get_running_loop().time() + f.crash_at, lambda: _crash(victim))
             for pid in relay_ids:
                 if pid in crashed:
+                    if f.join_rate and churn.random() < f.join_rate:
+                        crashed.discard(pid)
+                        network.restart(pid)
                     continue
                 if f.leave_rate and churn.random() < f.leave_rate:
                     at = asyncio.get_running_loop().time() + churn.uniform(0, duration)
-                    network.schedule(at, lambda pid=pid: _crash(pid))
+                    network.schedule(at, lambda pid=pid: _leave(pid))
 
         def on_event(event: dict) -> None:
             recorder.events.append(event)
@@ -209,13 +213,29 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
                 triggered.append(event["peer"])
                 network.schedule(event["t1"] + f.crash_at, lambda: _crash(event["peer"]))
 
+        def _leave(pid: str) -> None:
+            """Churn takes a relay, unless it is the last live one of its stage (the stage's weights
+            would be gone: GWTF does not say how a wiped-out stage recovers)."""
+            node = nodes.get(pid)
+            if node is None or pid in crashed:
+                return
+            peers = [p for p, n in nodes.items() if n.stage == node.stage and p not in crashed and n.version >= node.version]
+            if len(peers) > 1:
+                _crash(pid)
+
         def _crash(pid: str) -> None:
             if pid not in crashed:
                 crashed.add(pid)
                 network.crash(pid)
 
+        incarnations = [0] * config.peers
+
         def factory(index: int):
             async def node_main() -> None:
+                incarnations[index] += 1
+                if incarnations[index] > 1:  # a relay coming back: a joiner (GWTF V-B)
+                    await join(index)
+                    return
                 node = build_node(config, transports[index], index, directory, task, on_event)
                 nodes[ids[index]] = node
                 if isinstance(node, DataNode):
@@ -226,11 +246,25 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
 
             return node_main
 
+        async def join(index: int) -> None:
+            transport = transports[index]
+            placed = await ask_for_stage(transport, directory, capacities(config)[index], config.pipeline.complete_timeout)
+            if placed is None or placed[0] == 0:
+                return  # no leader answered or no stage can take it: stays idle
+            stage, it = placed
+            node = build_node(config, transport, index, directory, task, on_event, stage=stage)
+            nodes[ids[index]] = node
+            recorder.events.append({"kind": "join", "peer": ids[index], "stage": stage, "it": it,
+                                    "t0": asyncio.get_running_loop().time(), "t1": asyncio.get_running_loop().time()})
+            if await node.enter(it):
+                await node.serve()
+
         for index, pid in enumerate(ids):
             network.spawn(pid, factory(index))
         for event in done:
             await event.wait()
-        digests = {pid: [node.stage, node.version, param_digest(node)] for pid, node in nodes.items() if pid not in crashed}
+        digests = {pid: [node.stage, node.version, param_digest(node)] for pid, node in nodes.items()
+                   if pid not in crashed and node.version == config.steps}
         return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests}
 
     thresholds = gc.get_threshold()

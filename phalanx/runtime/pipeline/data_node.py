@@ -25,8 +25,10 @@ import torch
 
 from ...core.errors import Evidence, RemoteError
 from ...core.serialization import check_tensor, decode, encode
+from ...algorithms.placement import UtilQuery, leader, merge_entries, place_joiners, stage_utilization
 from . import messages as m
 from .node import Held, PipelineNode
+from .relay import parse_util, util_bytes
 from .stages import logits_loss
 
 
@@ -66,9 +68,15 @@ class DataNode(PipelineNode):
         self.transport.add_message_handler(m.BROKEN, self._on_broken)
         self.transport.add_message_handler(m.DONE, self._on_done)
         self.transport.add_message_handler(m.SUSPECT, self._on_suspect)
+        self.transport.add_message_handler(m.UTIL, self._on_util)
+        self.transport.add_request_handler(m.JOIN, self._on_join)
+        self.utilization: dict[str, tuple[int, int, int]] = {}  # peer -> (0-based stage, capacity, flow)
+        self.util_period = -1
+        self.placed = 0
+        self._leading: set[int] = set()
 
     def leader(self) -> str:
-        return self.data_nodes()[0]
+        return leader(self.data_nodes())
 
     # --- the iteration loop -----------------------------------------------------
 
@@ -99,6 +107,10 @@ class DataNode(PipelineNode):
             batch.append(Microbatch(self.next_seq, x, y, it))
             self.next_seq += 1
         self.mbs = {mb.seq: mb for mb in batch}
+        if self.leader() == self.me:
+            query = util_bytes(UtilQuery(self.me, "", self.me, it, ()))
+            for peer in self.live(1):
+                await self.transport.send(peer, m.UTIL, query)
         for mb in batch:
             mb.outcome, mb.done = "pending", asyncio.Event()
             self.spawn(self.start(mb, it))
@@ -153,27 +165,31 @@ class DataNode(PipelineNode):
 
     async def lead(self, it: int) -> None:
         """As leader: wait for every live data node's DONE, then flood BEGIN AGGREGATION."""
-        if it in self._begun:
+        if it in self._begun or self.me not in self.reports.get(it, {}) or it in self._leading:
             return
-        deadline = self.now() + self.config.aggregation_timeout
-        while not set(self.data_nodes()) <= set(self.reports.get(it, {})) and self.now() < deadline:
+        self._leading.add(it)
+        # Every live data node reports by its iteration deadline; one that died leaves the view.
+        while not set(self.data_nodes()) <= set(self.reports.get(it, {})):
             self._report_event.clear()
             try:
-                await asyncio.wait_for(self._report_event.wait(), deadline - self.now())
+                await asyncio.wait_for(self._report_event.wait(), self.config.complete_timeout)
             except asyncio.TimeoutError:
-                break
+                pass
         if it in self._begun:
             return
         reports = self.reports.get(it, {})
         done = [d for r in reports.values() for d in r["done"]]
         suspects = {p for r in reports.values() for p in r["suspects"]}
         members = set(self.transport.members())
-        groups = [self.data_nodes()] + [
-            sorted(p for p, s in self.directory.items() if s == stage and p in members and p not in suspects)
-            for stage in range(1, self.last + 1)
-        ]
+        groups = [self.data_nodes()]
+        for stage in range(1, self.last + 1):
+            live = sorted(p for p, s in self.directory.items() if s == stage and p in members)
+            groups.append([p for p in live if p not in suspects] or live)  # never leave a stage without replicas
         payload = encode({"it": it, "done": done, "groups": groups})
-        for peer in [*self.data_nodes(), *self.live(1)]:
+        # The flood runs front to back (each relay passes it on); the leader also sends it to every live
+        # relay itself, so a stage left empty by crashes does not cut the stages behind it off.
+        relays = sorted(p for p, s in self.directory.items() if s > 0 and p in members)
+        for peer in [*self.data_nodes(), *relays]:
             if peer != self.me:
                 await self.transport.send(peer, m.BEGIN, payload)
         self._on_begin(self.me, payload)
@@ -184,6 +200,32 @@ class DataNode(PipelineNode):
             raise RemoteError(Evidence(sender, "malformed", "suspect report without a peer id"))
         if self.directory.get(sender, 0) > 0 and self.directory.get(peer, 0) > 0:
             self.suspects.add(peer)
+
+    def _on_util(self, sender: str, payload: bytes) -> None:
+        query = parse_util(payload, sender, self.transport)
+        if self.directory.get(sender) != self.last or query.leader != self.me:
+            raise RemoteError(Evidence(sender, "false_stage", "utilization answer from outside the last stage"))
+        if query.period > self.util_period:
+            self.util_period, self.utilization = query.period, {}
+        if query.period == self.util_period:
+            self.utilization.update(merge_entries([query]))
+
+    async def _on_join(self, sender: str, payload: bytes) -> bytes:
+        """A joiner's capacity: place it in the most utilized stage that still has a live relay (GWTF V-B)."""
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "join request")
+        capacity = obj.get("capacity")
+        if type(capacity) is not int or not 1 <= capacity <= 1024:
+            raise RemoteError(Evidence(sender, "malformed", "join request without a capacity"))
+        members = set(self.transport.members())
+        entries = {p: v for p, v in self.utilization.items() if p in members and p != sender}  # a stage no copy
+        # reached counts as fully utilized; a stage with no live relay cannot take a joiner (no weights to fetch)
+        util = {k: v for k, v in stage_utilization(entries, self.last).items() if self.live(k + 1)}
+        if not util:
+            return encode({"stage": 0, "it": self.version})
+        stage = place_joiners({sender: capacity}, util)[sender] + 1
+        self.utilization[sender] = (stage - 1, capacity, 0)  # the next joiner sees this one placed
+        self.placed += 1
+        return encode({"stage": stage, "it": self.version})
 
     def _store_report(self, sender: str, report: dict) -> None:
         self.reports.setdefault(report["it"], {})[sender] = report

@@ -26,7 +26,8 @@ DONE = "pp.done"  # one-way, data node -> leader: my microbatches of this iterat
 BEGIN = "pp.begin"  # one-way flood, front to back: BEGIN AGGREGATION
 CAN_TAKE = "pp.cantake"  # one-way, back to front: aggregated, ready for the next iteration
 SUSPECT = "pp.suspect"  # one-way, relay -> data nodes: this peer did not answer me
-HELLO = "pp.hello"  # broadcast: I serve this stage (joiners, after downloading the weights)
+HELLO = "pp.hello"  # one-way to every member: I serve this stage from this version (joiners, after the download)
+UTIL = "pp.util"  # one-way flood, leader -> stage 1 -> ... -> leader: utilization query (GWTF V-B)
 JOIN = "pp.join"  # request, joiner -> leader: my capacity; answered with a stage and the current iteration
 WEIGHTS = "pp.weights"  # request: a stage's parameters and optimizer state at a version
 

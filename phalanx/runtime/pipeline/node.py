@@ -117,6 +117,9 @@ class PipelineNode:
         transport.add_message_handler(m.BEGIN, self._on_begin)
         transport.add_message_handler(m.CAN_TAKE, self._on_can_take)
         transport.add_request_handler(m.WEIGHTS, self._on_weights)
+        transport.add_message_handler(m.HELLO, self._on_hello)
+        self.served = 0  # microbatches this node computed a forward for in this iteration
+        self.last_served = 0
 
     # --- helpers ------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class PipelineNode:
             return m.answer(m.DENIED)
         self.held[c.key] = Held(c, None, c.tensor)  # reserve the slot before waiting
         if not await self.wait_version(c.it, self.config.aggregation_timeout):
-            del self.held[c.key]
+            self.held.pop(c.key, None)
             return m.answer(m.DENIED)
         t0 = self.now()
         async with self.compute_lock:
@@ -209,6 +212,7 @@ class PipelineNode:
         recomputed = c.recomputed + ((self.stage,) if c.repair >= 0 else ())
         self.held[c.key] = Held(c, x, out, recomputed=recomputed)
         self._emit("fwd", c.key, c.it, t0, recompute=c.repair >= 0)
+        self.served += 1
         if c.repair == self.stage:
             self.spawn(self._resume(c.key))
         else:
@@ -420,7 +424,7 @@ class PipelineNode:
         )
         if not valid:
             raise RemoteError(Evidence(sender, "malformed", "bad BEGIN AGGREGATION"))
-        if it != self.version or it in self._begun:
+        if it < self.version or it in self._begun:
             return
         self._begun.add(it)
         self.spawn(self.aggregate(it, payload, done, groups))
@@ -440,7 +444,8 @@ class PipelineNode:
             if path is not None and len(path) > self.stage and path[self.stage] == self.me:
                 total += grad
                 count += 1
-        if self.me in group:
+        version = it + 1
+        if self.me in group and self.version == it:
             result = await self.allreduce(it, torch.cat([total, torch.tensor([float(count)])]), group)
             mass = float(result.vector[-1])
             if mass > 0:
@@ -453,15 +458,18 @@ class PipelineNode:
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
         else:
-            await self.sync_weights(it + 1, [p for p in group if p != self.me])
+            # Left out (suspected, or behind): take the stepped weights from the group, or stay
+            # behind (serving nothing) until a later aggregation lets us catch up.
+            version = await self.fetch_weights(it + 1, [p for p in group if p != self.me]) or self.version
         self.on_event({"kind": "aggregate", "peer": self.me, "stage": self.stage, "it": it, "t0": t0, "t1": self.now(),
-                       "group": len(group), "count": count, "in_group": self.me in group})
-        self.version = it + 1
+                       "group": len(group), "count": count, "in_group": self.me in group, "version": version})
+        self.version = version
+        self.last_served, self.served = self.served, 0
         self.held.clear()
         self.grads.clear()
         self.pending.clear()
         self.suspects.clear()
-        self.ready_event(it + 1).set()
+        self.ready_event(version).set()
         if self.stage < self.last:
             try:
                 await asyncio.wait_for(self.can_take_event(it).wait(), self.config.aggregation_timeout)
@@ -499,8 +507,9 @@ class PipelineNode:
             raise RemoteError(Evidence(sender, "malformed", "bad weights request"))
         if version > self.version:
             await self.wait_version(version, self.config.aggregation_timeout)
-        if version != self.version:
+        if version > self.version or full and not self.ready_event(self.version).is_set():
             return encode({"version": self.version})
+        version = self.version  # a newer version is as good: the asker takes the latest stepped weights
         body: dict = {"version": version, "digest": self.state_digest()}
         if full:
             body["params"] = [p.detach() for p in self.params]
@@ -508,13 +517,14 @@ class PipelineNode:
             body["state"] = {str(i): dict(v) for i, v in state.items()}
         return encode(body)
 
-    async def fetch_weights(self, version: int, sources: list[str]) -> bool:
-        """Download this stage's parameters and optimizer state at `version` from one source,
-        with the digest confirmed by a second source when there is one. False if nobody delivered."""
+    async def fetch_weights(self, version: int, sources: list[str]) -> int | None:
+        """Download this stage's parameters and optimizer state at `version` or later from one source,
+        with the digest confirmed by a second source when there is one; the version got, or None."""
         for index, source in enumerate(sources):
             body = await self._weights_from(source, version, True)
             if body is None:
                 continue
+            got_version = body["version"]
             try:
                 params, state = self._check_weights(source, body)
             except RemoteError as exc:
@@ -525,8 +535,8 @@ class PipelineNode:
                 self.transport.report(Evidence(source, "bad_digest", "weights do not match their digest"))
                 continue
             others = [p for p in sources if p != source]
-            confirmations = [await self._weights_from(p, version, False) for p in others[:1]]
-            if any(c is not None and c.get("digest") != got for c in confirmations):
+            confirmations = [await self._weights_from(p, got_version, False) for p in others[:1]]
+            if any(c is not None and (c["version"], c["digest"]) != (got_version, got) for c in confirmations):
                 continue  # two stage peers disagree: try the next source
             with torch.no_grad():
                 for p, value in zip(self.params, params):
@@ -534,12 +544,9 @@ class PipelineNode:
             sd = self.optimizer.state_dict()
             sd["state"] = state
             self.optimizer.load_state_dict(sd)
-            return True
-        return False
-
-    async def sync_weights(self, version: int, sources: list[str]) -> None:
-        if not await self.fetch_weights(version, sources):
-            log.warning("%s: could not fetch stage %d weights at version %d", self.me[:8], self.stage, version)
+            return got_version
+        log.info("%s: could not fetch stage %d weights at version %d", self.me[:8], self.stage, version)
+        return None
 
     async def _weights_from(self, source: str, version: int, full: bool) -> dict | None:
         try:
@@ -551,7 +558,9 @@ class PipelineNode:
             return None
         except PhalanxError:
             return None
-        if not isinstance(body, dict) or body.get("version") != version or not isinstance(body.get("digest"), bytes):
+        if not isinstance(body, dict) or type(body.get("version")) is not int or body["version"] < version:
+            return None
+        if not isinstance(body.get("digest"), bytes):
             return None
         return body
 
@@ -572,3 +581,28 @@ class PipelineNode:
                     raise RemoteError(Evidence(source, "malformed", f"optimizer state {key!r} is not a number"))
             loaded[int(name)] = entry
         return checked, loaded
+
+    # --- joining (GWTF V-B) ------------------------------------------------------------
+
+    async def enter(self, version: int) -> bool:
+        """A joiner: download this stage's weights at `version` (digest confirmed by a second peer),
+        then tell every member that it serves the stage. False if no stage peer delivered."""
+        got = await self.fetch_weights(version, self.live(self.stage))
+        if got is None:
+            return False
+        self.version = version = got
+        self.ready_event(version).set()
+        hello = encode({"stage": self.stage, "version": version, "capacity": self.capacity})
+        for peer in self.transport.members():
+            if peer != self.me:
+                await self.transport.send(peer, m.HELLO, hello)
+        return True
+
+    def _on_hello(self, sender: str, payload: bytes) -> None:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "hello")
+        stage = obj.get("stage")
+        if type(stage) is not int or not 1 <= stage <= self.last:
+            raise RemoteError(Evidence(sender, "false_stage", f"claims relay stage {stage!r}"))
+        if self.directory.get(sender) == 0:
+            raise RemoteError(Evidence(sender, "false_stage", "a data node claims a relay stage"))
+        self.directory[sender] = stage
