@@ -37,7 +37,7 @@ def gwtf_table2() -> PipelineRunConfig:
         steps=10,
         train=TrainConfig(task="digits-mlp", batch_size=8, lr=0.1),
         pipeline=PipelineConfig(stages=6, microbatches=4, capacity=4, routing="gwtf", flops_scale=7.5e5,
-                                complete_timeout=20.0, microbatch_timeout=60.0, iteration_timeout=120.0,
+                                complete_timeout=20.0, microbatch_timeout=60.0, iteration_timeout=120.0, flow_period=2.0,
                                 aggregation_timeout=20.0),
         network=PipelineNetworkConfig(latency=0.02, bandwidth_min=6.25e3, bandwidth_max=62.5e3, flops=50e9),
     )
