@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import defaultdict
 from dataclasses import replace
 
 import pytest
+import torch
 
 from phalanx.experiments.pipeline_run import reference_losses, simulate_pipeline
 from phalanx.pipeline_config import ChurnConfig, PipelineRunConfig
 from phalanx.runtime.dp_peer import TrainConfig
+from phalanx.core.errors import PhalanxError
+from phalanx.core.serialization import encode
+from phalanx.experiments.swarm import peer_identity
+from phalanx.runtime.pipeline import messages as m
 from phalanx.runtime.pipeline.config import PipelineConfig
 
 
@@ -119,3 +126,65 @@ def test_forward_crash_resends_to_another_next_stage_peer():
     assert all(mb["outcome"] == "ok" and mb["restarts"] == 0 and mb["recomputed"] == [] for mb in resent)
     assert all(victim not in mb["path"] for mb in it1)
     assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+
+
+def _liar(attacker_index: int, seed: int):
+    """An attack policy on an extra peer: claims stage 1, takes activations and passes on a wrong-shape
+    tensor; later sends garbage, a gradient for a microbatch nobody sent it, and a false stage claim."""
+    identity = peer_identity(seed, attacker_index)
+
+    def adversary(network, directory) -> None:
+        transport = network.add_peer(identity)
+        me = transport.peer_id
+        stage1 = sorted(p for p, s in directory.items() if s == 1)
+        stage2 = sorted(p for p, s in directory.items() if s == 2)
+
+        async def on_forward(sender: str, payload: bytes) -> bytes:
+            c = m.parse_carry(payload, sender, transport.limits, 3)
+            bad = m.Carry(c.key, c.it, 2, c.path + (me,), torch.zeros(3))
+            asyncio.get_running_loop().create_task(lie(stage2[0], m.FORWARD, bad.to_bytes()))
+            if not started:
+                started.append(asyncio.get_running_loop().create_task(more_lies()))
+            return m.answer(m.OK)
+
+        async def lie(peer: str, topic: str, payload: bytes) -> None:
+            with contextlib.suppress(PhalanxError):
+                await transport.request(peer, topic, payload, 1.0)
+
+        started: list = []
+
+        async def main() -> None:
+            transport.add_request_handler(m.FORWARD, on_forward)
+            for peer in directory:
+                await transport.send(peer, m.HELLO, encode({"stage": 1, "version": 0, "capacity": 4}))
+
+        async def more_lies() -> None:
+            lies = [
+                (stage1[0], m.FORWARD, b"not a message"),
+                (stage1[0], m.BACKWARD, m.Carry(("x" * 32, 0, 0), 99, 1, ("x" * 32, stage1[0], me), torch.zeros(1)).to_bytes()),
+                (stage1[1], m.FORWARD, m.Carry(("x" * 32, 0, 0), 99, 1, (me,), torch.zeros(1)).to_bytes()),
+            ]
+            for peer, topic, payload in lies:
+                await lie(peer, topic, payload)
+
+        network.spawn(me, main)
+
+    return adversary, identity.peer_id
+
+
+def test_bad_input_is_evidence_and_the_microbatch_is_rerouted():
+    config = _mlp_config(
+        peers=5, data_nodes=1, steps=4,
+        pipeline=PipelineConfig(stages=2, microbatches=3, capacity=4, complete_timeout=0.5, microbatch_timeout=1.0),
+    )
+    adversary, liar = _liar(99, config.seed)
+    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    kinds = {kind for _, against, kind in summary["evidence"] if against == liar}
+    assert {"wrong_shape", "malformed", "unknown_microbatch", "false_stage"} <= kinds
+    assert not [e for e in summary["evidence"] if e[1] != liar]  # nobody honest is accused
+    mbs = summary["microbatches"]
+    assert all(mb["outcome"] == "ok" and liar not in mb["path"] for mb in mbs)
+    assert any(mb["restarts"] for mb in mbs)  # the one the liar swallowed went again, around it
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+    # (losses are not compared with the reference: until it is banned the liar sits in stage 1's
+    # all-reduce group and stays silent there, so its slice of that gradient is zero for everyone)

@@ -153,8 +153,14 @@ class PipelineRecorder:
         return summary
 
 
-def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progress: bool = True) -> dict:
-    """Run a pipeline config in the simulator; write its files to `out` (if given); return the summary."""
+def simulate_pipeline(
+    config: PipelineRunConfig, out: Path | None = None, progress: bool = True,
+    adversary: Callable[[SimNetwork, dict[str, int]], None] | None = None,
+) -> dict:
+    """Run a pipeline config in the simulator; write its files to `out` (if given); return the summary.
+
+    `adversary(network, directory)` may add peers of its own (attack policies) before the run starts.
+    """
     torch.set_num_threads(1)
     wall_start = time.perf_counter()
     identities = [peer_identity(config.seed, i) for i in range(config.peers)]
@@ -261,11 +267,14 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
 
         for index, pid in enumerate(ids):
             network.spawn(pid, factory(index))
+        if adversary is not None:
+            adversary(network, directory)
         for event in done:
             await event.wait()
         digests = {pid: [node.stage, node.version, param_digest(node)] for pid, node in nodes.items()
                    if pid not in crashed and node.version == config.steps}
-        return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests}
+        evidence = [[t.peer_id, e.peer, e.kind] for t in transports for e in t.evidence]
+        return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests, "evidence": evidence}
 
     thresholds = gc.get_threshold()
     gc.set_threshold(50_000, 20, 100)
@@ -275,7 +284,8 @@ def simulate_pipeline(config: PipelineRunConfig, out: Path | None = None, progre
         gc.set_threshold(*thresholds)
         bar.close()
     extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
-             "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"]}
+             "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"],
+             "evidence": stats["evidence"]}
     if out is None:
         summary = dict(extra)
         summary["metrics"] = recorder.metrics()

@@ -183,7 +183,7 @@ class DataNode(PipelineNode):
         members = set(self.transport.members())
         groups = [self.data_nodes()]
         for stage in range(1, self.last + 1):
-            live = sorted(p for p, s in self.directory.items() if s == stage and p in members)
+            live = sorted(p for p, s in self.directory.items() if s == stage and p in members and p not in self.banned)
             groups.append([p for p in live if p not in suspects] or live)  # never leave a stage without replicas
         payload = encode({"it": it, "done": done, "groups": groups})
         # The flood runs front to back (each relay passes it on); the leader also sends it to every live
@@ -195,11 +195,14 @@ class DataNode(PipelineNode):
         self._on_begin(self.me, payload)
 
     def _on_suspect(self, sender: str, payload: bytes) -> None:
-        peer = decode(payload, sender, self.transport.limits)
-        if not isinstance(peer, str):
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "suspect report")
+        peer, evidence = obj.get("peer"), obj.get("evidence")
+        if not isinstance(peer, str) or not isinstance(evidence, bool):
             raise RemoteError(Evidence(sender, "malformed", "suspect report without a peer id"))
-        if self.directory.get(sender, 0) > 0 and self.directory.get(peer, 0) > 0:
+        if self.directory.get(sender, 0) > 0 and self.directory.get(peer, 0) > 0 and sender not in self.banned:
             self.suspects.add(peer)
+            if evidence:  # a relay holds evidence against it: route around it (it may frame, see notes)
+                self.banned.add(peer)
 
     def _on_util(self, sender: str, payload: bytes) -> None:
         query = parse_util(payload, sender, self.transport)

@@ -102,6 +102,8 @@ class PipelineNode:
         self.grads: dict[m.Key, tuple[str, torch.Tensor]] = {}  # key -> (my path position check, param gradient)
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
         self.suspects: set[str] = set()
+        self.banned: set[str] = set()  # peers we hold evidence against (or a relay told us it does)
+        transport.on_evidence(self._on_evidence)
         self.compute_lock = asyncio.Lock()
         self._ready: dict[int, asyncio.Event] = {}
         self._begun: set[int] = set()
@@ -141,9 +143,20 @@ class PipelineNode:
         return self.transport.clock.now()
 
     def live(self, stage: int) -> list[str]:
-        """Peers of `stage` in this node's directory and membership view, sorted."""
+        """Peers of `stage` in this node's directory and membership view, not banned, sorted."""
         members = set(self.transport.members())
-        return sorted(p for p, s in self.directory.items() if s == stage and p in members and p != self.me)
+        return sorted(p for p, s in self.directory.items()
+                      if s == stage and p in members and p != self.me and p not in self.banned)
+
+    def _on_evidence(self, evidence: Evidence) -> None:
+        """A peer sent us something it must not have: route around it from now on and tell the data nodes."""
+        if evidence.peer in self.banned or self.directory.get(evidence.peer) == 0:
+            return
+        self.banned.add(evidence.peer)
+        body = encode({"peer": evidence.peer, "evidence": True})
+        for node in self.data_nodes():
+            if node != self.me:
+                self.spawn(self.transport.send(node, m.SUSPECT, body))
 
     def data_nodes(self) -> list[str]:
         members = set(self.transport.members())
@@ -279,7 +292,7 @@ class PipelineNode:
             await self.flow.send(self.flow.lost(peer))
         if self.stage > 0:
             for node in self.data_nodes():
-                await self.transport.send(node, m.SUSPECT, encode(peer))
+                await self.transport.send(node, m.SUSPECT, encode({"peer": peer, "evidence": False}))
 
     async def give_up(self, key: m.Key) -> None:
         """No next-stage peer takes this microbatch: tell upstream (DENY) and free the slot."""
