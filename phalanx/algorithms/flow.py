@@ -726,11 +726,10 @@ class FlowNode:
             if u.kind != "relay" or u.downstream is not None or u.upstream is None or u.locked:
                 continue
             u.idle += count
-            if u.idle <= self.config.deny_after:
-                best = self._best_offer(u.sink)
-                if best is not None:
-                    out.append(self._request("attach", best[1], u.sink, best[2], uid=u.uid))
-            else:
+            best = self._best_offer(u.sink)
+            if best is not None and u.idle <= self.config.deny_after:
+                out.append(self._request("attach", best[1], u.sink, best[2], uid=u.uid))
+            elif u.idle > (self.config.deny_after if best is not None else 2):
                 out.append(Deny(self.peer, u.upstream, u.in_link))
                 del self._units[u.uid]
         return out
@@ -1116,19 +1115,20 @@ class SyncDriver:
             self.round()
 
     def settle(self, max_rounds: int) -> int:
-        """Pause Change / Redirect and run until only Offers and Audits move (or `max_rounds`).
+        """Pause Change / Redirect and run until every node is stable and only Offers and Audits move.
 
         Returns the rounds used. Moves in flight finish; repairs and Request Flow go on.
         """
         for node in self.nodes.values():
             node.optimising = False
-        used = 0
+        used = quiet = 0
         try:
-            while used < max_rounds:
+            while used < max_rounds and quiet < 2:
                 self.round()
                 used += 1
-                if all(isinstance(m, (Offer, Audit)) for m in self.queue):
-                    break
+                calm = all(isinstance(m, (Offer, Audit)) for m in self.queue) and all(
+                    n.stable for n in self.nodes.values())
+                quiet = quiet + 1 if calm else 0
         finally:
             for node in self.nodes.values():
                 node.optimising = True
