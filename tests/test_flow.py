@@ -202,3 +202,14 @@ def test_wire_round_trip_and_garbage() -> None:
                     {"type": "Offer", "body": {"stage": 1, "entries": [], "extra": 1}}):
         with pytest.raises(RemoteError):
             from_wire(garbage, "a", "b")
+
+
+def test_routing_views_follow_the_paths() -> None:
+    g = _graph(0, sources=2, relays=12)
+    drv = _converge(g, 0, rounds=80)
+    for data, relays, _ in drv.paths():
+        hops = [data, *relays, data]
+        assert hops[1] in drv.nodes[data].next_hops(data)
+        for prev, here, nxt in zip(hops, hops[1:], hops[2:]):
+            assert nxt in drv.nodes[here].routes(data, prev)
+            assert drv.nodes[here].route(data, prev) in drv.nodes[here].routes(data, prev)
