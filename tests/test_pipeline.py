@@ -188,3 +188,22 @@ def test_bad_input_is_evidence_and_the_microbatch_is_rerouted():
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
     # (losses are not compared with the reference: until it is banned the liar sits in stage 1's
     # all-reduce group and stays silent there, so its slice of that gradient is zero for everyone)
+
+
+def test_joiner_goes_to_the_bottleneck_stage_and_downloads_its_weights():
+    # relay 1 (stage 2 of 3, two relays each) crashes in iteration 0; churn brings it back at the
+    # start of iteration 1 as a joiner: stage 2, down to one relay, is the most utilized stage
+    config = _mlp_config(
+        peers=7, data_nodes=1, steps=4,
+        pipeline=PipelineConfig(stages=3, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=4.0),
+        faults=ChurnConfig(crash_relay=1, crash_iteration=0, crash_at=0.001, join_rate=1.0),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    joiner = summary["peer_ids"][config.data_nodes + 1]
+    joins = [e for e in summary["events"] if e["kind"] == "join"]
+    assert [(e["peer"], e["stage"]) for e in joins] == [(joiner, 2)]
+    stage, version, digest = summary["replicas"][joiner]
+    assert (stage, version) == (2, config.steps)
+    assert [d for s, _, d in summary["replicas"].values() if s == 2] == [digest, digest]
+    later = [mb for mb in summary["microbatches"] if mb["it"] == config.steps - 1]
+    assert any(mb["path"][2] == joiner for mb in later)

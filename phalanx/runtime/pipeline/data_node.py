@@ -107,10 +107,6 @@ class DataNode(PipelineNode):
             batch.append(Microbatch(self.next_seq, x, y, it))
             self.next_seq += 1
         self.mbs = {mb.seq: mb for mb in batch}
-        if self.leader() == self.me:
-            query = util_bytes(UtilQuery(self.me, "", self.me, it, ()))
-            for peer in self.live(1):
-                await self.transport.send(peer, m.UTIL, query)
         for mb in batch:
             mb.outcome, mb.done = "pending", asyncio.Event()
             self.spawn(self.start(mb, it))
@@ -125,6 +121,10 @@ class DataNode(PipelineNode):
                 if not mb.done.is_set() and self.now() - mb.t_start >= self.config.microbatch_timeout and self.now() < deadline:
                     self.restart(mb, it)
         t_train = self.now()
+        if self.leader() == self.me:  # utilization of this iteration, for the joiners of the next (GWTF V-B)
+            query = util_bytes(UtilQuery(self.me, "", self.me, it, ()))
+            for peer in self.live(1):
+                await self.transport.send(peer, m.UTIL, query)
         finished = [mb for mb in batch if mb.outcome == "ok"]
         for mb in batch:
             if mb.outcome != "ok":
@@ -219,6 +219,9 @@ class DataNode(PipelineNode):
         capacity = obj.get("capacity")
         if type(capacity) is not int or not 1 <= capacity <= 1024:
             raise RemoteError(Evidence(sender, "malformed", "join request without a capacity"))
+        deadline = self.now() + self.config.complete_timeout
+        while self.util_period < self.version - 1 and self.now() < deadline:
+            await asyncio.sleep(self.config.complete_timeout / 20)  # the last iteration's flood is on its way
         members = set(self.transport.members())
         entries = {p: v for p, v in self.utilization.items() if p in members and p != sender}  # a stage no copy
         # reached counts as fully utilized; a stage with no live relay cannot take a joiner (no weights to fetch)

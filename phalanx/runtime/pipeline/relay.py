@@ -3,7 +3,7 @@
 It also relays the leader's utilization query (GWTF V-B): the first copy of a
 period opens a short window in which copies from other previous-stage peers
 are merged; then the relay adds its own (stage, capacity, microbatches served
-last iteration) and forwards the merged query to the next stage (the last
+in that iteration) and forwards the merged query to the next stage (the last
 stage returns it to the leader). A joining relay first asks the leader for a
 stage (`ask_for_stage`), then downloads that stage's weights (`enter`).
 """
@@ -50,7 +50,8 @@ class Relay(PipelineNode):
         entries = tuple(sorted((p, *v) for p, v in self._util.get(period, {}).items()))
         nxt = self.live(self.stage + 1) if self.stage < self.last else [lead]
         query = UtilQuery(self.me, "", lead, period, entries)
-        for out in flood_step(query, self.me, self.stage - 1, self.capacity, self.last_served, nxt):
+        served = self.served if self.version == period else self.last_served
+        for out in flood_step(query, self.me, self.stage - 1, self.capacity, served, nxt):
             await self.transport.send(out.dst, m.UTIL, util_bytes(out))
 
 
