@@ -5,5 +5,9 @@
 - launch: real OS processes over hivemind (`launch`, `peer`)
 - report: PNG plots and summary table of a run directory
 - robustness: the aggregator x attack benchmark (BTARD Fig. 3 baselines)
+- pipeline_run: pipeline runs in the simulator (roles from a PipelineRunConfig, churn, run files)
+- pipeline_launch: pipeline runs as OS processes over hivemind (a relay can be killed mid-iteration)
+- pipeline_report: loss, throughput per iteration and stage x time diagram of a pipeline run
+- gwtf_table2: `bench gwtf --preset table2` (GWTF Table II, SWARM vs GWTF under churn)
 - gwtf_bench: `bench gwtf` presets flow (Table V) and join (Table IV / Fig. 5); table2 is dispatched to gwtf_table2
 """
