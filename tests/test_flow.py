@@ -199,7 +199,10 @@ def test_wire_round_trip_and_garbage() -> None:
         assert from_wire(decode(encode(to_wire(msg)), "a"), "a", "b") == msg  # through the canonical encoding
     assert set(MESSAGE_TYPES) >= {"Offer", "RequestFlow", "ChangeRequest", "RedirectRequest", "Deny"}
     for garbage in (None, {"type": "Nope", "body": {}}, {"type": "Offer", "body": {"stage": "x", "entries": []}},
-                    {"type": "Offer", "body": {"stage": 1, "entries": [], "extra": 1}}):
+                    {"type": "Offer", "body": {"stage": 1, "entries": [], "extra": 1}},
+                    {"type": "Offer", "body": {"stage": 1, "entries": 5}},
+                    {"type": "Audit", "body": {"sending": "l1", "receiving": []}},
+                    {"type": "FlowReport", "body": {"stage": 1, "free": 0, "units": [{"sink": 1}], "next_costs": []}}):
         with pytest.raises(RemoteError):
             from_wire(garbage, "a", "b")
 

@@ -327,6 +327,8 @@ def _validate(msg: FlowMessage) -> None:
             raise bad(f"{f.name} is not an int")
         if want == "bool" and not isinstance(value, bool):
             raise bad(f"{f.name} is not a bool")
+        if want.startswith("tuple") and not isinstance(value, tuple):
+            raise bad(f"{f.name} is not a list")
         if want == "float":
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise bad(f"{f.name} is not a finite number")
