@@ -496,8 +496,9 @@ class FlowNode:
         st = DATA if stage is None else stage
         if st != DATA and not 0 <= st < self.num_stages:
             raise LocalError(f"stage {st} outside 0..{self.num_stages - 1}")
+        out = self.peer_left(peer) if self._stages.get(peer, st) != st else []  # it moved: old links are void
         self._stages[peer] = st
-        return self.set_cost(peer, cost)
+        return out + self.set_cost(peer, cost)
 
     def set_cost(self, peer: str, cost: float) -> list[FlowMessage]:
         """A new measurement of d(self, peer); cost changes flow back upstream."""
