@@ -53,6 +53,7 @@ class ChurnConfig:
     crash_iteration: int = 0
     crash_stage: int = 0  # > 0: instead, crash the first relay of this stage to finish a forward in
     # iteration `crash_iteration`, `crash_at` seconds after that forward
+    crash_data_node: int = -1  # crash this data node (index) at `crash_at` seconds into `crash_iteration`
 
     def __post_init__(self) -> None:
         _check(0 <= self.leave_rate <= 1, "faults.leave_rate", self.leave_rate, "must be a probability in [0, 1]")
@@ -87,6 +88,10 @@ class PipelineRunConfig:
         )
         _check(self.capacity_min >= 0, "capacity_min", self.capacity_min, "must be >= 0")
         _check(self.capacity_max >= self.capacity_min, "capacity_max", self.capacity_max, "must be >= capacity_min")
+        _check(
+            self.faults.crash_data_node < self.data_nodes - 1, "faults.crash_data_node", self.faults.crash_data_node,
+            f"must be -1 or a data node index below {self.data_nodes - 1} (one data node must survive)",
+        )
         _check(
             self.faults.crash_relay < self.relays, "faults.crash_relay", self.faults.crash_relay,
             f"must be below the number of relays ({self.relays})",

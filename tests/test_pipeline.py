@@ -207,3 +207,22 @@ def test_joiner_goes_to_the_bottleneck_stage_and_downloads_its_weights():
     assert [d for s, _, d in summary["replicas"].values() if s == 2] == [digest, digest]
     later = [mb for mb in summary["microbatches"] if mb["it"] == config.steps - 1]
     assert any(mb["path"][2] == joiner for mb in later)
+
+
+def test_leader_crash_the_next_data_node_leads():
+    # two data nodes; the leader (smallest id, data node 0) dies early in iteration 1
+    config = _mlp_config(
+        peers=6, data_nodes=2, steps=4,
+        pipeline=PipelineConfig(stages=2, microbatches=3, capacity=4, complete_timeout=0.5, aggregation_timeout=2.0),
+        faults=ChurnConfig(crash_data_node=0, crash_iteration=1, crash_at=0.001),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    dead, survivor = summary["peer_ids"][:2]
+    assert dead < survivor  # it was the leader
+    rows = [r for r in summary["metrics"]]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    later = [mb for mb in summary["microbatches"] if mb["it"] >= 2]
+    assert later and all(mb["src"] == survivor and mb["outcome"] == "ok" for mb in later)
+    assert dead not in summary["replicas"]
+    assert all(version == config.steps for _, version, _ in summary["replicas"].values())
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())

@@ -201,6 +201,9 @@ def simulate_pipeline(
             if f.crash_relay >= 0 and it == f.crash_iteration:
                 victim = relay_ids[f.crash_relay]
                 network.schedule(asyncio.get_running_loop().time() + f.crash_at, lambda: _crash(victim))
+            if f.crash_data_node >= 0 and it == f.crash_iteration:
+                victim_node = ids[f.crash_data_node]
+                network.schedule(asyncio.get_running_loop().time() + f.crash_at, lambda: _crash(victim_node))
             for pid in relay_ids:
                 if pid in crashed:
                     if f.join_rate and churn.random() < f.join_rate:
@@ -235,6 +238,7 @@ def simulate_pipeline(
                 network.crash(pid)
 
         incarnations = [0] * config.peers
+        starter = config.data_nodes - 1 if config.faults.crash_data_node == 0 else 0  # a data node that lives
 
         def factory(index: int):
             async def node_main() -> None:
@@ -245,7 +249,7 @@ def simulate_pipeline(
                 node = build_node(config, transports[index], index, directory, task, on_event)
                 nodes[ids[index]] = node
                 if isinstance(node, DataNode):
-                    await node.run(config.steps, on_iteration, on_start if index == 0 else None)
+                    await node.run(config.steps, on_iteration, on_start if index == starter else None)
                     done[index].set()
                 else:
                     await node.serve()
@@ -269,8 +273,9 @@ def simulate_pipeline(
             network.spawn(pid, factory(index))
         if adversary is not None:
             adversary(network, directory)
-        for event in done:
-            await event.wait()
+        for index, event in enumerate(done):
+            if index != config.faults.crash_data_node:
+                await event.wait()
         digests = {pid: [node.stage, node.version, param_digest(node)] for pid, node in nodes.items()
                    if pid not in crashed and node.version == config.steps}
         evidence = [[t.peer_id, e.peer, e.kind] for t in transports for e in t.evidence]
