@@ -75,7 +75,7 @@ async def run_pipeline_worker(
                 await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
                 node.stop()
                 await serving
-            node.stop()
+            await node.close()
     finally:
         await transport.stop()
 

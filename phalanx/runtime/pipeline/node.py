@@ -133,6 +133,14 @@ class PipelineNode:
     def stop(self) -> None:
         self._stopped.set()
 
+    async def close(self) -> None:
+        """Stop and cancel everything this node still runs (before its transport stops)."""
+        self.stop()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
