@@ -55,7 +55,7 @@ class FlowConfig:
     temperature: float = 1.7
     cooling: float = 0.95
     objective: str = "sum"  # "sum" of f*d (Eq. 2) or "max" (the paper's local min-max variant)
-    query_every: int = 3
+    query_every: int = 2
     pending_timeout: int = 6
     deny_after: int = 6
     audit_every: int = 8
