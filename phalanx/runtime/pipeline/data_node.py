@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.errors import Evidence, RemoteError
-from ...core.serialization import check_tensor, decode, encode
+from ...core.serialization import check_tensor, encode
 from ...algorithms.placement import UtilQuery, leader, merge_entries, place_joiners, stage_utilization
 from . import messages as m
 from .node import Held, PipelineNode

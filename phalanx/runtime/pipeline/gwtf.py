@@ -15,14 +15,11 @@ Backward failures are repaired (GWTF V-D), never restarted.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from ...algorithms.flow import FlowConfig, FlowMessage, FlowNode, edge_cost, from_wire, to_wire
 from ...core.serialization import decode, encode
 from ...transport.base import Transport
 from .routing import RepairRouter, Router
-
-log = logging.getLogger(__name__)
 
 FLOW = "pp.flow"
 

@@ -99,7 +99,7 @@ class PipelineNode:
         self.allreduce = ButterflyAllReduce(transport, num_params(self.part) + 1, reducer, allreduce)
         self.version = 0  # optimizer steps applied = the iteration this node accepts microbatches for
         self.held: dict[m.Key, Held] = {}
-        self.grads: dict[m.Key, tuple[str, torch.Tensor]] = {}  # key -> (my path position check, param gradient)
+        self.grads: dict[m.Key, torch.Tensor] = {}  # key -> this node's parameter gradient for that microbatch
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
         self.suspects: set[str] = set()
         self.banned: set[str] = set()  # peers we hold evidence against (or a relay told us it does)
@@ -181,9 +181,6 @@ class PipelineNode:
         except asyncio.TimeoutError:
             return False
         return True
-
-    def _request_timeout(self, nbytes: int) -> float:
-        return self.config.complete_timeout
 
     def _emit(self, kind: str, key: m.Key, it: int, t0: float, **extra) -> None:
         self.on_event({"kind": kind, "peer": self.me, "stage": self.stage, "mb": m.key_name(key), "src": key[0],
@@ -279,7 +276,7 @@ class PipelineNode:
     async def _ask(self, peer: str, topic: str, payload: bytes) -> str | None:
         """Send a request and return the answer word; None when the peer timed out, failed or was unreachable."""
         try:
-            response = await self.transport.request(peer, topic, payload, self._request_timeout(len(payload)))
+            response = await self.transport.request(peer, topic, payload, self.config.complete_timeout)
             return m.parse_answer(response, peer, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
@@ -346,7 +343,7 @@ class PipelineNode:
             grads = torch.autograd.grad(h.out, inputs, c.tensor, allow_unused=True)
             await self._compute(2 * self.staged.forward_flops[self.stage])
         gx = grads[0] if h.x is not None else None
-        self.grads[c.key] = (self.me, flat(list(grads[len(grads) - len(self.params):]), self.params))
+        self.grads[c.key] = flat(list(grads[len(grads) - len(self.params):]), self.params)
         self._emit("bwd", c.key, c.it, t0)
         recomputed = tuple(sorted(set(c.recomputed) | set(h.recomputed)))
         if self.stage == 0:
@@ -460,7 +457,7 @@ class PipelineNode:
         finished = {(d[0], d[1], d[2]): d[3] for d in done}
         total = torch.zeros(num_params(self.part))
         count = 0
-        for key, (_, grad) in self.grads.items():
+        for key, grad in self.grads.items():
             path = finished.get(key)
             if path is not None and len(path) > self.stage and path[self.stage] == self.me:
                 total += grad
