@@ -54,6 +54,7 @@ class ChurnConfig:
     crash_stage: int = 0  # > 0: instead, crash the first relay of this stage to finish a forward in
     # iteration `crash_iteration`, `crash_at` seconds after that forward
     crash_data_node: int = -1  # crash this data node (index) at `crash_at` seconds into `crash_iteration`
+    rejoin_after: int = 0  # launch only: this many iterations after the kill, a fresh relay process joins (0: none)
 
     def __post_init__(self) -> None:
         _check(0 <= self.leave_rate <= 1, "faults.leave_rate", self.leave_rate, "must be a probability in [0, 1]")
@@ -61,6 +62,7 @@ class ChurnConfig:
         _check(self.crash_relay >= -1, "faults.crash_relay", self.crash_relay, "must be a relay index or -1 (none)")
         _check(self.crash_at >= 0, "faults.crash_at", self.crash_at, "must be >= 0 seconds")
         _check(self.crash_iteration >= 0, "faults.crash_iteration", self.crash_iteration, "must be >= 0")
+        _check(self.rejoin_after >= 0, "faults.rejoin_after", self.rejoin_after, "must be >= 0 (0: no joiner)")
         _check(self.crash_stage >= 0, "faults.crash_stage", self.crash_stage, "must be >= 0 (0: use faults.crash_relay)")
 
 

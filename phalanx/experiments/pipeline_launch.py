@@ -25,6 +25,7 @@ from tqdm import tqdm
 from ..core.errors import LocalError
 from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode
+from ..runtime.pipeline.relay import ask_for_stage
 from .launch import JOIN_TIMEOUT, _barrier
 from .pipeline_run import PipelineRecorder, build_node, pipeline_task
 from .swarm import peer_identity
@@ -34,9 +35,14 @@ RUN_TIMEOUT = 3600.0
 
 
 async def run_pipeline_worker(
-    config: PipelineRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None
+    config: PipelineRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None,
+    join: bool = False,
 ) -> None:
-    """One real pipeline node: join, build the role, train or serve, leave when the data nodes are done."""
+    """One real pipeline node: join, build the role, train or serve, leave when the data nodes are done.
+
+    With `join`, a fresh relay (identity `index` >= config.peers) joins a running pipeline: the leader
+    places it, it downloads its stage's weights, then serves (GWTF V-B).
+    """
     from ..transport.p2p import HivemindTransport
 
     torch.set_num_threads(1)
@@ -58,6 +64,9 @@ async def run_pipeline_worker(
                 sink.write(json.dumps({"type": kind, **row}, sort_keys=True) + "\n")
                 sink.flush()
 
+            if join:
+                await _join_and_serve(config, transport, index, directory, write, ids[: config.data_nodes])
+                return
             node = build_node(config, transport, index, directory, pipeline_task(config), lambda e: write("event", e))
             try:
                 peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
@@ -78,6 +87,29 @@ async def run_pipeline_worker(
             await node.close()
     finally:
         await transport.stop()
+
+
+async def _join_and_serve(config: PipelineRunConfig, transport, index: int, directory: dict[str, int], write,
+                          data_nodes: list[str]) -> None:
+    await transport.wait_for_members(2, JOIN_TIMEOUT)
+    placed = None
+    for _ in range(10):
+        placed = await ask_for_stage(transport, directory, config.pipeline.capacity, 2 * config.pipeline.complete_timeout)
+        if placed is not None and placed[0] > 0:
+            break
+        await asyncio.sleep(1.0)
+    if placed is None or placed[0] == 0:
+        raise LocalError("no data node placed this joiner")
+    stage, it = placed
+    node = build_node(config, transport, index, directory, pipeline_task(config), lambda e: write("event", e), stage=stage)
+    write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": node.now(), "t1": node.now()})
+    if not await node.enter(it):
+        raise LocalError(f"could not download the weights of stage {stage}")
+    serving = asyncio.create_task(node.serve())
+    await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
+    node.stop()
+    await serving
+    await node.close()
 
 
 def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
@@ -115,6 +147,10 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                 if time.monotonic() - opened_at >= config.faults.crash_at:
                     _kill_group(procs[victim], signal.SIGKILL)
                     killed = True
+            rejoin = config.faults.rejoin_after
+            if killed and rejoin and len(procs) == config.peers and done >= config.faults.crash_iteration + rejoin:
+                procs.append(subprocess.Popen([*base, "--index", str(config.peers), "--join", "--initial-peers", *addrs],
+                                              start_new_session=True))
             time.sleep(0.02)
         bar.close()
         for index, p in enumerate(procs):
@@ -137,9 +173,9 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     failed = [i for i, p in enumerate(procs) if p.returncode != 0 and i != victim]
     if failed:
         raise LocalError(f"peers {failed} exited with errors; see their output above")
-    ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
+    ids = [peer_identity(config.seed, i).peer_id for i in range(len(procs))]
     recorder = PipelineRecorder(config, ids)
-    for index in range(config.peers):
+    for index in range(len(procs)):
         path = peer_dir / f"{index}.jsonl"
         if not path.exists():
             continue
@@ -194,10 +230,12 @@ def _worker_main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--join", action="store_true", help="join a running pipeline as a fresh relay")
     args = parser.parse_args()
     config = PipelineRunConfig.from_dict(json.loads(Path(args.config).read_text()))
     address_file = Path(args.address_file) if args.address_file else None
-    asyncio.run(run_pipeline_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl", address_file))
+    asyncio.run(run_pipeline_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
+                                    address_file, args.join))
 
 
 if __name__ == "__main__":

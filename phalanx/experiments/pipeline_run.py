@@ -258,7 +258,7 @@ def simulate_pipeline(
 
         async def join(index: int) -> None:
             transport = transports[index]
-            placed = await ask_for_stage(transport, directory, capacities(config)[index], config.pipeline.complete_timeout)
+            placed = await ask_for_stage(transport, directory, capacities(config)[index], 2 * config.pipeline.complete_timeout)
             if placed is None or placed[0] == 0:
                 return  # no leader answered or no stage can take it: stays idle
             stage, it = placed

@@ -219,7 +219,7 @@ class DataNode(PipelineNode):
         capacity = obj.get("capacity")
         if type(capacity) is not int or not 1 <= capacity <= 1024:
             raise RemoteError(Evidence(sender, "malformed", "join request without a capacity"))
-        deadline = self.now() + self.config.complete_timeout
+        deadline = self.now() + self.config.complete_timeout / 2  # then place on the latest report there is
         while self.util_period < self.version - 1 and self.now() < deadline:
             await asyncio.sleep(self.config.complete_timeout / 20)  # the last iteration's flood is on its way
         members = set(self.transport.members())
