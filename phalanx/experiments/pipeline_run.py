@@ -84,7 +84,7 @@ def build_node(
     stage = config.stage_of(index) if stage is None else stage
     staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size)
     cls = DataNode if index < config.data_nodes else Relay
-    capacity = capacities(config)[index]
+    capacity = capacities(config)[index] if index < config.peers else config.pipeline.capacity  # a fresh joiner
     router, flow = make_routing(config, transport, stage, capacity)
     return cls(
         transport, task, staged, stage, config.train, config.pipeline, directory, config.seed,
