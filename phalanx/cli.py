@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .config import RunConfig, override
 from .core.errors import ConfigError, LocalError
+from .pipeline_config import PipelineRunConfig
 from .presets import describe, get_preset
 
 # `phalanx bench NAME` runs run_cli(args) of this module of phalanx.experiments.
@@ -93,7 +94,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return importlib.import_module(f".experiments.{BENCHES[args.name]}", __package__).run_cli(args)
     config = _config(args)
-    if args.command == "simulate":
+    if isinstance(config, PipelineRunConfig):
+        from .experiments.pipeline_run import run_pipeline_cli
+
+        summary = run_pipeline_cli(config, args, _out(args, config, args.command))
+    elif args.command == "simulate":
         from .experiments.simulate import simulate
 
         summary = simulate(config, _out(args, config, "simulate"), progress=not args.no_progress)

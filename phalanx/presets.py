@@ -9,6 +9,7 @@ from .config import ByzantineConfig, FaultsConfig, NetworkConfig, RunConfig
 from .core.errors import ConfigError
 from .runtime.btard import BTARDConfig
 from .runtime.butterfly import AllReduceConfig
+from .pipeline_presets import PIPELINE_PRESETS
 from .runtime.dp_peer import TrainConfig
 
 
@@ -90,6 +91,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "mprng-demo": mprng_demo,
     "chars-gpt-dp": chars_gpt_dp,
     "btard-digits": btard_digits,
+    **PIPELINE_PRESETS,
 }
 
 from .experiments.aspis import aspis_digits, aspis_plus_digits  # noqa: E402  (own run kind, own module)

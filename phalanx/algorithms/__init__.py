@@ -12,4 +12,7 @@
 - btard_attacks: BTARD protocol-level attack policies (aggregation, reputation, protocol violations)
 - admission: Sybil-resistant admission of mid-run joiners (untrusted -> trusted after T approvals)
 - catchup: state manifests and the digest-agreement rules a joining peer trusts
+- flow: GWTF's decentralized flow state machine (Request Flow / Change / Redirect, annealing) and a sync driver
+- flowgraph: static staged graphs, networkx min-cost-flow optimum, SWARM's greedy choice (flow tests)
+- placement: GWTF leader choice, flooded stage utilization, joiner placement and its baselines
 """

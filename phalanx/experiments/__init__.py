@@ -10,4 +10,9 @@
 - aspis: Aspis run config, presets and the simulated run (1 coordinator + K workers)
 - aspis_launch: Aspis runs as OS processes over hivemind (`launch` of an Aspis preset)
 - aspis_bench: `bench aspis` (distortion fraction, accuracy, detection and coordinator time)
+- pipeline_run: pipeline runs in the simulator (roles from a PipelineRunConfig, churn, run files)
+- pipeline_launch: pipeline runs as OS processes over hivemind (a relay can be killed mid-iteration)
+- pipeline_report: loss, throughput per iteration and stage x time diagram of a pipeline run
+- gwtf_table2: `bench gwtf --preset table2` (GWTF Table II, SWARM vs GWTF under churn)
+- gwtf_bench: `bench gwtf` presets flow (Table V) and join (Table IV / Fig. 5); table2 is dispatched to gwtf_table2
 """

@@ -36,6 +36,10 @@ def report(run_dir: Path) -> str:
         summary = None
     if not isinstance(summary, dict) or not {"preset", "peers", "seed"} <= set(summary):
         raise LocalError(f"{summary_path} is not a phalanx run summary: pass the --out directory of a finished run")
+    if summary.get("kind") == "pipeline":
+        from .pipeline_report import report_pipeline
+
+        return report_pipeline(run_dir, summary)
     metrics = _jsonl(run_dir / "metrics.jsonl")
     timeline = _jsonl(run_dir / "timeline.jsonl")
     title = f"{summary['preset']} — {summary['peers']} peers, seed {summary['seed']} ({summary.get('mode', '?')})"

@@ -1,4 +1,4 @@
-"""Multi-layer perceptron classifier (default: 64 -> 128 -> 10 for 8x8 digits)."""
+"""Multi-layer perceptron classifier (default: 64 -> 128 -> 10 for 8x8 digits), cut-able into pipeline stages."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -21,3 +21,24 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x.flatten(1))
+
+    def units(self) -> list[nn.Module]:
+        """The model as a flat sequence: [flatten + first layer, *hidden layers, output layer]."""
+        layers = list(self.net)
+        units: list[nn.Module] = [nn.Sequential(*layers[i:i + 2]) for i in range(0, len(layers) - 1, 2)]
+        units.append(layers[-1])
+        units[0] = nn.Sequential(nn.Flatten(1), *units[0]) if len(units) > 1 else nn.Sequential(nn.Flatten(1), units[0])
+        return units
+
+    def stages(self, k: int) -> list[nn.Module]:
+        """Cut the MLP into k contiguous stages sharing its parameters; applying them in order equals forward()."""
+        units = self.units()
+        if not 1 <= k <= len(units):
+            raise ValueError(f"k must be in [1, {len(units)}] for {len(units) - 1} hidden layers, got {k}")
+        size, extra = divmod(len(units), k)
+        stages, start = [], 0
+        for i in range(k):
+            end = start + size + (1 if i < extra else 0)
+            stages.append(nn.Sequential(*units[start:end]))
+            start = end
+        return stages

@@ -1,0 +1,242 @@
+"""`phalanx launch` of a pipeline preset: data nodes and relays as OS processes over hivemind.
+
+Each worker runs in its own process group (its hivemind DHT child and libp2p
+daemon with it), so a relay can be killed mid-iteration as a whole
+(`faults.crash_relay`, `faults.crash_iteration`, `faults.crash_at`) and no
+daemon outlives the run. Workers write their iteration records and events to
+peers/INDEX.jsonl; the launcher merges them into the files `simulate` writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..core.errors import LocalError
+from ..pipeline_config import PipelineRunConfig
+from ..runtime.pipeline import DataNode
+from ..runtime.pipeline.relay import ask_for_stage
+from .launch import JOIN_TIMEOUT, _barrier
+from .pipeline_run import PipelineRecorder, build_node, pipeline_task
+from .swarm import peer_identity
+
+FINISHED = "pp.finished"
+RUN_TIMEOUT = 3600.0
+
+
+async def run_pipeline_worker(
+    config: PipelineRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None,
+    join: bool = False,
+) -> None:
+    """One real pipeline node: join, build the role, train or serve, leave when the data nodes are done.
+
+    With `join`, a fresh relay (identity `index` >= config.peers) joins a running pipeline: the leader
+    places it, it downloads its stage's weights, then serves (GWTF V-B).
+    """
+    from ..transport.p2p import HivemindTransport
+
+    torch.set_num_threads(1)
+    identity = peer_identity(config.seed, index)
+    run_id = f"{config.preset}-pipeline-seed{config.seed}"
+    transport = HivemindTransport(identity, run_id=run_id, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    await transport.start()
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if address_file is not None:
+            tmp = address_file.with_suffix(".tmp")
+            tmp.write_text("\n".join(transport.visible_maddrs()) + "\n")
+            tmp.rename(address_file)
+        ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
+        directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
+        with open(records_path, "w") as sink:
+
+            def write(kind: str, row: dict) -> None:
+                sink.write(json.dumps({"type": kind, **row}, sort_keys=True) + "\n")
+                sink.flush()
+
+            if join:
+                await _join_and_serve(config, transport, index, directory, write, ids[: config.data_nodes])
+                return
+            node = build_node(config, transport, index, directory, pipeline_task(config), lambda e: write("event", e))
+            try:
+                peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
+            except TimeoutError:
+                raise LocalError(f"only {len(transport.members())} of {config.peers} peers joined within {JOIN_TIMEOUT:.0f} s") from None
+            await _barrier(transport, "start", peers)
+            data_nodes = ids[: config.data_nodes]
+            if isinstance(node, DataNode):
+                await node.run(config.steps, lambda r: write("iteration", r))
+                await transport.broadcast(FINISHED, 0, b"")
+                await transport.board.wait(FINISHED, 0, data_nodes, 30.0)
+                await asyncio.sleep(1.0)  # let the last CAN TAKE and FINISHED messages leave
+            else:
+                serving = asyncio.create_task(node.serve())
+                await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
+                node.stop()
+                await serving
+            await node.close()
+    finally:
+        await transport.stop()
+
+
+async def _join_and_serve(config: PipelineRunConfig, transport, index: int, directory: dict[str, int], write,
+                          data_nodes: list[str]) -> None:
+    await transport.wait_for_members(2, JOIN_TIMEOUT)
+    placed = None
+    for _ in range(10):
+        placed = await ask_for_stage(transport, directory, config.pipeline.capacity, 2 * config.pipeline.complete_timeout)
+        if placed is not None and placed[0] > 0:
+            break
+        await asyncio.sleep(1.0)
+    if placed is None or placed[0] == 0:
+        raise LocalError("no data node placed this joiner")
+    stage, it = placed
+    node = build_node(config, transport, index, directory, pipeline_task(config), lambda e: write("event", e), stage=stage)
+    write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": node.now(), "t1": node.now()})
+    if not await node.enter(it):
+        raise LocalError(f"could not download the weights of stage {stage}")
+    serving = asyncio.create_task(node.serve())
+    await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
+    node.stop()
+    await serving
+    await node.close()
+
+
+def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
+    """Run a pipeline config as config.peers processes on loopback; write the run's files to `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    wall_start = time.perf_counter()
+    config_path = out / "config.json"
+    config_path.write_text(config.to_json() + "\n")
+    peer_dir = out / "peers"
+    peer_dir.mkdir(exist_ok=True)
+    for old in peer_dir.glob("*"):
+        old.unlink()
+    address_file = peer_dir / "0.addr"
+    base = [sys.executable, "-m", "phalanx.experiments.pipeline_launch", "--config", str(config_path), "--out", str(peer_dir)]
+    procs = [subprocess.Popen([*base, "--index", "0", "--address-file", str(address_file)], start_new_session=True)]
+    victim = config.data_nodes + config.faults.crash_relay if config.faults.crash_relay >= 0 else None
+    killed = False
+    try:
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while not address_file.exists():
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                raise LocalError(f"the first peer did not start (exit code {procs[0].poll()}); see its output above")
+            time.sleep(0.1)
+        addrs = address_file.read_text().split()
+        for index in range(1, config.peers):
+            procs.append(subprocess.Popen([*base, "--index", str(index), "--initial-peers", *addrs], start_new_session=True))
+        bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
+        opened_at = None
+        data = procs[: config.data_nodes]
+        while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
+            done = _iterations(peer_dir / "0.jsonl")
+            bar.update(done - bar.n)
+            if victim is not None and not killed and done >= config.faults.crash_iteration:
+                opened_at = opened_at if opened_at is not None else time.monotonic()
+                if time.monotonic() - opened_at >= config.faults.crash_at:
+                    _kill_group(procs[victim], signal.SIGKILL)
+                    killed = True
+            rejoin = config.faults.rejoin_after
+            if killed and rejoin and len(procs) == config.peers and done >= config.faults.crash_iteration + rejoin:
+                procs.append(subprocess.Popen([*base, "--index", str(config.peers), "--join", "--initial-peers", *addrs],
+                                              start_new_session=True))
+            time.sleep(0.02)
+        bar.close()
+        for index, p in enumerate(procs):
+            if index != victim:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+    finally:
+        for p in procs:
+            _kill_group(p, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(p, signal.SIGKILL)
+                p.wait()
+        for p in procs:
+            _kill_group(p, signal.SIGKILL)  # the hivemind children of a worker that exited early
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0 and i != victim]
+    if failed:
+        raise LocalError(f"peers {failed} exited with errors; see their output above")
+    ids = [peer_identity(config.seed, i).peer_id for i in range(len(procs))]
+    recorder = PipelineRecorder(config, ids)
+    for index in range(len(procs)):
+        path = peer_dir / f"{index}.jsonl"
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            kind = row.pop("type")
+            (recorder.iterations if kind == "iteration" else recorder.events).append(row)
+    _to_relative_time(recorder)
+    extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start,
+             "killed": ids[victim] if killed and victim is not None else None,
+             "process_groups": [p.pid for p in procs]}
+    return recorder.write(out, extra)
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _iterations(path: Path) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for line in f if '"type": "iteration"' in line)
+    except FileNotFoundError:
+        return 0
+
+
+def _to_relative_time(recorder: PipelineRecorder) -> None:
+    """Shift the (system-wide monotonic) loop times so the run starts at 0, like simulated time."""
+    starts = [r["t_start"] for r in recorder.iterations] + [e["t0"] for e in recorder.events]
+    if not starts:
+        return
+    origin = min(starts)
+    for r in recorder.iterations:
+        for key in ("t_start", "t_train", "t_end"):
+            r[key] -= origin
+        for mb in r["microbatches"]:
+            for key in ("t_start", "t_loss", "t_end"):
+                if mb[key] is not None:
+                    mb[key] -= origin
+    for e in recorder.events:
+        e["t0"] -= origin
+        e["t1"] -= origin
+
+
+def _worker_main() -> None:
+    parser = argparse.ArgumentParser(description="one phalanx pipeline worker (started by `phalanx launch`)")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--address-file")
+    parser.add_argument("--join", action="store_true", help="join a running pipeline as a fresh relay")
+    args = parser.parse_args()
+    config = PipelineRunConfig.from_dict(json.loads(Path(args.config).read_text()))
+    address_file = Path(args.address_file) if args.address_file else None
+    asyncio.run(run_pipeline_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
+                                    address_file, args.join))
+
+
+if __name__ == "__main__":
+    _worker_main()

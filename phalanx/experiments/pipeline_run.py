@@ -1,0 +1,345 @@
+"""Pipeline runs: build data nodes and relays from a `PipelineRunConfig`, run them, write the run's files.
+
+Files: config.json, metrics.jsonl (one object per iteration), microbatches.jsonl
+(path, times, recomputations, outcome of every microbatch attempt that settled),
+events.jsonl (every forward, backward, loss and aggregation with its node,
+stage and times: the stage x time diagram), summary.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..core.rng import py_stream
+from ..pipeline_config import PipelineRunConfig
+from ..runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
+from ..algorithms.flow import FlowConfig
+from ..runtime.pipeline.gwtf import FlowDriver, FlowRouter
+from ..runtime.pipeline.relay import ask_for_stage
+from ..runtime.pipeline.routing import RepairRouter, Router
+from ..core.errors import ConfigError
+from ..training.task import Task, make_task
+from ..transport.base import Transport
+from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
+from .swarm import peer_identity
+
+
+def pipeline_task(config: PipelineRunConfig) -> Task:
+    """The task, deep enough for the stages: an MLP with one 64-wide hidden layer per stage, or a GPT
+    with max(2, stages - 1) blocks (data nodes hold the first piece, relays one piece each)."""
+    stages = config.pipeline.stages
+    corpus = {"corpus": config.train.corpus} if config.train.corpus else {}
+    if config.train.task == "digits-mlp":
+        return make_task("digits-mlp", hidden=(64,) * stages)
+    if config.train.task == "chars-gpt":
+        return make_task("chars-gpt", n_layer=max(2, stages - 1), **corpus)
+    raise ConfigError(f"train.task={config.train.task!r} has no pipeline split; use chars-gpt or digits-mlp")
+
+
+def capacities(config: PipelineRunConfig) -> list[int]:
+    """Capacity of every peer index (data nodes: their microbatch count)."""
+    rng = py_stream(config.seed, "pipeline", "capacity")
+    caps = [config.pipeline.microbatches] * config.data_nodes
+    for _ in range(config.relays):
+        caps.append(rng.randint(config.capacity_min, config.capacity_max) if config.capacity_max else config.pipeline.capacity)
+    return caps
+
+
+def speeds(config: PipelineRunConfig) -> list[float]:
+    rng = py_stream(config.seed, "pipeline", "speeds")
+    return [config.network.flops * math.exp(config.network.flops_spread * rng.gauss(0.0, 1.0)) for _ in range(config.peers)]
+
+
+def make_router(config: PipelineRunConfig, peer: str) -> Router:
+    penalty = 4 * config.pipeline.complete_timeout
+    if config.pipeline.routing == "gwtf":
+        return RepairRouter(config.pipeline.ema, penalty)
+    return SwarmRouter(py_stream(config.seed, peer, "route"), config.pipeline.ema, penalty)
+
+
+def make_routing(config: PipelineRunConfig, transport: Transport, stage: int, capacity: int) -> tuple[Router, FlowDriver | None]:
+    """The router of a node and, under gwtf routing, the flow driver it routes by."""
+    router = make_router(config, transport.peer_id)
+    if config.pipeline.routing != "gwtf":
+        return router, None
+    flow = FlowDriver(transport, stage, config.pipeline.stages, capacity, config.pipeline.microbatches, FlowConfig(),
+                      py_stream(config.seed, transport.peer_id, "gwtf-flow"), config.pipeline.flow_period)
+    return FlowRouter(flow.node, router), flow
+
+
+def build_node(
+    config: PipelineRunConfig, transport: Transport, index: int, directory: dict[str, int], task: Task,
+    on_event: Callable[[dict], None], stage: int | None = None,
+) -> DataNode | Relay:
+    stage = config.stage_of(index) if stage is None else stage
+    staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size)
+    cls = DataNode if index < config.data_nodes else Relay
+    capacity = capacities(config)[index] if index < config.peers else config.pipeline.capacity  # a fresh joiner
+    router, flow = make_routing(config, transport, stage, capacity)
+    return cls(
+        transport, task, staged, stage, config.train, config.pipeline, directory, config.seed,
+        router, capacity=capacity, allreduce=config.allreduce, on_event=on_event, flow=flow,
+    )
+
+
+class PipelineRecorder:
+    """Iteration records of the data nodes and events of every node; writes the run's files."""
+
+    def __init__(self, config: PipelineRunConfig, ids: list[str]) -> None:
+        self.config = config
+        self.ids = ids
+        self.iterations: list[dict] = []
+        self.events: list[dict] = []
+
+    def metrics(self) -> list[dict]:
+        rows = []
+        for it in sorted({r["it"] for r in self.iterations}):
+            recs = [r for r in self.iterations if r["it"] == it]
+            losses = [(r["loss"], r["completed"]) for r in recs if r["loss"] is not None]
+            done = sum(c for _, c in losses)
+            t0, t1 = min(r["t_start"] for r in recs), max(r["t_end"] for r in recs)
+            rows.append({
+                "step": it,
+                "loss": sum(loss * c for loss, c in losses) / done if done else None,
+                "completed": sum(r["completed"] for r in recs),
+                "deferred": sum(r["deferred"] for r in recs),
+                "t_start": t0, "time": t1, "duration": t1 - t0,
+                "train_seconds": max(r["t_train"] for r in recs) - t0,
+            })
+        return rows
+
+    def microbatches(self) -> list[dict]:
+        return [mb for r in self.iterations for mb in r["microbatches"]]
+
+    def wasted_compute(self) -> float:
+        """Compute seconds spent on (microbatch attempt, node) pairs that are not on a finished path."""
+        useful = {(mb["src"], mb["seq"], mb["att"], peer) for mb in self.microbatches() if mb["outcome"] == "ok" for peer in mb["path"]}
+        return sum(e["t1"] - e["t0"] for e in self.events if e["kind"] in ("fwd", "bwd")
+                   and (e["src"], e["seq"], e["att"], e["peer"]) not in useful)
+
+    def write(self, out: Path, extra: dict) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = self.metrics()
+        (out / "config.json").write_text(self.config.to_json() + "\n")
+        for name, rows in (("metrics", metrics), ("microbatches", self.microbatches()), ("events", self.events)):
+            with open(out / f"{name}.jsonl", "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row, sort_keys=True) + "\n")
+        losses = [m["loss"] for m in metrics if m["loss"] is not None]
+        mbs = self.microbatches()
+        ok = [mb for mb in mbs if mb["outcome"] == "ok"]
+        summary = {
+            "preset": self.config.preset, "kind": "pipeline", "peers": self.config.peers, "steps": self.config.steps,
+            "seed": self.config.seed, "task": self.config.train.task, "routing": self.config.pipeline.routing,
+            "final_loss": losses[-1] if losses else None,
+            "microbatches_ok": len(ok), "microbatches_deferred": len(mbs) - len(ok),
+            "throughput_per_iteration": len(ok) / max(1, len(metrics)),
+            "recomputed_stages": sum(len(mb["recomputed"]) for mb in ok),
+            "restarts": sum(mb["restarts"] for mb in mbs), "repairs": sum(mb["repairs"] for mb in mbs),
+            "wasted_compute_seconds": self.wasted_compute(), "peer_ids": self.ids,
+            **extra,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        return summary
+
+
+def simulate_pipeline(
+    config: PipelineRunConfig, out: Path | None = None, progress: bool = True,
+    adversary: Callable[[SimNetwork, dict[str, int]], None] | None = None,
+) -> dict:
+    """Run a pipeline config in the simulator; write its files to `out` (if given); return the summary.
+
+    `adversary(network, directory)` may add peers of its own (attack policies) before the run starts.
+    """
+    torch.set_num_threads(1)
+    wall_start = time.perf_counter()
+    identities = [peer_identity(config.seed, i) for i in range(config.peers)]
+    ids = [identity.peer_id for identity in identities]
+    directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
+    task = pipeline_task(config)
+    recorder = PipelineRecorder(config, ids)
+    bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
+    relay_ids = ids[config.data_nodes:]
+
+    async def main() -> tuple[float, dict]:
+        net = config.network
+        network = SimNetwork(SimConfig(
+            seed=config.seed, link=LinkProfile(latency=net.latency, bandwidth=net.bandwidth_max), loss=net.loss,
+            detection_delay=net.detection_delay, default_flops=net.flops,
+        ))
+        transports = [network.add_peer(identity, flops=speed) for identity, speed in zip(identities, speeds(config))]
+        if net.bandwidth_min < net.bandwidth_max:
+            rng = py_stream(config.seed, "pipeline", "links")
+            for a in ids:
+                for b in ids:
+                    if a != b:
+                        network.set_link(a, b, LinkProfile(net.latency, rng.uniform(net.bandwidth_min, net.bandwidth_max)))
+        done = [asyncio.Event() for _ in range(config.data_nodes)]
+        churn = py_stream(config.seed, "pipeline", "churn")
+        crashed: set[str] = set()
+        triggered: list[str] = []
+        nodes: dict[str, DataNode | Relay] = {}
+
+        def on_iteration(record: dict) -> None:
+            recorder.iterations.append(record)
+            if record["peer"] == ids[0]:
+                bar.update(1)
+
+        def on_start(it: int, duration: float) -> None:
+            """The first data node opens iteration `it`: inject this iteration's faults."""
+            f = config.faults
+            if f.crash_relay >= 0 and it == f.crash_iteration:
+                victim = relay_ids[f.crash_relay]
+                network.schedule(asyncio.get_running_loop().time() + f.crash_at, lambda: _crash(victim))
+            if f.crash_data_node >= 0 and it == f.crash_iteration:
+                victim_node = ids[f.crash_data_node]
+                network.schedule(asyncio.get_running_loop().time() + f.crash_at, lambda: _crash(victim_node))
+            for pid in relay_ids:
+                if pid in crashed:
+                    if f.join_rate and churn.random() < f.join_rate:
+                        crashed.discard(pid)
+                        network.restart(pid)
+                    continue
+                if f.leave_rate and churn.random() < f.leave_rate:
+                    at = asyncio.get_running_loop().time() + churn.uniform(0, duration)
+                    network.schedule(at, lambda pid=pid: _leave(pid))
+
+        def on_event(event: dict) -> None:
+            recorder.events.append(event)
+            f = config.faults
+            if (f.crash_stage and event["kind"] == "fwd" and event["stage"] == f.crash_stage
+                    and event["it"] == f.crash_iteration and not crashed and not triggered):
+                triggered.append(event["peer"])
+                network.schedule(event["t1"] + f.crash_at, lambda: _crash(event["peer"]))
+
+        def _leave(pid: str) -> None:
+            """Churn takes a relay, unless it is the last live one of its stage (the stage's weights
+            would be gone: GWTF does not say how a wiped-out stage recovers)."""
+            node = nodes.get(pid)
+            if node is None or pid in crashed:
+                return
+            peers = [p for p, n in nodes.items() if n.stage == node.stage and p not in crashed and n.version >= node.version]
+            if len(peers) > 1:
+                _crash(pid)
+
+        def _crash(pid: str) -> None:
+            if pid not in crashed:
+                crashed.add(pid)
+                network.crash(pid)
+
+        incarnations = [0] * config.peers
+        starter = config.data_nodes - 1 if config.faults.crash_data_node == 0 else 0  # a data node that lives
+
+        def factory(index: int):
+            async def node_main() -> None:
+                incarnations[index] += 1
+                if incarnations[index] > 1:  # a relay coming back: a joiner (GWTF V-B)
+                    await join(index)
+                    return
+                node = build_node(config, transports[index], index, directory, task, on_event)
+                nodes[ids[index]] = node
+                if isinstance(node, DataNode):
+                    await node.run(config.steps, on_iteration, on_start if index == starter else None)
+                    done[index].set()
+                else:
+                    await node.serve()
+
+            return node_main
+
+        async def join(index: int) -> None:
+            transport = transports[index]
+            placed = await ask_for_stage(transport, directory, capacities(config)[index], 2 * config.pipeline.complete_timeout)
+            if placed is None or placed[0] == 0:
+                return  # no leader answered or no stage can take it: stays idle
+            stage, it = placed
+            node = build_node(config, transport, index, directory, task, on_event, stage=stage)
+            nodes[ids[index]] = node
+            recorder.events.append({"kind": "join", "peer": ids[index], "stage": stage, "it": it,
+                                    "t0": asyncio.get_running_loop().time(), "t1": asyncio.get_running_loop().time()})
+            if await node.enter(it):
+                await node.serve()
+
+        for index, pid in enumerate(ids):
+            network.spawn(pid, factory(index))
+        if adversary is not None:
+            adversary(network, directory)
+        for index, event in enumerate(done):
+            if index != config.faults.crash_data_node:
+                await event.wait()
+        digests = {pid: [node.stage, node.version, param_digest(node)] for pid, node in nodes.items()
+                   if pid not in crashed and node.version == config.steps}
+        evidence = [[t.peer_id, e.peer, e.kind] for t in transports for e in t.evidence]
+        return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests, "evidence": evidence}
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 100)
+    try:
+        simulated_seconds, stats = run_simulation(main)
+    finally:
+        gc.set_threshold(*thresholds)
+        bar.close()
+    extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
+             "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"],
+             "evidence": stats["evidence"]}
+    if out is None:
+        summary = dict(extra)
+        summary["metrics"] = recorder.metrics()
+        summary["microbatches"] = recorder.microbatches()
+        summary["events"] = recorder.events
+        summary["wasted_compute_seconds"] = recorder.wasted_compute()
+        summary["peer_ids"] = ids
+        return summary
+    summary = recorder.write(out, extra)
+    return summary
+
+
+def param_digest(node: DataNode | Relay) -> str:
+    """sha256 prefix of a node's stage parameters (replicas of a stage must agree)."""
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in node.params)).hexdigest()[:16]
+
+
+def reference_losses(config: PipelineRunConfig) -> list[float]:
+    """Single-process training on the same microbatches: mean loss per iteration (no churn)."""
+    torch.set_num_threads(1)
+    task = pipeline_task(config)
+    model = task.build_model(config.seed)
+    from ..runtime.dp_peer import make_optimizer
+    from ..runtime.pipeline.stages import logits_loss
+
+    optimizer = make_optimizer(config.train, model.parameters())
+    sources = sorted(peer_identity(config.seed, i).peer_id for i in range(config.data_nodes))
+    m = config.pipeline.microbatches
+    losses = []
+    for it in range(config.steps):
+        optimizer.zero_grad(set_to_none=True)
+        values = []
+        for src in sources:
+            for seq in range(it * m, (it + 1) * m):
+                x, y = task.batch(config.seed, src, seq, config.train.batch_size)
+                loss = logits_loss(model(x), y)
+                (loss / (m * len(sources))).backward()
+                values.append(float(loss.detach()))
+        optimizer.step()
+        losses.append(sum(values) / len(values))
+    return losses
+
+
+def run_pipeline_cli(config: PipelineRunConfig, args, out: Path) -> dict:
+    """`phalanx simulate|launch|peer` on a pipeline preset."""
+    if args.command == "simulate":
+        return simulate_pipeline(config, out, progress=not args.no_progress)
+    if args.command == "launch":
+        from .pipeline_launch import launch_pipeline
+
+        return launch_pipeline(config, out, progress=not args.no_progress)
+    raise ConfigError("`phalanx peer` does not run pipeline presets yet: use `phalanx launch` for a pipeline run")

@@ -1,0 +1,118 @@
+"""Run configuration of a pipeline-parallel run (data nodes + relay stages), composed like `RunConfig`.
+
+`peers` counts data nodes and relays; relay r (0-based) starts in stage
+1 + r mod stages. Relay capacities are `pipeline.capacity` for all, or drawn
+from [capacity_min, capacity_max] per relay (heterogeneous, GWTF's 1-3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+from .config import _build, _check
+from .runtime.butterfly import AllReduceConfig
+from .runtime.dp_peer import TrainConfig
+from .runtime.pipeline.config import PipelineConfig
+
+
+@dataclass(frozen=True)
+class PipelineNetworkConfig:
+    """Simulated links and machines of a pipeline run: each directed link draws its bandwidth in [min, max]."""
+
+    latency: float = 0.005  # seconds, one way
+    bandwidth_min: float = 125e6  # bytes per second
+    bandwidth_max: float = 125e6
+    loss: float = 0.0
+    detection_delay: float = 2.0
+    flops: float = 50e9  # median relay speed, FLOP/s
+    flops_spread: float = 0.0  # sigma of a log-normal spread of speeds
+
+    def __post_init__(self) -> None:
+        for key in ("latency", "bandwidth_min", "bandwidth_max", "loss", "detection_delay", "flops", "flops_spread"):
+            _check(math.isfinite(getattr(self, key)), f"network.{key}", getattr(self, key), "must be a finite number")
+        _check(self.latency >= 0, "network.latency", self.latency, "must be >= 0 seconds")
+        _check(self.bandwidth_min > 0, "network.bandwidth_min", self.bandwidth_min, "must be > 0 bytes/s")
+        _check(self.bandwidth_max >= self.bandwidth_min, "network.bandwidth_max", self.bandwidth_max, "must be >= network.bandwidth_min")
+        _check(0 <= self.loss < 1, "network.loss", self.loss, "must be in [0, 1)")
+        _check(self.detection_delay >= 0, "network.detection_delay", self.detection_delay, "must be >= 0")
+        _check(self.flops > 0, "network.flops", self.flops, "must be > 0")
+        _check(self.flops_spread >= 0, "network.flops_spread", self.flops_spread, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ChurnConfig:
+    """Relays leaving and joining, per relay and iteration (GWTF's join-leave chance)."""
+
+    leave_rate: float = 0.0  # chance that a live relay crashes during an iteration
+    join_rate: float = 0.0  # chance that a crashed relay comes back (as a joiner) at an iteration's start
+    crash_relay: int = -1  # crash this relay (index among relays) once ...
+    crash_at: float = 0.0  # ... at this many seconds into iteration `crash_iteration`
+    crash_iteration: int = 0
+    crash_stage: int = 0  # > 0: instead, crash the first relay of this stage to finish a forward in
+    # iteration `crash_iteration`, `crash_at` seconds after that forward
+    crash_data_node: int = -1  # crash this data node (index) at `crash_at` seconds into `crash_iteration`
+    rejoin_after: int = 0  # launch only: this many iterations after the kill, a fresh relay process joins (0: none)
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.leave_rate <= 1, "faults.leave_rate", self.leave_rate, "must be a probability in [0, 1]")
+        _check(0 <= self.join_rate <= 1, "faults.join_rate", self.join_rate, "must be a probability in [0, 1]")
+        _check(self.crash_relay >= -1, "faults.crash_relay", self.crash_relay, "must be a relay index or -1 (none)")
+        _check(self.crash_at >= 0, "faults.crash_at", self.crash_at, "must be >= 0 seconds")
+        _check(self.crash_iteration >= 0, "faults.crash_iteration", self.crash_iteration, "must be >= 0")
+        _check(self.rejoin_after >= 0, "faults.rejoin_after", self.rejoin_after, "must be >= 0 (0: no joiner)")
+        _check(self.crash_stage >= 0, "faults.crash_stage", self.crash_stage, "must be >= 0 (0: use faults.crash_relay)")
+
+
+@dataclass(frozen=True)
+class PipelineRunConfig:
+    preset: str = "custom-pipeline"
+    peers: int = 7  # data nodes + relays
+    data_nodes: int = 1
+    steps: int = 20  # iterations
+    seed: int = 0
+    capacity_min: int = 0  # 0: every relay has pipeline.capacity
+    capacity_max: int = 0
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(task="chars-gpt", optimizer="adam", lr=0.003, batch_size=8))
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    network: PipelineNetworkConfig = field(default_factory=PipelineNetworkConfig)
+    faults: ChurnConfig = field(default_factory=ChurnConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.data_nodes >= 1, "data_nodes", self.data_nodes, "must be >= 1")
+        _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        _check(
+            self.peers >= self.data_nodes + self.pipeline.stages, "peers", self.peers,
+            f"must be at least data_nodes + pipeline.stages = {self.data_nodes + self.pipeline.stages} (one relay per stage)",
+        )
+        _check(self.capacity_min >= 0, "capacity_min", self.capacity_min, "must be >= 0")
+        _check(self.capacity_max >= self.capacity_min, "capacity_max", self.capacity_max, "must be >= capacity_min")
+        _check(
+            self.faults.crash_data_node < self.data_nodes - 1, "faults.crash_data_node", self.faults.crash_data_node,
+            f"must be -1 or a data node index below {self.data_nodes - 1} (one data node must survive)",
+        )
+        _check(
+            self.faults.crash_relay < self.relays, "faults.crash_relay", self.faults.crash_relay,
+            f"must be below the number of relays ({self.relays})",
+        )
+
+    @property
+    def relays(self) -> int:
+        return self.peers - self.data_nodes
+
+    def stage_of(self, index: int) -> int:
+        """The initial stage of peer `index` (data nodes are stage 0)."""
+        return 0 if index < self.data_nodes else 1 + (index - self.data_nodes) % self.pipeline.stages
+
+    def to_dict(self) -> dict:
+        return {"kind": "pipeline", **dataclasses.asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PipelineRunConfig":
+        return _build(cls, {k: v for k, v in data.items() if k != "kind"}, "")

@@ -1,0 +1,18 @@
+"""Pipeline-parallel training over churning peers (GWTF / SWARM).
+
+config.py    -- PipelineConfig: stages, microbatches, capacity, timeouts, routing
+stages.py    -- StagedModel: a task's model cut into data-node part + relay stages, shapes and costs
+messages.py  -- topics, microbatch keys, total parsers (bad bytes become evidence)
+routing.py   -- Router interface and SWARM's stochastic wiring
+node.py      -- what every node does: forward, backward, routing retries, repair, aggregation
+data_node.py -- the data node: source and sink of microbatches, loss, leader duties, crash repair
+relay.py     -- a relay serving one stage
+"""
+
+from .config import PipelineConfig
+from .data_node import DataNode
+from .relay import Relay
+from .routing import Router, SwarmRouter
+from .stages import StagedModel
+
+__all__ = ["DataNode", "PipelineConfig", "Relay", "Router", "StagedModel", "SwarmRouter"]

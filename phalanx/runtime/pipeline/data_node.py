@@ -1,0 +1,364 @@
+"""The data node: source and sink of its microbatches, holder of stage 0 and the loss.
+
+Each iteration it pushes `microbatches` public batches (deferred ones first),
+computes the loss when a last-stage output comes home, and sends the gradient
+back along the path. A microbatch with no news for `microbatch_timeout` is
+restarted from scratch; one unfinished at `iteration_timeout` is deferred to
+the next iteration. A broken backward (BROKEN) is repaired (GWTF: the last
+live node of the path resends its stored activation to a new peer, which
+recomputes only the missing stage) or restarted (SWARM).
+
+Leader: the data node with the smallest id in the membership view. Every data
+node sends its settled microbatches (DONE) to the leader it sees; the leader
+floods BEGIN AGGREGATION once all live data nodes have reported. When the
+leader dies, the others stop seeing it after the detection delay, resend DONE
+to the next smallest id, which takes over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ...core.errors import Evidence, RemoteError
+from ...core.serialization import check_tensor, encode
+from ...algorithms.placement import UtilQuery, leader, merge_entries, place_joiners, stage_utilization
+from . import messages as m
+from .node import Held, PipelineNode
+from .relay import parse_util, util_bytes
+from .stages import logits_loss
+
+
+@dataclass
+class Microbatch:
+    seq: int
+    x: torch.Tensor
+    y: torch.Tensor
+    first_it: int
+    att: int = 0
+    t_start: float = 0.0
+    t_loss: float | None = None
+    t_end: float | None = None
+    loss: float | None = None
+    path: tuple[str, ...] = ()
+    recomputed: tuple[int, ...] = ()
+    restarts: int = 0
+    repairs: int = 0
+    outcome: str = "pending"
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def key(self, src: str) -> m.Key:
+        return (src, self.seq, self.att)
+
+
+class DataNode(PipelineNode):
+    """A data node (stage 0); call `run(iterations, on_iteration)`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.mbs: dict[int, Microbatch] = {}
+        self.deferred: list[Microbatch] = []
+        self.next_seq = 0
+        self.deadline = 0.0
+        self.reports: dict[int, dict[str, dict]] = {}
+        self._report_event = asyncio.Event()
+        self.transport.add_message_handler(m.BROKEN, self._on_broken)
+        self.transport.add_message_handler(m.DONE, self._on_done)
+        self.transport.add_message_handler(m.SUSPECT, self._on_suspect)
+        self.transport.add_message_handler(m.UTIL, self._on_util)
+        self.transport.add_request_handler(m.JOIN, self._on_join)
+        self.utilization: dict[str, tuple[int, int, int]] = {}  # peer -> (0-based stage, capacity, flow)
+        self.util_period = -1
+        self.placed = 0
+        self._leading: set[int] = set()
+
+    def leader(self) -> str:
+        return leader(self.data_nodes())
+
+    # --- the iteration loop -----------------------------------------------------
+
+    async def run(
+        self, iterations: int, on_iteration: Callable[[dict], None],
+        on_start: Callable[[int, float], None] | None = None,
+    ) -> None:
+        """Train `iterations` iterations; `on_start(it, last duration)` is told when each opens."""
+        duration = self.config.complete_timeout
+        self.start_background()
+        if self.flow is not None:
+            await asyncio.sleep(self.config.flow_warmup)  # let the flow algorithm form pipelines first
+        for it in range(iterations):
+            if it > 0:
+                await self.aggregated_event(it - 1).wait()
+            if on_start is not None:
+                on_start(it, duration)
+            record = await self.iteration(it)
+            duration = record["t_end"] - record["t_start"]
+            on_iteration(record)
+
+    async def iteration(self, it: int) -> dict:
+        t_start = self.now()
+        batch = self.deferred[: self.config.microbatches]
+        self.deferred = self.deferred[len(batch):]
+        while len(batch) < self.config.microbatches:
+            x, y = self.task.batch(self.run_seed, self.me, self.next_seq, self.train.batch_size)
+            batch.append(Microbatch(self.next_seq, x, y, it))
+            self.next_seq += 1
+        self.mbs = {mb.seq: mb for mb in batch}
+        for mb in batch:
+            mb.outcome, mb.done = "pending", asyncio.Event()
+            self.spawn(self.start(mb, it))
+        self.deadline = deadline = t_start + self.config.iteration_timeout
+        while (pending := [mb for mb in batch if not mb.done.is_set()]) and self.now() < deadline:
+            waits = [asyncio.ensure_future(mb.done.wait()) for mb in pending]
+            soonest = min(mb.t_start for mb in pending) + self.config.microbatch_timeout
+            await asyncio.wait(waits, timeout=max(1e-3, min(deadline, soonest) - self.now()), return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            for mb in pending:
+                if not mb.done.is_set() and self.now() - mb.t_start >= self.config.microbatch_timeout and self.now() < deadline:
+                    self.restart(mb, it)
+        t_train = self.now()
+        if self.leader() == self.me:  # utilization of this iteration, for the joiners of the next (GWTF V-B)
+            query = util_bytes(UtilQuery(self.me, "", self.me, it, ()))
+            for peer in self.live(1):
+                await self.transport.send(peer, m.UTIL, query)
+        finished = [mb for mb in batch if mb.outcome == "ok"]
+        for mb in batch:
+            if mb.outcome != "ok":
+                mb.outcome = "deferred"
+                self.held.pop(mb.key(self.me), None)
+                self.deferred.append(Microbatch(mb.seq, mb.x, mb.y, mb.first_it))
+        report = {"it": it, "done": [[self.me, mb.seq, mb.att, list(mb.path)] for mb in finished],
+                  "suspects": sorted(self.suspects)}
+        await self.settle(it, report)
+        losses = [mb.loss for mb in finished if mb.loss is not None]
+        return {
+            "it": it, "peer": self.me, "t_start": t_start, "t_train": t_train, "t_end": self.now(),
+            "loss": sum(losses) / len(losses) if losses else None, "completed": len(finished),
+            "deferred": len(batch) - len(finished),
+            "microbatches": [self._mb_record(mb, it) for mb in batch],
+        }
+
+    def _mb_record(self, mb: Microbatch, it: int) -> dict:
+        return {"it": it, "src": self.me, "seq": mb.seq, "att": mb.att, "path": list(mb.path), "t_start": mb.t_start,
+                "t_loss": mb.t_loss, "t_end": mb.t_end, "loss": mb.loss, "recomputed": list(mb.recomputed),
+                "restarts": mb.restarts, "repairs": mb.repairs, "outcome": mb.outcome, "first_it": mb.first_it}
+
+    async def settle(self, it: int, report: dict) -> None:
+        """Report to the leader (or lead), then wait for this iteration's aggregation to finish."""
+        payload = encode(report)
+        done = self.aggregated_event(it)
+        while not done.is_set():
+            leader = self.leader()
+            if leader == self.me:
+                self._store_report(self.me, report)
+                self.spawn(self.lead(it))
+            else:
+                await self.transport.send(leader, m.DONE, payload)
+            try:
+                await asyncio.wait_for(done.wait(), 2 * self.config.aggregation_timeout)
+            except asyncio.TimeoutError:
+                continue
+
+    async def lead(self, it: int) -> None:
+        """As leader: wait for every live data node's DONE, then flood BEGIN AGGREGATION."""
+        if it in self._begun or self.me not in self.reports.get(it, {}) or it in self._leading:
+            return
+        self._leading.add(it)
+        # Every live data node reports by its iteration deadline; one that died leaves the view.
+        while not set(self.data_nodes()) <= set(self.reports.get(it, {})):
+            self._report_event.clear()
+            try:
+                await asyncio.wait_for(self._report_event.wait(), self.config.complete_timeout)
+            except asyncio.TimeoutError:
+                pass
+        if it in self._begun:
+            return
+        reports = self.reports.get(it, {})
+        done = [d for r in reports.values() for d in r["done"]]
+        suspects = {p for r in reports.values() for p in r["suspects"]}
+        members = set(self.transport.members())
+        groups = [self.data_nodes()]
+        for stage in range(1, self.last + 1):
+            live = sorted(p for p, s in self.directory.items() if s == stage and p in members and p not in self.banned)
+            groups.append([p for p in live if p not in suspects] or live)  # never leave a stage without replicas
+        payload = encode({"it": it, "done": done, "groups": groups})
+        # The flood runs front to back (each relay passes it on); the leader also sends it to every live
+        # relay itself, so a stage left empty by crashes does not cut the stages behind it off.
+        relays = sorted(p for p, s in self.directory.items() if s > 0 and p in members)
+        for peer in [*self.data_nodes(), *relays]:
+            if peer != self.me:
+                await self.transport.send(peer, m.BEGIN, payload)
+        self._on_begin(self.me, payload)
+
+    def _on_suspect(self, sender: str, payload: bytes) -> None:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "suspect report")
+        peer, evidence = obj.get("peer"), obj.get("evidence")
+        if not isinstance(peer, str) or not isinstance(evidence, bool):
+            raise RemoteError(Evidence(sender, "malformed", "suspect report without a peer id"))
+        if self.directory.get(sender, 0) > 0 and self.directory.get(peer, 0) > 0 and sender not in self.banned:
+            self.suspects.add(peer)
+            if evidence:  # a relay holds evidence against it: route around it (it may frame, see notes)
+                self.banned.add(peer)
+
+    def _on_util(self, sender: str, payload: bytes) -> None:
+        query = parse_util(payload, sender, self.transport)
+        if self.directory.get(sender) != self.last or query.leader != self.me:
+            raise RemoteError(Evidence(sender, "false_stage", "utilization answer from outside the last stage"))
+        if query.period > self.util_period:
+            self.util_period, self.utilization = query.period, {}
+        if query.period == self.util_period:
+            self.utilization.update(merge_entries([query]))
+
+    async def _on_join(self, sender: str, payload: bytes) -> bytes:
+        """A joiner's capacity: place it in the most utilized stage that still has a live relay (GWTF V-B)."""
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "join request")
+        capacity = obj.get("capacity")
+        if type(capacity) is not int or not 1 <= capacity <= 1024:
+            raise RemoteError(Evidence(sender, "malformed", "join request without a capacity"))
+        deadline = self.now() + self.config.complete_timeout / 2  # then place on the latest report there is
+        while self.util_period < self.version - 1 and self.now() < deadline:
+            await asyncio.sleep(self.config.complete_timeout / 20)  # the last iteration's flood is on its way
+        members = set(self.transport.members())
+        entries = {p: v for p, v in self.utilization.items() if p in members and p != sender}  # a stage no copy
+        # reached counts as fully utilized; a stage with no live relay cannot take a joiner (no weights to fetch)
+        util = {k: v for k, v in stage_utilization(entries, self.last).items() if self.live(k + 1)}
+        if not util:
+            return encode({"stage": 0, "it": self.version})
+        stage = place_joiners({sender: capacity}, util)[sender] + 1
+        self.utilization[sender] = (stage - 1, capacity, 0)  # the next joiner sees this one placed
+        self.placed += 1
+        return encode({"stage": stage, "it": self.version})
+
+    def _store_report(self, sender: str, report: dict) -> None:
+        self.reports.setdefault(report["it"], {})[sender] = report
+        self._report_event.set()
+
+    def _on_done(self, sender: str, payload: bytes) -> None:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "done report")
+        ok = (
+            self.directory.get(sender) == 0 and type(obj.get("it")) is int and isinstance(obj.get("done"), list)
+            and isinstance(obj.get("suspects"), list) and all(isinstance(p, str) for p in obj["suspects"])
+            and all(isinstance(d, list) and len(d) == 4 and d[0] == sender and isinstance(d[3], list) for d in obj["done"])
+        )
+        if not ok:
+            raise RemoteError(Evidence(sender, "malformed", "bad DONE report"))
+        self._store_report(sender, obj)
+        if self.leader() == self.me and obj["it"] == self.version:
+            self.spawn(self.lead(obj["it"]))
+
+    # --- one microbatch -----------------------------------------------------------
+
+    async def start(self, mb: Microbatch, it: int) -> None:
+        """Compute stage 0 and send the activation into the pipeline."""
+        key = mb.key(self.me)
+        mb.t_start = t0 = self.now()
+        async with self.compute_lock:
+            if it != self.version:
+                return
+            with torch.enable_grad():
+                out = self.part(mb.x)
+            await self._compute(self.staged.forward_flops[0])
+        if self.mbs.get(mb.seq) is not mb or mb.att != key[2] or mb.done.is_set():
+            return
+        self.held[key] = Held(m.Carry(key, it, 0, (), out.detach()), None, out)
+        self._emit("fwd", key, it, t0, recompute=mb.restarts > 0)
+        await self.send_forward(key)
+
+    def restart(self, mb: Microbatch, it: int) -> None:
+        """Start the microbatch again from scratch under a new attempt number."""
+        self.held.pop(mb.key(self.me), None)
+        self.pending.pop(mb.key(self.me), None)
+        mb.att += 1
+        mb.restarts += 1
+        mb.t_loss = None
+        self.spawn(self.start(mb, it))
+
+    def _live_mb(self, key: m.Key) -> Microbatch | None:
+        mb = self.mbs.get(key[1])
+        if key[0] != self.me or mb is None or mb.att != key[2] or mb.done.is_set():
+            return None
+        return mb
+
+    async def give_up(self, key: m.Key) -> None:
+        """Every stage-1 peer denied or failed: wait for one to free memory and retry; defer if none is left."""
+        h = self.held.get(key)
+        mb = self._live_mb(key)
+        if h is None or mb is None:
+            self.held.pop(key, None)
+            return
+        if not self.live(1) or self.now() >= self.deadline:
+            self.held.pop(key, None)
+            mb.outcome = "denied"
+            mb.done.set()
+            return
+        await asyncio.sleep(self.config.complete_timeout / 10)
+        if self.held.get(key) is h:
+            h.excluded.clear()
+            self.spawn(self.send_forward(key))
+
+    async def take_output(self, sender: str, c: m.Carry) -> bytes:
+        mb = self._live_mb(c.key)
+        if mb is None or c.path[0] != self.me:
+            if c.key[0] == self.me and c.it < self.version or c.key[0] == self.me and c.key[1] in self.mbs:
+                return m.answer(m.STALE)  # an old attempt or iteration: not evidence
+            raise RemoteError(Evidence(sender, "unknown_microbatch", f"output of {m.key_name(c.key)} I never sent", c.it))
+        check_tensor(c.tensor, sender, shape=self.staged.out_shapes[self.last], dtype=torch.float32, step=c.it)
+        t0 = self.now()
+        logits = c.tensor.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            loss = logits_loss(logits, mb.y)
+            (grad,) = torch.autograd.grad(loss, logits)
+        mb.loss, mb.t_loss, mb.path = float(loss.detach()), self.now(), c.path
+        self._emit("loss", c.key, c.it, t0)
+        self.spawn(self.send_backward(m.Carry(c.key, c.it, self.last, c.path, grad, recomputed=c.recomputed)))
+        return m.answer(m.OK)
+
+    def finished(self, key: m.Key, carry: m.Carry) -> None:
+        mb = self._live_mb(key)
+        if mb is None:
+            return
+        mb.path, mb.recomputed, mb.t_end, mb.outcome = carry.path, carry.recomputed, self.now(), "ok"
+        mb.done.set()
+
+    # --- broken backward ------------------------------------------------------------
+
+    async def report_broken(self, carry: m.Carry) -> None:
+        await self.handle_broken(carry.key, carry.stage, self.me)
+
+    def _on_broken(self, sender: str, payload: bytes) -> None:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "broken report")
+        key = m.parse_key(obj, sender)
+        stage = obj.get("stage")
+        if type(stage) is not int or not 1 <= stage <= self.last:
+            raise RemoteError(Evidence(sender, "malformed", "broken report with a bad stage"))
+        self.spawn(self.handle_broken(key, stage, sender))
+
+    async def handle_broken(self, key: m.Key, stage: int, holder: str) -> None:
+        """The gradient of `stage`'s output is stuck at `holder`: repair the stage (GWTF) or restart (SWARM)."""
+        mb = self._live_mb(key)
+        if mb is None:
+            return
+        expected_stage = stage + 1 if stage < self.last else 0
+        if holder != self.me and self.directory.get(holder) != expected_stage:
+            raise RemoteError(Evidence(holder, "false_stage", f"reports a broken stage {stage} it does not follow"))
+        if self.router.restart_on_backward_failure or len(mb.path) != self.last + 1:
+            self.restart(mb, self.version)
+            return
+        mb.repairs += 1
+        live_at, live_node = 0, self.me
+        for stage_index in range(stage - 1, 0, -1):
+            word = await self._ask(mb.path[stage_index], m.PING, encode({"src": key[0], "seq": key[1], "att": key[2]}))
+            if word == m.OK:
+                live_at, live_node = stage_index, mb.path[stage_index]
+                break
+        if live_node == self.me:
+            ok = self.reforward(key, stage, holder)
+        else:
+            body = {"src": key[0], "seq": key[1], "att": key[2], "upto": stage, "holder": holder}
+            ok = await self._ask(live_node, m.REFORWARD, encode(body)) == m.OK
+        if not ok and self._live_mb(key) is mb:
+            self.restart(mb, self.version)

@@ -1,0 +1,150 @@
+"""GWTF routing over the transport: the runtime carries the flow state machine's messages.
+
+`FlowDriver` owns one `phalanx.algorithms.flow.FlowNode` per pipeline node. It
+learns its neighbours from the stage directory, measures the edge cost of
+Eq. 1 (own compute seconds per microbatch, the COMPLETE round trip to a
+next-stage peer, which holds transfer, latency and the peer's compute),
+ticks the state machine every `flow_period` seconds, and sends the messages
+it returns on topic `pp.flow`. `FlowRouter` turns the flows into routing
+decisions: the unit paired with the upstream peer first, else the next hop
+with the most flow units per microbatch already in flight, else (while flows
+are still forming, or all of them broke) the cheapest measured live peer.
+Backward failures are repaired (GWTF V-D), never restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ...algorithms.flow import FlowConfig, FlowMessage, FlowNode, edge_cost, from_wire, to_wire
+from ...core.serialization import decode, encode
+from ...transport.base import Transport
+from .routing import RepairRouter, Router
+
+FLOW = "pp.flow"
+
+
+class FlowRouter(Router):
+    """Routing by the flows of a FlowNode, with a cheapest-peer fallback."""
+
+    name = "gwtf"
+    restart_on_backward_failure = False
+
+    def __init__(self, flow: FlowNode, fallback: RepairRouter) -> None:
+        self.flow = flow
+        self.fallback = fallback
+
+    def choose(self, stage: int, candidates: list[str], sink: str = "", upstream: str = "",
+               load: dict[str, int] | None = None) -> str | None:
+        if not candidates:
+            return None
+        load = load or {}
+        if upstream:
+            paired = self.flow.route(sink, upstream)
+            if paired in candidates:
+                return paired
+        hops = {p: n for p, n in self.flow.next_hops(sink).items() if p in candidates and n > 0}
+        if hops:
+            return min(sorted(hops), key=lambda p: (load.get(p, 0) + 1) / hops[p])
+        return self.fallback.choose(stage, candidates, sink, upstream, load)
+
+    def observe(self, peer: str, seconds: float) -> None:
+        self.fallback.observe(peer, seconds)
+
+    def failed(self, peer: str) -> None:
+        self.fallback.failed(peer)
+
+
+class FlowDriver:
+    """Runs a FlowNode for one pipeline node: neighbours, costs, ticks and message transport."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        stage: int,
+        stages: int,
+        capacity: int,
+        demand: int,
+        config: FlowConfig,
+        rng,
+        period: float,
+    ) -> None:
+        self.transport = transport
+        self.stage = stage
+        self.period = period
+        self.node = FlowNode(transport.peer_id, None if stage == 0 else stage - 1, capacity, stages, config, rng,
+                             demand=demand if stage == 0 else 0)
+        self.compute = 0.0  # EMA of own compute seconds per microbatch
+        self.rtt: dict[str, float] = {}
+        self.known: dict[str, int] = {}
+        self._sending: set[asyncio.Task] = set()
+        transport.add_message_handler(FLOW, self._on_flow)
+
+    def flow_stage(self, stage: int) -> int | None:
+        return None if stage == 0 else stage - 1
+
+    def neighbour(self, stage: int) -> bool:
+        """Peers the flow algorithm talks to: previous, same and next stage (data nodes wrap around)."""
+        last = self.node.num_stages
+        ring = {(self.stage - 1) % (last + 1), self.stage, (self.stage + 1) % (last + 1)}
+        return stage in ring
+
+    def cost(self, peer: str) -> float:
+        rtt = self.rtt.get(peer)
+        if rtt is None:
+            return edge_cost(self.compute, self.compute, 0.0, 0.0, 1.0, 1.0, 0.0)
+        return self.compute / 2 + rtt / 2
+
+    def sync_directory(self, directory: dict[str, int], members: set[str]) -> list[FlowMessage]:
+        out: list[FlowMessage] = []
+        for peer, stage in sorted(directory.items()):
+            if peer == self.transport.peer_id or not self.neighbour(stage):
+                continue
+            alive = peer in members
+            if alive and self.known.get(peer) != stage:
+                self.known[peer] = stage
+                out += self.node.add_peer(peer, self.flow_stage(stage), self.cost(peer))
+            elif not alive and peer in self.known:
+                del self.known[peer]
+                out += self.node.peer_left(peer)
+        return out
+
+    def measured_compute(self, seconds: float, ema: float) -> None:
+        self.compute = seconds if self.compute == 0 else (1 - ema) * self.compute + ema * seconds
+
+    def measured_rtt(self, peer: str, seconds: float, ema: float) -> list[FlowMessage]:
+        old = self.rtt.get(peer)
+        self.rtt[peer] = seconds if old is None else (1 - ema) * old + ema * seconds
+        if peer in self.known:
+            return self.node.set_cost(peer, self.cost(peer))
+        return []
+
+    def lost(self, peer: str) -> list[FlowMessage]:
+        if peer in self.known:
+            del self.known[peer]
+            return self.node.peer_left(peer)
+        return []
+
+    async def send(self, messages: list[FlowMessage]) -> None:
+        for msg in messages:
+            await self.transport.send(msg.dst, FLOW, encode(to_wire(msg)))
+
+    async def loop(self, directory_of, stop: asyncio.Event) -> None:
+        """Tick every `period` seconds until `stop` is set."""
+        while not stop.is_set():
+            members = set(self.transport.members())
+            out = self.sync_directory(directory_of(), members)
+            out += self.node.tick()
+            await self.send(out)
+            try:
+                await asyncio.wait_for(stop.wait(), self.period)
+            except asyncio.TimeoutError:
+                pass
+
+    def _on_flow(self, sender: str, payload: bytes) -> None:
+        msg = from_wire(decode(payload, sender, self.transport.limits), sender, self.transport.peer_id)
+        replies = self.node.handle(msg)
+        if replies:
+            task = asyncio.get_running_loop().create_task(self.send(replies))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)

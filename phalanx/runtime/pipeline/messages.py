@@ -1,0 +1,113 @@
+"""Pipeline messages: topics, the microbatch key, and total parsers that turn bad bytes into evidence.
+
+A microbatch is named by (data node, sequence number, attempt): the data node
+is its source and sink, the sequence number fixes its public samples, and a
+restart from scratch (SWARM) bumps the attempt. Activations and gradients
+travel with the path list (path[s] serves stage s; path[0] is the data node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...core.errors import Evidence, RemoteError
+from ...core.serialization import Limits, decode, encode
+
+FORWARD = "pp.fwd"  # request: activation for stage s; answered COMPLETE (ok), DENY (full) or STALE
+BACKWARD = "pp.bwd"  # request: gradient of stage s's output; answered COMPLETE (ok) or UNKNOWN
+DENY = "pp.deny"  # one-way, downstream -> upstream: I cannot place this microbatch further
+BROKEN = "pp.broken"  # one-way, to the data node: my gradient could not reach the previous stage
+PING = "pp.ping"  # request: do you still hold this microbatch's activations?
+REFORWARD = "pp.refwd"  # request, data node -> last live node: resend your stored output to a new peer
+RESUME = "pp.resume"  # request, repair peer -> gradient holder: the broken stage is rebuilt, send on
+DONE = "pp.done"  # one-way, data node -> leader: my microbatches of this iteration are settled
+BEGIN = "pp.begin"  # one-way flood, front to back: BEGIN AGGREGATION
+CAN_TAKE = "pp.cantake"  # one-way, back to front: aggregated, ready for the next iteration
+SUSPECT = "pp.suspect"  # one-way, relay -> data nodes: this peer did not answer me
+HELLO = "pp.hello"  # one-way to every member: I serve this stage from this version (joiners, after the download)
+UTIL = "pp.util"  # one-way flood, leader -> stage 1 -> ... -> leader: utilization query (GWTF V-B)
+JOIN = "pp.join"  # request, joiner -> leader: my capacity; answered with a stage and the current iteration
+WEIGHTS = "pp.weights"  # request: a stage's parameters and optimizer state at a version
+
+OK, DENIED, STALE, UNKNOWN = "ok", "deny", "stale", "unknown"
+
+Key = tuple[str, int, int]
+
+
+def key_name(key: Key) -> str:
+    return f"{key[0][:8]}/{key[1]}/{key[2]}"
+
+
+@dataclass(frozen=True)
+class Carry:
+    """An activation (forward) or activation gradient (backward) of one microbatch at one stage."""
+
+    key: Key
+    it: int
+    stage: int  # forward: the stage that must process it; backward: the stage whose output it is the gradient of
+    path: tuple[str, ...]
+    tensor: torch.Tensor
+    repair: int = -1  # forward only: recompute up to this stage, then resume the holder's gradient (-1: normal)
+    holder: str = ""  # forward repair only: who holds the gradient to resume
+    recomputed: tuple[int, ...] = ()
+
+    def to_bytes(self) -> bytes:
+        return encode({
+            "src": self.key[0], "seq": self.key[1], "att": self.key[2], "it": self.it, "stage": self.stage,
+            "path": list(self.path), "t": self.tensor, "repair": self.repair, "holder": self.holder,
+            "rec": list(self.recomputed),
+        })
+
+
+def _bad(sender: str, detail: str, it: int | None = None, kind: str = "malformed") -> RemoteError:
+    return RemoteError(Evidence(sender, kind, detail, it))
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def parse_key(obj: dict, sender: str) -> Key:
+    src, seq, att = obj.get("src"), obj.get("seq"), obj.get("att")
+    if not (isinstance(src, str) and _is_int(seq) and _is_int(att)):
+        raise _bad(sender, "microbatch key needs src (str), seq and att (ints >= 0)")
+    return (src, seq, att)
+
+
+def parse_mapping(payload: bytes, sender: str, limits: Limits, what: str) -> dict:
+    obj = decode(payload, sender, limits)
+    if not isinstance(obj, dict):
+        raise _bad(sender, f"{what} is not a mapping")
+    return obj
+
+
+def parse_carry(payload: bytes, sender: str, limits: Limits, max_stage: int) -> Carry:
+    """A forward or backward message, checked for shape of the envelope (not of the tensor)."""
+    obj = parse_mapping(payload, sender, limits, "pipeline message")
+    key = parse_key(obj, sender)
+    it, stage, path, tensor = obj.get("it"), obj.get("stage"), obj.get("path"), obj.get("t")
+    repair, holder, rec = obj.get("repair", -1), obj.get("holder", ""), obj.get("rec", [])
+    if not (_is_int(it) and _is_int(stage) and stage <= max_stage):
+        raise _bad(sender, f"iteration and stage must be ints (stage <= {max_stage})")
+    if not (isinstance(path, list) and 1 <= len(path) <= max_stage + 1 and all(isinstance(p, str) for p in path)):
+        raise _bad(sender, "path must be a non-empty list of peer ids", it)
+    if not isinstance(tensor, torch.Tensor):
+        raise _bad(sender, "pipeline message carries no tensor", it)
+    if type(repair) is not int or repair < -1 or repair > max_stage or not isinstance(holder, str):
+        raise _bad(sender, "bad repair fields", it)
+    if not (isinstance(rec, list) and len(rec) <= 4 * (max_stage + 1) and all(_is_int(s) for s in rec)):
+        raise _bad(sender, "bad recomputation list", it)
+    return Carry(key, it, stage, tuple(path), tensor, repair, holder, tuple(rec))
+
+
+def answer(word: str) -> bytes:
+    return encode(word)
+
+
+def parse_answer(payload: bytes, sender: str, limits: Limits) -> str:
+    word = decode(payload, sender, limits)
+    if word not in (OK, DENIED, STALE, UNKNOWN):
+        raise _bad(sender, f"unexpected answer {word!r}")
+    return word

@@ -1,0 +1,626 @@
+"""What every pipeline node does, data node or relay: compute, route, repair, aggregate.
+
+A node serves one stage (data nodes serve stage 0). Forward: an activation
+arrives as a FORWARD request; the node checks it, computes, keeps what backward
+needs, answers COMPLETE, and routes its output to a next-stage peer chosen by
+its router, trying another on DENY or timeout and sending DENY upstream when
+none is left. Backward: a BACKWARD request carries the gradient of the node's
+output; the node computes its parameter gradient for that microbatch (kept
+apart until aggregation, so only microbatches that finished count), answers
+COMPLETE and sends its input gradient to the previous node of the path. When
+that fails, the node keeps the gradient and tells the data node (BROKEN).
+
+Aggregation (GWTF V-E): BEGIN AGGREGATION floods front to back with the list
+of finished microbatches and the replica group of every stage; each replica
+sums its gradients of the finished microbatches it served, all-reduces
+[sum, count] with butterfly all-reduce (pluggable reducer) and steps with
+sum/count, the mean gradient over all finished microbatches. CAN TAKE then
+flows back to front and opens the next iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ...core.errors import Evidence, PeerTimeout, PeerUnreachable, PhalanxError, RemoteError
+from ...core.serialization import check_tensor, decode, digest, encode
+from ...training.task import Task, num_params
+from ...transport.base import Transport
+from ..butterfly import AllReduceConfig, ButterflyAllReduce, Reducer, mean_reducer
+from ..dp_peer import TrainConfig, make_optimizer
+from . import messages as m
+from .config import PipelineConfig
+from .gwtf import FlowDriver
+from .routing import Router
+from .stages import StagedModel, flat
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[dict], None]
+
+
+@dataclass
+class Held:
+    """A microbatch between its forward and its backward on this node."""
+
+    carry: m.Carry  # as it arrived (path up to the previous stage)
+    x: torch.Tensor | None  # input with requires_grad (None where the input is data)
+    out: torch.Tensor
+    excluded: set[str] = field(default_factory=set)
+    next_peer: str | None = None
+    recomputed: tuple[int, ...] = ()
+
+
+class PipelineNode:
+    """One node of the pipeline serving `stage`; subclasses add the data node's and relay's loops."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        task: Task,
+        staged: StagedModel,
+        stage: int,
+        train: TrainConfig,
+        config: PipelineConfig,
+        directory: dict[str, int],
+        run_seed: int,
+        router: Router,
+        *,
+        capacity: int | None = None,
+        allreduce: AllReduceConfig = AllReduceConfig(),
+        reducer: Reducer = mean_reducer,
+        on_event: EventSink | None = None,
+        flow: FlowDriver | None = None,
+    ) -> None:
+        self.transport = transport
+        self.me = transport.peer_id
+        self.task = task
+        self.staged = staged
+        self.stage = stage
+        self.last = config.stages  # index of the last relay stage
+        self.train = train
+        self.config = config
+        self.directory = dict(directory)
+        self.directory[self.me] = stage
+        self.run_seed = run_seed
+        self.router = router
+        self.capacity = capacity if capacity is not None else config.capacity
+        self.on_event = on_event or (lambda event: None)
+        self.flow = flow
+        self._stopped = asyncio.Event()
+        self.part = staged.parts[stage]
+        self.params = list(self.part.parameters())
+        self.optimizer = make_optimizer(train, self.params)
+        self.allreduce = ButterflyAllReduce(transport, num_params(self.part) + 1, reducer, allreduce)
+        self.version = 0  # optimizer steps applied = the iteration this node accepts microbatches for
+        self.held: dict[m.Key, Held] = {}
+        self.grads: dict[m.Key, torch.Tensor] = {}  # key -> this node's parameter gradient for that microbatch
+        self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
+        self.suspects: set[str] = set()
+        self.banned: set[str] = set()  # peers we hold evidence against (or a relay told us it does)
+        transport.on_evidence(self._on_evidence)
+        self.compute_lock = asyncio.Lock()
+        self._ready: dict[int, asyncio.Event] = {}
+        self._begun: set[int] = set()
+        self._can_take: dict[int, asyncio.Event] = {}
+        self._aggregated: dict[int, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task] = set()
+        transport.add_request_handler(m.FORWARD, self._on_forward)
+        transport.add_request_handler(m.BACKWARD, self._on_backward)
+        transport.add_request_handler(m.PING, self._on_ping)
+        transport.add_request_handler(m.REFORWARD, self._on_reforward)
+        transport.add_request_handler(m.RESUME, self._on_resume)
+        transport.add_message_handler(m.DENY, self._on_deny)
+        transport.add_message_handler(m.BEGIN, self._on_begin)
+        transport.add_message_handler(m.CAN_TAKE, self._on_can_take)
+        transport.add_request_handler(m.WEIGHTS, self._on_weights)
+        transport.add_message_handler(m.HELLO, self._on_hello)
+        self.served = 0  # microbatches this node computed a forward for in this iteration
+        self.last_served = 0
+
+    # --- helpers ------------------------------------------------------------
+
+    def start_background(self) -> None:
+        """Start what runs beside training (the flow algorithm under gwtf routing)."""
+        if self.flow is not None:
+            self.spawn(self.flow.loop(lambda: self.directory, self._stopped))
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def close(self) -> None:
+        """Stop and cancel everything this node still runs (before its transport stops)."""
+        self.stop()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def now(self) -> float:
+        return self.transport.clock.now()
+
+    def live(self, stage: int) -> list[str]:
+        """Peers of `stage` in this node's directory and membership view, not banned, sorted."""
+        members = set(self.transport.members())
+        return sorted(p for p, s in self.directory.items()
+                      if s == stage and p in members and p != self.me and p not in self.banned)
+
+    def _on_evidence(self, evidence: Evidence) -> None:
+        """A peer sent us something it must not have: route around it from now on and tell the data nodes."""
+        if evidence.peer in self.banned or self.directory.get(evidence.peer) == 0:
+            return
+        self.banned.add(evidence.peer)
+        body = encode({"peer": evidence.peer, "evidence": True})
+        for node in self.data_nodes():
+            if node != self.me:
+                self.spawn(self.transport.send(node, m.SUSPECT, body))
+
+    def data_nodes(self) -> list[str]:
+        members = set(self.transport.members())
+        return sorted(p for p, s in self.directory.items() if s == 0 and (p in members or p == self.me))
+
+    def ready_event(self, version: int) -> asyncio.Event:
+        return self._ready.setdefault(version, asyncio.Event())
+
+    async def wait_version(self, it: int, timeout: float) -> bool:
+        if self.version >= it:
+            return True
+        try:
+            await asyncio.wait_for(self.ready_event(it).wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _emit(self, kind: str, key: m.Key, it: int, t0: float, **extra) -> None:
+        self.on_event({"kind": kind, "peer": self.me, "stage": self.stage, "mb": m.key_name(key), "src": key[0],
+                       "seq": key[1], "att": key[2], "it": it, "t0": t0, "t1": self.now(), **extra})
+
+    async def _compute(self, flops: float) -> None:
+        t0 = self.now()
+        await self.transport.charge_compute(flops * self.config.flops_scale)
+        if self.flow is not None:
+            self.flow.measured_compute(self.now() - t0, self.config.ema)
+
+    # --- forward --------------------------------------------------------------
+
+    async def _on_forward(self, sender: str, payload: bytes) -> bytes:
+        c = m.parse_carry(payload, sender, self.transport.limits, self.last + 1)
+        if len(c.path) != c.stage or c.path[-1] != sender:
+            raise RemoteError(Evidence(sender, "false_stage", "forward sender is not the last node of its path", c.it))
+        claimed = self.directory.get(sender)
+        if claimed is not None and claimed != c.stage - 1:
+            raise RemoteError(Evidence(sender, "false_stage", f"claims stage {c.stage - 1}, serves {claimed}", c.it))
+        if c.stage == self.last + 1 and self.stage == 0:
+            return await self.take_output(sender, c)
+        if c.stage != self.stage:
+            return m.answer(m.DENIED)  # misrouted: its view of who serves what differs from ours
+        check_tensor(c.tensor, sender, shape=self.staged.input_shape(self.stage), dtype=torch.float32, step=c.it)
+        if c.it < self.version:
+            return m.answer(m.STALE)
+        if c.key in self.held:
+            return m.answer(m.OK)  # a resend of what we already hold
+        if len(self.held) >= self.capacity:
+            return m.answer(m.DENIED)
+        self.held[c.key] = Held(c, None, c.tensor)  # reserve the slot before waiting
+        if not await self.wait_version(c.it, self.config.aggregation_timeout):
+            self.held.pop(c.key, None)
+            return m.answer(m.DENIED)
+        t0 = self.now()
+        async with self.compute_lock:
+            if c.it != self.version:
+                self.held.pop(c.key, None)
+                return m.answer(m.STALE)
+            x = c.tensor.detach().clone().requires_grad_(True)
+            with torch.enable_grad():
+                out = self.part(x)
+            await self._compute(self.staged.forward_flops[self.stage])
+        if c.key not in self.held:
+            return m.answer(m.DENIED)  # the iteration ended while we computed
+        recomputed = c.recomputed + ((self.stage,) if c.repair >= 0 else ())
+        self.held[c.key] = Held(c, x, out, recomputed=recomputed)
+        self._emit("fwd", c.key, c.it, t0, recompute=c.repair >= 0)
+        self.served += 1
+        if c.repair == self.stage:
+            self.spawn(self._resume(c.key))
+        else:
+            self.spawn(self.send_forward(c.key))
+        return m.answer(m.OK)
+
+    async def send_forward(self, key: m.Key) -> None:
+        """Route a held output to the next stage: retry on failure, DENY upstream when nobody is left."""
+        h = self.held.get(key)
+        if h is None:
+            return
+        nxt = self.stage + 1
+        path = h.carry.path + (self.me,)
+        while key in self.held:
+            if nxt == self.last + 1:
+                candidates = [key[0]] if key[0] not in h.excluded else []
+            else:
+                candidates = [p for p in self.live(nxt) if p not in h.excluded]
+            load: dict[str, int] = {}
+            for other in self.held.values():
+                if other.next_peer is not None:
+                    load[other.next_peer] = load.get(other.next_peer, 0) + 1
+            upstream = h.carry.path[-1] if h.carry.path else ""
+            peer = self.router.choose(nxt, candidates, key[0], upstream, load)
+            if peer is None:
+                await self.give_up(key)
+                return
+            carry = m.Carry(key, h.carry.it, nxt, path, h.out.detach(), h.carry.repair, h.carry.holder, h.recomputed)
+            t0 = self.now()
+            word = await self._ask(peer, m.FORWARD, carry.to_bytes())
+            self._emit("send", key, h.carry.it, t0, to=peer, answer=word)
+            if word == m.OK:
+                self.router.observe(peer, self.now() - t0)
+                if self.flow is not None:
+                    await self.flow.send(self.flow.measured_rtt(peer, self.now() - t0, self.config.ema))
+                h.next_peer = peer
+                return
+            if word == m.STALE:
+                return
+            self.router.failed(peer)
+            h.excluded.add(peer)
+
+    async def _ask(self, peer: str, topic: str, payload: bytes) -> str | None:
+        """Send a request and return the answer word; None when the peer timed out, failed or was unreachable."""
+        try:
+            response = await self.transport.request(peer, topic, payload, self.config.complete_timeout)
+            return m.parse_answer(response, peer, self.transport.limits)
+        except RemoteError as exc:
+            self.transport.report(exc.evidence)
+        except PeerTimeout:
+            await self.suspect(peer)
+        except PeerUnreachable:
+            await self.suspect(peer)
+        except PhalanxError as exc:
+            log.debug("%s to %s failed: %s", topic, peer[:8], exc)
+        return None
+
+    async def suspect(self, peer: str) -> None:
+        """`peer` did not answer: leave it out of this iteration's aggregation (data nodes decide groups)."""
+        if peer in self.suspects:
+            return
+        self.suspects.add(peer)
+        if self.flow is not None:
+            await self.flow.send(self.flow.lost(peer))
+        if self.stage > 0:
+            for node in self.data_nodes():
+                await self.transport.send(node, m.SUSPECT, encode({"peer": peer, "evidence": False}))
+
+    async def give_up(self, key: m.Key) -> None:
+        """No next-stage peer takes this microbatch: tell upstream (DENY) and free the slot."""
+        h = self.held.pop(key, None)
+        if h is not None:
+            await self.transport.send(h.carry.path[-1], m.DENY, encode({"src": key[0], "seq": key[1], "att": key[2]}))
+
+    def _on_deny(self, sender: str, payload: bytes) -> None:
+        key = m.parse_key(m.parse_mapping(payload, sender, self.transport.limits, "deny"), sender)
+        h = self.held.get(key)
+        if h is None or h.next_peer != sender:
+            return  # about a microbatch we no longer route through that peer
+        h.next_peer = None
+        h.excluded.add(sender)
+        self.router.failed(sender)
+        self.spawn(self.send_forward(key))
+
+    async def take_output(self, sender: str, c: m.Carry) -> bytes:
+        """Data nodes only: the last stage's output comes home for the loss."""
+        raise RemoteError(Evidence(sender, "false_stage", "sent a last-stage output to a relay", c.it))
+
+    # --- backward -------------------------------------------------------------
+
+    async def _on_backward(self, sender: str, payload: bytes) -> bytes:
+        c = m.parse_carry(payload, sender, self.transport.limits, self.last + 1)
+        if c.stage != self.stage or len(c.path) != self.last + 1 or c.path[self.stage] != self.me:
+            raise RemoteError(Evidence(sender, "unknown_microbatch", "backward for a stage or path I do not serve", c.it))
+        expected = c.path[self.stage + 1] if self.stage < self.last else c.path[0]
+        if sender != expected:
+            raise RemoteError(Evidence(sender, "false_stage", "backward sender is not the next node of the path", c.it))
+        h = self.held.get(c.key)
+        if h is None or h.x is None and self.stage > 0 or c.path[: self.stage] != h.carry.path:
+            if c.it < self.version:
+                return m.answer(m.STALE)
+            raise RemoteError(Evidence(sender, "unknown_microbatch", f"never held {m.key_name(c.key)}", c.it))
+        check_tensor(c.tensor, sender, shape=tuple(h.out.shape), dtype=torch.float32, step=c.it)
+        del self.held[c.key]  # a second backward for it (a resend) finds nothing to do
+        t0 = self.now()
+        async with self.compute_lock:
+            if c.it != self.version:
+                return m.answer(m.STALE)  # aggregation stepped the weights while this waited
+            inputs = ([h.x] if h.x is not None else []) + self.params
+            grads = torch.autograd.grad(h.out, inputs, c.tensor, allow_unused=True)
+            await self._compute(2 * self.staged.forward_flops[self.stage])
+        gx = grads[0] if h.x is not None else None
+        self.grads[c.key] = flat(list(grads[len(grads) - len(self.params):]), self.params)
+        self._emit("bwd", c.key, c.it, t0)
+        recomputed = tuple(sorted(set(c.recomputed) | set(h.recomputed)))
+        if self.stage == 0:
+            self.finished(c.key, m.Carry(c.key, c.it, 0, c.path, c.tensor, recomputed=recomputed))
+        else:
+            back = m.Carry(c.key, c.it, self.stage - 1, c.path, gx.detach(), recomputed=recomputed)
+            self.spawn(self.send_backward(back))
+        return m.answer(m.OK)
+
+    async def send_backward(self, carry: m.Carry) -> None:
+        """Send an input gradient to the node serving carry.stage; on failure keep it and report BROKEN."""
+        target = carry.path[carry.stage]
+        word = await self._ask(target, m.BACKWARD, carry.to_bytes())
+        if word in (m.OK, m.STALE):
+            return
+        self.router.failed(target)
+        self.pending[carry.key] = carry
+        await self.report_broken(carry)
+
+    async def report_broken(self, carry: m.Carry) -> None:
+        body = {"src": carry.key[0], "seq": carry.key[1], "att": carry.key[2], "stage": carry.stage}
+        await self.transport.send(carry.key[0], m.BROKEN, encode(body))
+
+    def finished(self, key: m.Key, carry: m.Carry) -> None:
+        """Data nodes only: a microbatch's backward reached stage 0."""
+
+    # --- repair (GWTF V-D, backward crash) --------------------------------------
+
+    async def _on_ping(self, sender: str, payload: bytes) -> bytes:
+        key = m.parse_key(m.parse_mapping(payload, sender, self.transport.limits, "ping"), sender)
+        return m.answer(m.OK if key in self.held else m.UNKNOWN)
+
+    async def _on_reforward(self, sender: str, payload: bytes) -> bytes:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "reforward")
+        key = m.parse_key(obj, sender)
+        upto, holder = obj.get("upto"), obj.get("holder")
+        if sender != key[0] or type(upto) is not int or not self.stage < upto <= self.last or not isinstance(holder, str):
+            raise RemoteError(Evidence(sender, "malformed", "bad reforward request"))
+        return m.answer(m.OK if self.reforward(key, upto, holder) else m.UNKNOWN)
+
+    def reforward(self, key: m.Key, upto: int, holder: str) -> bool:
+        """Resend my stored output to a new peer of the next stage, which recomputes up to `upto`."""
+        h = self.held.get(key)
+        if h is None:
+            return False
+        dead = h.next_peer
+        c = h.carry
+        h.carry = m.Carry(c.key, c.it, c.stage, c.path, c.tensor, upto, holder, c.recomputed)
+        if dead is not None:
+            h.excluded.add(dead)
+        h.next_peer = None
+        self.spawn(self.send_forward(key))
+        return True
+
+    async def _resume(self, key: m.Key) -> None:
+        """I rebuilt the last broken stage: ask the holder to send its stored gradient to me."""
+        h = self.held[key]
+        body = {"src": key[0], "seq": key[1], "att": key[2], "path": [*h.carry.path, self.me], "rec": list(h.recomputed)}
+        if h.carry.holder == self.me:
+            return
+        word = await self._ask(h.carry.holder, m.RESUME, encode(body))
+        if word != m.OK:
+            log.debug("resume of %s at %s failed", m.key_name(key), h.carry.holder[:8])
+
+    async def _on_resume(self, sender: str, payload: bytes) -> bytes:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "resume")
+        key = m.parse_key(obj, sender)
+        prefix, rec = obj.get("path"), obj.get("rec")
+        carry = self.pending.get(key)
+        if carry is None:
+            return m.answer(m.UNKNOWN)
+        ok = (
+            isinstance(prefix, list) and len(prefix) == carry.stage + 1 and all(isinstance(p, str) for p in prefix)
+            and prefix[-1] == sender and prefix[0] == key[0]
+            and isinstance(rec, list) and all(type(s) is int for s in rec)
+        )
+        if not ok:
+            raise RemoteError(Evidence(sender, "malformed", "bad resume request"))
+        if self.directory.get(sender, carry.stage) != carry.stage:
+            raise RemoteError(Evidence(sender, "false_stage", f"resumes stage {carry.stage} it does not serve"))
+        del self.pending[key]
+        path = tuple(prefix) + carry.path[carry.stage + 1:]
+        recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
+        self.spawn(self.send_backward(m.Carry(key, carry.it, carry.stage, path, carry.tensor, recomputed=recomputed)))
+        return m.answer(m.OK)
+
+    # --- aggregation (GWTF V-E) ---------------------------------------------------
+
+    def _on_begin(self, sender: str, payload: bytes) -> None:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "begin aggregation")
+        it, done, groups = obj.get("it"), obj.get("done"), obj.get("groups")
+        valid = (
+            type(it) is int and isinstance(done, list) and isinstance(groups, list) and len(groups) == self.last + 1
+            and all(isinstance(g, list) and all(isinstance(p, str) for p in g) for g in groups)
+            and all(isinstance(d, list) and len(d) == 4 and isinstance(d[3], list) for d in done)
+        )
+        if not valid:
+            raise RemoteError(Evidence(sender, "malformed", "bad BEGIN AGGREGATION"))
+        if it < self.version or it in self._begun:
+            return
+        self._begun.add(it)
+        self.spawn(self.aggregate(it, payload, done, groups))
+
+    async def aggregate(self, it: int, payload: bytes, done: list, groups: list[list[str]]) -> None:
+        """Flood BEGIN on, all-reduce this stage's gradients of the finished microbatches, step, pass CAN TAKE back."""
+        if self.stage >= 1 and self.stage < self.last:
+            for peer in self.live(self.stage + 1):
+                await self.transport.send(peer, m.BEGIN, payload)
+        t0 = self.now()
+        group = sorted(groups[self.stage])
+        finished = {(d[0], d[1], d[2]): d[3] for d in done}
+        total = torch.zeros(num_params(self.part))
+        count = 0
+        for key, grad in self.grads.items():
+            path = finished.get(key)
+            if path is not None and len(path) > self.stage and path[self.stage] == self.me:
+                total += grad
+                count += 1
+        version = it + 1
+        if self.me in group and self.version == it:
+            result = await self.allreduce(it, torch.cat([total, torch.tensor([float(count)])]), group)
+            mass = float(result.vector[-1])
+            if mass > 0:
+                vector = result.vector[:-1] / mass
+                offset = 0
+                for p in self.params:
+                    p.grad = vector[offset: offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+                async with self.compute_lock:  # no forward or backward runs across a step
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+        else:
+            # Left out (suspected, or behind): take the stepped weights from the group, or stay
+            # behind (serving nothing) until a later aggregation lets us catch up.
+            version = await self.fetch_weights(it + 1, [p for p in group if p != self.me]) or self.version
+        self.on_event({"kind": "aggregate", "peer": self.me, "stage": self.stage, "it": it, "t0": t0, "t1": self.now(),
+                       "group": len(group), "count": count, "in_group": self.me in group, "version": version})
+        self.version = version
+        self.last_served, self.served = self.served, 0
+        self.held.clear()
+        self.grads.clear()
+        self.pending.clear()
+        self.suspects.clear()
+        self.ready_event(version).set()
+        if self.stage < self.last:
+            try:
+                await asyncio.wait_for(self.can_take_event(it).wait(), self.config.aggregation_timeout)
+            except asyncio.TimeoutError:
+                log.info("%s: no CAN TAKE from stage %d for iteration %d", self.me[:8], self.stage + 1, it)
+        if self.stage > 0:
+            upstream = groups[self.stage - 1] if self.stage > 1 else self.data_nodes()
+            for peer in upstream:
+                if peer != self.me:
+                    await self.transport.send(peer, m.CAN_TAKE, encode(it))
+        self.aggregated_event(it).set()
+
+    def aggregated_event(self, it: int) -> asyncio.Event:
+        return self._aggregated.setdefault(it, asyncio.Event())
+
+    def can_take_event(self, it: int) -> asyncio.Event:
+        return self._can_take.setdefault(it, asyncio.Event())
+
+    def _on_can_take(self, sender: str, payload: bytes) -> None:
+        it = decode(payload, sender, self.transport.limits)
+        if type(it) is not int:
+            raise RemoteError(Evidence(sender, "malformed", "CAN TAKE without an iteration"))
+        if self.directory.get(sender) == self.stage + 1:
+            self.can_take_event(it).set()
+
+    # --- weights (joiners, and replicas left out of an aggregation) ---------------------
+
+    def state_digest(self) -> bytes:
+        return digest(b"".join(p.detach().numpy().tobytes() for p in self.params))
+
+    async def _on_weights(self, sender: str, payload: bytes) -> bytes:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "weights request")
+        version, full = obj.get("version"), obj.get("full")
+        if type(version) is not int or not isinstance(full, bool):
+            raise RemoteError(Evidence(sender, "malformed", "bad weights request"))
+        if version > self.version:
+            await self.wait_version(version, self.config.aggregation_timeout)
+        if version > self.version or full and not self.ready_event(self.version).is_set():
+            return encode({"version": self.version})
+        version = self.version  # a newer version is as good: the asker takes the latest stepped weights
+        body: dict = {"version": version, "digest": self.state_digest()}
+        if full:
+            body["params"] = [p.detach() for p in self.params]
+            state = self.optimizer.state_dict()["state"]
+            body["state"] = {str(i): dict(v) for i, v in state.items()}
+        return encode(body)
+
+    async def fetch_weights(self, version: int, sources: list[str]) -> int | None:
+        """Download this stage's parameters and optimizer state at `version` or later from one source,
+        with the digest confirmed by a second source when there is one; the version got, or None."""
+        for index, source in enumerate(sources):
+            body = await self._weights_from(source, version, True)
+            if body is None:
+                continue
+            got_version = body["version"]
+            try:
+                params, state = self._check_weights(source, body)
+            except RemoteError as exc:
+                self.transport.report(exc.evidence)
+                continue
+            got = digest(b"".join(p.numpy().tobytes() for p in params))
+            if got != body["digest"]:
+                self.transport.report(Evidence(source, "bad_digest", "weights do not match their digest"))
+                continue
+            others = [p for p in sources if p != source]
+            confirmations = [await self._weights_from(p, got_version, False) for p in others[:1]]
+            if any(c is not None and (c["version"], c["digest"]) != (got_version, got) for c in confirmations):
+                continue  # two stage peers disagree: try the next source
+            with torch.no_grad():
+                for p, value in zip(self.params, params):
+                    p.copy_(value)
+            sd = self.optimizer.state_dict()
+            sd["state"] = state
+            self.optimizer.load_state_dict(sd)
+            return got_version
+        log.info("%s: could not fetch stage %d weights at version %d", self.me[:8], self.stage, version)
+        return None
+
+    async def _weights_from(self, source: str, version: int, full: bool) -> dict | None:
+        try:
+            response = await self.transport.request(source, m.WEIGHTS, encode({"version": version, "full": full}),
+                                                    self.config.aggregation_timeout)
+            body = decode(response, source, self.transport.limits)
+        except RemoteError as exc:
+            self.transport.report(exc.evidence)
+            return None
+        except PhalanxError:
+            return None
+        if not isinstance(body, dict) or type(body.get("version")) is not int or body["version"] < version:
+            return None
+        if not isinstance(body.get("digest"), bytes):
+            return None
+        return body
+
+    def _check_weights(self, source: str, body: dict) -> tuple[list[torch.Tensor], dict]:
+        params, state = body.get("params"), body.get("state")
+        if not isinstance(params, list) or len(params) != len(self.params) or not isinstance(state, dict):
+            raise RemoteError(Evidence(source, "malformed", "weights answer without parameters and state"))
+        checked = [check_tensor(t, source, shape=tuple(p.shape), dtype=p.dtype) for t, p in zip(params, self.params)]
+        loaded: dict[int, dict] = {}
+        for name, entry in state.items():
+            if not (name.isdigit() and int(name) < len(self.params) and isinstance(entry, dict)):
+                raise RemoteError(Evidence(source, "malformed", "optimizer state for an unknown parameter"))
+            shape = tuple(self.params[int(name)].shape)
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    check_tensor(value, source, shape=shape, dtype=torch.float32)
+                elif not isinstance(value, (int, float, torch.Tensor)):
+                    raise RemoteError(Evidence(source, "malformed", f"optimizer state {key!r} is not a number"))
+            loaded[int(name)] = entry
+        return checked, loaded
+
+    # --- joining (GWTF V-B) ------------------------------------------------------------
+
+    async def enter(self, version: int) -> bool:
+        """A joiner: download this stage's weights at `version` (digest confirmed by a second peer),
+        then tell every member that it serves the stage. False if no stage peer delivered."""
+        got = await self.fetch_weights(version, self.live(self.stage))
+        if got is None:
+            return False
+        self.version = version = got
+        self.ready_event(version).set()
+        hello = encode({"stage": self.stage, "version": version, "capacity": self.capacity})
+        for peer in self.transport.members():
+            if peer != self.me:
+                await self.transport.send(peer, m.HELLO, hello)
+        return True
+
+    def _on_hello(self, sender: str, payload: bytes) -> None:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "hello")
+        stage = obj.get("stage")
+        if type(stage) is not int or not 1 <= stage <= self.last:
+            raise RemoteError(Evidence(sender, "false_stage", f"claims relay stage {stage!r}"))
+        if self.directory.get(sender) == 0:
+            raise RemoteError(Evidence(sender, "false_stage", "a data node claims a relay stage"))
+        self.directory[sender] = stage

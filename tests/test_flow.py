@@ -1,0 +1,218 @@
+"""GWTF flow state machine on small graphs: optimum, capacity, crash, join, bad input, wire format."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from phalanx.algorithms.flow import (
+    MESSAGE_TYPES,
+    Approve,
+    FlowConfig,
+    FlowNode,
+    FlowQuery,
+    FlowReport,
+    Offer,
+    ReportedUnit,
+    RequestFlow,
+    SyncDriver,
+    edge_cost,
+    from_wire,
+    to_wire,
+)
+from phalanx.algorithms.flowgraph import FlowGraph, build_nodes, max_flow, optimal, random_graph, swarm_greedy
+from phalanx.core.errors import ConfigError, RemoteError
+from phalanx.core.rng import py_stream
+from phalanx.core.serialization import decode, encode
+
+
+def _graph(seed: int, sources: int = 1, relays: int = 9, stages: int = 3) -> FlowGraph:
+    g = random_graph(py_stream(seed, "test-flow"), sources, relays, stages, (1, 4), (1, 20), demand=100)
+    per = max(1, max_flow(g) // sources)
+    return replace(g, demand={d: per for d in g.data})
+
+
+def _converge(g: FlowGraph, seed: int, rounds: int = 60) -> SyncDriver:
+    drv = SyncDriver(build_nodes(g, FlowConfig(), seed))
+    drv.run(rounds)
+    drv.settle(10)
+    return drv
+
+
+def test_edge_cost_is_eq1() -> None:
+    # (c_i + c_j)/2 + (lat_ij + lat_ji)/2 + 2 size / (bw_ij + bw_ji)
+    assert edge_cost(1.0, 3.0, 0.1, 0.3, 100.0, 300.0, 400.0) == pytest.approx(2.0 + 0.2 + 2.0)
+    with pytest.raises(ConfigError):
+        edge_cost(1.0, 1.0, 0.1, 0.1, 0.0, 0.0, 10.0)
+    with pytest.raises(ConfigError):
+        edge_cost(math.nan, 1.0, 0.1, 0.1, 1.0, 1.0, 10.0)
+
+
+def test_config_is_validated() -> None:
+    assert FlowConfig().temperature == 1.7 and FlowConfig().cooling == 0.95
+    with pytest.raises(ConfigError, match="cooling"):
+        FlowConfig(cooling=1.5)
+    with pytest.raises(ConfigError, match="objective"):
+        FlowConfig(objective="min")
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5, 12])
+def test_reaches_max_flow_near_the_networkx_optimum(seed: int) -> None:
+    g = _graph(seed)
+    value, best = optimal(g)
+    drv = _converge(g, seed)
+    assert drv.flow_value() == value
+    assert drv.total_cost() <= 1.10 * best + 1e-9
+    assert drv.total_cost() >= best - 1e-9  # never better than the optimum: the measure is honest
+    for data, relays, cost in drv.paths():
+        assert cost == pytest.approx(g.path_cost(data, relays))
+        assert [g.stage_of(r) for r in relays] == [0, 1, 2]
+
+
+def test_beats_swarm_greedy_where_greedy_is_trapped() -> None:
+    # d -> a (1) -> x (1) -> d (100) vs d -> b (2) -> y (2) -> d (2): greedy takes the cheap first hop.
+    g = FlowGraph(
+        data=("d",), stages=(("a", "b"), ("x", "y")), capacity={"a": 1, "b": 1, "x": 1, "y": 1}, demand={"d": 1},
+        cost={("d", "a"): 1.0, ("d", "b"): 2.0, ("a", "x"): 1.0, ("a", "y"): 50.0, ("b", "x"): 50.0,
+              ("b", "y"): 2.0, ("x", "d"): 100.0, ("y", "d"): 2.0},
+    )
+    greedy = swarm_greedy(g)
+    assert [c for _, _, c in greedy] == [102.0]
+    drv = _converge(g, 1, rounds=40)
+    assert drv.paths() == [("d", ["b", "y"], 6.0)]
+    assert optimal(g) == (1, 6.0)
+
+
+def test_capacity_is_never_exceeded() -> None:
+    g = _graph(7, relays=12)
+    drv = SyncDriver(build_nodes(g, FlowConfig(), 7))
+    for _ in range(60):
+        drv.round()
+        for node in drv.nodes.values():
+            if not node.is_data:
+                assert len(node.units) <= node.capacity
+        for data in g.data:
+            node = drv.nodes[data]
+            assert sum(u.kind == "source" for u in node.units) <= node.demand
+            assert sum(u.kind == "sink" for u in node.units) <= node.demand
+
+
+def test_each_data_node_gets_its_own_microbatches_back() -> None:
+    g = _graph(4, sources=2, relays=12)
+    drv = _converge(g, 4, rounds=80)
+    paths = drv.paths()
+    for data in g.data:
+        assert sum(1 for d, _, _ in paths if d == data) == g.demand[data]
+        assert drv.nodes[data].flows() == g.demand[data]
+    assert drv.total_cost() >= optimal(g, len(paths))[1] - 1e-9
+
+
+def test_crash_reroutes_flow_around_the_dead_relay() -> None:
+    g = _graph(3, relays=12)
+    drv = _converge(g, 3)
+    assert drv.flow_value() == max_flow(g)
+    used = sorted({r for _, relays, _ in drv.paths() for r in relays})
+    victim = used[len(used) // 2]
+    drv.remove(victim)
+    drv.run(40)
+    drv.settle(10)
+    survivors = replace(
+        g,
+        stages=tuple(tuple(r for r in s if r != victim) for s in g.stages),
+        capacity={r: c for r, c in g.capacity.items() if r != victim},
+    )
+    assert all(victim not in relays for _, relays, _ in drv.paths())
+    assert drv.flow_value() == min(g.demand["d0"], max_flow(survivors))
+    assert drv.total_cost() <= 1.10 * optimal(survivors, drv.flow_value())[1]
+
+
+def test_a_cheap_joiner_takes_flow() -> None:
+    g = _graph(5, relays=9)
+    drv = _converge(g, 5)
+    before = drv.total_cost()
+    stage = 1
+    joiner = FlowNode("new", stage, 4, len(g.stages), FlowConfig(), py_stream(5, "new"))
+    drv.add(joiner)
+    for other in g.stages[stage - 1] + g.stages[stage + 1]:
+        drv.queue += joiner.add_peer(other, stage - 1 if other in g.stages[stage - 1] else stage + 1, 1.0)
+        drv.queue += drv.nodes[other].add_peer("new", stage, 1.0)
+    for other in g.stages[stage]:
+        joiner.add_peer(other, stage, 0.0)
+        drv.nodes[other].add_peer("new", stage, 0.0)
+    drv.run(50)
+    drv.settle(10)
+    assert any("new" in relays for _, relays, _ in drv.paths())
+    assert drv.flow_value() == g.demand["d0"]
+    assert drv.total_cost() < before
+
+
+def test_lost_messages_heal() -> None:
+    g = _graph(8, relays=9)
+    lose = py_stream(8, "lose")
+    drv = SyncDriver(build_nodes(g, FlowConfig(), 8), drop=lambda m: lose.random() < 0.1)
+    drv.run(80)
+    drv.drop = None
+    drv.run(20)
+    drv.settle(10)
+    assert drv.flow_value() == g.demand["d0"]
+    for node in drv.nodes.values():  # no leaked capacity: every relay unit is on a complete path
+        if not node.is_data:
+            on_paths = sum(relays.count(node.peer) for _, relays, _ in drv.paths())
+            assert sum(1 for u in node.units if u.upstream is not None) == on_paths
+
+
+def test_same_seed_same_result() -> None:
+    g = _graph(2)
+    a, b = _converge(g, 2), _converge(g, 2)
+    assert a.paths() == b.paths() and a.messages == b.messages
+
+
+def test_bad_messages_are_evidence() -> None:
+    node = FlowNode("r", 0, 2, 2, FlowConfig(), py_stream(0, "r"))
+    node.add_peer("d", None, 1.0)
+    node.add_peer("s", 1, 1.0)
+    with pytest.raises(RemoteError) as bad:
+        node.handle(Offer("s", "r", 1, (("d", math.nan, 1),)))
+    assert bad.value.evidence.peer == "s" and bad.value.evidence.kind == "malformed"
+    with pytest.raises(RemoteError) as wrong:
+        node.handle(Offer("s", "r", 0, (("d", 1.0, 1),)))  # s serves stage 1, claims 0
+    assert wrong.value.evidence.kind == "wrong_stage"
+    with pytest.raises(RemoteError):
+        node.handle(RequestFlow("d", "r", 1, "d", -3.0))
+    # a stale reference (an approval for a request never made) is not evidence: the link is released
+    out = node.handle(Approve("s", "r", 99, "d", "s/x/1", 2.0))
+    assert [(type(m).__name__, m.dst, m.link) for m in out if not isinstance(m, Offer)] == [("Release", "s", "s/x/1")]
+    assert node.units == ()
+
+
+def test_wire_round_trip_and_garbage() -> None:
+    msgs = [
+        Offer("a", "b", 2, (("d", 1.5, 2),)),
+        RequestFlow("a", "b", 3, "d", 4.0, "l1"),
+        FlowQuery("a", "b"),
+        FlowReport("a", "b", 1, 0, (ReportedUnit("d", "u", "l1", "v", "l2", 3.0, 1.0, 2.0),), (("v", 2.0),)),
+    ]
+    for msg in msgs:
+        assert from_wire(to_wire(msg), "a", "b") == msg
+        assert from_wire(decode(encode(to_wire(msg)), "a"), "a", "b") == msg  # through the canonical encoding
+    assert set(MESSAGE_TYPES) >= {"Offer", "RequestFlow", "ChangeRequest", "RedirectRequest", "Deny"}
+    for garbage in (None, {"type": "Nope", "body": {}}, {"type": "Offer", "body": {"stage": "x", "entries": []}},
+                    {"type": "Offer", "body": {"stage": 1, "entries": [], "extra": 1}},
+                    {"type": "Offer", "body": {"stage": 1, "entries": 5}},
+                    {"type": "Audit", "body": {"sending": "l1", "receiving": []}},
+                    {"type": "FlowReport", "body": {"stage": 1, "free": 0, "units": [{"sink": 1}], "next_costs": []}}):
+        with pytest.raises(RemoteError):
+            from_wire(garbage, "a", "b")
+
+
+def test_routing_views_follow_the_paths() -> None:
+    g = _graph(0, sources=2, relays=12)
+    drv = _converge(g, 0, rounds=80)
+    for data, relays, _ in drv.paths():
+        hops = [data, *relays, data]
+        assert hops[1] in drv.nodes[data].next_hops(data)
+        for prev, here, nxt in zip(hops, hops[1:], hops[2:]):
+            assert nxt in drv.nodes[here].routes(data, prev)
+            assert drv.nodes[here].route(data, prev) in drv.nodes[here].routes(data, prev)

@@ -1,0 +1,228 @@
+"""Pipeline runtime in the simulator: equality with single-process training, aggregation, crash handling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+import torch
+
+from phalanx.experiments.pipeline_run import reference_losses, simulate_pipeline
+from phalanx.pipeline_config import ChurnConfig, PipelineRunConfig
+from phalanx.runtime.dp_peer import TrainConfig
+from phalanx.core.errors import PhalanxError
+from phalanx.core.serialization import encode
+from phalanx.experiments.swarm import peer_identity
+from phalanx.runtime.pipeline import messages as m
+from phalanx.runtime.pipeline.config import PipelineConfig
+
+
+def _mlp_config(**kw) -> PipelineRunConfig:
+    base = dict(
+        peers=6, data_nodes=2, steps=3,
+        train=TrainConfig(task="digits-mlp", batch_size=8, lr=0.1),
+        pipeline=PipelineConfig(stages=1, microbatches=3, capacity=4),
+    )
+    base.update(kw)
+    return PipelineRunConfig(**base)
+
+
+def _replicas_agree(summary: dict) -> dict[int, set[str]]:
+    by_stage = defaultdict(set)
+    for stage, _version, digest in summary["replicas"].values():
+        by_stage[stage].add(digest)
+    return by_stage
+
+
+# Float tolerance: the pipeline sums per-stage microbatch gradients in another order than
+# one backward over the whole model, so float32 rounding differs in the last bits; SGD keeps
+# the difference near 1e-7 relative, Adam (which divides by a running RMS) near 1e-6.
+def test_mlp_pipeline_equals_single_process_training():
+    config = _mlp_config()
+    summary = simulate_pipeline(config, progress=False)
+    losses = [m["loss"] for m in summary["metrics"]]
+    assert all(m["completed"] == 6 and m["deferred"] == 0 for m in summary["metrics"])
+    assert losses == pytest.approx(reference_losses(config), rel=1e-5)
+    assert losses[-1] < losses[0]
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
+def test_gpt_pipeline_equals_single_process_training():
+    config = PipelineRunConfig(
+        peers=5, data_nodes=1, steps=3,
+        train=TrainConfig(task="chars-gpt", optimizer="adam", lr=0.003, batch_size=4),
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=2),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    losses = [m["loss"] for m in summary["metrics"]]
+    assert losses == pytest.approx(reference_losses(config), rel=1e-4)
+    by_stage = _replicas_agree(summary)
+    assert sorted(by_stage) == [0, 1, 2] and all(len(d) == 1 for d in by_stage.values())
+    paths = {tuple(mb["path"]) for mb in summary["microbatches"]}
+    assert len(paths) > 1  # microbatches went through more than one pipeline
+
+
+def _crash_config(routing: str) -> PipelineRunConfig:
+    # 1 data node + 3 stages x 2 relays (forward 0.27 s per stage and microbatch); the first
+    # stage-2 relay to finish a forward in iteration 1 dies 0.1 s later: the backward of that
+    # microbatch breaks, and the next one it was sent is lost mid-forward.
+    return PipelineRunConfig(
+        peers=7, data_nodes=1, steps=3,
+        train=TrainConfig(task="digits-mlp", batch_size=8, lr=0.1),
+        pipeline=PipelineConfig(stages=3, microbatches=4, capacity=4, routing=routing, flops_scale=2e5, complete_timeout=4.0),
+        faults=ChurnConfig(crash_stage=2, crash_iteration=1, crash_at=0.1),
+    )
+
+
+def _forward_counts(summary: dict, src: str, seq: int, att: int) -> dict[int, int]:
+    counts: dict[int, int] = defaultdict(int)
+    for e in summary["events"]:
+        if e["kind"] == "fwd" and (e["src"], e["seq"], e["att"]) == (src, seq, att):
+            counts[e["stage"]] += 1
+    return dict(counts)
+
+
+def test_gwtf_backward_crash_is_repaired_recomputing_only_the_lost_stage():
+    config = _crash_config("gwtf")
+    summary = simulate_pipeline(config, progress=False)
+    victim = next(e["peer"] for e in summary["events"] if e["kind"] == "fwd" and e["stage"] == 2 and e["it"] == 1)
+    it1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
+    assert [mb["outcome"] for mb in it1] == ["ok"] * 4
+    assert all(victim not in mb["path"] and mb["restarts"] == 0 for mb in it1)
+    repaired = [mb for mb in it1 if mb["repairs"]]
+    assert len(repaired) == 1 and repaired[0]["recomputed"] == [2]
+    mb = repaired[0]
+    # stage 2 ran twice (the victim, then the repair peer); every other stage exactly once
+    assert _forward_counts(summary, mb["src"], mb["seq"], mb["att"]) == {0: 1, 1: 1, 2: 2, 3: 1}
+    # no microbatch was lost, so training is exactly the crash-free one
+    assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+    assert victim not in summary["replicas"]
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
+def test_swarm_backward_crash_restarts_from_the_data_node():
+    summary = simulate_pipeline(_crash_config("swarm"), progress=False)
+    it1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
+    assert [mb["outcome"] for mb in it1] == ["ok"] * 4
+    restarted = [mb for mb in it1 if mb["restarts"]]
+    assert restarted and all(mb["repairs"] == 0 and mb["att"] >= 1 for mb in restarted)
+    assert summary["wasted_compute_seconds"] > 0
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
+def test_forward_crash_resends_to_another_next_stage_peer():
+    # relay 1 (stage 2) is dead from the start of iteration 1, before the membership view drops it
+    config = replace(_crash_config("swarm"), faults=ChurnConfig(crash_relay=1, crash_iteration=1, crash_at=0.0))
+    summary = simulate_pipeline(config, progress=False)
+    victim = summary["peer_ids"][config.data_nodes + 1]
+    failed = {(e["src"], e["seq"], e["att"]) for e in summary["events"]
+              if e["kind"] == "send" and e["to"] == victim and e["answer"] is None}
+    it1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
+    resent = [mb for mb in it1 if (mb["src"], mb["seq"], mb["att"]) in failed]
+    assert resent, "no microbatch was sent to the dead relay"
+    assert all(mb["outcome"] == "ok" and mb["restarts"] == 0 and mb["recomputed"] == [] for mb in resent)
+    assert all(victim not in mb["path"] for mb in it1)
+    assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+
+
+def _liar(attacker_index: int, seed: int):
+    """An attack policy on an extra peer: claims stage 1, takes activations and passes on a wrong-shape
+    tensor; later sends garbage, a gradient for a microbatch nobody sent it, and a false stage claim."""
+    identity = peer_identity(seed, attacker_index)
+
+    def adversary(network, directory) -> None:
+        transport = network.add_peer(identity)
+        me = transport.peer_id
+        stage1 = sorted(p for p, s in directory.items() if s == 1)
+        stage2 = sorted(p for p, s in directory.items() if s == 2)
+
+        async def on_forward(sender: str, payload: bytes) -> bytes:
+            c = m.parse_carry(payload, sender, transport.limits, 3)
+            bad = m.Carry(c.key, c.it, 2, c.path + (me,), torch.zeros(3))
+            asyncio.get_running_loop().create_task(lie(stage2[0], m.FORWARD, bad.to_bytes()))
+            if not started:
+                started.append(asyncio.get_running_loop().create_task(more_lies()))
+            return m.answer(m.OK)
+
+        async def lie(peer: str, topic: str, payload: bytes) -> None:
+            with contextlib.suppress(PhalanxError):
+                await transport.request(peer, topic, payload, 1.0)
+
+        started: list = []
+
+        async def main() -> None:
+            transport.add_request_handler(m.FORWARD, on_forward)
+            for peer in directory:
+                await transport.send(peer, m.HELLO, encode({"stage": 1, "version": 0, "capacity": 4}))
+
+        async def more_lies() -> None:
+            lies = [
+                (stage1[0], m.FORWARD, b"not a message"),
+                (stage1[0], m.BACKWARD, m.Carry(("x" * 32, 0, 0), 99, 1, ("x" * 32, stage1[0], me), torch.zeros(1)).to_bytes()),
+                (stage1[1], m.FORWARD, m.Carry(("x" * 32, 0, 0), 99, 1, (me,), torch.zeros(1)).to_bytes()),
+            ]
+            for peer, topic, payload in lies:
+                await lie(peer, topic, payload)
+
+        network.spawn(me, main)
+
+    return adversary, identity.peer_id
+
+
+def test_bad_input_is_evidence_and_the_microbatch_is_rerouted():
+    config = _mlp_config(
+        peers=5, data_nodes=1, steps=4,
+        pipeline=PipelineConfig(stages=2, microbatches=3, capacity=4, complete_timeout=0.5, microbatch_timeout=1.0),
+    )
+    adversary, liar = _liar(99, config.seed)
+    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    kinds = {kind for _, against, kind in summary["evidence"] if against == liar}
+    assert {"wrong_shape", "malformed", "unknown_microbatch", "false_stage"} <= kinds
+    assert not [e for e in summary["evidence"] if e[1] != liar]  # nobody honest is accused
+    mbs = summary["microbatches"]
+    assert all(mb["outcome"] == "ok" and liar not in mb["path"] for mb in mbs)
+    assert any(mb["restarts"] for mb in mbs)  # the one the liar swallowed went again, around it
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+    # (losses are not compared with the reference: until it is banned the liar sits in stage 1's
+    # all-reduce group and stays silent there, so its slice of that gradient is zero for everyone)
+
+
+def test_joiner_goes_to_the_bottleneck_stage_and_downloads_its_weights():
+    # relay 1 (stage 2 of 3, two relays each) crashes in iteration 0; churn brings it back at the
+    # start of iteration 1 as a joiner: stage 2, down to one relay, is the most utilized stage
+    config = _mlp_config(
+        peers=7, data_nodes=1, steps=4,
+        pipeline=PipelineConfig(stages=3, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=4.0),
+        faults=ChurnConfig(crash_relay=1, crash_iteration=0, crash_at=0.001, join_rate=1.0),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    joiner = summary["peer_ids"][config.data_nodes + 1]
+    joins = [e for e in summary["events"] if e["kind"] == "join"]
+    assert [(e["peer"], e["stage"]) for e in joins] == [(joiner, 2)]
+    stage, version, digest = summary["replicas"][joiner]
+    assert (stage, version) == (2, config.steps)
+    assert [d for s, _, d in summary["replicas"].values() if s == 2] == [digest, digest]
+    later = [mb for mb in summary["microbatches"] if mb["it"] == config.steps - 1]
+    assert any(mb["path"][2] == joiner for mb in later)
+
+
+def test_leader_crash_the_next_data_node_leads():
+    # two data nodes; the leader (smallest id, data node 0) dies early in iteration 1
+    config = _mlp_config(
+        peers=6, data_nodes=2, steps=4,
+        pipeline=PipelineConfig(stages=2, microbatches=3, capacity=4, complete_timeout=0.5, aggregation_timeout=2.0),
+        faults=ChurnConfig(crash_data_node=0, crash_iteration=1, crash_at=0.001),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    dead, survivor = summary["peer_ids"][:2]
+    assert dead < survivor  # it was the leader
+    rows = [r for r in summary["metrics"]]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    later = [mb for mb in summary["microbatches"] if mb["it"] >= 2]
+    assert later and all(mb["src"] == survivor and mb["outcome"] == "ok" for mb in later)
+    assert dead not in summary["replicas"]
+    assert all(version == config.steps for _, version, _ in summary["replicas"].values())
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
