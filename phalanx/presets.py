@@ -1,4 +1,8 @@
-"""Presets: plain functions that return a RunConfig. `phalanx presets` lists them."""
+"""Presets: plain functions that return a run config. `phalanx presets` lists them.
+
+Data-parallel presets return a RunConfig; pipeline presets (pipeline_presets.py) a
+PipelineRunConfig; Aspis presets (experiments/aspis.py) an AspisRunConfig.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,10 @@ from dataclasses import replace
 
 from .config import ByzantineConfig, FaultsConfig, NetworkConfig, RunConfig
 from .core.errors import ConfigError
+from .experiments.aspis import aspis_digits, aspis_plus_digits
+from .pipeline_presets import PIPELINE_PRESETS
 from .runtime.btard import BTARDConfig
 from .runtime.butterfly import AllReduceConfig
-from .pipeline_presets import PIPELINE_PRESETS
 from .runtime.dp_peer import TrainConfig
 
 
@@ -92,11 +97,10 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "chars-gpt-dp": chars_gpt_dp,
     "btard-digits": btard_digits,
     **PIPELINE_PRESETS,
+    "aspis-digits": aspis_digits,
+    "aspis-plus-digits": aspis_plus_digits,
 }
 
-from .experiments.aspis import aspis_digits, aspis_plus_digits  # noqa: E402  (own run kind, own module)
-
-PRESETS.update({"aspis-digits": aspis_digits, "aspis-plus-digits": aspis_plus_digits})
 
 
 def get_preset(name: str) -> RunConfig:
