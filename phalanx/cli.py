@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("presets", help="list presets")
 
     p = sub.add_parser("bench", help="run an experiment benchmark")
-    p.add_argument("name", choices=["robustness"])
-    p.add_argument("--preset", default="quick", help="benchmark preset: quick or full")
+    p.add_argument("name", choices=["robustness", "sentinel"])
+    p.add_argument("--preset", default="quick", help="benchmark preset: quick or full (sentinel: quick or table1)")
     p.add_argument("--out", help="output directory (default runs/bench-NAME-PRESET)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a benchmark config key")
 
@@ -80,6 +80,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(report(Path(args.dir)))
         return 0
+    if args.command == "bench" and args.name == "sentinel":
+        from .experiments.sentinel_bench import run_cli as sentinel_cli
+
+        return sentinel_cli(args)
     if args.command == "bench":
         from .experiments.robustness import run_cli
 

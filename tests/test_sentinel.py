@@ -107,7 +107,7 @@ def test_warmup_accepts_everything_then_fences_flag():
     ok = verifier.check_forward(1, "w1", "a", _honest(gen, _center()))
     bad = verifier.check_forward(1, "w2", "b", -_honest(gen, _center()))
     assert not ok.flagged and ok.reason == "ok"
-    assert bad.flagged and bad.reason == "fence" and {"l2", "sign"} <= set(bad.outside)
+    assert bad.flagged and bad.reason == "fence" and {"l1", "sign", "swd"} <= set(bad.outside)
 
 
 def test_flagged_tensor_does_not_update_the_ema():
@@ -130,7 +130,7 @@ def test_malformed_tensors_are_flagged_not_raised():
     _warm(verifier, 0, 6, gen)
     assert verifier.check_forward(0, "evil", 1, torch.full((4, 8, 16), math.nan)).reason == "malformed"
     verdict = verifier.check_forward(0, "evil", 2, torch.ones(4, 8, 15))
-    assert verdict.flagged and verdict.reason == "malformed" and verdict.banned_now
+    assert verdict.flagged and verdict.reason == "malformed" and verdict.bans == ("evil",)
     assert verifier.banned() == {"evil"}
     assert verifier.check_forward(0, "evil", 3, _honest(gen, _center())).reason == "banned"
 
@@ -150,7 +150,7 @@ def test_strike_rule_bans_at_the_threshold_and_counts_a_microbatch_once():
     assert verifier.check_forward(1, "evil", 102, bad).flagged
     assert verifier.banned() == frozenset()
     verdict = verifier.check_forward(1, "evil", 103, bad)
-    assert verdict.banned_now and verifier.banned() == {"evil"}
+    assert verdict.bans == ("evil",) and verifier.banned() == {"evil"}
     # flags spread wider than the window never ban
     other = Sentinel(SentinelConfig(warmup=20, window=20, strikes=3, strike_window=5))
     _warm(other, 1, 25, gen)
@@ -205,3 +205,19 @@ def test_clean_stream_has_no_flags_after_warmup():
         flags += fwd.flagged + bwd.flagged
     assert flags <= 4  # false-positive rate under 0.5% of 800 checks
     assert verifier.banned() == frozenset()
+
+
+def test_odd_gradients_are_held_against_the_upstream_forward_sender_too():
+    """An attacker whose activations pass (delay, adaptive) is caught through the gradients after it."""
+    verifier = Sentinel(SentinelConfig(warmup=20, window=20, strikes=3, strike_window=8))
+    gen = torch.Generator().manual_seed(10)
+    _warm(verifier, 1, 25, gen)
+    _warm(verifier, 1, 25, gen, BACKWARD)
+    odd = torch.full((4, 8, 16), 6.0)
+    for i in range(3):
+        downstream = f"s2r{i}"  # a different honest next-stage worker each time
+        assert not verifier.check_forward(1, "sneaky", i, _honest(gen, _center())).flagged
+        verdict = verifier.check_backward(1, downstream, i, odd)
+        assert verdict.flagged and verdict.substitute is not None
+    assert verifier.banned() == {"sneaky"}
+    assert verdict.bans == ("sneaky",)

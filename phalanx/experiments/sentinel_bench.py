@@ -6,8 +6,9 @@ is a separate piece of work, and wiring the verifier into it comes with that
 runtime. Here one process trains the small character GPT cut into 4 stages
 (`GPT.stages(4)`: embedding | block 0 | block 1 | head). The data node holds
 stages 0 and 3 and the loss (honest, as the paper assumes); each middle stage
-is served by `relays` relays, microbatches assigned round-robin over the relays
-that are not banned. Relays of a stage share the stage's parameters, which is
+is served by `relays` relays; each iteration, microbatches are dealt
+round-robin over a seeded shuffle of the relays that are not banned (so a
+relay meets different neighbours). Relays of a stage share the stage's parameters, which is
 exactly "copies kept identical by averaging their gradients every step" (the
 loss is the mean over all microbatches, so the summed gradient is the same).
 Each relay sends its outgoing activations and activation gradients through its
@@ -160,7 +161,8 @@ def run_one(config: SentinelBenchConfig, spec: RunSpec) -> dict:
             else:
                 policies[name] = LinkAttack(worker=name)
     verifier = Sentinel(_verifier_config(config, spec.variant)) if spec.defended else None
-    records: list[tuple[int, str, bool, bool, str]] = []  # (iteration, worker, tampered, flagged, reason)
+    # (iteration, worker, tampered, caught, reason); a tampered gradient the verifier replaced counts as caught
+    records: list[tuple[int, str, bool, bool, str]] = []
     ban_iteration: dict[str, int] = {}
     train_losses = []
     start = time.perf_counter()
@@ -173,8 +175,9 @@ def run_one(config: SentinelBenchConfig, spec: RunSpec) -> dict:
             banned = verifier.banned() if verifier else frozenset()
             path = {}
             for s in (1, 2):
-                active = [r for r in relays[s] if r not in banned]
-                path[s] = active[(mb + s) % len(active)]
+                order = [r for r in relays[s] if r not in banned]
+                py_stream(config.seed, "sentinel-route", it, s).shuffle(order)
+                path[s] = order[j % len(order)]
             total += _microbatch(stages, x, y, it, mb, path, policies, verifier, records, config.microbatches)
             if verifier:
                 for worker in verifier.banned() - set(ban_iteration):
@@ -218,14 +221,15 @@ def _microbatch(stages, x, y, it, mb, path, policies, verifier, records, microba
         grad = sent.tensor
         if verifier:
             verdict = verifier.check_backward(s - 1, worker, mb, sent.tensor)
-            records.append((it, worker, sent.tampered, verdict.flagged, verdict.reason))
+            caught = verdict.flagged or (sent.tampered and verdict.substitute is not None)
+            records.append((it, worker, sent.tampered, caught, verdict.reason))
             grad = verdict.passed_on(sent.tensor)
     h0.backward(grad)
     return loss.item()
 
 
 def _score(config, spec, bad, records, ban_iteration, train_losses, val, wall) -> dict:
-    scored = [r for r in records if r[4] not in ("warmup", "banned")]
+    scored = [r for r in records if r[4] not in ("warmup", "banned") and (r[2] or r[4] != "tainted")]
     tp = sum(1 for r in scored if r[2] and r[3])
     fp = sum(1 for r in scored if not r[2] and r[3])
     fn = sum(1 for r in scored if r[2] and not r[3])
