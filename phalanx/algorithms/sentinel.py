@@ -50,7 +50,8 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   odd when the activation that produced it was odd, and an attacker whose
   forward tensors pass the fences (delay, adaptive) shows up as odd gradients
   from the honest workers after it. Random routing spreads that blame over
-  the honest workers while the attacker collects all of it.
+  the honest workers while the attacker collects all of it; once a worker is
+  banned, the strikes it shared with others are taken off them (explained).
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
   checks of it downstream are not held against anyone, and every gradient of
@@ -279,7 +280,7 @@ class Sentinel:
         self.config = config or SentinelConfig()
         self._names = self.config.distance_names
         self._tracks: dict[tuple[int, str], _Track] = {}
-        self._history: dict[str, deque[list]] = {}  # worker -> [microbatch, flagged] of its last microbatches
+        self._history: dict[str, deque[list]] = {}  # worker -> [microbatch, flagged, co-suspects] of its last microbatches
         self._paths: dict[Hashable, dict[int, str]] = {}  # microbatch -> forward sender per link
         self._banned: set[str] = set()
         self._tainted: dict[Hashable, tuple[int, str]] = {}  # microbatch -> (link, worker) of its forward flag
@@ -434,11 +435,21 @@ class Sentinel:
                 continue
             history = self._history.setdefault(worker, deque(maxlen=self.config.strike_window))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
+            others = suspects - {worker} if verdict.flagged else set()
             if entry is None:
-                history.append([mb, verdict.flagged])
+                history.append([mb, verdict.flagged, others])
             else:
                 entry[1] = entry[1] or verdict.flagged
-            if sum(flag for _, flag in history) >= self.config.strikes:
-                self._banned.add(worker)
+                entry[2] |= others
+            if sum(e[1] for e in history) >= self.config.strikes:
+                self._ban(worker)
                 bans.append(worker)
         return dataclasses.replace(verdict, bans=tuple(bans)) if bans else verdict
+
+    def _ban(self, worker: str) -> None:
+        """Ban `worker`; strikes it shared with others are explained by it and taken off them."""
+        self._banned.add(worker)
+        for history in self._history.values():
+            for entry in history:
+                if worker in entry[2]:
+                    entry[1], entry[2] = False, set()

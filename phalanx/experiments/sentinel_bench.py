@@ -101,14 +101,16 @@ def _names(text: str) -> list[str]:
 
 
 def quick() -> SentinelBenchConfig:
-    """Smoke scale (well under 30 s): a zero-constant and a scaling attacker, 1 of 4 relays per stage."""
-    return SentinelBenchConfig(iterations=40, attack_start=16, microbatches=8, relays=4, malicious=1,
-                               attacks="zeros,scaling", ablation="", jobs=1)
+    """Smoke scale: a zero-constant and a scaling attacker, 1 of 4 relays per middle stage, from iteration 20
+    (warm-up: 120 tensors per link and direction, i.e. 15 iterations)."""
+    return SentinelBenchConfig(iterations=40, attack_start=20, microbatches=8, relays=4, malicious=1,
+                               attacks="zeros,scaling", ablation="", jobs=1, sentinel=SentinelConfig(warmup=120))
 
 
 def table1() -> SentinelBenchConfig:
     """Table 1: every attack, 3 of 8 relays per middle stage malicious (37.5%), plus the ablation."""
-    return SentinelBenchConfig(iterations=300, attack_start=100, microbatches=16, relays=8, malicious=3)
+    return SentinelBenchConfig(iterations=160, attack_start=60, microbatches=16, relays=8, malicious=3,
+                               ablation_attacks="zeros,scaling,invisible_noise,mixed", jobs=2)
 
 
 PRESETS = {"quick": quick, "table1": table1}
@@ -165,6 +167,7 @@ def run_one(config: SentinelBenchConfig, spec: RunSpec) -> dict:
     records: list[tuple[int, str, bool, bool, str]] = []
     ban_iteration: dict[str, int] = {}
     train_losses = []
+    stalled = None  # iteration at which a middle stage had no relay left (every one banned)
     start = time.perf_counter()
     for it in range(config.iterations):
         opt.zero_grad(set_to_none=True)
@@ -174,6 +177,9 @@ def run_one(config: SentinelBenchConfig, spec: RunSpec) -> dict:
             x, y = task.batch(config.seed, DATA_NODE, mb, config.batch_size)
             banned = verifier.banned() if verifier else frozenset()
             path = {}
+            if any(all(r in banned for r in relays[s]) for s in (1, 2)):
+                stalled = it
+                break
             for s in (1, 2):
                 order = [r for r in relays[s] if r not in banned]
                 py_stream(config.seed, "sentinel-route", it, s).shuffle(order)
@@ -182,13 +188,15 @@ def run_one(config: SentinelBenchConfig, spec: RunSpec) -> dict:
             if verifier:
                 for worker in verifier.banned() - set(ban_iteration):
                     ban_iteration[worker] = it
+        if stalled is not None:
+            break
         if config.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
         opt.step()
         train_losses.append(total)
     wall = time.perf_counter() - start
     val = task.evaluate(model)["loss"]
-    return _score(config, spec, bad, records, ban_iteration, train_losses, val, wall)
+    return {**_score(config, spec, bad, records, ban_iteration, train_losses, val, wall), "stalled_at": stalled}
 
 
 def _microbatch(stages, x, y, it, mb, path, policies, verifier, records, microbatches) -> float:
@@ -247,7 +255,7 @@ def _score(config, spec, bad, records, ban_iteration, train_losses, val, wall) -
         "banned": sorted(ban_iteration), "malicious": malicious,
         "exact_bans": sorted(ban_iteration) == malicious,
         "ban_iterations": delays, "max_ban_iterations": max(delays) if len(delays) == len(malicious) and delays else None,
-        "val_loss": val, "final_train_loss": sum(train_losses[-10:]) / len(train_losses[-10:]), "wall_s": wall,
+        "val_loss": val, "final_train_loss": sum(train_losses[-10:]) / max(1, len(train_losses[-10:])), "wall_s": wall,
     }
 
 
@@ -317,7 +325,7 @@ def format_table(config: SentinelBenchConfig, rows: list[dict]) -> str:
         lines.append(
             f"{attack:16s} {_fmt(d['f1']):>6s} {_fmt(d['precision']):>6s} {_fmt(d['recall']):>6s} {d['tampered']:5d} "
             f"{bans:>14s} {str(d['exact_bans']):>5s} {d['val_loss']:9.4f} {u['val_loss']:9.4f} "
-            f"{clean['val_loss']:7.4f} {gap:+6.2f}")
+            f"{clean['val_loss']:7.4f} {gap:+6.2f}" + (f"  STALLED at iteration {d['stalled_at']} (a stage lost every relay)" if d["stalled_at"] is not None else ""))
     overhead = clean_def["wall_s"] / clean["wall_s"]
     lines += [
         "",
