@@ -397,7 +397,7 @@ class Sentinel:
         if learn and not flagged:
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
-        return self._strike(verdict)
+        return self._strike(verdict, blame_upstream=learn)  # learn=False: the sender's own forward flag explains it
 
     def _well_formed(self, track: _Track, tensor: Tensor) -> bool:
         if not isinstance(tensor, Tensor) or tensor.dim() < 1 or tensor.numel() == 0 or not tensor.is_floating_point():
@@ -421,25 +421,26 @@ class Sentinel:
             return tukey_fence(list(track.windows[name]), self.config.k, 1.0 / track.ref.mean.shape[0])
         return tukey_fence(list(track.windows[name]), self.config.k, self.config.min_spread)
 
-    def _strike(self, verdict: Verdict) -> Verdict:
+    def _strike(self, verdict: Verdict, blame_upstream: bool = True) -> Verdict:
         mb = verdict.microbatch
         if verdict.direction == FORWARD:
             self._paths.setdefault(mb, {})[verdict.link] = verdict.worker
         suspects = {verdict.worker}
-        if verdict.flagged:  # the tensor may be odd because of what flowed into its sender
+        if verdict.flagged and blame_upstream:  # the tensor may be odd because of what flowed into its sender
             bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
             suspects |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
         bans = []
-        for worker in sorted(suspects):
+        for worker in [verdict.worker, *sorted(suspects - {verdict.worker})]:
             if worker in self._banned:
                 continue
+            others = suspects - {worker} if verdict.flagged else set()
+            flagged = verdict.flagged and not others & self._banned  # explained by a worker banned just now
             history = self._history.setdefault(worker, deque(maxlen=self.config.strike_window))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
-            others = suspects - {worker} if verdict.flagged else set()
             if entry is None:
-                history.append([mb, verdict.flagged, others])
-            else:
-                entry[1] = entry[1] or verdict.flagged
+                history.append([mb, flagged, others if flagged else set()])
+            elif flagged:
+                entry[1] = True
                 entry[2] |= others
             if sum(e[1] for e in history) >= self.config.strikes:
                 self._ban(worker)
