@@ -163,7 +163,6 @@ def test_backward_substitution_returns_the_gradient_momentum():
     verifier = Sentinel(SentinelConfig(warmup=20, window=20))
     gen = torch.Generator().manual_seed(7)
     _warm(verifier, 0, 30, gen, BACKWARD)
-    momentum = verifier.reference(0, BACKWARD).mean
     honest = _honest(gen, _center())
     ok = verifier.check_backward(0, "w0", "h", honest)
     assert ok.substitute is None and ok.passed_on(honest) is honest
