@@ -15,4 +15,6 @@
 - flow: GWTF's decentralized flow state machine (Request Flow / Change / Redirect, annealing) and a sync driver
 - flowgraph: static staged graphs, networkx min-cost-flow optimum, SWARM's greedy choice (flow tests)
 - placement: GWTF leader choice, flooded stage utilization, joiner placement and its baselines
+- sentinel: SENTINEL's link statistics (EMAs, distances, Tukey fences, strikes, gradient substitution)
+- link_attacks: attacks of pipeline relays on the activations and gradients they send
 """

@@ -1,0 +1,456 @@
+"""SENTINEL: momentum statistics that verify the traffic between pipeline stages.
+
+A trusted verifier sees every activation a stage sends forward over a link and
+every activation gradient the next stage sends back over it. For each link and
+direction it keeps an exponential moving average (EMA) of what honest traffic
+looks like, measures how far each incoming tensor lies from it, and flags the
+tensor when the distances leave adaptive Tukey fences. Flagged tensors do not
+update the EMA; a flagged (or tainted) gradient is replaced by the gradient
+momentum; repeated flags ban the sending worker. Pure: no I/O, no clock.
+
+Choices where the paper is silent (each is a `SentinelConfig` field):
+
+* **Per feature, not per coordinate.** Two microbatches hold different text,
+  so coordinate (b, t, c) of one has no relation to coordinate (b, t, c) of
+  the next: a per-coordinate EMA averages unrelated tokens, and a distance
+  taken coordinate by coordinate is dominated by the data's own spread (an
+  all-zero tensor is then about as far from the EMA as an honest one). The
+  statistics are therefore taken over the last axis (features) with every
+  other axis pooled: the per-feature mean over the B*T token vectors (token
+  noise shrinks by sqrt(B*T), so mean shifts, sign changes and scalings stand
+  out), plus the quantile functions of the token vectors projected on random
+  directions (the distribution's shape, for attacks that keep the mean). This
+  is also independent of the microbatch size and sequence length, and costs
+  O(C) memory per link instead of O(B*T*C).
+* **Distances** (on the per-feature mean m_x of the tensor and the EMA m):
+  ``l1`` mean |m_x - m|; ``l2`` ||m_x - m|| / ||m|| (normalized Euclidean);
+  ``sign`` the fraction of features with sign(m_x) != sign(m) (a zero counts
+  as a flip); ``swd`` the sliced 1-Wasserstein distance: mean over
+  `projections` seeded random unit directions and `quantiles` levels of
+  |Q_x - Q|, where Q is the EMA of the projected quantile functions (in 1-D the
+  average of quantile functions is the Wasserstein barycentre, so Q is the
+  EMA's distribution).
+* **Fences.** Tukey fences over the last `window` accepted distances:
+  [Q1 - k*IQR, Q3 + k*IQR] with k = 5 (wider than Tukey's "far out" 3, which
+  flagged ~0.4% of honest GPT traffic; 5 flags ~0.1%). l1, l2 and swd are
+  fenced on a log scale (`log_fences`): they are positive and right-skewed,
+  and training drift scales them. The lower fence matters: a tensor that
+  copies the EMA is implausibly close to it. The IQR is floored (`min_spread`
+  in log units, one feature's resolution 1/C for ``sign``) so a window of
+  near-identical values does not turn every wiggle into a flag.
+* **Warm-up.** The first `warmup` tensors of each link and direction are
+  trusted (the paper's honest warm-up): they build the EMA and the windows.
+* **Vote.** A tensor is flagged when `vote` of the distances (any, majority,
+  all) are outside their fences. Malformed tensors (wrong feature size,
+  non-finite values) are always flagged.
+* **Strikes.** A worker is banned when `strikes` of the last `strike_window`
+  microbatches it handled carry a flag against it (one strike per microbatch).
+  A flag is held against the sender and against every worker the verifier saw
+  sending that microbatch forward upstream of it: an activation gradient is
+  odd when the activation that produced it was odd, and an attacker whose
+  forward tensors pass the fences (delay, adaptive) shows up as odd gradients
+  from the honest workers after it. Random routing spreads that blame over
+  the honest workers while the attacker collects all of it; once a worker is
+  banned, the strikes it shared with others are taken off them (explained).
+* **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
+  moving, as in the paper's figure 5) and the microbatch is tainted: later
+  checks of it downstream are not held against anyone, and every gradient of
+  it from the flagged worker's stage back is replaced by the gradient momentum
+  (the link's EMA per-feature mean broadcast to the tensor's shape). Backward,
+  a flagged gradient is replaced the same way, and the gradients computed from
+  a substitute further back are passed on without being judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..core.errors import ConfigError
+from ..core.rng import torch_stream
+
+DISTANCES = ("l1", "l2", "sign", "swd")
+VOTES = ("any", "majority", "all")
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass(frozen=True)
+class SentinelConfig:
+    """Every unknown of the paper, with the value chosen here."""
+
+    beta_h: float = 0.9  # EMA factor of activations (paper's default; 0 = last accepted tensor)
+    beta_g: float = 0.8  # EMA factor of activation gradients (paper's default)
+    distances: str = "l1,l2,sign,swd"  # comma-separated subset of DISTANCES
+    vote: str = "any"  # how many out-of-fence distances flag a tensor: any, majority or all
+    k: float = 5.0  # Tukey multiplier; 3 ("far out") gave ~0.4% false flags on the GPT's traffic, 5 about 0.1%
+    window: int = 64  # accepted distances kept per link, direction and distance
+    warmup: int = 200  # trusted tensors per link and direction before any flag (covers the fast early drift)
+    two_sided: bool = True  # also flag distances below the lower fence (copies of the EMA)
+    log_fences: bool = True  # fence log(l1), log(l2), log(swd): they are positive and right-skewed
+    min_spread: float = 0.05  # IQR floor of the fenced values (log units: 5%); sign's floor is 1/C
+    projections: int = 16  # random directions of the sliced Wasserstein distance
+    quantiles: int = 32  # levels of each projected quantile function
+    strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
+    strike_window: int = 8
+    seed: int = 0  # run seed of the projection streams
+
+    def __post_init__(self) -> None:
+        for key in ("beta_h", "beta_g"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1)")
+        names = self.distance_names
+        if not names or any(n not in DISTANCES for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"sentinel.distances={self.distances!r} must be distinct names from {', '.join(DISTANCES)}")
+        if self.vote not in VOTES:
+            raise ConfigError(f"sentinel.vote={self.vote!r} must be one of {', '.join(VOTES)}")
+        if not (math.isfinite(self.k) and self.k > 0):
+            raise ConfigError(f"sentinel.k={self.k} must be a positive number")
+        if self.window < 4:
+            raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
+        if self.warmup < 5:
+            raise ConfigError(f"sentinel.warmup={self.warmup} must be >= 5 (fences need at least 4 distances)")
+        if not 0.0 <= self.min_spread < 1.0:
+            raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
+        for key in ("projections", "quantiles", "strikes", "strike_window"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be >= 1")
+        if self.strikes > self.strike_window:
+            raise ConfigError(f"sentinel.strikes={self.strikes} must be <= sentinel.strike_window={self.strike_window}")
+
+    @property
+    def distance_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.distances.split(",") if n.strip())
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the statistics keep of one tensor: per-feature mean and projected quantiles."""
+
+    mean: Tensor  # [C]
+    quantiles: Tensor  # [quantiles, projections]
+
+
+@dataclass(frozen=True)
+class Fence:
+    low: float
+    high: float
+
+    def contains(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's decision on one tensor.
+
+    `flagged` is detection (fences or a malformed tensor); `substitute`, set
+    only backward, is what the verifier sends on instead of the tensor (the
+    gradient momentum), for a flagged gradient or one from a worker flagged on
+    the same microbatch forward (`reason` "tainted").
+    """
+
+    link: int
+    direction: str
+    worker: str
+    microbatch: Hashable
+    flagged: bool
+    reason: str  # ok, warmup, fence, malformed, tainted, banned
+    distances: tuple[tuple[str, float], ...] = ()
+    outside: tuple[str, ...] = ()  # distances outside their fences
+    bans: tuple[str, ...] = ()  # workers this verdict's strikes banned
+    substitute: Tensor | None = field(default=None, repr=False)
+
+    def passed_on(self, tensor: Tensor) -> Tensor:
+        """The tensor the verifier sends on: the substitute if any, else the tensor."""
+        return tensor if self.substitute is None else self.substitute
+
+
+# ---------------------------------------------------------------------------
+# pure statistics
+
+
+def tukey_fence(values: list[float] | tuple[float, ...], k: float, floor: float = 0.0) -> Fence:
+    """[Q1 - k*IQR, Q3 + k*IQR] with quartiles by linear interpolation (numpy's default).
+
+    The IQR used is max(IQR, floor).
+    """
+    if len(values) < 2:
+        raise ValueError(f"a fence needs at least 2 values, got {len(values)}")
+    ordered = sorted(values)
+    q1, q3 = _quantile(ordered, 0.25), _quantile(ordered, 0.75)
+    spread = max(q3 - q1, floor)
+    return Fence(q1 - k * spread, q3 + k * spread)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def projections(seed: int, link: int, direction: str, features: int, count: int) -> Tensor:
+    """Seeded random unit directions [features, count] of a link's sliced Wasserstein distance."""
+    gen = torch_stream(seed, "sentinel-projections", link, direction, features)
+    dirs = torch.randn(features, count, generator=gen)
+    return dirs / dirs.norm(dim=0, keepdim=True)
+
+
+def summarize(tensor: Tensor, proj: Tensor, levels: int) -> Summary:
+    """Per-feature mean and projected quantile functions of a tensor [..., C]."""
+    rows = tensor.detach().reshape(-1, tensor.shape[-1]).float()
+    mean = rows.mean(dim=0)
+    projected = rows @ proj  # [N, P]
+    grid = (torch.arange(levels, dtype=torch.float32) + 0.5) / levels
+    return Summary(mean, torch.quantile(projected, grid, dim=0))
+
+
+def distances(x: Summary, ref: Summary, names: tuple[str, ...] = DISTANCES) -> dict[str, float]:
+    """Distances of a tensor's summary to the reference (the EMA), by name."""
+    out = {}
+    diff = x.mean - ref.mean
+    for name in names:
+        if name == "l1":
+            out[name] = diff.abs().mean().item()
+        elif name == "l2":
+            out[name] = (diff.norm() / ref.mean.norm().clamp_min(1e-30)).item()
+        elif name == "sign":
+            out[name] = (torch.sign(x.mean) != torch.sign(ref.mean)).float().mean().item()
+        elif name == "swd":
+            out[name] = (x.quantiles - ref.quantiles).abs().mean().item()
+        else:
+            raise ValueError(f"unknown distance {name!r}; known: {', '.join(DISTANCES)}")
+    return out
+
+
+def ema(old: Summary, new: Summary, beta: float) -> Summary:
+    """beta * old + (1 - beta) * new, field by field."""
+    return Summary(old.mean * beta + new.mean * (1 - beta), old.quantiles * beta + new.quantiles * (1 - beta))
+
+
+def vote(outside: int, total: int, rule: str) -> bool:
+    """Whether `outside` of `total` out-of-fence distances flag a tensor under `rule`."""
+    if rule == "any":
+        return outside >= 1
+    if rule == "majority":
+        return 2 * outside > total
+    if rule == "all":
+        return outside == total
+    raise ValueError(f"unknown vote {rule!r}; known: {', '.join(VOTES)}")
+
+
+def _scaled(name: str, value: float, config: SentinelConfig) -> float:
+    """The scale the fences work on: log for the magnitudes (l1, l2, swd) when `log_fences`."""
+    if name == "sign" or not config.log_fences:
+        return value
+    return math.log(max(value, 1e-300))
+
+
+# ---------------------------------------------------------------------------
+# the verifier's state machine
+
+
+class _Track:
+    """EMA, projections and distance windows of one link and direction."""
+
+    def __init__(self, names: tuple[str, ...], window: int) -> None:
+        self.ref: Summary | None = None
+        self.proj: Tensor | None = None
+        self.accepted = 0
+        self.windows = {n: deque(maxlen=window) for n in names}
+
+
+class Sentinel:
+    """The statistics of every link a verifier watches, and the strike ledger.
+
+    A runtime verifier calls `check_forward` for each activation a worker sends
+    over a link and `check_backward` for each activation gradient, then sends
+    on `verdict.passed_on(tensor)`. `link` s is the boundary between stages s
+    and s+1: forward tensors on it come from stage s, backward ones from stage
+    s+1. `banned()` is the set routing must avoid.
+    """
+
+    def __init__(self, config: SentinelConfig | None = None) -> None:
+        self.config = config or SentinelConfig()
+        self._names = self.config.distance_names
+        self._tracks: dict[tuple[int, str], _Track] = {}
+        self._history: dict[str, deque[list]] = {}  # worker -> [microbatch, flagged, co-suspects] of its last microbatches
+        self._paths: dict[Hashable, dict[int, str]] = {}  # microbatch -> forward sender per link
+        self._banned: set[str] = set()
+        self._tainted: dict[Hashable, tuple[int, str]] = {}  # microbatch -> (link, worker) of its forward flag
+        self._replaced: dict[Hashable, int] = {}  # microbatch -> backward link where a substitute was sent
+
+    def banned(self) -> frozenset[str]:
+        return frozenset(self._banned)
+
+    def check_forward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
+        """Judge an activation `worker` sends over `link`; it is passed on unchanged either way."""
+        origin = self._tainted.get(microbatch)
+        if origin is not None and link > origin[0]:
+            return Verdict(link, FORWARD, worker, microbatch, False, "tainted")
+        verdict = self._check(link, FORWARD, worker, microbatch, tensor, learn=True)
+        if verdict.flagged and origin is None:
+            self._tainted[microbatch] = (link, worker)
+        return verdict
+
+    def check_backward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
+        """Judge an activation gradient `worker` sends back over `link`; send on `verdict.passed_on(tensor)`.
+
+        Gradients of a microbatch flagged forward at link s are replaced from
+        link s - 1 onwards (judged only when they come from the flagged worker).
+        Gradients computed from a substitute are passed on but not judged: they
+        are honest work on a tensor the verifier itself made.
+        """
+        origin = self._tainted.get(microbatch)
+        replaced = self._replaced.get(microbatch)
+        if origin is not None and link >= origin[0] - 1:
+            if link == origin[0] - 1 and worker == origin[1]:
+                verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=False)
+            else:
+                verdict = Verdict(link, BACKWARD, worker, microbatch, False, "tainted")
+        elif replaced is not None and link < replaced:
+            verdict = Verdict(link, BACKWARD, worker, microbatch, False, "tainted")
+        else:
+            verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=True)
+        if link == 0:
+            self.forget(microbatch)
+        if not (verdict.flagged or verdict.reason == "banned" or origin is not None and link >= origin[0] - 1):
+            return verdict
+        if link > 0:
+            self._replaced[microbatch] = link
+        reason = "tainted" if verdict.reason in ("ok", "warmup") else verdict.reason
+        return dataclasses.replace(verdict, reason=reason, substitute=self.momentum(link, tensor))
+
+    def forget(self, microbatch: Hashable) -> None:
+        """Drop what is remembered of a microbatch (done at its link-0 backward check; call it
+        when a microbatch's backward will not come: crash, reroute)."""
+        self._tainted.pop(microbatch, None)
+        self._replaced.pop(microbatch, None)
+        self._paths.pop(microbatch, None)
+
+    def momentum(self, link: int, like: Tensor) -> Tensor:
+        """The gradient momentum of a link, broadcast to `like`'s shape (zeros before any EMA)."""
+        track = self._tracks.get((link, BACKWARD))
+        if track is None or track.ref is None or track.ref.mean.shape[0] != like.shape[-1]:
+            return torch.zeros_like(like)
+        return track.ref.mean.to(like.dtype).expand(like.shape).clone()
+
+    def reference(self, link: int, direction: str) -> Summary | None:
+        """The EMA of a link and direction (None before the first tensor)."""
+        track = self._tracks.get((link, direction))
+        return None if track is None else track.ref
+
+    def fences(self, link: int, direction: str) -> dict[str, Fence] | None:
+        """Current fences per distance (on the fenced scale: log for l1/l2/swd), None while warming up."""
+        track = self._tracks.get((link, direction))
+        if track is None or track.accepted < self.config.warmup:
+            return None
+        return {n: self._fence(track, n) for n in self._names}
+
+    def probe(self, link: int, direction: str, tensor: Tensor) -> tuple[str, ...] | None:
+        """The distances a tensor would have outside the fences, without any state change.
+
+        None while warming up (anything passes). This is the white-box view an
+        adaptive attacker is granted in experiments; the verifier never needs it.
+        """
+        track = self._tracks.get((link, direction))
+        fences = self.fences(link, direction)
+        if fences is None or track is None or not self._well_formed(track, tensor):
+            return None if fences is None else tuple(self._names)
+        return self._outside(track, distances(summarize(tensor, track.proj, self.config.quantiles), track.ref, self._names))
+
+    def would_accept(self, link: int, direction: str, tensor: Tensor) -> bool:
+        """Whether `tensor` would pass the vote right now (no state change; True while warming up)."""
+        outside = self.probe(link, direction, tensor)
+        return outside is None or not vote(len(outside), len(self._names), self.config.vote)
+
+    # -- internals ---------------------------------------------------------
+
+    def _check(self, link: int, direction: str, worker: str, microbatch: Hashable, tensor: Tensor,
+               learn: bool) -> Verdict:
+        if worker in self._banned:
+            return Verdict(link, direction, worker, microbatch, True, "banned")
+        track = self._tracks.setdefault((link, direction), _Track(self._names, self.config.window))
+        if not self._well_formed(track, tensor):
+            return self._strike(Verdict(link, direction, worker, microbatch, True, "malformed"))
+        if track.proj is None:
+            track.proj = projections(self.config.seed, link, direction, tensor.shape[-1], self.config.projections)
+        summary = summarize(tensor, track.proj, self.config.quantiles)
+        if track.ref is None:
+            if learn:
+                track.ref, track.accepted = summary, 1
+            return Verdict(link, direction, worker, microbatch, False, "warmup")
+        dist = distances(summary, track.ref, self._names)
+        named = tuple(dist.items())
+        if track.accepted < self.config.warmup:
+            if learn:
+                self._accept(track, direction, summary, dist)
+            return Verdict(link, direction, worker, microbatch, False, "warmup", named)
+        outside = self._outside(track, dist)
+        flagged = vote(len(outside), len(self._names), self.config.vote)
+        if learn and not flagged:
+            self._accept(track, direction, summary, dist)
+        verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
+        return self._strike(verdict, blame_upstream=learn)  # learn=False: the sender's own forward flag explains it
+
+    def _well_formed(self, track: _Track, tensor: Tensor) -> bool:
+        if not isinstance(tensor, Tensor) or tensor.dim() < 1 or tensor.numel() == 0 or not tensor.is_floating_point():
+            return False
+        if track.ref is not None and tensor.shape[-1] != track.ref.mean.shape[0]:
+            return False
+        return bool(torch.isfinite(tensor).all())
+
+    def _accept(self, track: _Track, direction: str, summary: Summary, dist: dict[str, float]) -> None:
+        beta = self.config.beta_h if direction == FORWARD else self.config.beta_g
+        track.ref = ema(track.ref, summary, beta)
+        track.accepted += 1
+        for name, value in dist.items():
+            track.windows[name].append(_scaled(name, value, self.config))
+
+    def _outside(self, track: _Track, dist: dict[str, float]) -> tuple[str, ...]:
+        return tuple(n for n in self._names if not self._fence(track, n).contains(_scaled(n, dist[n], self.config)))
+
+    def _fence(self, track: _Track, name: str) -> Fence:
+        if name == "sign":
+            return tukey_fence(list(track.windows[name]), self.config.k, 1.0 / track.ref.mean.shape[0])
+        return tukey_fence(list(track.windows[name]), self.config.k, self.config.min_spread)
+
+    def _strike(self, verdict: Verdict, blame_upstream: bool = True) -> Verdict:
+        mb = verdict.microbatch
+        if verdict.direction == FORWARD:
+            self._paths.setdefault(mb, {})[verdict.link] = verdict.worker
+        suspects = {verdict.worker}
+        if verdict.flagged and blame_upstream:  # the tensor may be odd because of what flowed into its sender
+            bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
+            suspects |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
+        bans = []
+        for worker in [verdict.worker, *sorted(suspects - {verdict.worker})]:
+            if worker in self._banned:
+                continue
+            others = suspects - {worker} if verdict.flagged else set()
+            flagged = verdict.flagged and not others & self._banned  # explained by a worker banned just now
+            history = self._history.setdefault(worker, deque(maxlen=self.config.strike_window))
+            entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
+            if entry is None:
+                history.append([mb, flagged, others if flagged else set()])
+            elif flagged:
+                entry[1] = True
+                entry[2] |= others
+            if sum(e[1] for e in history) >= self.config.strikes:
+                self._ban(worker)
+                bans.append(worker)
+        return dataclasses.replace(verdict, bans=tuple(bans)) if bans else verdict
+
+    def _ban(self, worker: str) -> None:
+        """Ban `worker`; strikes it shared with others are explained by it and taken off them."""
+        self._banned.add(worker)
+        for history in self._history.values():
+            for entry in history:
+                if worker in entry[2]:
+                    entry[1], entry[2] = False, set()

@@ -1,0 +1,222 @@
+"""SENTINEL statistics: distances, fences, EMA, warm-up, votes, strikes and substitution."""
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+from phalanx.algorithms.sentinel import (
+    BACKWARD, FORWARD, Sentinel, SentinelConfig, Summary, distances, ema, projections, summarize, tukey_fence, vote,
+)
+from phalanx.core.errors import ConfigError
+
+
+def _honest(gen: torch.Generator, center: torch.Tensor, shape=(4, 8, 16)) -> torch.Tensor:
+    return center + 0.5 * torch.randn(shape, generator=gen)
+
+
+def _center(features: int = 16) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, features) + 0.05  # no feature has a zero mean
+
+
+def _warm(verifier: Sentinel, link: int, count: int, gen: torch.Generator, direction: str = FORWARD) -> None:
+    check = verifier.check_forward if direction == FORWARD else verifier.check_backward
+    for i in range(count):
+        check(link, f"w{i % 3}", ("warm", link, direction, i), _honest(gen, _center()))
+
+
+def test_distances_against_direct_computation():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 7, 6, generator=gen)
+    proj = projections(0, 1, FORWARD, 6, 3)
+    assert torch.allclose(proj.norm(dim=0), torch.ones(3))
+    ref = Summary(torch.randn(6, generator=gen), torch.randn(4, 3, generator=gen))
+    got = distances(summarize(x, proj, 4), ref)
+    rows = x.reshape(-1, 6).numpy().astype(np.float64)
+    mean = rows.mean(axis=0)
+    r = ref.mean.numpy().astype(np.float64)
+    assert got["l1"] == pytest.approx(np.abs(mean - r).mean(), rel=1e-5)
+    assert got["l2"] == pytest.approx(np.linalg.norm(mean - r) / np.linalg.norm(r), rel=1e-5)
+    assert got["sign"] == pytest.approx(np.mean(np.sign(mean) != np.sign(r)))
+    projected = rows @ proj.numpy().astype(np.float64)  # [35, 3]
+    levels = (np.arange(4) + 0.5) / 4
+    q = np.quantile(projected, levels, axis=0)  # numpy's linear interpolation, as torch.quantile
+    assert got["swd"] == pytest.approx(np.abs(q - ref.quantiles.numpy()).mean(), rel=1e-4)
+
+
+def test_sliced_wasserstein_of_shifted_copy_is_the_projected_shift():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 8, generator=gen)
+    shift = torch.randn(8, generator=gen)
+    proj = projections(3, 0, BACKWARD, 8, 5)
+    a, b = summarize(x, proj, 16), summarize(x + shift, proj, 16)
+    # a translation moves every quantile of a projection by <shift, direction>
+    assert distances(b, a, ("swd",))["swd"] == pytest.approx((shift @ proj).abs().mean().item(), rel=1e-4)
+    assert distances(a, a)["l1"] == 0.0 and distances(a, a)["swd"] == 0.0
+
+
+def test_sign_distance_counts_zero_as_flip():
+    ref = Summary(torch.tensor([1.0, -2.0, 3.0, -4.0]), torch.zeros(1, 1))
+    x = Summary(torch.tensor([0.5, 2.0, 0.0, -1.0]), torch.zeros(1, 1))
+    assert distances(x, ref, ("sign",))["sign"] == pytest.approx(0.5)
+
+
+def test_tukey_fence_against_numpy():
+    values = [0.3, 1.2, 0.7, 5.0, 0.9, 1.1, 0.4, 0.8, 2.2]
+    q1, q3 = np.percentile(values, [25, 75])
+    fence = tukey_fence(values, 1.5)
+    assert fence.low == pytest.approx(q1 - 1.5 * (q3 - q1)) and fence.high == pytest.approx(q3 + 1.5 * (q3 - q1))
+    assert statistics.quantiles(values, n=4, method="inclusive") == pytest.approx([q1, np.median(values), q3])
+    floored = tukey_fence([1.0] * 6, 3.0, floor=0.1)
+    assert (floored.low, floored.high) == pytest.approx((0.7, 1.3))
+    assert fence.contains(q3) and not fence.contains(fence.high + 1e-9)
+
+
+def test_ema_and_vote_rules():
+    old = Summary(torch.tensor([1.0, 2.0]), torch.tensor([[0.0]]))
+    new = Summary(torch.tensor([3.0, 0.0]), torch.tensor([[1.0]]))
+    mixed = ema(old, new, 0.75)
+    assert torch.allclose(mixed.mean, torch.tensor([1.5, 1.5])) and mixed.quantiles.item() == pytest.approx(0.25)
+    assert vote(1, 4, "any") and not vote(0, 4, "any")
+    assert vote(3, 4, "majority") and not vote(2, 4, "majority")
+    assert vote(4, 4, "all") and not vote(3, 4, "all")
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="sentinel.distances"):
+        SentinelConfig(distances="l1,cosine")
+    with pytest.raises(ConfigError, match="sentinel.vote"):
+        SentinelConfig(vote="most")
+    with pytest.raises(ConfigError, match="sentinel.beta_h"):
+        SentinelConfig(beta_h=1.0)
+    with pytest.raises(ConfigError, match="sentinel.strikes"):
+        SentinelConfig(strikes=9, strike_window=8)
+
+
+def test_warmup_accepts_everything_then_fences_flag():
+    config = SentinelConfig(warmup=30, window=30)
+    verifier = Sentinel(config)
+    gen = torch.Generator().manual_seed(3)
+    assert verifier.fences(1, FORWARD) is None
+    warm = verifier.check_forward(1, "w0", 0, torch.zeros(4, 8, 16))  # even a zero tensor is trusted in warm-up
+    assert not warm.flagged and warm.reason == "warmup"
+    _warm(verifier, 1, 40, gen)
+    assert verifier.fences(1, FORWARD) is not None
+    ok = verifier.check_forward(1, "w1", "a", _honest(gen, _center()))
+    bad = verifier.check_forward(1, "w2", "b", -_honest(gen, _center()))
+    assert not ok.flagged and ok.reason == "ok"
+    assert bad.flagged and bad.reason == "fence" and {"l1", "sign", "swd"} <= set(bad.outside)
+
+
+def test_flagged_tensor_does_not_update_the_ema():
+    verifier = Sentinel(SentinelConfig(warmup=20, window=20))
+    gen = torch.Generator().manual_seed(4)
+    _warm(verifier, 0, 30, gen)
+    before = verifier.reference(0, FORWARD).mean.clone()
+    verdict = verifier.check_forward(0, "evil", "x", torch.full((4, 8, 16), 9.0))
+    assert verdict.flagged
+    assert torch.equal(verifier.reference(0, FORWARD).mean, before)
+    honest = _honest(gen, _center())
+    assert not verifier.check_forward(0, "w0", "y", honest).flagged
+    expected = 0.9 * before + 0.1 * honest.reshape(-1, 16).mean(0)
+    assert torch.allclose(verifier.reference(0, FORWARD).mean, expected, atol=1e-6)
+
+
+def test_malformed_tensors_are_flagged_not_raised():
+    verifier = Sentinel(SentinelConfig(warmup=5, strikes=2, strike_window=4))
+    gen = torch.Generator().manual_seed(5)
+    _warm(verifier, 0, 6, gen)
+    assert verifier.check_forward(0, "evil", 1, torch.full((4, 8, 16), math.nan)).reason == "malformed"
+    verdict = verifier.check_forward(0, "evil", 2, torch.ones(4, 8, 15))
+    assert verdict.flagged and verdict.reason == "malformed" and verdict.bans == ("evil",)
+    assert verifier.banned() == {"evil"}
+    assert verifier.check_forward(0, "evil", 3, _honest(gen, _center())).reason == "banned"
+
+
+def test_strike_rule_bans_at_the_threshold_and_counts_a_microbatch_once():
+    verifier = Sentinel(SentinelConfig(warmup=20, window=20, strikes=3, strike_window=5))
+    gen = torch.Generator().manual_seed(6)
+    _warm(verifier, 1, 25, gen)
+    _warm(verifier, 0, 25, gen, BACKWARD)
+    bad = torch.full((4, 8, 16), 7.0)
+    # a stage-1 worker flagged forward (link 1) and backward (link 0) on one microbatch: one strike
+    assert verifier.check_forward(1, "evil", 100, bad).flagged
+    assert verifier.check_backward(0, "evil", 100, bad).flagged
+    assert verifier.banned() == frozenset()
+    # honest checks in between keep the flags inside the window of 5 microbatches
+    verifier.check_forward(1, "evil", 101, _honest(gen, _center()))
+    assert verifier.check_forward(1, "evil", 102, bad).flagged
+    assert verifier.banned() == frozenset()
+    verdict = verifier.check_forward(1, "evil", 103, bad)
+    assert verdict.bans == ("evil",) and verifier.banned() == {"evil"}
+    # flags spread wider than the window never ban
+    other = Sentinel(SentinelConfig(warmup=20, window=20, strikes=3, strike_window=5))
+    _warm(other, 1, 25, gen)
+    for i in range(12):
+        other.check_forward(1, "slow", 200 + i, bad if i % 3 == 0 else _honest(gen, _center()))
+    assert other.banned() == frozenset()
+
+
+def test_backward_substitution_returns_the_gradient_momentum():
+    verifier = Sentinel(SentinelConfig(warmup=20, window=20))
+    gen = torch.Generator().manual_seed(7)
+    _warm(verifier, 0, 30, gen, BACKWARD)
+    honest = _honest(gen, _center())
+    ok = verifier.check_backward(0, "w0", "h", honest)
+    assert ok.substitute is None and ok.passed_on(honest) is honest
+    momentum = verifier.reference(0, BACKWARD).mean.clone()
+    bad = torch.full((4, 8, 16), -5.0)
+    verdict = verifier.check_backward(0, "evil", "b", bad)
+    assert verdict.flagged
+    assert verdict.substitute.shape == bad.shape
+    assert torch.equal(verdict.passed_on(bad), momentum.expand(4, 8, 16))
+
+
+def test_forward_flag_taints_the_microbatch():
+    verifier = Sentinel(SentinelConfig(warmup=20, window=20))
+    gen = torch.Generator().manual_seed(8)
+    for link in (0, 1, 2):
+        _warm(verifier, link, 25, gen)
+        _warm(verifier, link, 25, gen, BACKWARD)
+    # "evil" serves stage 1: its activation crosses link 1 forward, its gradient link 0 backward
+    assert verifier.check_forward(1, "evil", 7, torch.zeros(4, 8, 16)).flagged
+    downstream = verifier.check_forward(2, "s2", 7, torch.zeros(4, 8, 16))
+    assert not downstream.flagged and downstream.reason == "tainted"  # not the next stage's fault
+    from_next = verifier.check_backward(1, "s2", 7, _honest(gen, _center()))
+    assert from_next.reason == "tainted" and from_next.substitute is not None
+    own = verifier.check_backward(0, "evil", 7, _honest(gen, _center()))  # looks clean, still replaced
+    assert own.reason == "tainted" and not own.flagged and own.substitute is not None
+    # a fresh microbatch is judged normally again
+    assert verifier.check_forward(2, "s2", 8, _honest(gen, _center())).reason == "ok"
+
+
+def test_clean_stream_has_no_flags_after_warmup():
+    """A few hundred honest tensors from a slowly drifting source: the default config flags none."""
+    verifier = Sentinel(SentinelConfig())
+    gen = torch.Generator().manual_seed(9)
+    flags = 0
+    for i in range(400):
+        center = _center() * (1 + i / 2000)  # training drift
+        fwd = verifier.check_forward(1, f"w{i % 4}", i, _honest(gen, center))
+        bwd = verifier.check_backward(1, f"w{(i + 1) % 4}", i, 0.01 * _honest(gen, center))
+        flags += fwd.flagged + bwd.flagged
+    assert flags <= 4  # false-positive rate under 0.5% of 800 checks
+    assert verifier.banned() == frozenset()
+
+
+def test_odd_gradients_are_held_against_the_upstream_forward_sender_too():
+    """An attacker whose activations pass (delay, adaptive) is caught through the gradients after it."""
+    verifier = Sentinel(SentinelConfig(warmup=20, window=20, strikes=3, strike_window=8))
+    gen = torch.Generator().manual_seed(10)
+    _warm(verifier, 1, 25, gen)
+    _warm(verifier, 1, 25, gen, BACKWARD)
+    odd = torch.full((4, 8, 16), 6.0)
+    for i in range(3):
+        downstream = f"s2r{i}"  # a different honest next-stage worker each time
+        assert not verifier.check_forward(1, "sneaky", i, _honest(gen, _center())).flagged
+        verdict = verifier.check_backward(1, downstream, i, odd)
+        assert verdict.flagged and verdict.substitute is not None
+    assert verifier.banned() == {"sneaky"}
+    assert verdict.bans == ("sneaky",)
