@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..core.errors import LocalError
 from .aspis import AspisRunConfig, build_role, count_distortion, summarize, write_run
-from .launch import BARRIER_TIMEOUT, JOIN_TIMEOUT, _lines, run_id_of
+from .launch import BARRIER_TIMEOUT, JOIN_TIMEOUT, _lines, prepare_run_dir, run_id_of
 from .swarm import peer_identity
 
 EXIT_GRACE = 30.0  # seconds the workers get to leave after the coordinator is done
@@ -70,15 +70,8 @@ async def run_process(config: AspisRunConfig, index: int, initial_peers: list[st
 
 def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True) -> dict:
     """Run `config` as config.peers processes on loopback; write the run's files to `out`."""
-    out.mkdir(parents=True, exist_ok=True)
     wall_start = time.perf_counter()
-    config_path = out / "config.json"
-    config_path.write_text(config.to_json() + "\n")
-    peer_dir = out / "peers"
-    peer_dir.mkdir(exist_ok=True)
-    for old in peer_dir.glob("*"):
-        old.unlink()
-    address_file = peer_dir / "0.addr"
+    config_path, peer_dir, address_file = prepare_run_dir(config, out)
     records_path = peer_dir / "0.jsonl"
     base = [sys.executable, "-m", "phalanx.experiments.aspis_launch", "--config", str(config_path), "--out", str(records_path)]
     procs = [subprocess.Popen([*base, "--index", "0", "--address-file", str(address_file)], start_new_session=True)]

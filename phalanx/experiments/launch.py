@@ -223,6 +223,18 @@ def _raise_on_sigterm(signum: int, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def prepare_run_dir(config, out: Path) -> tuple[Path, Path, Path]:
+    """Write `out`/config.json and empty `out`/peers; return (config file, peers dir, peer 0's address file)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.json"
+    config_path.write_text(config.to_json() + "\n")
+    peer_dir = out / "peers"
+    peer_dir.mkdir(exist_ok=True)
+    for old in peer_dir.glob("*"):
+        old.unlink()
+    return config_path, peer_dir, peer_dir / "0.addr"
+
+
 def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
     """Run `config` as config.peers OS processes on loopback; write the run's files to `out`.
 
@@ -234,15 +246,8 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
         from .aspis_launch import launch_aspis
 
         return launch_aspis(config, out, progress)
-    out.mkdir(parents=True, exist_ok=True)
     wall_start = time.perf_counter()
-    config_path = out / "config.json"
-    config_path.write_text(config.to_json() + "\n")
-    peer_dir = out / "peers"
-    peer_dir.mkdir(exist_ok=True)
-    for old in peer_dir.glob("*"):
-        old.unlink()
-    address_file = peer_dir / "0.addr"
+    config_path, peer_dir, address_file = prepare_run_dir(config, out)
     workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker())
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:

@@ -26,7 +26,7 @@ from ..core.errors import LocalError
 from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode
 from ..runtime.pipeline.relay import ask_for_stage
-from .launch import JOIN_TIMEOUT, _barrier
+from .launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
 from .pipeline_run import PipelineRecorder, build_node, pipeline_task
 from .swarm import peer_identity
 
@@ -114,15 +114,8 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
 
 def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
     """Run a pipeline config as config.peers processes on loopback; write the run's files to `out`."""
-    out.mkdir(parents=True, exist_ok=True)
     wall_start = time.perf_counter()
-    config_path = out / "config.json"
-    config_path.write_text(config.to_json() + "\n")
-    peer_dir = out / "peers"
-    peer_dir.mkdir(exist_ok=True)
-    for old in peer_dir.glob("*"):
-        old.unlink()
-    address_file = peer_dir / "0.addr"
+    config_path, peer_dir, address_file = prepare_run_dir(config, out)
     base = [sys.executable, "-m", "phalanx.experiments.pipeline_launch", "--config", str(config_path), "--out", str(peer_dir)]
     procs = [subprocess.Popen([*base, "--index", "0", "--address-file", str(address_file)], start_new_session=True)]
     victim = config.data_nodes + config.faults.crash_relay if config.faults.crash_relay >= 0 else None
