@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import json
 import time
 from dataclasses import dataclass, field
@@ -236,12 +235,9 @@ def simulate_aspis(config: AspisRunConfig, out: Path | None, progress: bool = Tr
         await done.wait()
         return asyncio.get_running_loop().time(), network.stats()
 
-    thresholds = gc.get_threshold()
-    gc.set_threshold(50_000, 20, 100)
     try:
         simulated_seconds, stats = run_simulation(main)
     finally:
-        gc.set_threshold(*thresholds)
         bar.close()
     summary = summarize(
         config, records, {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds}

@@ -9,7 +9,6 @@ stage and times: the stage x time diagram), summary.json.
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import json
 import math
@@ -281,12 +280,9 @@ def simulate_pipeline(
         evidence = [[t.peer_id, e.peer, e.kind] for t in transports for e in t.evidence]
         return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests, "evidence": evidence}
 
-    thresholds = gc.get_threshold()
-    gc.set_threshold(50_000, 20, 100)
     try:
         simulated_seconds, stats = run_simulation(main)
     finally:
-        gc.set_threshold(*thresholds)
         bar.close()
     extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
              "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"],

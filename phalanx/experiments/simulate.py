@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 import time
 from pathlib import Path
@@ -66,14 +65,9 @@ def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
         await driver.wait()
         return asyncio.get_running_loop().time(), network.stats()
 
-    # Hundreds of peers make millions of short-lived objects; the default
-    # collector thresholds spend a quarter of the wall time scanning them.
-    thresholds = gc.get_threshold()
-    gc.set_threshold(50_000, 20, 100)
     try:
         simulated_seconds, stats = run_simulation(main)
     finally:
-        gc.set_threshold(*thresholds)
         bar.close()
     recorder.crashed = sorted(driver.crashed_ever, key=ids.index)
     return recorder.write(

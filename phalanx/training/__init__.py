@@ -3,6 +3,7 @@
 data.py  -- digits and character-corpus datasets; batch_indices, the public per-(peer, step) sampler
 mlp.py   -- MLP classifier          cnn.py -- small CNN for 8x8 digits
 gpt.py   -- nanoGPT-style GPT, cut-able into pipeline stages (GPT.stages)
+staging.py -- contiguous_stages, the even split of a model's units that MLP.stages and GPT.stages use
 task.py  -- Task (model + data + loss + eval), make_task, flat param/grad helpers, compute_gradient
 """
 from .cnn import CNN

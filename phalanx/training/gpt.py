@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .staging import contiguous_stages
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -151,13 +153,4 @@ class GPT(nn.Module):
         as evenly as possible, earlier stages taking the remainder, so
         1 <= k <= n_layer + 2. Applying the stages in order equals forward().
         """
-        units = self.units()
-        if not 1 <= k <= len(units):
-            raise ValueError(f"k must be in [1, {len(units)}] for {self.cfg.n_layer} layers, got {k}")
-        size, extra = divmod(len(units), k)
-        stages, start = [], 0
-        for i in range(k):
-            end = start + size + (1 if i < extra else 0)
-            stages.append(nn.Sequential(*units[start:end]))
-            start = end
-        return stages
+        return contiguous_stages(self.units(), k, f"{self.cfg.n_layer} layers")

@@ -5,6 +5,8 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from .staging import contiguous_stages
+
 
 class MLP(nn.Module):
     """Linear + ReLU hidden layers and a linear output; flattens any [N, ...] input."""
@@ -33,12 +35,4 @@ class MLP(nn.Module):
     def stages(self, k: int) -> list[nn.Module]:
         """Cut the MLP into k contiguous stages sharing its parameters; applying them in order equals forward()."""
         units = self.units()
-        if not 1 <= k <= len(units):
-            raise ValueError(f"k must be in [1, {len(units)}] for {len(units) - 1} hidden layers, got {k}")
-        size, extra = divmod(len(units), k)
-        stages, start = [], 0
-        for i in range(k):
-            end = start + size + (1 if i < extra else 0)
-            stages.append(nn.Sequential(*units[start:end]))
-            start = end
-        return stages
+        return contiguous_stages(units, k, f"{len(units) - 1} hidden layers")
