@@ -101,10 +101,13 @@ async def run_peer(
         peer.allreduce.entropy = entropy
     for step in range(peer.step, config.steps):
         if peer.ledger.is_banned(me):
+            await peer.settle()
             return  # the honest peers have banned us: they no longer listen
         if catchup is not None:
             await catchup.before_step(step)
         record = await peer.train_step(step)
+        if step == config.steps - 1:
+            await peer.finish(record)
         if config.mprng_every and (step + 1) % config.mprng_every == 0:
             try:
                 result = await run_mprng(peer.transport, peer.ledger, step, config.mprng, entropy, behaviour)

@@ -54,6 +54,7 @@ from ..algorithms.btard_checks import (
     Verdict,
     averaging_matches,
     direction,
+    gradient_hash,
     gradient_matches,
     norm_matches,
     project,
@@ -77,6 +78,7 @@ log = logging.getLogger(__name__)
 META_REASONS = ("v1_norm", "v2_s", "no_meta")
 HANDLED_EVIDENCE = ("wrong_shape", "wrong_dtype", "non_finite", "equivocation", "no_reveal", "bad_reveal")
 SECURE_REDUCERS = ("centered_clip", "mean")
+DERIVED_REASONS = ("equivocation", "not_validating", "v2_sum", "averaging", "no_reveal", "bad_reveal")  # accuser "" only
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class BTARDConfig:
     timeout: float = 5.0  # seconds per broadcast phase (commitments, metadata, reports)
     delta_max: float = float("inf")  # V3 threshold on ||g_i(j) - ĝ(j)|| (inf: V3 never fires)
     bans: bool = True  # False: claims are resolved but nobody is banned (a benchmark baseline)
+    background: bool = True  # verify step k while step k + 1 runs, bans at the start of k + 2 (App. B); False: before k's SGD step
 
     def __post_init__(self) -> None:
         if self.validators < 0:
@@ -98,9 +101,7 @@ class BTARDConfig:
 
 @dataclass(frozen=True)
 class SecureResult(AllReduceResult):
-    bans: tuple[BanRecord, ...] = ()
-    claims: int = 0
-    validators: tuple[str, ...] = ()
+    bans: tuple[BanRecord, ...] = ()  # bans that took effect since the previous result (verifications of earlier steps)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class _Step:
     reports: dict[str, dict] = field(default_factory=dict)
     sum_failed: set[str] = field(default_factory=set)
     averaging: dict[str, bool] = field(default_factory=dict)
+    claims: list[Claim] = field(default_factory=list)  # this peer's own claims, reported in step 6
 
     def slice(self, owner: str) -> slice:
         a, b = self.bounds[self.group.index(owner)]
@@ -155,9 +157,12 @@ class SecureRound(ButterflyAllReduce):
         self._grads: dict[int, torch.Tensor] = {}
         self._used: dict[int, dict[str, torch.Tensor]] = {}
         self._evidence: list[Evidence] = []
+        self._joined: set[int] = set()  # steps whose join this peer already broadcast
+        self._pending: dict[int, tuple[_Step, asyncio.Future]] = {}  # step -> its verification, not yet resolved
+        self._unreported: list[BanRecord] = []
         transport.add_request_handler("bt.grad", self._on_grad)
         transport.add_request_handler("bt.parts", self._on_parts)
-        transport.on_evidence(self._evidence.append)
+        transport.on_evidence(lambda ev: self._evidence.append(ev))
 
     # --- the round -------------------------------------------------------------
 
@@ -165,51 +170,64 @@ class SecureRound(ButterflyAllReduce):
         tr, me = self.transport, self.transport.peer_id
         if me not in group:
             raise PhalanxError(f"peer {me[:8]} is not in its own BTARD group; pass a group that includes it")
-        self._evidence.clear()
+        if self.ledger.is_banned(me):
+            raise PhalanxError(f"peer {me[:8]} is banned in its own ledger: it takes no further BTARD step")
         # 0. the step's group: every unbanned peer whose signed join for this step reached me
         # directly or through a relay, so that a lagging membership view does not split the group.
-        await tr.broadcast("bt.join", step, b"")
+        # Joins for step k + 1 are sent during step k, so this wait is normally already over.
+        if step not in self._joined:
+            await tr.broadcast("bt.join", step, b"")
+        self._joined = {s for s in self._joined if s > step}
         await tr.collect_broadcasts("bt.join", step, group, self.btard.timeout, relays=len(group))
         group = sorted(p for p in set(tr.board.get("bt.join", step)) | {me} if not self.ledger.is_banned(p))
         g = group_digest(group)
         self._begin(step, g)
         for table in (self._grads, self._used):
-            for key in [k for k in table if k < step - 1]:
+            for key in [k for k in table if k < step - 2]:
                 del table[key]
         st = _Step(step, list(group), part_bounds(self.dim, len(group)))
         index = group.index(me)
-        claims: list[Claim] = []
+        claims = st.claims
         committed = self.policy.committed_gradient(step, vector.detach().reshape(-1).to(torch.float32))
         parts = [committed[a:b] for a, b in st.bounds]
+        hashes = [tensor_hash(p) for p in parts]
         self._grads[step] = committed
 
-        # 1. commitments (each names the group its sender settled on: another group is a view
-        # mismatch, which excludes the sender from my step but proves nothing against it)
-        payload = encode({"g": g, "parts": [tensor_hash(p) for p in parts], "whole": tensor_hash(committed)})
+        # 1. commitments, broadcast just before the parts they bind: an owner uses a part only once
+        # it holds the sender's commitment, so the commitment needs no round of its own (App. B: one
+        # synchronisation before aggregation). Each names the group its sender settled on: another
+        # group is a view mismatch, which excludes the sender from my step but proves nothing.
+        payload = encode({"g": g, "parts": hashes, "whole": gradient_hash(hashes)})
         if self.policy.equivocate(step):
-            await self._split_commit(step, payload, encode({"g": g, "parts": [tensor_hash(-p) for p in parts], "whole": tensor_hash(-committed)}))
+            negated = [tensor_hash(-p) for p in parts]
+            await self._split_commit(step, payload, encode({"g": g, "parts": negated, "whole": gradient_hash(negated)}))
         else:
             await tr.broadcast("bt.commit", step, payload)
-        envelopes = await tr.collect_broadcasts("bt.commit", step, group, self.btard.timeout, relays=len(group))
+
+        # 2. scatter, then check each part against its commitment
+        sent = {owner: self.policy.part_for(step, owner, parts[j], group) for j, owner in enumerate(group)}
+        self._publish(step, PART, {o: t for o, t in sent.items() if t is not None})
+        for owner, tensor in sent.items():
+            if owner != me and tensor is not None:
+                await tr.send(owner, "ar.part", encode({"step": step, "g": g, "t": tensor}))
+        await tr.broadcast("bt.join", step + 1, b"")
+        self._joined.add(step + 1)
+        lo, hi = st.bounds[index]
+        envelopes, valid = await asyncio.gather(
+            tr.collect_broadcasts("bt.commit", step, group, self.btard.timeout, relays=len(group)),
+            self._collect(step, PART, {p: (hi - lo,) for p in group if p != me}),
+        )
         for peer, env in envelopes.items():
-            if _group_of(env.payload, peer, tr) != g:
+            obj = _decoded(env.payload, peer, tr)
+            if _group_in(obj) != g:
                 continue
-            parsed = _commit_of(env.payload, peer, len(group), tr)
+            parsed = _commit_in(obj, len(group))
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
                 st.commits[peer] = parsed
                 st.commit_seen[peer] = digest(env.payload)
         contributors_all = [p for p in group if p in st.commits]
-
-        # 2. scatter and check parts against their commitments
-        sent = {owner: self.policy.part_for(step, owner, parts[j], group) for j, owner in enumerate(group)}
-        self._publish(step, PART, {o: t for o, t in sent.items() if t is not None})
-        for owner, tensor in sent.items():
-            if owner != me and tensor is not None:
-                await tr.send(owner, "ar.part", encode({"step": step, "g": g, "t": tensor}))
-        lo, hi = st.bounds[index]
-        valid = await self._collect(step, PART, {p: (hi - lo,) for p in contributors_all if p != me})
         box = self._inbox.get((step, PART), {})
         rows, used = [], []
         for peer in contributors_all:
@@ -240,25 +258,31 @@ class SecureRound(ButterflyAllReduce):
         for peer in group:
             if peer != me:
                 await tr.send(peer, "ar.reduced", message)
+
+        # 4. gather the aggregates while their commitments arrive. MPRNG starts once every aggregate
+        # commitment is in (App. B: r must not be known before them) and runs in the background.
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
-        wait = self.config.timeout + self.btard.timeout
-        envelopes = await tr.collect_broadcasts("bt.rcommit", step, group, wait, relays=len(group))
+        async def aggregate_commitments():
+            held = await tr.collect_broadcasts("bt.rcommit", step, group, self.config.timeout + self.btard.timeout, relays=len(group))
+            return held, asyncio.ensure_future(self._draw(step))
+
+        others = {o: (st.slice(o).stop - st.slice(o).start,) for o in group if o != me}
+        (envelopes, draw), results = await asyncio.gather(aggregate_commitments(), self._collect(step, REDUCED, others))
         for peer, env in envelopes.items():
-            if _group_of(env.payload, peer, tr) != g:
+            obj = _decoded(env.payload, peer, tr)
+            if _group_in(obj) != g:
                 continue
-            parsed = _rcommit_of(env.payload, peer, group, tr)
+            parsed = _rcommit_in(obj, group)
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
                 st.rcommits[peer] = parsed
-
-        # 4. gather aggregates while MPRNG draws r
-        owners = {o: (st.slice(o).stop - st.slice(o).start,) for o in group if o != me and o in st.rcommits}
-        results, r = await asyncio.gather(self._collect(step, REDUCED, owners), self._draw(step))
         rbox = self._inbox.get((step, REDUCED), {})
         out = torch.zeros(self.dim, dtype=torch.float32)
         st.aggregates[me] = mine
-        for owner in owners:
+        for owner in others:
+            if owner not in st.rcommits:
+                continue
             held = rbox.get(owner)
             raw = held[0] if held is not None and held[1] == g else None
             if raw is None:
@@ -271,10 +295,49 @@ class SecureRound(ButterflyAllReduce):
                 st.aggregates[owner] = results[owner]
         for owner, tensor in st.aggregates.items():
             out[st.slice(owner)] = tensor
-        missing = tuple(o for o in group if o not in st.aggregates)
 
-        # 5. verification metadata and checks
+        # 5-6. verification of this step runs in the background of the next step's compute and
+        # all-reduce (App. B); the previous step's verdicts are applied now (`settle`).
+        self._pending[step] = (st, asyncio.ensure_future(self._verify(st, parts, draw)))
+        await self.settle(step if self.btard.background else step + 1)
+        bans, self._unreported = self._unreported, []
+        return SecureResult(
+            out,
+            tuple(group),
+            tuple(p for p in contributors_all if p != me and p not in used),
+            tuple(o for o in group if o not in st.aggregates),
+            tuple(bans),
+        )
+
+    async def settle(self, step: int | None = None) -> None:
+        """Resolve the pending verifications of steps before `step` (all of them when None), in step order.
+
+        The verification of step k runs in the background and is resolved at
+        the end of step k + 1's all-reduce, so that every honest peer applies
+        it at the same point of its run: step k + 1's group was fixed before
+        these bans, step k + 2's is fixed after them. The bans are returned
+        by the round's result (or `take_bans`).
+        """
+        for k in sorted(k for k in self._pending if step is None or k < step):
+            st, task = self._pending.pop(k)
+            everyone = await task
+            bans = resolve(self.ledger, k, everyone, lambda c, st=st: self._verdict(st, c), apply=self.btard.bans)
+            if self.btard.bans:  # would-be bans of a run without bans are not bans: the ledger stays empty
+                self._unreported += bans
+
+    def take_bans(self) -> list[BanRecord]:
+        """Bans applied by `settle` and not yet returned by a round."""
+        bans, self._unreported = self._unreported, []
+        return bans
+
+    async def _verify(self, st: _Step, parts: list[torch.Tensor], draw: asyncio.Future) -> list[Claim]:
+        """Steps 5-6 of one step: metadata, V1-V3, validators, reports; returns every claim to resolve."""
+        tr, me = self.transport, self.transport.peer_id
+        step, group, g = st.step, st.group, group_digest(st.group)
+        contributors_all = [p for p in group if p in st.commits]
+        claims = st.claims
         approvals: list[str] = []
+        r, mprng_claims = await draw
         if r is not None:
             st.z = direction(r, self.dim)
             m = min(self.btard.validators, len(contributors_all) // 2)
@@ -301,11 +364,13 @@ class SecureRound(ButterflyAllReduce):
             for target in self.policy.slander(step, [p for p in contributors_all if p != me]):
                 gradient = await self._fetch_gradient(st, target)
                 claims.append(Claim(ACCUSE, me, target, "gradient", (gradient if gradient is not None else torch.zeros(self.dim),)))
-        for ev in self._evidence:
+        mine = [ev for ev in self._evidence if ev.step is None or ev.step <= step]
+        self._evidence = [ev for ev in self._evidence if not (ev.step is None or ev.step <= step)]
+        for ev in mine:
             if ev.peer in group and ev.peer != me and ev.kind not in HANDLED_EVIDENCE:
                 claims.append(Claim(ELIMINATE, me, ev.peer, ev.kind))
 
-        # 6. reports, equivocation proofs, canonical resolution
+        # 6. reports, equivocation proofs; resolution happens in `settle`
         await tr.broadcast("bt.report", step, encode({
             "g": g,
             "claims": [{"kind": c.kind, "target": c.target, "reason": c.reason, "ev": list(c.evidence)} for c in claims],
@@ -314,11 +379,12 @@ class SecureRound(ButterflyAllReduce):
         }))
         # A validator may have waited one timeout for a silent target and one for CHECKAVERAGING.
         envelopes = await tr.collect_broadcasts("bt.report", step, group, 3 * self.btard.timeout, relays=len(group))
-        everyone: list[Claim] = []
+        everyone: list[Claim] = list(mprng_claims)
         for peer, env in envelopes.items():
-            if _group_of(env.payload, peer, tr) != g:
+            obj = _decoded(env.payload, peer, tr)
+            if _group_in(obj) != g:
                 continue  # a peer that settled on another group judged another step: its claims do not apply here
-            report = _report_of(env.payload, peer, tr)
+            report = _report_in(obj)
             if report is None:
                 everyone.append(Claim(ACCUSE, me, peer, "bad_report", (env.to_bytes(),)))
                 continue
@@ -337,27 +403,27 @@ class SecureRound(ButterflyAllReduce):
             judged = report is not None and (target in report["approve"] or any(c["target"] == target for c in report["claims"]))
             if not judged:
                 everyone.append(Claim(ACCUSE, "", validator, "not_validating"))
-        bans = resolve(self.ledger, step, everyone, lambda c: self._verdict(st, c), apply=self.btard.bans)
-        if not self.btard.bans:
-            bans = []  # would-be bans of a run without bans are not bans: the ledger stays empty
-        return SecureResult(
-            out,
-            tuple(group),
-            tuple(p for p in contributors_all if p != me and p not in used),
-            missing,
-            tuple(bans),
-            len(everyone),
-            tuple(v for v, _ in st.pairs),
-        )
+        return everyone
 
     # --- phases ----------------------------------------------------------------
 
-    async def _draw(self, step: int) -> bytes | None:
+    async def _draw(self, step: int) -> tuple[bytes | None, list[Claim]]:
+        """The step's MPRNG output and claims against its cheaters.
+
+        MPRNG runs on a copy of the ledger, so its bans (no reveal, bad
+        reveal, equivocation: each derived from signed broadcasts every honest
+        peer holds) are resolved with the step's other claims in `settle`
+        instead of changing the ledger in the middle of the next step.
+        """
+        shadow = BanLedger()
+        shadow.restore(self.ledger.records)
+        before = set(shadow.banned)
         try:
-            return (await run_mprng(self.transport, self.ledger, step, self.mprng, self.entropy)).value
+            value = (await run_mprng(self.transport, shadow, step, self.mprng, self.entropy)).value
         except MPRNGFailed as exc:
             log.warning("BTARD step %d has no random value (%s): V2 and validation are skipped", step, exc)
-            return None
+            value = None
+        return value, [Claim(ACCUSE, "", rec.peer, rec.reason) for rec in shadow.records if rec.peer not in before]
 
     async def _split_commit(self, step: int, first: bytes, second: bytes) -> None:
         tr = self.transport
@@ -464,12 +530,15 @@ class SecureRound(ButterflyAllReduce):
         gradient = answer.get("t") if isinstance(answer, dict) else None
         if not isinstance(gradient, torch.Tensor) or target not in st.commits:
             return None
+        return gradient if self._matches_commit(st, target, gradient) else None
+
+    def _matches_commit(self, st: _Step, target: str, gradient) -> bool:
+        """Whether `gradient` is exactly what `target` committed to (its part hashes and whole hash)."""
+        if not isinstance(gradient, torch.Tensor) or target not in st.commits or gradient.dim() != 1 or gradient.numel() != self.dim:
+            return False
         hashes, whole = st.commits[target]
-        if tensor_hash(gradient) != whole or gradient.dim() != 1 or gradient.numel() != self.dim:
-            return None
-        if any(tensor_hash(gradient[a:b]) != h for (a, b), h in zip(st.bounds, hashes)):
-            return None
-        return gradient
+        mine = [tensor_hash(gradient[a:b]) for a, b in st.bounds]
+        return mine == hashes and gradient_hash(mine) == whole
 
     async def _validate(self, st: _Step, target: str) -> Claim | str | None:
         """Alg. 7: None approves the target; a claim accuses or eliminates it; 'skip' sends no verdict."""
@@ -479,15 +548,21 @@ class SecureRound(ButterflyAllReduce):
             return None
         if decision == "skip":
             return "skip"
-        gradient = await self._fetch_gradient(st, target)
-        if gradient is None:
-            return Claim(ELIMINATE, me, target, "no_gradient")
-        if self._gradient_guilty(st, target, gradient):
+        recomputed = self.recompute(target, st.step).reshape(-1)
+        if recomputed.dtype == torch.float32 and self._matches_commit(st, target, recomputed):
+            gradient = recomputed  # bit-identical to the commitment (same build): nothing to fetch
+        else:
+            gradient = await self._fetch_gradient(st, target)
+            if gradient is None:
+                return Claim(ELIMINATE, me, target, "no_gradient")
+        if self._gradient_guilty(st, target, gradient, recomputed):
             return Claim(ACCUSE, me, target, "gradient", (gradient,))
         return None
 
-    def _gradient_guilty(self, st: _Step, target: str, gradient: torch.Tensor) -> bool:
-        if not gradient_matches(gradient, self.recompute(target, st.step)):
+    def _gradient_guilty(self, st: _Step, target: str, gradient: torch.Tensor, recomputed: torch.Tensor | None = None) -> bool:
+        if recomputed is None:
+            recomputed = self.recompute(target, st.step)
+        if not gradient_matches(gradient, recomputed):
             return True
         return bool(self._lied_about(st, target, gradient))
 
@@ -518,14 +593,15 @@ class SecureRound(ButterflyAllReduce):
 
     def _judge(self, st: _Step, claim: Claim) -> Verdict:
         target, ev = claim.target, claim.evidence
-        if claim.reason in ("equivocation", "not_validating", "v2_sum", "averaging"):
+        if claim.reason in DERIVED_REASONS:
             if claim.accuser != "":  # only derived from broadcasts every honest peer holds
                 return Verdict(False)
         if claim.reason in ("bad_commit", "bad_report"):
             env = SignedEnvelope.from_bytes(ev[0], target, self.transport.limits).verify()
-            parse = {"bad_commit": lambda: _commit_of(env.payload, target, len(st.group), None) or _rcommit_of(env.payload, target, st.group, None),
-                     "bad_report": lambda: _report_of(env.payload, target, None)}[claim.reason]
-            same_group = _group_of(env.payload, target, None) == group_digest(st.group)
+            obj = _decoded(env.payload, target, None)
+            parse = {"bad_commit": lambda: _commit_in(obj, len(st.group)) or _rcommit_in(obj, st.group),
+                     "bad_report": lambda: _report_in(obj)}[claim.reason]
+            same_group = _group_in(obj) == group_digest(st.group)
             return Verdict(env.sender == target and env.step == st.step and same_group and parse() is None)
         if claim.reason == "bad_part":
             j, part = ev
@@ -541,7 +617,7 @@ class SecureRound(ButterflyAllReduce):
             owner = claim.accuser
             ok = j == st.group.index(owner) and target in st.commits and tensor_hash(part) == st.commits[target][0][j]
             return Verdict(ok and st.z is not None and owner in st.aggregates and self._meta_lie(st, target, owner, part) is not None)
-        if claim.reason in ("equivocation", "not_validating"):
+        if claim.reason in ("equivocation", "not_validating", "no_reveal", "bad_reveal"):
             return Verdict(True)
         if claim.reason == "v2_sum":
             excused = any(c["reason"] in META_REASONS for c in st.reports.get(target, {}).get("claims", []))
@@ -550,9 +626,9 @@ class SecureRound(ButterflyAllReduce):
             return Verdict(st.averaging.get(target, True) is False)
         if claim.reason == "gradient":
             (gradient,) = ev
-            if target not in st.commits or not isinstance(gradient, torch.Tensor) or tensor_hash(gradient) != st.commits[target][1]:
+            if not self._matches_commit(st, target, gradient):
                 return Verdict(False)
-            if gradient.numel() != self.dim or st.z is None or not self._gradient_guilty(st, target, gradient):
+            if st.z is None or not self._gradient_guilty(st, target, gradient):
                 return Verdict(False)
             approvers = [v for v, t in st.pairs if t == target and target in st.reports.get(v, {}).get("approve", [])]
             silent_owners = [
@@ -589,14 +665,12 @@ def _decoded(payload: bytes, sender: str, transport: Transport | None):
         return None
 
 
-def _group_of(payload: bytes, sender: str, transport) -> bytes | None:
-    """The group digest a signed payload names (None: none)."""
-    obj = _decoded(payload, sender, transport)
+def _group_in(obj) -> bytes | None:
+    """The group digest a decoded signed payload names (None: none)."""
     return obj.get("g") if isinstance(obj, dict) and isinstance(obj.get("g"), bytes) else None
 
 
-def _commit_of(payload: bytes, sender: str, n: int, transport) -> tuple[list[bytes], bytes] | None:
-    obj = _decoded(payload, sender, transport)
+def _commit_in(obj, n: int) -> tuple[list[bytes], bytes] | None:
     if not isinstance(obj, dict) or set(obj) != {"g", "parts", "whole"}:
         return None
     parts, whole = obj["parts"], obj["whole"]
@@ -605,8 +679,7 @@ def _commit_of(payload: bytes, sender: str, n: int, transport) -> tuple[list[byt
     return (parts, whole) if isinstance(whole, bytes) and len(whole) == 32 else None
 
 
-def _rcommit_of(payload: bytes, sender: str, group: list[str], transport) -> tuple[bytes, list[str]] | None:
-    obj = _decoded(payload, sender, transport)
+def _rcommit_in(obj, group: list[str]) -> tuple[bytes, list[str]] | None:
     if not isinstance(obj, dict) or set(obj) != {"g", "h", "from"}:
         return None
     h, used = obj["h"], obj["from"]
@@ -624,8 +697,7 @@ def _meta_of(payload: bytes, sender: str, transport) -> tuple[dict, dict] | None
     return norms, s
 
 
-def _report_of(payload: bytes, sender: str, transport) -> dict | None:
-    obj = _decoded(payload, sender, transport)
+def _report_in(obj) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("claims"), list) or not isinstance(obj.get("approve"), list):
         return None
     if not isinstance(obj.get("seen"), dict) or not all(isinstance(v, bytes) for v in obj["seen"].values()):

@@ -7,6 +7,7 @@ policy that rewrites what it sends; nothing marks it to the others.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import torch
 from ..algorithms.attacks import Attack, AttackView
 from ..algorithms.bans import BanLedger
 from ..core.errors import ConfigError
-from ..training.task import TASKS, Task, compute_gradient, make_task, num_params, set_flat_grad, train_flops
+from ..training.task import TASKS, Task, compute_gradient, flat_params, make_task, num_params, set_flat_grad, set_flat_params, train_flops
 from ..transport.base import Transport
 from ..algorithms.btard_attacks import ProtocolPolicy
 from .btard import BTARDConfig, SecureResult, SecureRound
@@ -105,6 +106,8 @@ class DataParallelPeer:
         self.step = 0
         self.admit: Callable[[int, list[str]], list[str]] | None = None  # who trains at a step (catch-up's roster)
         self.on_update: list[Callable[[int, torch.Tensor], None]] = []  # told each step's applied update
+        self._params_at: dict[int, torch.Tensor] = {}  # BTARD: parameters each recent step's gradients were taken at
+        self._scratch: torch.nn.Module | None = None  # BTARD: model that validators recompute gradients on
 
     def group(self, step: int | None = None) -> list[str]:
         """This step's group: current members that are admitted and not banned, in sorted order."""
@@ -115,8 +118,23 @@ class DataParallelPeer:
 
     async def run(self, steps: int) -> None:
         while self.step < steps:
+            if self.ledger.is_banned(self.transport.peer_id):
+                break
             await self.train_step(self.step)
             self.step += 1
+        await self.settle()
+
+    async def settle(self) -> None:
+        """BTARD: resolve every pending background verification (a peer that stops)."""
+        if isinstance(self.allreduce, SecureRound):
+            await self.allreduce.settle()
+
+    async def finish(self, record: StepRecord) -> None:
+        """BTARD: after the last step, resolve the pending verifications; their bans go into `record`."""
+        if isinstance(self.allreduce, SecureRound):
+            await self.allreduce.settle()
+            record["bans"] = record.get("bans", []) + [dataclasses.asdict(b) for b in self.allreduce.take_bans()]
+            record["banned"] = list(self.ledger.banned)
 
     async def train_step(self, step: int) -> StepRecord:
         me = self.transport.peer_id
@@ -125,6 +143,9 @@ class DataParallelPeer:
         group = self.group(step)
         self.transport.board.prune(step - 2)  # broadcasts older than two steps are settled
         x, y = self.task.batch(self.run_seed, me, step, self.config.batch_size)
+        if isinstance(self.allreduce, SecureRound):
+            self._params_at = {k: v for k, v in self._params_at.items() if k >= step - 2}
+            self._params_at[step] = flat_params(self.model)
         gradient, loss = compute_gradient(self.task, self.model, x, y)
         await self.transport.charge_compute(self.flops)
         computed = clock.now()
@@ -154,8 +175,15 @@ class DataParallelPeer:
         return record
 
     def _public_gradient(self, peer: str, step: int) -> torch.Tensor:
-        """`peer`'s gradient at `step` recomputed from its public batch on this peer's model (validation)."""
-        return compute_gradient(self.task, self.model, *self.task.batch(self.run_seed, peer, step, self.config.batch_size))[0]
+        """`peer`'s gradient at `step` recomputed from its public batch at that step's parameters (validation).
+
+        Verification runs in the background of later steps, so it uses a
+        scratch copy of the model loaded with the parameters of `step`.
+        """
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(self.model)
+        set_flat_params(self._scratch, self._params_at[step])
+        return compute_gradient(self.task, self._scratch, *self.task.batch(self.run_seed, peer, step, self.config.batch_size))[0]
 
     def _attack_view(self, step: int, gradient: torch.Tensor, group: list[str], x, y) -> AttackView:
         honest = None
