@@ -40,7 +40,7 @@ import asyncio
 import logging
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -187,6 +187,10 @@ class SecureRound(ButterflyAllReduce):
                 del table[key]
         st = _Step(step, list(group), part_bounds(self.dim, len(group)))
         index = group.index(me)
+        # MPRNG commits now, alongside the scatter, and reveals once every aggregate commitment is in
+        # (App. B: r must not be known before them); it runs on into the background verification.
+        rcommitted = asyncio.Event()
+        draw = asyncio.ensure_future(self._draw(step, rcommitted.wait))
         claims = st.claims
         committed = self.policy.committed_gradient(step, vector.detach().reshape(-1).to(torch.float32))
         parts = [committed[a:b] for a, b in st.bounds]
@@ -259,15 +263,15 @@ class SecureRound(ButterflyAllReduce):
             if peer != me:
                 await tr.send(peer, "ar.reduced", message)
 
-        # 4. gather the aggregates while their commitments arrive. MPRNG starts once every aggregate
-        # commitment is in (App. B: r must not be known before them) and runs in the background.
+        # 4. gather the aggregates while their commitments arrive; once they are in, MPRNG may reveal.
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
         async def aggregate_commitments():
             held = await tr.collect_broadcasts("bt.rcommit", step, group, self.config.timeout + self.btard.timeout, relays=len(group))
-            return held, asyncio.ensure_future(self._draw(step))
+            rcommitted.set()
+            return held
 
         others = {o: (st.slice(o).stop - st.slice(o).start,) for o in group if o != me}
-        (envelopes, draw), results = await asyncio.gather(aggregate_commitments(), self._collect(step, REDUCED, others))
+        envelopes, results = await asyncio.gather(aggregate_commitments(), self._collect(step, REDUCED, others))
         for peer, env in envelopes.items():
             obj = _decoded(env.payload, peer, tr)
             if _group_in(obj) != g:
@@ -407,7 +411,7 @@ class SecureRound(ButterflyAllReduce):
 
     # --- phases ----------------------------------------------------------------
 
-    async def _draw(self, step: int) -> tuple[bytes | None, list[Claim]]:
+    async def _draw(self, step: int, before_reveal: Callable[[], Awaitable[None]]) -> tuple[bytes | None, list[Claim]]:
         """The step's MPRNG output and claims against its cheaters.
 
         MPRNG runs on a copy of the ledger, so its bans (no reveal, bad
@@ -419,7 +423,7 @@ class SecureRound(ButterflyAllReduce):
         shadow.restore(self.ledger.records)
         before = set(shadow.banned)
         try:
-            value = (await run_mprng(self.transport, shadow, step, self.mprng, self.entropy)).value
+            value = (await run_mprng(self.transport, shadow, step, self.mprng, self.entropy, before_reveal=before_reveal)).value
         except MPRNGFailed as exc:
             log.warning("BTARD step %d has no random value (%s): V2 and validation are skipped", step, exc)
             value = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ..algorithms.bans import BanLedger, BanRecord
@@ -121,11 +121,15 @@ async def run_mprng(
     config: MPRNGConfig = MPRNGConfig(),
     entropy: Callable[[int], bytes] = secrets.token_bytes,
     behaviour: MPRNGBehaviour = MPRNGBehaviour(),
+    before_reveal: Callable[[], Awaitable[None]] | None = None,
 ) -> MPRNGResult:
     """Run one MPRNG round among the current, unbanned members.
 
-    Raises MPRNGFailed when no attempt agreed (e.g. a peer keeps lying about
-    what it saw); callers treat that as "no random value this round".
+    `before_reveal`, when given, is awaited before the first reveal: a caller
+    can commit early and reveal only once what r must not influence is fixed
+    (BTARD: every aggregate commitment). Raises MPRNGFailed when no attempt
+    agreed (e.g. a peer keeps lying about what it saw); callers treat that as
+    "no random value this round".
     """
     newly_banned: list[str] = []
     for attempt in range(config.max_attempts):
@@ -136,6 +140,8 @@ async def run_mprng(
         envelopes = await transport.collect_broadcasts(commit_topic, round_id, participants, config.timeout)
         commits = {p: h for p, env in envelopes.items() if (h := _field(transport, env.payload, p, "h", 32)) is not None}
         seen = _seen_digest(commits)
+        if before_reveal is not None and attempt == 0:
+            await before_reveal()
         await behaviour.reveal(transport, reveal_topic, round_id, value, salt, seen)
         # Reveals are read from every participant, not only from those whose
         # commitment reached us: a peer we missed must still be able to tell us
