@@ -1,6 +1,6 @@
 """BTARD overhead: secure round time / plain butterfly time, same transport, d = 1M.
 
-    PYTHONPATH=. python bench/btard_overhead.py [--dim 1000000] [--rounds 5] [--no-hivemind]
+    PYTHONPATH=. python bench/btard_overhead.py [--dim 1000000] [--rounds 5] [--no-hivemind] [--no-simulator] [--inline]
 
 Simulator: 16 peers in one process; prints simulated seconds per step (the
 network model: latency, bandwidth, queueing; compute is not charged) and
@@ -9,6 +9,8 @@ CenteredClip, projections and the validators' recomputation all count).
 Hivemind: 4 OS processes on loopback, wall seconds per step on peer 0.
 Gradients are synthetic (a seeded normal vector per peer and step), so a
 validator's "recomputation" regenerates it; the first round is a warm-up.
+BTARD verifies each step in the background of the next (App. B); `--inline`
+also measures `btard.background=false` (verification before the SGD step).
 Prints figures only; asserts nothing about time.
 """
 
@@ -43,18 +45,18 @@ def gradient(peer: str, step: int, dim: int, peers: int = 16) -> torch.Tensor:
     return common + noise * (peers / dim) ** 0.5
 
 
-def make_round(transport, dim: int, secure: bool, index: int):
+def make_round(transport, dim: int, secure: bool, index: int, background: bool = True):
     if not secure:
         return ButterflyAllReduce(transport, dim, PLAIN.build_reducer(), PLAIN)
     entropy = torch_stream(0, "entropy", index)
     return SecureRound(
-        transport, dim, SECURE, BTARDConfig(enabled=True, validators=2, timeout=60.0), BanLedger(),
+        transport, dim, SECURE, BTARDConfig(enabled=True, validators=2, timeout=60.0, background=background), BanLedger(),
         lambda peer, step: gradient(peer, step, dim),
         entropy=lambda k: bytes(torch.randint(0, 256, (k,), generator=entropy, dtype=torch.uint8).tolist()),
     )
 
 
-def simulated(dim: int, peers: int, rounds: int, secure: bool) -> tuple[float, float]:
+def simulated(dim: int, peers: int, rounds: int, secure: bool, background: bool = True) -> tuple[float, float]:
     """(simulated seconds, wall seconds) per step after the warm-up round."""
     from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
@@ -66,7 +68,7 @@ def simulated(dim: int, peers: int, rounds: int, secure: bool) -> tuple[float, f
         network = SimNetwork(SimConfig(seed=0))
         transports = [network.add_peer(identity) for identity in identities]
         group = sorted(t.peer_id for t in transports)
-        rounds_ = [make_round(t, dim, secure, i) for i, t in enumerate(transports)]
+        rounds_ = [make_round(t, dim, secure, i, background) for i, t in enumerate(transports)]
 
         def factory(i):
             async def run():
@@ -74,6 +76,8 @@ def simulated(dim: int, peers: int, rounds: int, secure: bool) -> tuple[float, f
                     await rounds_[i](step, gradient(transports[i].peer_id, step, dim), group)
                     if i == 0:
                         marks.append((asyncio.get_running_loop().time(), time.perf_counter()))
+                if secure:
+                    await rounds_[i].settle()  # the last steps' background verification
 
             return run
 
@@ -107,6 +111,8 @@ async def _hivemind_peer(index, dim, peers, rounds, secure, run_id, initial, que
             started = time.perf_counter()
             await round_(step, gradient(transport.peer_id, step, dim), group)
             times.append(time.perf_counter() - started)
+        if secure:
+            await round_.settle()
         if index == 0:
             queue.put(statistics.mean(times[1:]))
         await loop.run_in_executor(None, barrier.wait)  # nobody leaves while another still pulls
@@ -142,12 +148,19 @@ def main() -> None:
     parser.add_argument("--sim-peers", type=int, default=16)
     parser.add_argument("--hivemind-peers", type=int, default=4)
     parser.add_argument("--no-hivemind", action="store_true")
+    parser.add_argument("--no-simulator", action="store_true")
+    parser.add_argument("--inline", action="store_true", help="also measure btard.background=false in the simulator")
     args = parser.parse_args()
-    plain_v, plain_w = simulated(args.dim, args.sim_peers, args.rounds, secure=False)
-    secure_v, secure_w = simulated(args.dim, args.sim_peers, args.rounds, secure=True)
-    print(f"simulator, n={args.sim_peers}, d={args.dim}: plain {plain_v:.4f} s/step simulated ({plain_w:.2f} s wall), "
-          f"BTARD {secure_v:.4f} s/step simulated ({secure_w:.2f} s wall)")
-    print(f"  ratio simulated {secure_v / plain_v:.3f}, ratio wall (all peers' CPU on one core) {secure_w / plain_w:.3f}")
+    if not args.no_simulator:
+        plain_v, plain_w = simulated(args.dim, args.sim_peers, args.rounds, secure=False)
+        secure_v, secure_w = simulated(args.dim, args.sim_peers, args.rounds, secure=True)
+        print(f"simulator, n={args.sim_peers}, d={args.dim}: plain {plain_v:.4f} s/step simulated ({plain_w:.2f} s wall), "
+              f"BTARD {secure_v:.4f} s/step simulated ({secure_w:.2f} s wall)")
+        print(f"  ratio simulated {secure_v / plain_v:.3f}, ratio wall (all peers' CPU on one core) {secure_w / plain_w:.3f}")
+        if args.inline:
+            inline_v, inline_w = simulated(args.dim, args.sim_peers, args.rounds, secure=True, background=False)
+            print(f"  BTARD with btard.background=false: {inline_v:.4f} s/step simulated ({inline_w:.2f} s wall), "
+                  f"ratio simulated {inline_v / plain_v:.3f}, ratio wall {inline_w / plain_w:.3f}")
     if not args.no_hivemind:
         plain = hivemind(args.dim, args.hivemind_peers, args.rounds, secure=False)
         secure = hivemind(args.dim, args.hivemind_peers, args.rounds, secure=True)

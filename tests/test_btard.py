@@ -223,6 +223,20 @@ def test_aggregation_and_metadata_lies_and_nan_parts_are_banned_at_once(tmp_path
     assert rows[0]["reason"] == reason and rows[0]["step"] == 0
 
 
+def test_background_verification_bans_what_inline_verification_bans(tmp_path):
+    # Step k is verified while step k + 1 runs and resolved at the end of step k + 1's all-reduce;
+    # the verdicts (who, why, at which step's claims) equal those of verifying before the SGD step.
+    _, honest, background = _btard_run(tmp_path / "bg", "sign_flip", "btard.validators=2", steps=8, peers=6, count=2)
+    _, _, inline = _btard_run(tmp_path / "inline", "sign_flip", "btard.validators=2", "btard.background=false", steps=8, peers=6, count=2)
+    rows = {mode: [json.loads(line) for line in (tmp_path / mode / "bans.jsonl").read_text().splitlines()] for mode in ("bg", "inline")}
+    assert rows["bg"] and rows["bg"] == rows["inline"]
+    assert all(background[p] == inline[p] for p in honest)
+    metrics = [json.loads(line) for line in (tmp_path / "bg" / "metrics.jsonl").read_text().splitlines()]
+    first = min(r["step"] for r in rows["bg"])
+    # a peer caught at step k still contributes to step k + 1, and is gone from step k + 2
+    assert max(r["peers"] for r in metrics if r["step"] == first + 1) > min(r["peers"] for r in metrics if r["step"] == first + 2)
+
+
 def test_same_seed_same_bans_and_metrics_with_attacks_on(tmp_path):
     _btard_run(tmp_path / "a", "sign_flip", "btard.validators=2", steps=5)
     _btard_run(tmp_path / "b", "sign_flip", "btard.validators=2", steps=5)

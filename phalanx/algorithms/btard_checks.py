@@ -107,7 +107,7 @@ def project(part: Tensor, aggregate: Tensor, z: Tensor, tau: float) -> Projectio
     diff = part.to(torch.float64) - aggregate.to(torch.float64)
     norm = float(torch.linalg.vector_norm(diff))
     weight = 1.0 if norm <= tau else tau / norm
-    s = float(torch.dot(z.to(torch.float64), diff)) * weight
+    s = float(torch.dot(z.to(torch.float64), diff)) * weight  # a float64 z (one conversion per step) is used as is
     return Projection(norm, s, norm * weight)
 
 

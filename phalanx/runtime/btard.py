@@ -1,35 +1,58 @@
 """BTARD's secure all-reduce round for one data-parallel peer (Alg. 5-7, App. B, D.3).
 
-One call per step, with the candidates (the unbanned members in this peer's view):
+One call per step, with the candidates (the unbanned members in this peer's view).
+The critical path has one synchronisation before aggregation (App. B):
 
-0. join: broadcast a signed, empty join; the step's group G is every unbanned
+0. join: a signed, empty join per step; the step's group G is every unbanned
    peer whose join reached me (directly or through relays) by the deadline, so
-   a membership view that lags does not split honest peers.
-1. commit: broadcast signed hashes of each part g_i(j) and of the whole g_i;
-   collect everyone's, repairing lost ones through relays. The peers whose
-   commitment I hold after the wait are the step's contributors. A commitment
-   that arrives later is ignored for this step: its sender's parts are not
-   aggregated, and it is not banned (lateness proves nothing), but if it then
-   sends a part that a committed-and-late view cannot match, it is treated as
-   any uncommitted sender: ignored.
-2. scatter: send g_i(j) to owner j; the owner checks each part against its
-   commitment: missing or mismatching -> ELIMINATE(owner, sender); matching
-   but NaN/Inf, wrong shape or dtype -> ACCUSE with the part as proof.
+   a membership view that lags does not split honest peers. The join for step
+   k + 1 is broadcast during step k's scatter, so this wait is normally over
+   before it starts.
+1. commit: broadcast signed hashes of each part g_i(j) and of the whole g_i
+   (the hash of the part hashes), immediately followed by the parts: an owner
+   uses a part only once it holds the sender's commitment, so commitments need
+   no round of their own. The peers whose commitment I hold after the wait are
+   the step's contributors. A commitment that arrives later is ignored for
+   this step: its sender's parts are not aggregated, and it is not banned
+   (lateness proves nothing).
+2. scatter: the owner checks each part against its commitment: missing or
+   mismatching -> ELIMINATE(owner, sender); matching but NaN/Inf, wrong shape
+   or dtype -> ACCUSE with the part as proof.
 3. reduce: the owner runs the configured rule (CenteredClip), broadcasts the
    hash of the result and the list of parts it used, then sends the result;
-   receivers check it the same way.
-4. MPRNG (run while the aggregates travel, after all hashes are out, App. B)
-   gives r: the direction z (Verification 2) and m validator/target pairs.
+   receivers check it the same way. The step's result (the SGD update) is
+   returned as soon as the aggregates are gathered and hash-checked.
+
+Verification runs in the background while the next step computes and
+all-reduces (App. B, the second synchronisation point):
+
+4. MPRNG commits during the scatter and reveals once every aggregate
+   commitment is in (r must not be known before them); r gives the direction
+   z (Verification 2) and m validator/target pairs.
 5. meta: each contributor broadcasts norm_ij and s_ij for every partition.
    Owners run V1 and V2 on their contributors; everyone checks Σ_i s_i^j = 0;
-   V3 flags trigger CHECKAVERAGING. Validators fetch their target's gradient,
-   check it against its commitment, recompute it from the public batch and
-   check its norms and inner products (Alg. 7).
+   V3 flags trigger CHECKAVERAGING. Validators recompute their target's
+   gradient from the public batch at that step's parameters; if its hashes
+   equal the commitment (same build: bit-identical) nothing is fetched,
+   otherwise they fetch the committed gradient and compare within GRAD_RTOL;
+   then they check its norms and inner products (Alg. 7).
 6. report: each peer broadcasts its claims (ACCUSE with evidence, ELIMINATE),
    approvals and a digest of the commitments it saw; the reports are
-   collected, split views are turned into equivocation proofs, and every
-   honest peer resolves the same claims in one canonical order
-   (`btard_checks.resolve`). The peer then takes its SGD step.
+   collected and split views are turned into equivocation proofs.
+
+Step k's claims are resolved in one canonical order (`btard_checks.resolve`)
+at the end of step k + 1's all-reduce (`settle`), on every honest peer at the
+same point: step k + 1's group was fixed before those bans, step k + 2's after.
+What an attacker gains from this one-step delay: a peer caught at step k still
+contributes to step k + 1 (its step-k contribution was applied in any case:
+bans never roll an update back). So each Byzantine gets at most one more step
+before removal, once per identity, and what it does in that step is bounded as
+any other step: CenteredClip bounds a gradient attack's shift of each
+partition by tau·b/n, a malformed or uncommitted part or aggregate is left out
+(a missing slice is zero), and its step-(k+1) messages are verified too. The
+paper makes the same trade (App. B: checks run while peers compute the next
+step). With `btard.background=false` each step's verification and bans happen
+before its SGD step (the baseline for the overhead benchmark).
 
 Protocol messages a peer gets wrong never raise: they become claims.
 """
@@ -117,6 +140,7 @@ class _Step:
     aggregates: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, tuple[dict, dict]] = field(default_factory=dict)
     z: torch.Tensor | None = None
+    z64: torch.Tensor | None = None
     pairs: list[tuple[str, str]] = field(default_factory=list)
     reports: dict[str, dict] = field(default_factory=dict)
     sum_failed: set[str] = field(default_factory=set)
@@ -344,6 +368,7 @@ class SecureRound(ButterflyAllReduce):
         r, mprng_claims = await draw
         if r is not None:
             st.z = direction(r, self.dim)
+            st.z64 = st.z.to(torch.float64)  # converted once: every projection of the step reads it
             m = min(self.btard.validators, len(contributors_all) // 2)
             chosen = choose(r, contributors_all, 2 * m)
             st.pairs = list(zip(chosen[:m], chosen[m:]))
@@ -442,7 +467,7 @@ class SecureRound(ButterflyAllReduce):
         norms, s = {}, {}
         for j, owner in enumerate(st.group):
             if owner in st.aggregates and me in self._contributors(st, owner):
-                proj = project(parts[j], st.aggregates[owner], st.z[st.slice(owner)], self.tau)
+                proj = project(parts[j], st.aggregates[owner], st.z64[st.slice(owner)], self.tau)
                 norms[owner], s[owner] = proj.norm, proj.s
         norms, s = self.policy.report(st.step, norms, s)
         await self.transport.broadcast("bt.meta", st.step, encode({"norm": norms, "s": s}))
@@ -457,7 +482,7 @@ class SecureRound(ButterflyAllReduce):
         meta = st.meta.get(peer)
         if meta is None or owner not in meta[0] or owner not in meta[1]:
             return "no_meta"
-        proj = project(part, st.aggregates[owner], st.z[st.slice(owner)], self.tau)
+        proj = project(part, st.aggregates[owner], st.z64[st.slice(owner)], self.tau)
         if not norm_matches(meta[0][owner], proj.norm):
             return "v1_norm"
         if not s_matches(meta[1][owner], proj, float(st.z[st.slice(owner)].norm())):
@@ -566,7 +591,7 @@ class SecureRound(ButterflyAllReduce):
     def _gradient_guilty(self, st: _Step, target: str, gradient: torch.Tensor, recomputed: torch.Tensor | None = None) -> bool:
         if recomputed is None:
             recomputed = self.recompute(target, st.step)
-        if not gradient_matches(gradient, recomputed):
+        if gradient is not recomputed and not gradient_matches(gradient, recomputed):
             return True
         return bool(self._lied_about(st, target, gradient))
 
