@@ -4,8 +4,9 @@
 
 Simulator: 16 peers in one process; prints simulated seconds per step (the
 network model: latency, bandwidth, queueing; compute is not charged) and
-wall seconds per step (all 16 peers' real CPU work on one core, so hashing,
-CenteredClip, projections and the validators' recomputation all count).
+CPU seconds per step (all 16 peers' real work on one core, so hashing,
+CenteredClip, projections and the validators' recomputation all count; CPU
+time, unlike wall time, does not depend on what else the machine runs).
 Hivemind: 4 OS processes on loopback, wall seconds per step on peer 0.
 Gradients are synthetic (a seeded normal vector per peer and step), so a
 validator's "recomputation" regenerates it; the first round is a warm-up.
@@ -57,7 +58,7 @@ def make_round(transport, dim: int, secure: bool, index: int, background: bool =
 
 
 def simulated(dim: int, peers: int, rounds: int, secure: bool, background: bool = True) -> tuple[float, float]:
-    """(simulated seconds, wall seconds) per step after the warm-up round."""
+    """(simulated seconds, CPU seconds of the process) per step after the warm-up round."""
     from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
     torch.set_num_threads(1)
@@ -75,7 +76,7 @@ def simulated(dim: int, peers: int, rounds: int, secure: bool, background: bool 
                 for step in range(1 + rounds):
                     await rounds_[i](step, gradient(transports[i].peer_id, step, dim), group)
                     if i == 0:
-                        marks.append((asyncio.get_running_loop().time(), time.perf_counter()))
+                        marks.append((asyncio.get_running_loop().time(), time.process_time()))
                 if secure:
                     await rounds_[i].settle()  # the last steps' background verification
 
@@ -154,13 +155,13 @@ def main() -> None:
     if not args.no_simulator:
         plain_v, plain_w = simulated(args.dim, args.sim_peers, args.rounds, secure=False)
         secure_v, secure_w = simulated(args.dim, args.sim_peers, args.rounds, secure=True)
-        print(f"simulator, n={args.sim_peers}, d={args.dim}: plain {plain_v:.4f} s/step simulated ({plain_w:.2f} s wall), "
-              f"BTARD {secure_v:.4f} s/step simulated ({secure_w:.2f} s wall)")
-        print(f"  ratio simulated {secure_v / plain_v:.3f}, ratio wall (all peers' CPU on one core) {secure_w / plain_w:.3f}")
+        print(f"simulator, n={args.sim_peers}, d={args.dim}: plain {plain_v:.4f} s/step simulated ({plain_w:.2f} CPU s), "
+              f"BTARD {secure_v:.4f} s/step simulated ({secure_w:.2f} CPU s)")
+        print(f"  ratio simulated {secure_v / plain_v:.3f}, ratio CPU (all peers on one core) {secure_w / plain_w:.3f}")
         if args.inline:
             inline_v, inline_w = simulated(args.dim, args.sim_peers, args.rounds, secure=True, background=False)
-            print(f"  BTARD with btard.background=false: {inline_v:.4f} s/step simulated ({inline_w:.2f} s wall), "
-                  f"ratio simulated {inline_v / plain_v:.3f}, ratio wall {inline_w / plain_w:.3f}")
+            print(f"  BTARD with btard.background=false: {inline_v:.4f} s/step simulated ({inline_w:.2f} CPU s), "
+                  f"ratio simulated {inline_v / plain_v:.3f}, ratio CPU {inline_w / plain_w:.3f}")
     if not args.no_hivemind:
         plain = hivemind(args.dim, args.hivemind_peers, args.rounds, secure=False)
         secure = hivemind(args.dim, args.hivemind_peers, args.rounds, secure=True)
