@@ -203,7 +203,8 @@ class ALIE(Attack):
     """A Little Is Enough (Baruch et al. 2019): send mean - z * std of the honest gradients.
 
     std is the per-coordinate Bessel-corrected sample std (``torch.std``);
-    z defaults to ``alie_z(view.n, view.f)``. Omniscient.
+    z defaults to ``alie_z(view.n, f)`` with f clamped to leave at least one
+    supporter (bans can shrink the group below what ``view.f`` assumed). Omniscient.
     """
 
     omniscient: ClassVar[bool] = True
@@ -211,7 +212,7 @@ class ALIE(Attack):
 
     def forge(self, view: AttackView) -> Tensor:
         honest = _honest(view)
-        z = alie_z(view.n, view.f) if self.z is None else self.z
+        z = alie_z(view.n, min(view.f, math.floor(view.n / 2))) if self.z is None else self.z
         return honest.mean(dim=0) - z * _honest_std(honest)
 
 

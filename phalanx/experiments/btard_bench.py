@@ -106,7 +106,14 @@ def run_cell(config: BTARDBenchConfig, attack: str, defense: str, out: Path) -> 
             *ATTACKS[attack], *DEFENSES[defense],
         ],
     )
-    summary = simulate(run, cell, progress=False)
+    simulate(run, cell, progress=False)
+    return cell_row(config, attack, defense, cell)
+
+
+def cell_row(config: BTARDBenchConfig, attack: str, defense: str, cell: Path) -> dict:
+    """The results.csv row of a finished cell directory (summary.json, bans.jsonl)."""
+    row = {"attack": attack, "defense": defense}
+    summary = json.loads((cell / "summary.json").read_text())
     bans = [json.loads(line) for line in (cell / "bans.jsonl").read_text().splitlines()] if (cell / "bans.jsonl").exists() else []
     byzantine = set(summary["byzantine"])
     ban_step = {b["peer"]: b["step"] for b in bans}
