@@ -111,7 +111,7 @@ class BTARDConfig:
     timeout: float = 5.0  # seconds per broadcast phase (commitments, metadata, reports)
     delta_max: float = float("inf")  # V3 threshold on ||g_i(j) - ĝ(j)|| (inf: V3 never fires)
     bans: bool = True  # False: claims are resolved but nobody is banned (a benchmark baseline)
-    background: bool = True  # verify step k while step k + 1 runs, bans at the start of k + 2 (App. B); False: before k's SGD step
+    background: bool = True  # verify step k while step k + 1 runs, its bans at the end of step k + 1's all-reduce (App. B); False: before k's SGD step
 
     def __post_init__(self) -> None:
         if self.validators < 0:
