@@ -264,10 +264,7 @@ class SimCheckpoints:
         if self.resume is None:
             return
         run = from_bytes(self.resume.read("run.pt"), str(self.resume.dir / "run.pt"))
-        loop = asyncio.get_running_loop()
-        arrived = loop.create_future()
-        loop.call_at(run["time"], arrived.set_result, None)  # the virtual clock jumps there at no cost
-        await arrived
+        await _until(run["time"])
         network.set_loss_state(as_tuples(run["loss"]))
         set_global_rng_state(run["rng"])
         self.records[:0] = run["records"]
@@ -315,9 +312,7 @@ class SimCheckpoints:
             quiet = self._network.drained_at()
             if quiet <= loop.time():
                 break
-            arrived = loop.create_future()
-            loop.call_at(quiet, arrived.set_result, None)
-            await arrived
+            await _until(quiet)
         steps = {step for step, _ in self._waiting.values()}
         if len(steps) != 1:
             raise LocalError(f"peers stopped for a checkpoint at different steps {sorted(steps)}")
@@ -344,6 +339,15 @@ class SimCheckpoints:
         }
         self.store.write(step, "run.pt", to_bytes(run))
         self.store.seal(step, "simulate", self.config, peers)
+
+
+async def _until(at: float) -> None:
+    """Sleep until virtual time `at` exactly (the virtual clock jumps there at no cost)."""
+    loop = asyncio.get_running_loop()
+    if at > loop.time():
+        arrived = loop.create_future()
+        loop.call_at(at, arrived.set_result, None)
+        await arrived
 
 
 class _SimPeer:
