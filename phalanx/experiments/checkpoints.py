@@ -213,12 +213,17 @@ def _flat(data: dict, prefix: str = "") -> dict:
 
 
 def rewind_run_dir(out: Path, step: int) -> None:
-    """Make the run files of `out` end before `step` (the checkpoint's): records after it are redone by the resumed run."""
+    """Make the run files of `out` end before `step` (the checkpoint's) and drop later checkpoint directories:
+    what came after it is redone by the resumed run."""
     for path in [out / "metrics.jsonl", out / "timeline.jsonl", out / "bans.jsonl", *sorted((out / "peers").glob("*.jsonl"))]:
         if path.exists():
             kept = [line for line in path.read_text().splitlines(keepends=True) if _before(line, step)]
             write_atomic(path, "".join(kept).encode())
     (out / "summary.json").unlink(missing_ok=True)  # the run is not finished: its summary is written again at the end
+    store = CheckpointStore(out / "checkpoints")
+    for later in store.steps():
+        if later > step:  # partial or corrupt: the resumed run writes these steps afresh
+            shutil.rmtree(store.step_dir(later))
 
 
 def _before(line: str, step: int) -> bool:
