@@ -25,11 +25,27 @@ BENCHES = {
 
 def _config(args: argparse.Namespace) -> RunConfig:
     flags = [f"{k}={v}" for k in ("peers", "steps", "seed") if (v := getattr(args, k, None)) is not None]
+    if getattr(args, "checkpoint_every", None) is not None:
+        flags.append(f"checkpoint.every={args.checkpoint_every}")
+    if getattr(args, "resume", None):
+        from .experiments.checkpoints import resume_config
+
+        config, args.checkpoint = resume_config(Path(args.resume), args.preset, flags + (args.set or []), args.command)
+        return config
     return override(get_preset(args.preset), flags + (args.set or []))
 
 
 def _out(args: argparse.Namespace, config: RunConfig, mode: str) -> Path:
+    if getattr(args, "resume", None):
+        if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
+            raise ConfigError(f"--out {args.out} differs from --resume {args.resume}: a resumed run continues in its own directory")
+        return Path(args.resume)
     return Path(args.out) if args.out else Path("runs") / f"{config.preset}-{mode}-seed{config.seed}"
+
+
+def _checkpoint_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-every", type=int, metavar="K", help="write a checkpoint every K steps to OUT/checkpoints (checkpoint.every)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest complete checkpoint")
 
 
 def _run_options(p: argparse.ArgumentParser, peers_required: bool = False) -> None:
@@ -48,10 +64,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("simulate", help="run a simulated swarm in this process")
     _run_options(p)
+    _checkpoint_options(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     p = sub.add_parser("launch", help="run N real peers as OS processes on loopback over hivemind")
     _run_options(p, peers_required=True)
+    _checkpoint_options(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     p = sub.add_parser("peer", help="run one real peer that joins a swarm")
@@ -101,11 +119,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     elif args.command == "simulate":
         from .experiments.simulate import simulate
 
-        summary = simulate(config, _out(args, config, "simulate"), progress=not args.no_progress)
+        summary = simulate(config, _out(args, config, "simulate"), progress=not args.no_progress, resume=getattr(args, "checkpoint", None))
     elif args.command == "launch":
         from .experiments.launch import launch
 
-        summary = launch(config, _out(args, config, "launch"), progress=not args.no_progress)
+        summary = launch(config, _out(args, config, "launch"), progress=not args.no_progress, resume=getattr(args, "checkpoint", None))
     else:
         from .experiments.launch import run_single_peer
 

@@ -21,6 +21,7 @@ from .core.errors import ConfigError
 from .runtime.btard import SECURE_REDUCERS, BTARDConfig
 from .runtime.butterfly import AllReduceConfig
 from .runtime.catchup import CatchupConfig
+from .runtime.checkpoint import CheckpointConfig
 from .runtime.dp_peer import TrainConfig
 from .runtime.mprng import MPRNGConfig
 
@@ -116,6 +117,7 @@ class RunConfig:
     byzantine: ByzantineConfig = field(default_factory=ByzantineConfig)
     btard: BTARDConfig = field(default_factory=BTARDConfig)
     catchup: CatchupConfig = field(default_factory=CatchupConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         if self.btard.enabled:

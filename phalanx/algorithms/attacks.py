@@ -90,6 +90,13 @@ class Attack:
         """The malicious vector for an active step."""
         raise NotImplementedError
 
+    def state(self) -> dict:
+        """What this attack remembers across steps (tensors and plain values), for checkpoints."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Take back what `state` returned."""
+
 
 def _honest(view: AttackView) -> Tensor:
     """The honest gradients of an omniscient attack's view, in the own gradient's dtype."""
@@ -176,6 +183,12 @@ class DelayedGradient(Attack):
 
     def forge(self, view: AttackView) -> Tensor:
         return self._history[0][1].clone()
+
+    def state(self) -> dict:
+        return {"history": [[step, gradient] for step, gradient in self._history]}
+
+    def load_state(self, state: dict) -> None:
+        self._history = deque((step, gradient.clone()) for step, gradient in state.get("history", []))
 
 
 @dataclass(kw_only=True)

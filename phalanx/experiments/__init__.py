@@ -5,6 +5,7 @@
 - launch: real OS processes over hivemind (`launch`, `peer`)
 - processes: process hygiene (markers, watchdog, parent-death signals, process groups)
 - churn: crashes, restarts, joiners and churn in simulated runs
+- checkpoints: checkpoint directories (atomic files, manifests, keep N), --resume, quiet cuts of simulated runs
 - report: PNG plots and summary table of a run directory
 - robustness: the aggregator x attack benchmark (BTARD Fig. 3 baselines)
 - aspis: Aspis run config, presets and the simulated run (1 coordinator + K workers)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from ..config import RunConfig
 from ..core.rng import py_stream
 from ..runtime.catchup import CatchupFailed, CatchupService
+from ..runtime.checkpoint import PeerCheckpoints
 from ..transport.sim import SimNetwork, SimTransport
 from .swarm import build_peer, crash_indices, run_peer
 
@@ -29,13 +30,19 @@ class FaultDriver:
     """Runs every peer's main and injects the config's faults as the run progresses."""
 
     def __init__(
-        self, config: RunConfig, network: SimNetwork, transports: list[SimTransport], on_step: Callable[[dict], None]
+        self,
+        config: RunConfig,
+        network: SimNetwork,
+        transports: list[SimTransport],
+        on_step: Callable[[dict], None],
+        checkpoints: Callable[[int], PeerCheckpoints] | None = None,
     ) -> None:
         self.config = config
         self.network = network
         self.transports = transports
         self.ids = [t.peer_id for t in transports]  # config.peers originals, then the joiners
         self.on_step = on_step
+        self.checkpoints = checkpoints  # each peer's checkpoint hook, by index
         self.catchup = config.faults.churn
         self.alive: set[str] = set()
         self.started: set[str] = set()
@@ -71,7 +78,8 @@ class FaultDriver:
                     return self._done(peer_id)
                 self.joins += 1
             self.started.add(peer_id)
-            await run_peer(config, peer, index, True, self.record, service)
+            hook = self.checkpoints(index) if self.checkpoints is not None else None
+            await run_peer(config, peer, index, True, self.record, service, hook)
             self._done(peer_id)
 
         return main

@@ -25,6 +25,7 @@ from ..config import RunConfig
 from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
 from ..runtime.catchup import CatchupService, collect_offers
+from .checkpoints import Checkpoint, LaunchSealer, WorkerCheckpoints, rewind_run_dir, worker_args
 from .processes import MARKER_ENV, guard_worker, kill_group, kill_marked, new_marker
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
@@ -80,8 +81,9 @@ async def run_worker(
     records_path: Path,
     host: str = "/ip4/127.0.0.1/tcp/0",
     address_file: Path | None = None,
+    checkpoints: WorkerCheckpoints | None = None,
 ) -> list[dict]:
-    """One real peer: join, wait for the swarm, train, leave together.
+    """One real peer: join, wait for the swarm, train, leave together (writing `checkpoints` if given).
 
     SIGTERM stops it cleanly (like Ctrl-C): the transport, its DHT child and
     p2pd are shut down before it returns.
@@ -124,14 +126,14 @@ async def run_worker(
             service.set_roster(peers)
             await _barrier(transport, "start", peers)
         records_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(records_path, "w") as sink:
+        with open(records_path, "a" if checkpoints is not None and checkpoints.resuming else "w") as sink:
 
             def on_step(record: dict) -> None:
                 records.append(record)
                 sink.write(json.dumps(record, sort_keys=True) + "\n")
                 sink.flush()
 
-            await run_peer(config, peer, role, False, on_step, service)
+            await run_peer(config, peer, role, False, on_step, service, checkpoints)
         # Stay until everyone is done: a slower peer may still pull our parts.
         await _leave_together(transport)
     finally:
@@ -223,35 +225,40 @@ def _raise_on_sigterm(signum: int, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def prepare_run_dir(config, out: Path) -> tuple[Path, Path, Path]:
-    """Write `out`/config.json and empty `out`/peers; return (config file, peers dir, peer 0's address file)."""
+def prepare_run_dir(config, out: Path, clear: bool = True) -> tuple[Path, Path, Path]:
+    """Write `out`/config.json and empty `out`/peers (unless not `clear`); return (config file, peers dir, peer 0's address file)."""
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.json"
     config_path.write_text(config.to_json() + "\n")
     peer_dir = out / "peers"
     peer_dir.mkdir(exist_ok=True)
-    for old in peer_dir.glob("*"):
+    for old in peer_dir.glob("*" if clear else "*.addr"):
         old.unlink()
     return config_path, peer_dir, peer_dir / "0.addr"
 
 
-def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
+def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoint | None = None) -> dict:
     """Run `config` as config.peers OS processes on loopback; write the run's files to `out`.
 
     A worker that dies (killed, out of memory, an exception) is dropped by
     the others and the run goes on; it is listed under `crashed` with the
     last step it recorded. Raises LocalError only when no worker finished.
+    With `config.checkpoint.every`, checkpoints go to `out`/checkpoints; `resume` continues from one.
     """
     if not isinstance(config, RunConfig):
         from .aspis_launch import launch_aspis
 
         return launch_aspis(config, out, progress)
     wall_start = time.perf_counter()
-    config_path, peer_dir, address_file = prepare_run_dir(config, out)
+    config_path, peer_dir, address_file = prepare_run_dir(config, out, clear=resume is None)
+    if resume is not None:
+        rewind_run_dir(out, resume.step)
+    sealer = LaunchSealer(config, out) if config.checkpoint.every else None
+    extra = worker_args(config, out, resume)
     workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker())
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
-        first = workers.start(0, "--address-file", str(address_file))
+        first = workers.start(0, *extra, "--address-file", str(address_file))
         deadline = time.monotonic() + JOIN_TIMEOUT
         while not address_file.exists():
             if first.poll() is not None or time.monotonic() > deadline:
@@ -259,7 +266,7 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
             time.sleep(0.1)
         addrs = address_file.read_text().split()
         for index in range(1, config.peers):
-            workers.start(index, "--initial-peers", *addrs)
+            workers.start(index, *extra, "--initial-peers", *addrs)
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
         while workers.running():
             for index in workers.reap():
@@ -269,12 +276,16 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
                     file=sys.stderr,
                 )
             bar.update(max(_lines(peer_dir / f"{i}.jsonl") for i in workers.procs) - bar.n)
+            if sealer is not None:
+                sealer.poll(set(workers.running()))
             time.sleep(0.5)
         workers.reap()
         bar.close()
     finally:
         workers.stop()
         signal.signal(signal.SIGTERM, previous)
+        if sealer is not None:
+            sealer.poll(set())  # every worker has exited: seal what they wrote
     ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
     recorder = Recorder(config, ids)
     for index in range(config.peers):
@@ -348,12 +359,19 @@ def _worker_main() -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
     parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
+    parser.add_argument("--checkpoint-dir", help="write this worker's checkpoints under this directory")
+    parser.add_argument("--resume-from", help="a complete checkpoint directory (step-NNNNNN) to start from")
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = RunConfig.from_dict(json.loads(Path(args.config).read_text()))
     address_file = Path(args.address_file) if args.address_file else None
+    checkpoints = None
+    if args.checkpoint_dir or args.resume_from:
+        root = Path(args.checkpoint_dir or Path(args.out).parent / "checkpoints")
+        checkpoints = WorkerCheckpoints(config, root, args.index, Path(args.resume_from) if args.resume_from else None)
+    records = Path(args.out) / f"{args.index}.jsonl"
     try:
-        asyncio.run(run_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl", address_file=address_file))
+        asyncio.run(run_worker(config, args.index, args.initial_peers, records, address_file=address_file, checkpoints=checkpoints))
     except (KeyboardInterrupt, asyncio.CancelledError):
         sys.exit(128 + signal.SIGTERM)
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..core.rng import py_stream
 from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
+from .checkpoints import Checkpoint, SimCheckpoints
 from .churn import FaultDriver
 from .swarm import Recorder, peer_identity
 
@@ -23,8 +24,11 @@ def peer_speeds(config: RunConfig) -> list[float]:
     return [config.network.flops * math.exp(config.network.flops_spread * rng.gauss(0.0, 1.0)) for _ in range(config.peers)]
 
 
-def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
-    """Run `config` in the simulator, write the run's files to `out`, return the summary."""
+def simulate(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoint | None = None) -> dict:
+    """Run `config` in the simulator, write the run's files to `out`, return the summary.
+
+    With `config.checkpoint.every`, checkpoints go to `out`/checkpoints; `resume` continues from one.
+    """
     if not isinstance(config, RunConfig):
         from .aspis import simulate_aspis
 
@@ -34,6 +38,7 @@ def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
     identities = [peer_identity(config.seed, i) for i in range(config.peers + config.faults.join)]
     ids = [identity.peer_id for identity in identities]
     recorder = Recorder(config, ids)
+    checkpoints = SimCheckpoints(config, out, recorder.records, resume) if config.checkpoint.every or resume else None
     bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
     driver: FaultDriver | None = None
 
@@ -50,6 +55,8 @@ def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
         )
         speeds = peer_speeds(config) + [config.network.flops] * config.faults.join  # joiners: the median speed
         transports = [network.add_peer(identity, flops=speed) for identity, speed in zip(identities, speeds)]
+        if checkpoints is not None:
+            await checkpoints.begin(network)
         progress_step = -1
 
         def on_step(record: dict) -> None:
@@ -59,11 +66,12 @@ def simulate(config: RunConfig, out: Path, progress: bool = True) -> dict:
                 bar.update(record["step"] - progress_step)
                 progress_step = record["step"]
 
-        driver = FaultDriver(config, network, transports, on_step)
+        driver = FaultDriver(config, network, transports, on_step, checkpoints.for_peer if checkpoints else None)
         for index in range(config.peers):
             driver.start(index)
         await driver.wait()
-        return asyncio.get_running_loop().time(), network.stats()
+        stats = network.stats()
+        return asyncio.get_running_loop().time(), checkpoints.network_stats(stats) if checkpoints else stats
 
     try:
         simulated_seconds, stats = run_simulation(main)

@@ -20,6 +20,7 @@ from ..config import RunConfig
 from ..core.identity import Identity
 from ..core.rng import py_stream
 from ..runtime.catchup import CatchupService
+from ..runtime.checkpoint import PeerCheckpoints
 from ..runtime.dp_peer import DataParallelPeer, task_of
 from ..runtime.btard import SecureRound
 from ..runtime.mprng import MPRNGBehaviour, MPRNGFailed, SplitView, WithholdReveal, WrongReveal, run_mprng
@@ -83,26 +84,33 @@ async def run_peer(
     deterministic: bool,
     on_step: Callable[[dict], None],
     catchup: CatchupService | None = None,
+    checkpoints: PeerCheckpoints | None = None,
 ) -> None:
     """Train from peer.step to config.steps; after every mprng_every-th step, run an MPRNG round; report each step.
 
     With `catchup`, the peer serves state to joiners and checks its digest at sync points;
-    its last record carries its final state digest.
+    its last record carries its final state digest. With `checkpoints`, the peer is
+    restored from a checkpoint first (on a resume) and offers it each step to write.
     """
     byzantine = index in byzantine_indices(config)
     behaviour = MPRNG_BEHAVIOURS[config.byzantine.mprng if byzantine else "honest"]()
+    streams = {}
     if deterministic:
-        stream = py_stream(config.seed, peer.transport.peer_id, "mprng")
+        stream = streams["mprng"] = py_stream(config.seed, peer.transport.peer_id, "mprng")
         entropy = stream.randbytes
     else:
         entropy = secrets.token_bytes
     me = peer.transport.peer_id
     if isinstance(peer.allreduce, SecureRound):
         peer.allreduce.entropy = entropy
+    if checkpoints is not None:
+        checkpoints.attach(peer, streams)
     for step in range(peer.step, config.steps):
         if peer.ledger.is_banned(me):
             await peer.settle()
             return  # the honest peers have banned us: they no longer listen
+        if checkpoints is not None:
+            await checkpoints.at_step(step)
         if catchup is not None:
             await catchup.before_step(step)
         record = await peer.train_step(step)
@@ -121,6 +129,8 @@ async def run_peer(
         if catchup is not None and peer.step == config.steps:
             record["digest"] = catchup.state_digest().hex()
         on_step(record)
+    if checkpoints is not None and not peer.ledger.is_banned(me):
+        await checkpoints.at_step(config.steps)
 
 
 class Recorder:

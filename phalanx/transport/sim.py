@@ -436,6 +436,23 @@ class SimNetwork:
             raise LocalError(f"cannot schedule at {at!r}: it must be a finite time >= now ({loop.time()})")
         return loop.call_at(at, callback)
 
+    # --- quiet points (checkpoints of a simulated run) ----------------------------
+
+    def drained_at(self) -> float:
+        """The virtual time at which the last message sent so far arrives (or would have, had it not been lost)."""
+        return max((link.free_at + link.latency for p in self._peers.values() for link in p.links.values()), default=0.0)
+
+    def pending_tasks(self) -> list[asyncio.Task]:
+        """Every unfinished task some peer owns (mains, request handlers, what they started), in peer order."""
+        return [task for pid in self._ids for task in self._peers[pid].tasks if not task.done()]
+
+    def loss_state(self) -> object:
+        """The state of the message-loss stream (to continue a run exactly)."""
+        return self._rng.getstate()
+
+    def set_loss_state(self, state: object) -> None:
+        self._rng.setstate(state)
+
     # --- metrics ----------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
