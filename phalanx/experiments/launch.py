@@ -163,10 +163,13 @@ class _Workers:
         self.procs: dict[int, subprocess.Popen] = {}
         self.failed: dict[int, int] = {}  # index -> exit status, for workers that ended by themselves
         self.stopping = False
+        self.bed = None  # a netns Testbed: worker i runs in host i's namespace, listening on its address
 
     def start(self, index: int, *args: str) -> subprocess.Popen:
         env = {**os.environ, MARKER_ENV: self.marker(index)}
         cmd = [*self.base, "--index", str(index), "--die-with-parent", *args]
+        if self.bed is not None:
+            cmd = [*self.bed.exec_prefix(index), *cmd, "--host", self.bed.listen_maddr(index)]
         self.procs[index] = subprocess.Popen(cmd, env=env, start_new_session=True)
         return self.procs[index]
 
@@ -235,14 +238,19 @@ def prepare_run_dir(config, out: Path) -> tuple[Path, Path, Path]:
     return config_path, peer_dir, peer_dir / "0.addr"
 
 
-def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
+def launch(config: RunConfig, out: Path, progress: bool = True, netns=None) -> dict:
     """Run `config` as config.peers OS processes on loopback; write the run's files to `out`.
+
+    With `netns` (a `netns.NetnsConfig`), each worker runs in its own network
+    namespace of a test bed built for the run and torn down after it.
 
     A worker that dies (killed, out of memory, an exception) is dropped by
     the others and the run goes on; it is listed under `crashed` with the
     last step it recorded. Raises LocalError only when no worker finished.
     """
     if not isinstance(config, RunConfig):
+        if netns is not None:
+            raise ConfigError(f"--netns runs data-parallel presets only, not {config.preset!r}")
         from .aspis_launch import launch_aspis
 
         return launch_aspis(config, out, progress)
@@ -251,6 +259,11 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
     workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker())
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
+        if netns is not None:
+            from .netns import Testbed
+
+            workers.bed = Testbed(netns)
+            workers.bed.up()
         first = workers.start(0, "--address-file", str(address_file))
         deadline = time.monotonic() + JOIN_TIMEOUT
         while not address_file.exists():
@@ -274,6 +287,8 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
         bar.close()
     finally:
         workers.stop()
+        if workers.bed is not None:
+            workers.bed.down()
         signal.signal(signal.SIGTERM, previous)
     ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
     recorder = Recorder(config, ids)
@@ -287,7 +302,8 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
         raise LocalError(f"the run did not finish: peers {failed}; see their output above")
     _to_relative_time(recorder.records)
     recorder.crashed = [ids[i] for i in sorted(workers.failed)]
-    return recorder.write(out, {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start})
+    extra = {"netns": {str(i): line for i, line in workers.bed.applied.items()}} if workers.bed is not None else {}
+    return recorder.write(out, {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, **extra})
 
 
 def _last_step(path: Path) -> int | None:
@@ -347,13 +363,16 @@ def _worker_main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--host", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = RunConfig.from_dict(json.loads(Path(args.config).read_text()))
     address_file = Path(args.address_file) if args.address_file else None
     try:
-        asyncio.run(run_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl", address_file=address_file))
+        asyncio.run(
+            run_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl", args.host, address_file)
+        )
     except (KeyboardInterrupt, asyncio.CancelledError):
         sys.exit(128 + signal.SIGTERM)
 
