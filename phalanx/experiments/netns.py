@@ -26,6 +26,7 @@ too when the process that built the bed dies without tearing it down (SIGKILL).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shutil
@@ -34,10 +35,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..core.errors import ConfigError, LocalError
+from .processes import MARKER_ENV
 
 PREFIX = "phx-"  # every namespace a test bed creates starts with this
 HUB_DEVICE = "br0"
@@ -45,6 +48,7 @@ HOST_DEVICE = "eth0"
 TBF_LATENCY_MS = 100  # how long a packet may wait in tbf's queue before it is dropped
 JANITOR_INTERVAL = 0.2  # seconds between the janitor's looks at its parent
 EXAMPLE_SPEC = "1:rate=10mbit;2:delay=40ms,jitter=10ms;3:loss=1%"
+CLONE_NEWNET = 0x40000000
 
 
 @dataclass(frozen=True)
@@ -133,8 +137,17 @@ def _quantity(key: str, text: str) -> float:
     return float(match.group(1)) * _UNITS[key][match.group(2)]
 
 
+def uses_tap_link(shape: LinkShape, qdiscs: set[str]) -> bool:
+    """Whether this link's delay and loss come from a user-space TAP link (`tap_link`): no netem, but TAP devices."""
+    return shape.needs_netem() and "netem" not in qdiscs and "tap" in qdiscs
+
+
 def plan_link(shape: LinkShape, device: str, qdiscs: set[str]) -> tuple[list[list[str]], str]:
-    """`tc` commands that shape `device`'s egress as `shape` with the qdiscs the kernel has; and what they apply."""
+    """`tc` commands that shape `device`'s egress as `shape` with what the kernel has; and what is applied.
+
+    `qdiscs` names what works here: netem, tbf, htb, and "tap" when TAP devices
+    can stand in for netem's delay and loss (see `tap_link`).
+    """
     base = ["tc", "qdisc", "add", "dev", device, "root"]
     rate = None if shape.rate_mbit is None else f"{shape.rate_mbit * 1000:g}kbit"
     if shape.needs_netem() and "netem" in qdiscs:
@@ -149,7 +162,10 @@ def plan_link(shape: LinkShape, device: str, qdiscs: set[str]) -> tuple[list[lis
     lost = ""
     if shape.needs_netem():
         dropped = LinkShape(delay_ms=shape.delay_ms, jitter_ms=shape.jitter_ms, loss_pct=shape.loss_pct).describe()
-        lost = f"{dropped} NOT applied (this kernel has no sch_netem)"
+        if uses_tap_link(shape, qdiscs):
+            lost = f"{dropped} (user-space tap link, each direction; this kernel has no sch_netem)"
+        else:
+            lost = f"{dropped} NOT applied (this kernel has no sch_netem)"
     if rate is None:
         return [], lost or "unshaped"
     if "tbf" in qdiscs:
@@ -207,6 +223,24 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@contextmanager
+def entered(namespace: str) -> Iterator[None]:
+    """Run the block with the calling thread in `namespace`.
+
+    Sockets created and processes forked in the block belong to that
+    namespace and stay there afterwards (a hivemind DHT child and its p2pd
+    started here listen inside it). Only this thread moves.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open("/proc/thread-self/ns/net") as home, open(f"/run/netns/{namespace}") as target:
+        if libc.setns(target.fileno(), CLONE_NEWNET) != 0:
+            raise LocalError(f"cannot enter network namespace {namespace}: {os.strerror(ctypes.get_errno())}")
+        try:
+            yield
+        finally:
+            libc.setns(home.fileno(), CLONE_NEWNET)
+
+
 def delete_namespaces(names: list[str]) -> None:
     """Kill every process inside each namespace, then delete it (its veths and bridge go with it)."""
     for name in names:
@@ -234,6 +268,7 @@ class Testbed:
         self.qdiscs: set[str] = set()
         self.applied: dict[int, str] = {}
         self._janitor: subprocess.Popen | None = None
+        self._links: list[subprocess.Popen] = []  # user-space tap links (tap_link processes)
 
     def namespace(self, host: int) -> str:
         return f"{self.prefix}-h{host}"
@@ -268,14 +303,15 @@ class Testbed:
             [sys.executable, "-m", "phalanx.experiments.netns", "--janitor", str(os.getpid()), "--cleanup", self.prefix],
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C in the terminal must not stop it before it has cleaned up
+            env={k: v for k, v in os.environ.items() if k != MARKER_ENV},  # a sweep of the run's processes spares it
         )
         try:
             _ip("netns", "add", self.hub)
             _ip("-n", self.hub, "link", "add", HUB_DEVICE, "type", "bridge")
             _ip("-n", self.hub, "link", "set", HUB_DEVICE, "up")
+            self.qdiscs = probe_qdiscs(self.hub)
             for host in range(self.config.hosts):
                 self._add_host(host)
-            self.qdiscs = probe_qdiscs(self.hub, "v0")
             for host in range(self.config.hosts):
                 self.applied[host] = self._shape(host)
                 self.log(f"host {host} ({self.namespace(host)}, {self.address(host)}): {self.applied[host]}")
@@ -287,12 +323,24 @@ class Testbed:
     def _add_host(self, host: int) -> None:
         ns, hub_end = self.namespace(host), f"v{host}"
         _ip("netns", "add", ns)
-        _ip("-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", HOST_DEVICE, "netns", ns)
+        shape = self.config.shape(host)
+        if uses_tap_link(shape, self.qdiscs):
+            self._start_tap_link(host, shape)
+        else:
+            _ip("-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", HOST_DEVICE, "netns", ns)
         _ip("-n", self.hub, "link", "set", hub_end, "master", HUB_DEVICE)
         _ip("-n", self.hub, "link", "set", hub_end, "up")
         _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", HOST_DEVICE)
         _ip("-n", ns, "link", "set", HOST_DEVICE, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
+
+    def _start_tap_link(self, host: int, shape: LinkShape) -> None:
+        command = [sys.executable, "-m", "phalanx.experiments.tap_link", self.namespace(host), HOST_DEVICE, self.hub, f"v{host}",
+                   "--delay", str(shape.delay_ms), "--jitter", str(shape.jitter_ms), "--loss", str(shape.loss_pct), "--seed", str(host)]
+        link = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        self._links.append(link)
+        if link.stdout.readline().strip() != "ready":
+            raise LocalError(f"the user-space link of host {host} did not start (exit code {link.wait()})")
 
     def _shape(self, host: int) -> str:
         shape = self.config.shape(host)
@@ -305,6 +353,10 @@ class Testbed:
 
     def down(self) -> None:
         """Kill what runs in the namespaces and delete them; safe to call twice."""
+        for link in self._links:
+            link.kill()
+            link.wait()
+        self._links = []
         delete_namespaces([n for n in self.names() if n in set(namespaces(self.prefix))])
         if self._janitor is not None:
             self._janitor.terminate()
@@ -312,18 +364,22 @@ class Testbed:
             self._janitor = None
 
 
-def probe_qdiscs(namespace: str, device: str) -> set[str]:
-    """Which of netem, tbf and htb the kernel accepts, tried on `device` in `namespace` (left as it was)."""
+def probe_qdiscs(namespace: str) -> set[str]:
+    """Which of netem, tbf and htb the kernel accepts (tried on a veth pair made in `namespace` for it), plus
+    "tap" where TAP devices can be made."""
     trials = {
         "netem": ["netem", "delay", "1ms"],
         "tbf": ["tbf", "rate", "1mbit", "burst", "16384", "latency", "50ms"],
         "htb": ["htb", "default", "1"],
     }
-    found = set()
+    device = "probe0"
+    _in(namespace, ["ip", "link", "add", device, "type", "veth", "peer", "name", "probe1"])
+    found = {"tap"} if os.access("/dev/net/tun", os.R_OK | os.W_OK) else set()
     for name, args in trials.items():
         if _in(namespace, ["tc", "qdisc", "add", "dev", device, "root", *args], check=False).returncode == 0:
             found.add(name)
             _in(namespace, ["tc", "qdisc", "del", "dev", device, "root"], check=False)
+    _in(namespace, ["ip", "link", "del", device])
     return found
 
 
@@ -357,7 +413,7 @@ def _main() -> None:
         if reason is not None:
             raise SystemExit(f"no test bed here: {reason}")
         with Testbed(NetnsConfig(1), log=lambda line: None) as bed:
-            print(f"qdiscs: {', '.join(sorted(bed.qdiscs)) or 'none'} (of netem, tbf, htb)")
+            print(f"qdiscs: {', '.join(sorted(bed.qdiscs)) or 'none'} (of netem, tbf, htb, tap)")
     else:
         parser.print_help()
 
