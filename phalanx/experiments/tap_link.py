@@ -78,6 +78,7 @@ def _main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     set_parent_death_signal(signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run; the link stays up while it shuts down
     with entered(args.host_ns):
         host = open_tap(args.host_dev)
     with entered(args.hub_ns):
