@@ -10,12 +10,12 @@ with its own DHT process and libp2p daemon.
 
 With --netns (root), each peer is a host of a netns test bed: the holders on
 unshaped links, the joiner behind a link of --rate Mbit/s (tbf, each
-direction). Its DHT child and p2pd are started inside its namespace. The
+direction; --delay adds latency). Its DHT child and p2pd are started inside its namespace. The
 table then also gives a plain TCP transfer of the same bytes from holder 0
 to the joiner across the same link, and catch-up as a multiple of it.
 
     PYTHONPATH=. .venv/bin/python bench/catchup.py [--params 1,10,50] (millions)
-    PYTHONPATH=. .venv/bin/python bench/catchup.py --netns --rate 10 --params 1,10
+    PYTHONPATH=. .venv/bin/python bench/catchup.py --netns --rate 10 [--delay 40] --params 1,10
 """
 
 from __future__ import annotations
@@ -141,10 +141,11 @@ if __name__ == "__main__":
     parser.add_argument("--params", default="1,10,50", help="model sizes in millions of parameters")
     parser.add_argument("--netns", action="store_true", help="peers in network namespaces; the joiner's link shaped")
     parser.add_argument("--rate", type=float, default=10.0, help="the joiner's link rate in Mbit/s (with --netns)")
+    parser.add_argument("--delay", type=float, default=0.0, help="the joiner's link delay in ms, each direction (with --netns)")
     args = parser.parse_args()
     sizes = [int(x) for x in args.params.split(",")]
     if args.netns:
-        with Testbed(NetnsConfig(HOLDERS + 1, ((HOLDERS, LinkShape(rate_mbit=args.rate)),))) as testbed:
+        with Testbed(NetnsConfig(HOLDERS + 1, ((HOLDERS, LinkShape(rate_mbit=args.rate, delay_ms=args.delay)),))) as testbed:
             asyncio.run(main(sizes, testbed))
     else:
         asyncio.run(main(sizes))

@@ -108,7 +108,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         summary = simulate(config, _out(args, config, "simulate"), progress=not args.no_progress)
     elif args.command == "launch":
         from .experiments.launch import launch
-
         from .experiments.netns import parse_spec
 
         netns = None if args.netns is None else parse_spec(args.netns, config.peers)

@@ -25,6 +25,7 @@ from ..config import RunConfig
 from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
 from ..runtime.catchup import CatchupService, collect_offers
+from .netns import NetnsConfig, Testbed
 from .processes import MARKER_ENV, guard_worker, kill_group, kill_marked, new_marker
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
@@ -163,7 +164,7 @@ class _Workers:
         self.procs: dict[int, subprocess.Popen] = {}
         self.failed: dict[int, int] = {}  # index -> exit status, for workers that ended by themselves
         self.stopping = False
-        self.bed = None  # a netns Testbed: worker i runs in host i's namespace, listening on its address
+        self.bed: Testbed | None = None  # a netns test bed: worker i runs in host i's namespace, listening on its address
 
     def start(self, index: int, *args: str) -> subprocess.Popen:
         env = {**os.environ, MARKER_ENV: self.marker(index)}
@@ -238,10 +239,10 @@ def prepare_run_dir(config, out: Path) -> tuple[Path, Path, Path]:
     return config_path, peer_dir, peer_dir / "0.addr"
 
 
-def launch(config: RunConfig, out: Path, progress: bool = True, netns=None) -> dict:
+def launch(config: RunConfig, out: Path, progress: bool = True, netns: NetnsConfig | None = None) -> dict:
     """Run `config` as config.peers OS processes on loopback; write the run's files to `out`.
 
-    With `netns` (a `netns.NetnsConfig`), each worker runs in its own network
+    With `netns`, each worker runs in its own network
     namespace of a test bed built for the run and torn down after it.
 
     A worker that dies (killed, out of memory, an exception) is dropped by
@@ -260,8 +261,6 @@ def launch(config: RunConfig, out: Path, progress: bool = True, netns=None) -> d
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         if netns is not None:
-            from .netns import Testbed
-
             workers.bed = Testbed(netns)
             workers.bed.up()
         first = workers.start(0, "--address-file", str(address_file))
