@@ -64,7 +64,9 @@ class LinkShape:
         if self.rate_mbit is not None and not 0 < self.rate_mbit <= 100_000:
             raise ConfigError(f"link rate must be in (0, 100000] mbit, got {self.rate_mbit}")
         if not 0 <= self.delay_ms <= 10_000 or not 0 <= self.jitter_ms <= self.delay_ms:
-            raise ConfigError(f"link delay must be in [0, 10000] ms and jitter in [0, delay], got {self.delay_ms}/{self.jitter_ms}")
+            raise ConfigError(
+                f"link delay must be in [0, 10000] ms and jitter in [0, delay], got {self.delay_ms}/{self.jitter_ms}"
+            )
         if not 0 <= self.loss_pct < 100:
             raise ConfigError(f"link loss must be in [0, 100) %, got {self.loss_pct}")
 
@@ -133,7 +135,8 @@ _UNITS = {
 def _quantity(key: str, text: str) -> float:
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z%]*)", text.lower())
     if not match or match.group(2) not in _UNITS[key]:
-        raise ConfigError(f"--netns {key}={text!r}: expected a number with one of the units {sorted(u for u in _UNITS[key] if u)}")
+        units = sorted(u for u in _UNITS[key] if u)
+        raise ConfigError(f"--netns {key}={text!r}: expected a number with one of the units {units}")
     return float(match.group(1)) * _UNITS[key][match.group(2)]
 
 
@@ -179,7 +182,8 @@ def plan_link(shape: LinkShape, device: str, qdiscs: set[str]) -> tuple[list[lis
         ]
         applied = f"rate {shape.rate_mbit:g}mbit (htb, each direction)"
     else:
-        return [], f"rate {shape.rate_mbit:g}mbit NOT applied (this kernel has neither tbf nor htb)" + (f"; {lost}" if lost else "")
+        missing = f"rate {shape.rate_mbit:g}mbit NOT applied (this kernel has neither tbf nor htb)"
+        return [], missing + (f"; {lost}" if lost else "")
     return commands, applied + (f"; {lost}" if lost else "")
 
 
@@ -335,8 +339,11 @@ class Testbed:
         _ip("-n", ns, "link", "set", "lo", "up")
 
     def _start_tap_link(self, host: int, shape: LinkShape) -> None:
-        command = [sys.executable, "-m", "phalanx.experiments.tap_link", self.namespace(host), HOST_DEVICE, self.hub, f"v{host}",
-                   "--delay", str(shape.delay_ms), "--jitter", str(shape.jitter_ms), "--loss", str(shape.loss_pct), "--seed", str(host)]
+        command = [
+            *[sys.executable, "-m", "phalanx.experiments.tap_link", self.namespace(host), HOST_DEVICE, self.hub, f"v{host}"],
+            *["--delay", str(shape.delay_ms), "--jitter", str(shape.jitter_ms), "--loss", str(shape.loss_pct)],
+            *["--seed", str(host)],
+        ]
         link = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         self._links.append(link)
         if link.stdout.readline().strip() != "ready":
@@ -397,7 +404,7 @@ def _janitor(parent: int, prefix: str) -> None:
 def _main() -> None:
     parser = argparse.ArgumentParser(description="phalanx's netns test bed: probe shaping, clean up leftovers")
     parser.add_argument("--probe", action="store_true", help="print which tc qdiscs this kernel supports")
-    parser.add_argument("--cleanup", metavar="PREFIX", help=f"delete namespaces whose name starts with PREFIX (ours start {PREFIX!r})")
+    parser.add_argument("--cleanup", metavar="PREFIX", help=f"delete namespaces named PREFIX* (ours start {PREFIX!r})")
     parser.add_argument("--janitor", type=int, metavar="PID", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.janitor is not None:
