@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("launch", help="run N real peers as OS processes on loopback over hivemind")
     _run_options(p, peers_required=True)
     _checkpoint_options(p)
+    p.add_argument("--netns", nargs="?", const="", metavar="SPEC", help="each peer in its own network namespace (root);"
+                   " SPEC shapes links, e.g. '1:rate=10mbit;2:delay=40ms,jitter=10ms;3:loss=1%%'")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     p = sub.add_parser("peer", help="run one real peer that joins a swarm")
@@ -112,6 +114,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return importlib.import_module(f".experiments.{BENCHES[args.name]}", __package__).run_cli(args)
     config = _config(args)
+    if getattr(args, "netns", None) is not None and not isinstance(config, RunConfig):
+        raise ConfigError(f"--netns runs data-parallel presets only, not {config.preset!r}")
     if isinstance(config, PipelineRunConfig):
         from .experiments.pipeline_run import run_pipeline_cli
 
@@ -122,8 +126,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         summary = simulate(config, _out(args, config, "simulate"), progress=not args.no_progress, resume=getattr(args, "checkpoint", None))
     elif args.command == "launch":
         from .experiments.launch import launch
+        from .experiments.netns import parse_spec
 
-        summary = launch(config, _out(args, config, "launch"), progress=not args.no_progress, resume=getattr(args, "checkpoint", None))
+        netns = None if args.netns is None else parse_spec(args.netns, config.peers)
+        summary = launch(config, _out(args, config, "launch"), progress=not args.no_progress, resume=getattr(args, "checkpoint", None), netns=netns)
     else:
         from .experiments.launch import run_single_peer
 

@@ -4,6 +4,8 @@
 - simulate: a swarm in one process on the simulator
 - launch: real OS processes over hivemind (`launch`, `peer`)
 - processes: process hygiene (markers, watchdog, parent-death signals, process groups)
+- netns: multi-host test bed (network namespaces, a bridge, shaped links) for `launch --netns`
+- tap_link: a user-space link with delay, jitter and loss between two TAP devices (where the kernel lacks netem)
 - churn: crashes, restarts, joiners and churn in simulated runs
 - checkpoints: checkpoint directories (atomic files, manifests, keep N), --resume, quiet cuts of simulated runs
 - report: PNG plots and summary table of a run directory

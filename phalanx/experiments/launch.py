@@ -26,6 +26,7 @@ from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
 from ..runtime.catchup import CatchupService, collect_offers
 from .checkpoints import Checkpoint, LaunchSealer, WorkerCheckpoints, rewind_run_dir, worker_args
+from .netns import NetnsConfig, Testbed
 from .processes import MARKER_ENV, guard_worker, kill_group, kill_marked, new_marker
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
@@ -165,10 +166,13 @@ class _Workers:
         self.procs: dict[int, subprocess.Popen] = {}
         self.failed: dict[int, int] = {}  # index -> exit status, for workers that ended by themselves
         self.stopping = False
+        self.bed: Testbed | None = None  # a netns test bed: worker i runs in host i's namespace, listening on its address
 
     def start(self, index: int, *args: str) -> subprocess.Popen:
         env = {**os.environ, MARKER_ENV: self.marker(index)}
         cmd = [*self.base, "--index", str(index), "--die-with-parent", *args]
+        if self.bed is not None:
+            cmd = [*self.bed.exec_prefix(index), *cmd, "--host", self.bed.listen_maddr(index)]
         self.procs[index] = subprocess.Popen(cmd, env=env, start_new_session=True)
         return self.procs[index]
 
@@ -237,8 +241,11 @@ def prepare_run_dir(config, out: Path, clear: bool = True) -> tuple[Path, Path, 
     return config_path, peer_dir, peer_dir / "0.addr"
 
 
-def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoint | None = None) -> dict:
+def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoint | None = None, netns: NetnsConfig | None = None) -> dict:
     """Run `config` as config.peers OS processes on loopback; write the run's files to `out`.
+
+    With `netns`, each worker runs in its own network
+    namespace of a test bed built for the run and torn down after it.
 
     A worker that dies (killed, out of memory, an exception) is dropped by
     the others and the run goes on; it is listed under `crashed` with the
@@ -246,6 +253,8 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
     With `config.checkpoint.every`, checkpoints go to `out`/checkpoints; `resume` continues from one.
     """
     if not isinstance(config, RunConfig):
+        if netns is not None:
+            raise ConfigError(f"--netns runs data-parallel presets only, not {config.preset!r}")
         from .aspis_launch import launch_aspis
 
         return launch_aspis(config, out, progress)
@@ -258,6 +267,9 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
     workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker())
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
+        if netns is not None:
+            workers.bed = Testbed(netns)
+            workers.bed.up()
         first = workers.start(0, *extra, "--address-file", str(address_file))
         deadline = time.monotonic() + JOIN_TIMEOUT
         while not address_file.exists():
@@ -283,6 +295,8 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
         bar.close()
     finally:
         workers.stop()
+        if workers.bed is not None:
+            workers.bed.down()
         signal.signal(signal.SIGTERM, previous)
         if sealer is not None:
             sealer.poll(set())  # every worker has exited: seal what they wrote
@@ -298,7 +312,8 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
         raise LocalError(f"the run did not finish: peers {failed}; see their output above")
     _to_relative_time(recorder.records)
     recorder.crashed = [ids[i] for i in sorted(workers.failed)]
-    return recorder.write(out, {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start})
+    extra = {"netns": {str(i): line for i, line in workers.bed.applied.items()}} if workers.bed is not None else {}
+    return recorder.write(out, {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, **extra})
 
 
 def _last_step(path: Path) -> int | None:
@@ -358,6 +373,7 @@ def _worker_main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--host", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     parser.add_argument("--checkpoint-dir", help="write this worker's checkpoints under this directory")
     parser.add_argument("--resume-from", help="a complete checkpoint directory (step-NNNNNN) to start from")
@@ -371,7 +387,7 @@ def _worker_main() -> None:
         checkpoints = WorkerCheckpoints(config, root, args.index, Path(args.resume_from) if args.resume_from else None)
     records = Path(args.out) / f"{args.index}.jsonl"
     try:
-        asyncio.run(run_worker(config, args.index, args.initial_peers, records, address_file=address_file, checkpoints=checkpoints))
+        asyncio.run(run_worker(config, args.index, args.initial_peers, records, args.host, address_file, checkpoints=checkpoints))
     except (KeyboardInterrupt, asyncio.CancelledError):
         sys.exit(128 + signal.SIGTERM)
 
