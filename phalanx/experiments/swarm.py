@@ -106,6 +106,8 @@ async def run_peer(
     if checkpoints is not None:
         checkpoints.attach(peer, streams)
     for step in range(peer.step, config.steps):
+        if checkpoints is not None and config.checkpoint.due(step):
+            await peer.settle()  # BTARD: no verification is in flight at a checkpoint
         if peer.ledger.is_banned(me):
             await peer.settle()
             return  # the honest peers have banned us: they no longer listen

@@ -64,7 +64,7 @@ import logging
 import math
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -357,6 +357,29 @@ class SecureRound(ButterflyAllReduce):
         """Bans applied by `settle` and not yet returned by a round."""
         bans, self._unreported = self._unreported, []
         return bans
+
+    def checkpoint_state(self, step: int) -> dict:
+        """What a checkpoint taken before `step` (after `settle`) keeps of this round.
+
+        The bans `settle` applied that the next round will report, and the
+        signed joins for `step` already received: joins for step k + 1 travel
+        with step k's scatter, so a resumed run would otherwise pay a join
+        round that the uninterrupted run did not.
+        """
+        return {
+            "unreported_bans": [asdict(b) for b in self._unreported],
+            "joined": step in self._joined,
+            "joins": [env.to_bytes() for _, env in sorted(self.transport.board.get("bt.join", step).items())],
+        }
+
+    def load_checkpoint_state(self, step: int, saved: dict) -> None:
+        """Take back `checkpoint_state(step)`; the joins are verified again like any received envelope."""
+        self._unreported = [BanRecord(**ban) for ban in saved["unreported_bans"]]
+        if saved["joined"]:
+            self._joined.add(step)
+        me = self.transport.peer_id
+        for data in saved["joins"]:
+            self.transport.board.add(SignedEnvelope.from_bytes(data, me).verify())
 
     async def _verify(self, st: _Step, parts: list[torch.Tensor], draw: asyncio.Future) -> list[Claim]:
         """Steps 5-6 of one step: metadata, V1-V3, validators, reports; returns every claim to resolve."""

@@ -6,7 +6,11 @@ download are the same bytes and are loaded by the same checked code. A
 checkpoint adds what is this peer's own and what a continued run depends on:
 the all-reduce's step (which messages it accepts), its named random streams
 (the MPRNG/BTARD entropy stream of a deterministic run), its attack's memory,
-and the process's global random generators.
+the process's global random generators, and, in a BTARD run, the bans that
+its last settled verification has not reported yet and the signed joins for
+the next step that it already holds. A BTARD peer resolves
+its background verifications before the cut (`run_peer`), so a checkpoint
+never holds a verification in flight.
 
 `capture` returns plain values and tensors; `to_bytes` / `from_bytes` turn
 them into a `torch.save` file that loads with `weights_only=True` (no pickled
@@ -26,6 +30,7 @@ import torch
 from ..core.errors import ConfigError, LocalError, RemoteError
 from ..core.serialization import digest
 from .catchup import load_state, state_bytes
+from .btard import SecureRound
 from .dp_peer import DataParallelPeer
 
 FORMAT = 1
@@ -68,6 +73,7 @@ def capture(peer: DataParallelPeer, step: int, streams: dict[str, random.Random]
         "streams": {name: stream.getstate() for name, stream in streams.items()},
         "attack": peer.attack.state() if peer.attack is not None else {},
         "rng": global_rng_state(),
+        "btard": peer.allreduce.checkpoint_state(step) if _secure(peer) else {},
     }
 
 
@@ -87,8 +93,14 @@ def restore(peer: DataParallelPeer, saved: dict, streams: dict[str, random.Rando
     peer.allreduce._step = saved["allreduce_step"]
     if peer.attack is not None:
         peer.attack.load_state(saved["attack"])
+    if _secure(peer):
+        peer.allreduce.load_checkpoint_state(step, saved["btard"])
     set_global_rng_state(saved["rng"])
     return step
+
+
+def _secure(peer: DataParallelPeer) -> bool:
+    return isinstance(peer.allreduce, SecureRound)
 
 
 def global_rng_state() -> dict:
