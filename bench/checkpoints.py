@@ -8,7 +8,7 @@ bans.jsonl are byte-identical to the uninterrupted one's, and how the
 checkpointed run differs from the one without (the quiet cut may delay peers:
 equal losses, and the largest gap in the `time` column).
 
-    PYTHONPATH=. .venv/bin/python bench/checkpoints.py [--presets digits-dp,digits-dp-lossy,digits-dp-hetero] [--steps 40] [--every 10] [--peers 16]
+    PYTHONPATH=. .venv/bin/python bench/checkpoints.py [--presets digits-dp,digits-dp-lossy,digits-dp-hetero] [--steps 40] [--every 10] [--peers 16] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--peers", type=int, default=16)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config keys for every run")
     args = parser.parse_args()
     half = args.steps // 2
     print(f"{'preset':18} {'plain s':>8} {'ckpt s':>8} {'cut+resume s':>13} {'ckpt MB':>8} {'identical':>9} {'same loss':>9} {'max time gap s':>15}")
     for preset in args.presets.split(","):
-        base = [f"peers={args.peers}", f"checkpoint.every={args.every}"]
+        base = [f"peers={args.peers}", *args.set, f"checkpoint.every={args.every}"]
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            plain = simulate(override(get_preset(preset), [f"peers={args.peers}", f"steps={args.steps}"]), tmp / "plain", progress=False)
+            plain = simulate(override(get_preset(preset), [f"peers={args.peers}", *args.set, f"steps={args.steps}"]), tmp / "plain", progress=False)
             whole = simulate(override(get_preset(preset), [*base, f"steps={args.steps}"]), tmp / "whole", progress=False)
             cut = simulate(override(get_preset(preset), [*base, f"steps={half}"]), tmp / "cut", progress=False)
             config, checkpoint = resume_config(tmp / "cut", preset, [f"steps={args.steps}"], "simulate")
