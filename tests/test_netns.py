@@ -117,7 +117,8 @@ def test_swarm_trains_across_four_shaped_namespaces(tmp_path):
                 code = launcher.wait(timeout=300)
             except subprocess.TimeoutExpired:
                 launcher.kill()
-                pytest.fail(f"the run did not end within 300 s:\n{log.read_text()[-3000:]}")
+                steps = {p.name: len(p.read_text().splitlines()) for p in sorted((out / "peers").glob("*.jsonl"))}
+                pytest.fail(f"the run did not end within 300 s; records per peer {steps}:\n{log.read_text()[-3000:]}")
         output = log.read_text()
         assert code == 0, output[-3000:]
         summary = json.loads((out / "summary.json").read_text())
