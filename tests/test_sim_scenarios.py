@@ -10,7 +10,7 @@ from phalanx.algorithms.attacks import Attack, AttackSchedule, make_attack
 from phalanx.algorithms.bans import BanLedger
 from phalanx.config import override
 from phalanx.experiments.simulate import simulate
-from phalanx.experiments.swarm import peer_identity
+from phalanx.experiments.swarm import crash_indices, peer_identity
 from phalanx.presets import get_preset
 from phalanx.runtime.dp_peer import DataParallelPeer, TrainConfig
 from phalanx.runtime.mprng import MPRNGBehaviour, MPRNGConfig, SplitView, WithholdReveal, WrongReveal, run_mprng
@@ -46,6 +46,18 @@ def test_three_of_sixteen_crash_and_training_reaches_target(tmp_path):
     assert metrics[-1]["peers"] == 13 and metrics[-1]["group"] == 13
     assert summary["final_accuracy"] >= 0.9
     assert len(summary["crashed"]) == 3
+
+
+def test_a_crashed_peer_records_no_step_after_its_crash(tmp_path):
+    # The crash lands in the same turn as the victim's awaited all-reduce result: on Python 3.11
+    # `wait_for` drops that cancellation, and the victim used to train one more step alone.
+    config = override(get_preset("digits-dp"), ["peers=4", "steps=6", "faults.crash=1", "faults.crash_after_step=2"])
+    summary = simulate(config, tmp_path, progress=False)
+    timeline = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    [victim] = crash_indices(config)
+    assert list(summary["crashed"].values()) == [2]
+    assert max(r["step"] for r in timeline if r["peer"] == victim) == 2
+    assert Counter(r["step"] for r in timeline)[3] == 3
 
 
 def test_five_percent_message_loss_still_trains(tmp_path):

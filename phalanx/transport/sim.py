@@ -414,8 +414,20 @@ class SimNetwork:
         state.epoch += 1
         for link in state.links.values():
             link.free_at = min(link.free_at, now)  # its send queue died with it
-        for task in list(state.tasks):
+        self._cancel(list(state.tasks))
+
+    def _cancel(self, tasks: list[asyncio.Task]) -> None:
+        """Cancel a crashed peer's tasks, again on each loop turn until they are done.
+
+        Python 3.11's `asyncio.wait_for` returns the awaited result and drops
+        the cancellation when both land in the same turn, so one `cancel()`
+        could leave a crashed peer training on.
+        """
+        running = [task for task in tasks if not task.done()]
+        for task in running:
             task.cancel()
+        if running:
+            self._running_loop().call_soon(self._cancel, running)
 
     def restart(self, peer: str) -> None:
         """Bring a crashed peer back as a fresh process: state cleared, spawned mains run again."""
