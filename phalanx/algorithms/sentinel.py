@@ -344,6 +344,19 @@ class Sentinel:
         self._replaced.pop(microbatch, None)
         self._paths.pop(microbatch, None)
 
+    def mark_tainted(self, microbatch: Hashable, link: int, worker: str) -> None:
+        """Another verifier flagged `worker`'s activation of `microbatch` on `link` (as `check_forward` would here)."""
+        self._tainted.setdefault(microbatch, (link, worker))
+
+    def mark_replaced(self, microbatch: Hashable, link: int) -> None:
+        """Another verifier sent the momentum instead of `microbatch`'s gradient on `link`."""
+        if link > 0:
+            self._replaced[microbatch] = max(link, self._replaced.get(microbatch, link))
+
+    def taint_of(self, microbatch: Hashable) -> tuple[int, str] | None:
+        """(link, worker) of the forward flag that tainted a microbatch, if any."""
+        return self._tainted.get(microbatch)
+
     def ban(self, worker: str) -> None:
         """Ban `worker` on another verifier's word (its traffic is refused from now on)."""
         if worker not in self._banned:

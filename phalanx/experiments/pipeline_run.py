@@ -200,11 +200,13 @@ class PipelineRecorder:
 
 def simulate_pipeline(
     config: PipelineRunConfig, out: Path | None = None, progress: bool = True,
-    adversary: Callable[[SimNetwork, dict[str, int]], None] | None = None,
+    adversary: Callable[[SimNetwork, dict[str, int]], None] | None = None, evaluate: bool = False,
 ) -> dict:
     """Run a pipeline config in the simulator; write its files to `out` (if given); return the summary.
 
     `adversary(network, directory)` may add peers of its own (attack policies) before the run starts.
+    `evaluate`: also report `val_loss`, the held-out loss of the model assembled from one up-to-date
+    replica per stage that is not among `attack.relays` (the experiment's view, not a defence's).
     """
     torch.set_num_threads(1)
     wall_start = time.perf_counter()
@@ -340,7 +342,9 @@ def simulate_pipeline(
         digests = {pid: [node.stage, node.version, param_digest(node)] for pid, node in nodes.items()
                    if pid not in crashed and node.version == config.steps}
         evidence = [[t.peer_id, e.peer, e.kind] for t in transports for e in t.evidence]
-        return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests, "evidence": evidence}
+        val = validation_loss(config, task, nodes, crashed) if evaluate else None
+        return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests, "evidence": evidence,
+                                                   "val_loss": val}
 
     try:
         simulated_seconds, stats = run_simulation(main)
@@ -349,7 +353,7 @@ def simulate_pipeline(
     verifiers_of_run = verifier_ids(config)
     extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
              "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"],
-             "evidence": stats["evidence"]}
+             "evidence": stats["evidence"], "val_loss": stats["val_loss"]}
     if out is None:
         summary = dict(extra)
         summary["metrics"] = recorder.metrics()
@@ -365,6 +369,22 @@ def simulate_pipeline(
         return summary
     summary = recorder.write(out, extra)
     return summary
+
+
+def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str]) -> float | None:
+    """Held-out loss of the model made of one honest, up-to-date replica per stage (None if a stage has none)."""
+    lying = {peer_identity(config.seed, config.data_nodes + i).peer_id for i in config.attack.indices}
+    model = task.build_model(config.seed)
+    parts = model.stages(config.pipeline.stages + 1)
+    for stage, part in enumerate(parts):
+        source = next((n for p, n in sorted(nodes.items()) if n.stage == stage and p not in crashed
+                       and p not in lying and n.version == config.steps), None)
+        if source is None:
+            return None
+        with torch.no_grad():
+            for mine, theirs in zip(part.parameters(), source.params):
+                mine.copy_(theirs)
+    return task.evaluate(model)["loss"]
 
 
 def param_digest(node: DataNode | Relay) -> str:

@@ -49,6 +49,7 @@ from .config import PipelineConfig
 
 VIA = "pp.via"  # request, sender -> verifier hop: {"dir", "to", "carry"}; answered with the receiver's word
 BAN = "pp.ban"  # one-way, verifier -> every member: {"peer", "it", "keys"}
+TAINT = "pp.taint"  # one-way, boundary verifier -> the other verifiers: a microbatch flagged forward / substituted back
 PLACEMENTS = ("boundary", "data_node")
 FORWARD_RESPONSES = ("pass", "substitute")
 
@@ -137,6 +138,7 @@ class VerifierHop:
         self.trusted = trusted
         self.on_event = on_event
         self.choose = choose
+        self.peers: list[str] = []  # the other verifiers of the run (boundary placement): taint is shared with them
         self.on_ban = on_ban or (lambda peer, it, keys: None)
         self.seen: dict[m.Key, tuple[int, set[str]]] = {}  # microbatch -> (iteration, nodes it passed)
         self.iteration = 0
@@ -155,10 +157,15 @@ class VerifierHop:
         link = link_of(direction, c)
         if direction == FORWARD:
             upstream = {s: c.path[s] for s in range(1, len(c.path) - 1)}
+            tainted = self.sentinel.taint_of(c.key)
             verdict = self.sentinel.check_forward(link, sender, c.key, c.tensor, upstream=upstream)
+            if tainted is None and self.sentinel.taint_of(c.key) is not None:
+                self._share({"tainted": [link, sender]}, c.key)
         else:
             upstream = {s: c.path[s] for s in range(1, c.stage + 1)}
             verdict = self.sentinel.check_backward(link, sender, c.key, c.tensor, upstream=upstream)
+            if verdict.substitute is not None:
+                self._share({"replaced": link}, c.key)
         self._record(verdict, c)
         if verdict.reason == "banned":
             self.spawn(self.reroute(sender, c))
@@ -166,6 +173,23 @@ class VerifierHop:
         if direction == FORWARD and verdict.flagged and self.config.forward_response == "substitute":
             return self.sentinel.momentum(link, c.tensor, FORWARD)
         return verdict.passed_on(c.tensor)
+
+    def _share(self, note: dict, key: m.Key) -> None:
+        """Tell the other verifiers (they judge the microbatch's other links) what this one did to it."""
+        body = encode({**note, "key": list(key)})
+        for peer in self.peers:
+            self.spawn(self.transport.send(peer, TAINT, body))
+
+    def on_taint(self, sender: str, payload: bytes) -> None:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "taint note")
+        key = m.parse_key(dict(zip(("src", "seq", "att"), obj.get("key") or [])), sender)
+        tainted, replaced = obj.get("tainted"), obj.get("replaced")
+        if isinstance(tainted, list) and len(tainted) == 2 and type(tainted[0]) is int and isinstance(tainted[1], str):
+            self.sentinel.mark_tainted(key, tainted[0], tainted[1])
+        elif type(replaced) is int:
+            self.sentinel.mark_replaced(key, replaced)
+        else:
+            raise RemoteError(Evidence(sender, "malformed", "bad taint note"))
 
     def cost(self, tensor: torch.Tensor) -> float:
         return verify_flops(tensor, self.config.projections)
@@ -309,9 +333,15 @@ class VerifierNode:
         self.transport = transport
         self.directory = directory
         self.hop = VerifierHop(transport, config, pipeline, seed, lambda p: self.directory.get(p) == 0, on_event)
-        self.verifiers = verifiers  # the run's verifiers: their bans are applied here too
+        self.verifiers = verifiers  # the run's verifiers: their bans and taint notes are applied here too
+        self.hop.peers = sorted(verifiers - {transport.peer_id})
         self._stopped = asyncio.Event()
         transport.add_message_handler(BAN, self._on_ban)
+        transport.add_message_handler(TAINT, self._on_taint)
+
+    def _on_taint(self, sender: str, payload: bytes) -> None:
+        if sender in self.verifiers:
+            self.hop.on_taint(sender, payload)
 
     def _on_ban(self, sender: str, payload: bytes) -> None:
         peer, _, keys = parse_ban(payload, sender, self.transport)
