@@ -178,7 +178,10 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
         for line in path.read_text().splitlines():
             row = json.loads(line)
             kind = row.pop("type")
-            (recorder.iterations if kind == "iteration" else recorder.events).append(row)
+            if kind == "iteration":
+                recorder.iterations.append(row)
+            else:
+                recorder.on_event(row)
     _to_relative_time(recorder)
     extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start,
              "killed": ids[victim] if killed and victim is not None else None,

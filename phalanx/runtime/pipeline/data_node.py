@@ -286,7 +286,7 @@ class DataNode(PipelineNode):
         self.held.pop(mb.key(self.me), None)
         self.pending.pop(mb.key(self.me), None)
         if self.verifier is not None:
-            self.verifier.forget(mb.key(self.me))
+            self.verifier.drop(mb.key(self.me), self.version)
         mb.att += 1
         mb.restarts += 1
         mb.t_loss = None

@@ -405,6 +405,8 @@ class PipelineNode:
             raise RemoteError(Evidence(sender, "unknown_microbatch", f"never held {m.key_name(c.key)}", c.it))
         check_tensor(c.tensor, sender, shape=tuple(h.out.shape), dtype=torch.float32, step=c.it)
         grad_out = await self.inbound(CHECK_BACKWARD, c)
+        if grad_out is None:
+            return m.answer(m.STALE)  # a verifying data node refused it: the attempt is being rerouted
         del self.held[c.key]  # a second backward for it (a resend) finds nothing to do
         t0 = self.now()
         async with self.compute_lock:

@@ -141,6 +141,7 @@ class VerifierHop:
         self.peers: list[str] = []  # the other verifiers of the run (boundary placement): taint is shared with them
         self.on_ban = on_ban or (lambda peer, it, keys: None)
         self.seen: dict[m.Key, tuple[int, set[str]]] = {}  # microbatch -> (iteration, nodes it passed)
+        self.dropped: dict[m.Key, int] = {}  # microbatch attempts being rerouted -> iteration: their traffic is refused
         self.iteration = 0
         self._tasks: set[asyncio.Task] = set()
         transport.add_request_handler(VIA, self._on_via)
@@ -148,8 +149,10 @@ class VerifierHop:
     # --- judging --------------------------------------------------------------
 
     def judge(self, direction: str, c: m.Carry, receiver: str) -> torch.Tensor | None:
-        """The tensor to pass on for carry `c`, or None to refuse it (its sender is banned: the
-        microbatch is rerouted)."""
+        """The tensor to pass on for carry `c`, or None to refuse it (the attempt is being rerouted, or
+        its sender is banned: then it is rerouted)."""
+        if c.key in self.dropped:
+            return None
         self._remember(c, receiver)
         sender = sender_of(direction, c, self.last)
         if self.trusted(sender):
@@ -199,15 +202,23 @@ class VerifierHop:
             self.iteration = c.it
             for key in [k for k, (it, _) in self.seen.items() if it < c.it - 1]:
                 self.forget(key)
+            for key in [k for k, it in self.dropped.items() if it < c.it - 1]:
+                del self.dropped[key]
         it, nodes = self.seen.setdefault(c.key, (c.it, set()))
         nodes.update(p for p in c.path if not self.trusted(p))
         if receiver and not self.trusted(receiver):
             nodes.add(receiver)
 
     def forget(self, key: m.Key) -> None:
-        """A microbatch attempt that will not come back (restarted, deferred, rerouted)."""
+        """A microbatch attempt that will not come back (restarted, deferred)."""
         self.seen.pop(key, None)
         self.sentinel.forget(key)
+
+    def drop(self, key: m.Key, it: int) -> None:
+        """A microbatch attempt its data node restarts around a banned peer: refuse the rest of its traffic
+        (stragglers still computed from a tampered tensor would otherwise be judged against honest peers)."""
+        self.dropped[key] = it
+        self.forget(key)
 
     def _record(self, verdict: Verdict, c: m.Carry) -> None:
         self.on_event({
@@ -229,7 +240,7 @@ class VerifierHop:
         self.on_event({"kind": "ban", "peer": peer, "step": it, "reason": "sentinel", "by": self.me, "link": link,
                        "t": self.transport.clock.now(), "microbatches": len(keys)})
         for key in keys:
-            self.forget(key)
+            self.drop(key, it)
         self.on_ban(peer, it, keys)
         body = encode({"peer": peer, "it": it, "keys": [list(k) for k in keys]})
         for member in self.transport.members():
@@ -239,7 +250,7 @@ class VerifierHop:
     async def reroute(self, peer: str, c: m.Carry) -> None:
         """A banned peer still sends a microbatch (it got it before the ban reached its sender):
         have its data node restart it."""
-        self.forget(c.key)
+        self.drop(c.key, c.it)
         self.on_ban(peer, c.it, [c.key])
         if c.key[0] != self.me:
             await self.transport.send(c.key[0], BAN, encode({"peer": peer, "it": c.it, "keys": [list(c.key)]}))
@@ -267,7 +278,7 @@ class VerifierHop:
             to = c.key[0]
         tensor = self.judge(direction, c, to)
         if tensor is None:
-            return m.answer(m.DENIED)
+            return m.answer(m.STALE if c.key in self.dropped else m.DENIED)
         await self.transport.charge_compute(self.cost(c.tensor))
         c = dataclasses.replace(c, tensor=tensor)
         topic = m.FORWARD if direction == FORWARD else m.BACKWARD
@@ -344,11 +355,11 @@ class VerifierNode:
             self.hop.on_taint(sender, payload)
 
     def _on_ban(self, sender: str, payload: bytes) -> None:
-        peer, _, keys = parse_ban(payload, sender, self.transport)
+        peer, it, keys = parse_ban(payload, sender, self.transport)
         if sender in self.verifiers:
             self.hop.banned_elsewhere(peer)
             for key in keys:
-                self.hop.forget(key)
+                self.hop.drop(key, it)
 
     async def serve(self) -> None:
         await self._stopped.wait()
