@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...algorithms.link_attacks import ACTIVATION, GRADIENT
-from ...algorithms.sentinel import BACKWARD as CHECK_BACKWARD
-from ...algorithms.sentinel import FORWARD as CHECK_FORWARD
+from ...algorithms.sentinel import BACKWARD as CHECK_BACKWARD, FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, PeerTimeout, PeerUnreachable, PhalanxError, RemoteError
 from ...core.serialization import check_tensor, decode, digest, encode
 from ...training.task import Task, num_params
@@ -41,8 +40,7 @@ from .config import PipelineConfig
 from .gwtf import FlowDriver
 from .routing import Router
 from .stages import StagedModel, flat
-from .verifier import BAN, parse_ban, via_bytes
-from .verifier import VIA as VIA_TOPIC
+from .verifier import BAN, VIA as VIA_TOPIC, parse_ban, via_bytes
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ import torch
 
 from ...algorithms.sentinel import BACKWARD, FORWARD, Sentinel, SentinelConfig, Verdict
 from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
-from ...core.serialization import decode, encode
+from ...core.serialization import encode
 from ...transport.base import Transport
 from . import messages as m
 from .config import PipelineConfig
