@@ -77,6 +77,7 @@ class SentinelBenchConfig:
     placement: str = "boundary"  # simulator: verifiers on the boundaries, or data_node (client-routed)
     routing: str = "swarm"  # simulator: swarm or gwtf (data_node placement needs swarm)
     forward_response: str = "pass"  # simulator: pass a flagged activation on, or substitute the activation momentum
+    undefended: bool = True  # also run every attack without verification (the "loss none" column)
     flops_scale: float = 200.0  # simulator: compute charged x this (a GPT block then costs ~0.1 s per microbatch: compute-bound)
 
     def __post_init__(self) -> None:
@@ -276,7 +277,7 @@ def _score(config, spec, bad, records, ban_iteration, train_losses, val, wall) -
 def specs(config: SentinelBenchConfig) -> list[RunSpec]:
     out = [RunSpec("none", False), RunSpec("none", True)]
     for attack in _names(config.attacks):
-        out += [RunSpec(attack, True), RunSpec(attack, False)]
+        out += [RunSpec(attack, True)] + ([RunSpec(attack, False)] if config.undefended else [])
     for variant in _names(config.ablation):
         for attack in _names(config.ablation_attacks):
             if variant != "all" or attack not in _names(config.attacks):  # else: the main table's run
@@ -368,7 +369,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if config.engine == "simulator":
         from . import sentinel_sim
 
-        rows = sentinel_sim.run_grid(config, specs(config))
+        rows = sentinel_sim.run_grid(config, specs(config), out / "results.partial.jsonl")
         _write(rows, out)
         print(sentinel_sim.format_table(config, rows, _names(config.attacks), _names(config.ablation),
                                         _names(config.ablation_attacks)))

@@ -18,8 +18,10 @@ verifiers over the clean run without (and the same for wall time).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
 
 from ..core.rng import py_stream
 from ..pipeline_config import LinkAttackConfig, PipelineNetworkConfig, PipelineRunConfig
@@ -110,14 +112,30 @@ def _packed(args: tuple) -> dict:
     return run_one(*args)
 
 
-def run_grid(config, specs: list) -> list[dict]:
-    """Every (attack, defended, variant) of `specs`, in `config.jobs` processes (0: one per core)."""
+def run_grid(config, specs: list, partial: Path | None = None) -> list[dict]:
+    """Every (attack, defended, variant) of `specs`, in `config.jobs` processes (0: one per core);
+    each row is appended to `partial` (JSON lines) as soon as its run ends."""
     todo = [(config, s.attack, s.defended, s.variant) for s in specs]
     jobs = config.jobs or os.cpu_count() or 1
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+    rows = []
+
+    def keep(row: dict) -> None:
+        rows.append(row)
+        if partial is not None:
+            with open(partial, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     if jobs == 1:
-        return [_packed(t) for t in todo]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(_packed, todo))
+        for t in todo:
+            keep(_packed(t))
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            for future in as_completed([pool.submit(_packed, t) for t in todo]):
+                keep(future.result())
+    return rows
 
 
 def _fmt(value, spec: str = ".3f") -> str:
@@ -143,7 +161,7 @@ def format_table(config, rows: list[dict], attacks: list[str], ablation: list[st
         f"{'honest':>6s} {'loss SENT':>9s} {'loss none':>9s} {'clean':>7s} {'gap%':>6s}",
     ]
     for attack in attacks:
-        d, u = by[(attack, True, "all")], by[(attack, False, "all")]
+        d, u = by[(attack, True, "all")], by.get((attack, False, "all"), {"val_loss": None})
         gap = 100 * (d["val_loss"] / clean["val_loss"] - 1) if d["val_loss"] and clean["val_loss"] else float("nan")
         bans = ",".join(map(str, d["ban_iterations"])) or "-"
         lines.append(
