@@ -323,6 +323,8 @@ class PipelineNode:
         """A verifier banned a relay: route around it and leave it out of aggregation groups."""
         peer, it, keys = parse_ban(payload, sender, self.transport)
         trusted = sender in self.verifiers.values() or self.client_routed and self.directory.get(sender) == 0
+        if not trusted and self.directory.get(sender, 0) > 0:
+            raise RemoteError(Evidence(sender, "false_stage", "a relay sent a verifier's ban", it))
         if not trusted or peer == self.me or self.directory.get(peer) == 0:
             return
         self.sentinel_ban(peer, it, keys)
