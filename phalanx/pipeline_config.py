@@ -12,10 +12,12 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from .algorithms.link_attacks import LINK_ATTACKS, TARGETS
 from .config import _build, _check
 from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
 from .runtime.pipeline.config import PipelineConfig
+from .runtime.pipeline.verifier import VerifierConfig
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,33 @@ class ChurnConfig:
 
 
 @dataclass(frozen=True)
+class LinkAttackConfig:
+    """Malicious relays (SENTINEL's threat model): which relays lie on their links, how and from when."""
+
+    name: str = "none"  # a link attack of algorithms.link_attacks (zeros, random, scaling, sign_flip, delay, ...)
+    relays: str = ""  # comma-separated relay indices (relay r starts in stage 1 + r mod pipeline.stages)
+    target: str = "both"  # activations, gradients or both
+    start: int = 0  # first attacked iteration
+    fraction: float = 1.0  # of the relay's microbatches attacked
+
+    def __post_init__(self) -> None:
+        _check(self.name in LINK_ATTACKS, "attack.name", self.name, f"must be one of {', '.join(LINK_ATTACKS)}")
+        _check(self.target in TARGETS, "attack.target", self.target, f"must be one of {', '.join(TARGETS)}")
+        _check(self.start >= 0, "attack.start", self.start, "must be an iteration >= 0")
+        _check(0 <= self.fraction <= 1, "attack.fraction", self.fraction, "must be in [0, 1]")
+        try:
+            indices = self.indices
+        except ValueError:
+            indices = [-1]
+        _check(all(i >= 0 for i in indices), "attack.relays", self.relays,
+               "must be comma-separated relay indices >= 0, e.g. attack.relays=0,3")
+
+    @property
+    def indices(self) -> list[int]:
+        return sorted({int(part) for part in str(self.relays).split(",") if part.strip()})
+
+
+@dataclass(frozen=True)
 class PipelineRunConfig:
     preset: str = "custom-pipeline"
     peers: int = 7  # data nodes + relays
@@ -80,6 +109,8 @@ class PipelineRunConfig:
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     network: PipelineNetworkConfig = field(default_factory=PipelineNetworkConfig)
     faults: ChurnConfig = field(default_factory=ChurnConfig)
+    sentinel: VerifierConfig = field(default_factory=VerifierConfig)
+    attack: LinkAttackConfig = field(default_factory=LinkAttackConfig)
 
     def __post_init__(self) -> None:
         _check(self.data_nodes >= 1, "data_nodes", self.data_nodes, "must be >= 1")
@@ -97,6 +128,13 @@ class PipelineRunConfig:
         _check(
             self.faults.crash_relay < self.relays, "faults.crash_relay", self.faults.crash_relay,
             f"must be below the number of relays ({self.relays})",
+        )
+        _check(all(i < self.relays for i in self.attack.indices), "attack.relays", self.attack.relays,
+               f"must list relay indices below the number of relays ({self.relays})")
+        _check(
+            not (self.sentinel.enabled and self.sentinel.placement == "data_node" and self.pipeline.routing != "swarm"),
+            "sentinel.placement", self.sentinel.placement,
+            "data_node (client-routed) needs pipeline.routing=swarm; use sentinel.placement=boundary with gwtf",
         )
 
     @property

@@ -66,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -289,8 +289,15 @@ class Sentinel:
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
 
-    def check_forward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
-        """Judge an activation `worker` sends over `link`; it is passed on unchanged either way."""
+    def check_forward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor,
+                      upstream: Mapping[int, str] | None = None) -> Verdict:
+        """Judge an activation `worker` sends over `link`; it is passed on unchanged either way.
+
+        `upstream` (link -> sender) names who sent the microbatch forward over
+        earlier links, for a verifier that did not see those links itself (one
+        verifier per boundary); links it saw keep what it saw.
+        """
+        self._learn_path(microbatch, upstream)
         origin = self._tainted.get(microbatch)
         if origin is not None and link > origin[0]:
             return Verdict(link, FORWARD, worker, microbatch, False, "tainted")
@@ -299,14 +306,17 @@ class Sentinel:
             self._tainted[microbatch] = (link, worker)
         return verdict
 
-    def check_backward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
+    def check_backward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor,
+                       upstream: Mapping[int, str] | None = None) -> Verdict:
         """Judge an activation gradient `worker` sends back over `link`; send on `verdict.passed_on(tensor)`.
 
         Gradients of a microbatch flagged forward at link s are replaced from
         link s - 1 onwards (judged only when they come from the flagged worker).
         Gradients computed from a substitute are passed on but not judged: they
-        are honest work on a tensor the verifier itself made.
+        are honest work on a tensor the verifier itself made. `upstream` as in
+        `check_forward`.
         """
+        self._learn_path(microbatch, upstream)
         origin = self._tainted.get(microbatch)
         replaced = self._replaced.get(microbatch)
         if origin is not None and link >= origin[0] - 1:
@@ -334,9 +344,28 @@ class Sentinel:
         self._replaced.pop(microbatch, None)
         self._paths.pop(microbatch, None)
 
-    def momentum(self, link: int, like: Tensor) -> Tensor:
-        """The gradient momentum of a link, broadcast to `like`'s shape (zeros before any EMA)."""
-        track = self._tracks.get((link, BACKWARD))
+    def mark_tainted(self, microbatch: Hashable, link: int, worker: str) -> None:
+        """Another verifier flagged `worker`'s activation of `microbatch` on `link` (as `check_forward` would here)."""
+        self._tainted.setdefault(microbatch, (link, worker))
+
+    def mark_replaced(self, microbatch: Hashable, link: int) -> None:
+        """Another verifier sent the momentum instead of `microbatch`'s gradient on `link`."""
+        if link > 0:
+            self._replaced[microbatch] = max(link, self._replaced.get(microbatch, link))
+
+    def taint_of(self, microbatch: Hashable) -> tuple[int, str] | None:
+        """(link, worker) of the forward flag that tainted a microbatch, if any."""
+        return self._tainted.get(microbatch)
+
+    def ban(self, worker: str) -> None:
+        """Ban `worker` on another verifier's word (its traffic is refused from now on)."""
+        if worker not in self._banned:
+            self._ban(worker)
+
+    def momentum(self, link: int, like: Tensor, direction: str = BACKWARD) -> Tensor:
+        """The momentum of a link and direction (default: the gradient momentum), broadcast to `like`'s
+        shape (zeros before any EMA)."""
+        track = self._tracks.get((link, direction))
         if track is None or track.ref is None or track.ref.mean.shape[0] != like.shape[-1]:
             return torch.zeros_like(like)
         return track.ref.mean.to(like.dtype).expand(like.shape).clone()
@@ -371,6 +400,12 @@ class Sentinel:
         return outside is None or not vote(len(outside), len(self._names), self.config.vote)
 
     # -- internals ---------------------------------------------------------
+
+    def _learn_path(self, microbatch: Hashable, upstream: Mapping[int, str] | None) -> None:
+        if upstream:
+            path = self._paths.setdefault(microbatch, {})
+            for link, worker in upstream.items():
+                path.setdefault(link, worker)
 
     def _check(self, link: int, direction: str, worker: str, microbatch: Hashable, tensor: Tensor,
                learn: bool) -> Verdict:

@@ -18,5 +18,6 @@
 - pipeline_report: loss, throughput per iteration and stage x time diagram of a pipeline run
 - gwtf_table2: `bench gwtf --preset table2` (GWTF Table II, SWARM vs GWTF under churn)
 - gwtf_bench: `bench gwtf` presets flow (Table V) and join (Table IV / Fig. 5); table2 is dispatched to gwtf_table2
-- sentinel_bench: SENTINEL's Table 1 on an in-process 4-stage GPT pipeline (`bench sentinel`)
+- sentinel_bench: `bench sentinel` (SENTINEL's Table 1); `--set engine=inprocess` is the in-process reference
+- sentinel_sim: the simulator cells of `bench sentinel` (pipeline runtime with verifiers, scored from the attack log)
 """

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..core.errors import LocalError
+from ..core.errors import ConfigError, LocalError
 from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode
 from ..runtime.pipeline.relay import ask_for_stage
@@ -114,6 +114,9 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
 
 def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
     """Run a pipeline config as config.peers processes on loopback; write the run's files to `out`."""
+    if config.sentinel.enabled and config.sentinel.placement == "boundary":
+        raise ConfigError("sentinel.placement=boundary runs in the simulator only (no verifier processes are "
+                          "launched yet): use `phalanx simulate`, or sentinel.placement=data_node")
     wall_start = time.perf_counter()
     config_path, peer_dir, address_file = prepare_run_dir(config, out)
     base = [sys.executable, "-m", "phalanx.experiments.pipeline_launch", "--config", str(config_path), "--out", str(peer_dir)]
@@ -175,7 +178,10 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
         for line in path.read_text().splitlines():
             row = json.loads(line)
             kind = row.pop("type")
-            (recorder.iterations if kind == "iteration" else recorder.events).append(row)
+            if kind == "iteration":
+                recorder.iterations.append(row)
+            else:
+                recorder.on_event(row)
     _to_relative_time(recorder)
     extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start,
              "killed": ids[victim] if killed and victim is not None else None,

@@ -3,7 +3,10 @@
 Files: config.json, metrics.jsonl (one object per iteration), microbatches.jsonl
 (path, times, recomputations, outcome of every microbatch attempt that settled),
 events.jsonl (every forward, backward, loss and aggregation with its node,
-stage and times: the stage x time diagram), summary.json.
+stage and times: the stage x time diagram), summary.json. With SENTINEL on:
+bans.jsonl (peer, step, reason "sentinel", the verifier and link) and
+verdicts.jsonl (every judged tensor); with malicious relays: attacks.jsonl (the
+attack log, ground truth for scoring; never read by a verifier).
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
 from ..algorithms.flow import FlowConfig
 from ..runtime.pipeline.gwtf import FlowDriver, FlowRouter
+from ..algorithms.link_attacks import make_link_attack
+from ..algorithms.sentinel import BACKWARD, FORWARD
+from ..runtime.pipeline.attacker import AttackingRelay
 from ..runtime.pipeline.relay import ask_for_stage
+from ..runtime.pipeline.verifier import VerifierNode
 from ..runtime.pipeline.routing import RepairRouter, Router
 from ..core.errors import ConfigError
 from ..training.task import Task, make_task
@@ -76,18 +83,43 @@ def make_routing(config: PipelineRunConfig, transport: Transport, stage: int, ca
     return FlowRouter(flow.node, router), flow
 
 
+def verifier_ids(config: PipelineRunConfig) -> dict[int, str]:
+    """Boundary verifiers (SENTINEL, placement=boundary): link -> peer id; empty otherwise."""
+    if not (config.sentinel.enabled and config.sentinel.placement == "boundary"):
+        return {}
+    return {link: verifier_identity(config.seed, link).peer_id for link in range(config.pipeline.stages + 1)}
+
+
+def verifier_identity(seed: int, link: int):
+    return peer_identity(seed, 100_000 + link)
+
+
 def build_node(
     config: PipelineRunConfig, transport: Transport, index: int, directory: dict[str, int], task: Task,
-    on_event: Callable[[dict], None], stage: int | None = None,
+    on_event: Callable[[dict], None], stage: int | None = None, probe=None,
 ) -> DataNode | Relay:
+    """A data node or relay; with SENTINEL it knows the boundary verifiers (or verifies, client-routed);
+    a relay listed in `attack.relays` is an `AttackingRelay` that logs to `on_event` (kind "attack")."""
     stage = config.stage_of(index) if stage is None else stage
     staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size)
-    cls = DataNode if index < config.data_nodes else Relay
     capacity = capacities(config)[index] if index < config.peers else config.pipeline.capacity  # a fresh joiner
     router, flow = make_routing(config, transport, stage, capacity)
+    client = config.sentinel.enabled and config.sentinel.placement == "data_node"
+    extra: dict = {"verifiers": verifier_ids(config), "client_routed": client}
+    if index < config.data_nodes:
+        cls = DataNode
+        extra["sentinel"] = config.sentinel if client else None
+    elif index - config.data_nodes in config.attack.indices and config.attack.name != "none":
+        cls = AttackingRelay
+        a = config.attack
+        extra.update(attack=make_link_attack(a.name, target=a.target, start_step=a.start, fraction=a.fraction,
+                                             seed=config.seed, worker=transport.peer_id),
+                     log=on_event, probe=probe)
+    else:
+        cls = Relay
     return cls(
         transport, task, staged, stage, config.train, config.pipeline, directory, config.seed,
-        router, capacity=capacity, allreduce=config.allreduce, on_event=on_event, flow=flow,
+        router, capacity=capacity, allreduce=config.allreduce, on_event=on_event, flow=flow, **extra,
     )
 
 
@@ -99,6 +131,14 @@ class PipelineRecorder:
         self.ids = ids
         self.iterations: list[dict] = []
         self.events: list[dict] = []
+        self.bans: list[dict] = []
+        self.verdicts: list[dict] = []
+        self.attacks: list[dict] = []
+
+    def on_event(self, event: dict) -> None:
+        """Sort a node's event: SENTINEL bans and verdicts, the attack log, or a pipeline event."""
+        kind = event["kind"]
+        {"ban": self.bans, "verdict": self.verdicts, "attack": self.attacks}.get(kind, self.events).append(event)
 
     def metrics(self) -> list[dict]:
         rows = []
@@ -130,7 +170,12 @@ class PipelineRecorder:
         out.mkdir(parents=True, exist_ok=True)
         metrics = self.metrics()
         (out / "config.json").write_text(self.config.to_json() + "\n")
-        for name, rows in (("metrics", metrics), ("microbatches", self.microbatches()), ("events", self.events)):
+        files = [("metrics", metrics), ("microbatches", self.microbatches()), ("events", self.events)]
+        if self.config.sentinel.enabled:
+            files += [("bans", self.bans), ("verdicts", self.verdicts)]
+        if self.attacks:
+            files.append(("attacks", self.attacks))
+        for name, rows in files:
             with open(out / f"{name}.jsonl", "w") as f:
                 for row in rows:
                     f.write(json.dumps(row, sort_keys=True) + "\n")
@@ -146,6 +191,7 @@ class PipelineRecorder:
             "recomputed_stages": sum(len(mb["recomputed"]) for mb in ok),
             "restarts": sum(mb["restarts"] for mb in mbs), "repairs": sum(mb["repairs"] for mb in mbs),
             "wasted_compute_seconds": self.wasted_compute(), "peer_ids": self.ids,
+            "banned": sorted({b["peer"] for b in self.bans}),
             **extra,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -154,11 +200,13 @@ class PipelineRecorder:
 
 def simulate_pipeline(
     config: PipelineRunConfig, out: Path | None = None, progress: bool = True,
-    adversary: Callable[[SimNetwork, dict[str, int]], None] | None = None,
+    adversary: Callable[[SimNetwork, dict[str, int]], None] | None = None, evaluate: bool = False,
 ) -> dict:
     """Run a pipeline config in the simulator; write its files to `out` (if given); return the summary.
 
     `adversary(network, directory)` may add peers of its own (attack policies) before the run starts.
+    `evaluate`: also report `val_loss`, the held-out loss of the model assembled from one up-to-date
+    replica per stage that is not among `attack.relays` (the experiment's view, not a defence's).
     """
     torch.set_num_threads(1)
     wall_start = time.perf_counter()
@@ -214,7 +262,7 @@ def simulate_pipeline(
                     network.schedule(at, lambda pid=pid: _leave(pid))
 
         def on_event(event: dict) -> None:
-            recorder.events.append(event)
+            recorder.on_event(event)
             f = config.faults
             if (f.crash_stage and event["kind"] == "fwd" and event["stage"] == f.crash_stage
                     and event["it"] == f.crash_iteration and not crashed and not triggered):
@@ -245,7 +293,7 @@ def simulate_pipeline(
                 if incarnations[index] > 1:  # a relay coming back: a joiner (GWTF V-B)
                     await join(index)
                     return
-                node = build_node(config, transports[index], index, directory, task, on_event)
+                node = build_node(config, transports[index], index, directory, task, on_event, probe=probe)
                 nodes[ids[index]] = node
                 if isinstance(node, DataNode):
                     await node.run(config.steps, on_iteration, on_start if index == starter else None)
@@ -268,6 +316,22 @@ def simulate_pipeline(
             if await node.enter(it):
                 await node.serve()
 
+        verifiers = verifier_ids(config)
+        hops = {}
+        for link, vid in verifiers.items():
+            vt = network.add_peer(verifier_identity(config.seed, link), flops=config.sentinel.verifier_flops)
+            node = VerifierNode(vt, config.sentinel, config.pipeline, config.seed, directory, on_event,
+                                set(verifiers.values()))
+            hops[link] = node.hop
+            network.spawn(vid, node.serve)
+
+        def probe(kind: str, link: int, tensor: torch.Tensor) -> bool:
+            """The white-box view lent to an adaptive attacker: would the verifier of `link` accept it?
+            (Client-routed: the first data node's verifier.)"""
+            hop = hops.get(link) or getattr(nodes.get(ids[0]), "verifier", None)
+            direction = FORWARD if kind == "activation" else BACKWARD
+            return True if hop is None else hop.sentinel.would_accept(link, direction, tensor)
+
         for index, pid in enumerate(ids):
             network.spawn(pid, factory(index))
         if adversary is not None:
@@ -278,25 +342,49 @@ def simulate_pipeline(
         digests = {pid: [node.stage, node.version, param_digest(node)] for pid, node in nodes.items()
                    if pid not in crashed and node.version == config.steps}
         evidence = [[t.peer_id, e.peer, e.kind] for t in transports for e in t.evidence]
-        return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests, "evidence": evidence}
+        val = validation_loss(config, task, nodes, crashed) if evaluate else None
+        return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests, "evidence": evidence,
+                                                   "val_loss": val}
 
     try:
         simulated_seconds, stats = run_simulation(main)
     finally:
         bar.close()
+    verifiers_of_run = verifier_ids(config)
     extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
              "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"],
-             "evidence": stats["evidence"]}
+             "evidence": stats["evidence"], "val_loss": stats["val_loss"]}
     if out is None:
         summary = dict(extra)
         summary["metrics"] = recorder.metrics()
         summary["microbatches"] = recorder.microbatches()
         summary["events"] = recorder.events
+        summary["bans"] = recorder.bans
+        summary["verdicts"] = recorder.verdicts
+        summary["attacks"] = recorder.attacks
+        summary["banned"] = sorted({b["peer"] for b in recorder.bans})
         summary["wasted_compute_seconds"] = recorder.wasted_compute()
         summary["peer_ids"] = ids
+        summary["verifier_ids"] = verifiers_of_run
         return summary
     summary = recorder.write(out, extra)
     return summary
+
+
+def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str]) -> float | None:
+    """Held-out loss of the model made of one honest, up-to-date replica per stage (None if a stage has none)."""
+    lying = {peer_identity(config.seed, config.data_nodes + i).peer_id for i in config.attack.indices}
+    model = task.build_model(config.seed)
+    parts = model.stages(config.pipeline.stages + 1)
+    for stage, part in enumerate(parts):
+        source = next((n for p, n in sorted(nodes.items()) if n.stage == stage and p not in crashed
+                       and p not in lying and n.version == config.steps), None)
+        if source is None:
+            return None
+        with torch.no_grad():
+            for mine, theirs in zip(part.parameters(), source.params):
+                mine.copy_(theirs)
+    return task.evaluate(model)["loss"]
 
 
 def param_digest(node: DataNode | Relay) -> str:

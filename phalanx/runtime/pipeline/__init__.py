@@ -7,6 +7,8 @@ routing.py   -- Router interface and SWARM's stochastic wiring
 node.py      -- what every node does: forward, backward, routing retries, repair, aggregation
 data_node.py -- the data node: source and sink of microbatches, loss, leader duties, crash repair
 relay.py     -- a relay serving one stage
+verifier.py  -- SENTINEL's verifier role: boundary verifier nodes, or the data node (client-routed); bans
+attacker.py  -- a relay that lies on its links through a link attack policy (experiments)
 """
 
 from .config import PipelineConfig

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...algorithms.sentinel import FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, RemoteError
 from ...core.serialization import check_tensor, encode
 from ...algorithms.placement import UtilQuery, leader, merge_entries, place_joiners, stage_utilization
@@ -30,6 +31,7 @@ from . import messages as m
 from .node import Held, PipelineNode
 from .relay import parse_util, util_bytes
 from .stages import logits_loss
+from .verifier import VerifierConfig, VerifierHop
 
 
 @dataclass
@@ -55,10 +57,21 @@ class Microbatch:
 
 
 class DataNode(PipelineNode):
-    """A data node (stage 0); call `run(iterations, on_iteration)`."""
+    """A data node (stage 0); call `run(iterations, on_iteration)`.
 
-    def __init__(self, *args, **kwargs) -> None:
+    With `sentinel` (client-routed placement) it is also the verifier of its
+    microbatches: relays hand it their outputs and input gradients, it judges
+    them, routes forwards to the next stage itself and delivers gradients.
+    """
+
+    def __init__(self, *args, sentinel: VerifierConfig | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.verifier: VerifierHop | None = None
+        if sentinel is not None:
+            self.client_routed = True
+            self.verifier = VerifierHop(self.transport, sentinel, self.config, self.run_seed,
+                                        lambda p: self.directory.get(p) == 0, self.on_event,
+                                        choose=self._choose_next, on_ban=self.sentinel_ban)
         self.mbs: dict[int, Microbatch] = {}
         self.deferred: list[Microbatch] = []
         self.next_seq = 0
@@ -272,6 +285,8 @@ class DataNode(PipelineNode):
         """Start the microbatch again from scratch under a new attempt number."""
         self.held.pop(mb.key(self.me), None)
         self.pending.pop(mb.key(self.me), None)
+        if self.verifier is not None:
+            self.verifier.drop(mb.key(self.me), self.version)
         mb.att += 1
         mb.restarts += 1
         mb.t_loss = None
@@ -307,8 +322,11 @@ class DataNode(PipelineNode):
                 return m.answer(m.STALE)  # an old attempt or iteration: not evidence
             raise RemoteError(Evidence(sender, "unknown_microbatch", f"output of {m.key_name(c.key)} I never sent", c.it))
         check_tensor(c.tensor, sender, shape=self.staged.out_shapes[self.last], dtype=torch.float32, step=c.it)
+        tensor = await self.inbound(CHECK_FORWARD, c)
+        if tensor is None:
+            return m.answer(m.DENIED)
         t0 = self.now()
-        logits = c.tensor.detach().clone().requires_grad_(True)
+        logits = tensor.detach().clone().requires_grad_(True)
         with torch.enable_grad():
             loss = logits_loss(logits, mb.y)
             (grad,) = torch.autograd.grad(loss, logits)
@@ -323,6 +341,29 @@ class DataNode(PipelineNode):
             return
         mb.path, mb.recomputed, mb.t_end, mb.outcome = carry.path, carry.recomputed, self.now(), "ok"
         mb.done.set()
+
+    # --- SENTINEL (client-routed verification, bans) ------------------------------------
+
+    async def inbound(self, direction: str, c: m.Carry) -> torch.Tensor | None:
+        if self.verifier is None:
+            return c.tensor
+        tensor = self.verifier.judge(direction, c, self.me)
+        await self.transport.charge_compute(self.verifier.cost(c.tensor))
+        return tensor
+
+    def _choose_next(self, c: m.Carry, excluded: set[str]) -> str | None:
+        candidates = [p for p in self.live(c.stage) if p not in excluded]
+        return self.router.choose(c.stage, candidates, c.key[0], c.path[-1])
+
+    def sentinel_ban(self, peer: str, it: int, keys: list[m.Key]) -> None:
+        """Route around `peer`; restart my unfinished microbatches that went through it (rerouted)."""
+        keys = keys + [k for k, h in self.held.items() if h.next_peer == peer]  # sent there by me directly
+        super().sentinel_ban(peer, it, keys)
+        self.suspects.add(peer)
+        for key in keys:
+            mb = self._live_mb(key)
+            if mb is not None and mb.outcome == "pending":
+                self.restart(mb, self.version)
 
     # --- broken backward ------------------------------------------------------------
 

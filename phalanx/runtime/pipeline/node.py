@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...algorithms.link_attacks import ACTIVATION, GRADIENT
+from ...algorithms.sentinel import BACKWARD as CHECK_BACKWARD, FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, PeerTimeout, PeerUnreachable, PhalanxError, RemoteError
 from ...core.serialization import check_tensor, decode, digest, encode
 from ...training.task import Task, num_params
@@ -38,6 +40,7 @@ from .config import PipelineConfig
 from .gwtf import FlowDriver
 from .routing import Router
 from .stages import StagedModel, flat
+from .verifier import BAN, VIA as VIA_TOPIC, parse_ban, via_bytes
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class Held:
     excluded: set[str] = field(default_factory=set)
     next_peer: str | None = None
     recomputed: tuple[int, ...] = ()
+    sent: torch.Tensor | None = None  # what goes forward (the output, unless the node's policy tampers)
 
 
 class PipelineNode:
@@ -76,6 +80,8 @@ class PipelineNode:
         reducer: Reducer = mean_reducer,
         on_event: EventSink | None = None,
         flow: FlowDriver | None = None,
+        verifiers: dict[int, str] | None = None,
+        client_routed: bool = False,
     ) -> None:
         self.transport = transport
         self.me = transport.peer_id
@@ -92,6 +98,8 @@ class PipelineNode:
         self.capacity = capacity if capacity is not None else config.capacity
         self.on_event = on_event or (lambda event: None)
         self.flow = flow
+        self.verifiers = dict(verifiers or {})  # link -> the boundary verifier all its traffic goes through
+        self.client_routed = client_routed  # relays hand outputs and gradients to the data node, which routes
         self._stopped = asyncio.Event()
         self.part = staged.parts[stage]
         self.params = list(self.part.parameters())
@@ -103,6 +111,7 @@ class PipelineNode:
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
         self.suspects: set[str] = set()
         self.banned: set[str] = set()  # peers we hold evidence against (or a relay told us it does)
+        self.rerouted: set[m.Key] = set()  # microbatches dropped here because a verifier banned a peer on their path
         transport.on_evidence(self._on_evidence)
         self.compute_lock = asyncio.Lock()
         self._ready: dict[int, asyncio.Event] = {}
@@ -120,6 +129,7 @@ class PipelineNode:
         transport.add_message_handler(m.CAN_TAKE, self._on_can_take)
         transport.add_request_handler(m.WEIGHTS, self._on_weights)
         transport.add_message_handler(m.HELLO, self._on_hello)
+        transport.add_message_handler(BAN, self._on_ban)
         self.served = 0  # microbatches this node computed a forward for in this iteration
         self.last_served = 0
 
@@ -128,7 +138,8 @@ class PipelineNode:
     def start_background(self) -> None:
         """Start what runs beside training (the flow algorithm under gwtf routing)."""
         if self.flow is not None:
-            self.spawn(self.flow.loop(lambda: self.directory, self._stopped))
+            self.spawn(self.flow.loop(lambda: {p: s for p, s in self.directory.items() if p not in self.banned},
+                                      self._stopped))
 
     def stop(self) -> None:
         self._stopped.set()
@@ -196,8 +207,9 @@ class PipelineNode:
 
     async def _on_forward(self, sender: str, payload: bytes) -> bytes:
         c = m.parse_carry(payload, sender, self.transport.limits, self.last + 1)
-        if len(c.path) != c.stage or c.path[-1] != sender:
+        if len(c.path) != c.stage or c.stage < 1 or c.path[-1] != sender and not self.relayed_by(sender, c):
             raise RemoteError(Evidence(sender, "false_stage", "forward sender is not the last node of its path", c.it))
+        sender = c.path[-1]  # through a verifier hop: the peer it verified for
         claimed = self.directory.get(sender)
         if claimed is not None and claimed != c.stage - 1:
             raise RemoteError(Evidence(sender, "false_stage", f"claims stage {c.stage - 1}, serves {claimed}", c.it))
@@ -228,7 +240,8 @@ class PipelineNode:
         if c.key not in self.held:
             return m.answer(m.DENIED)  # the iteration ended while we computed
         recomputed = c.recomputed + ((self.stage,) if c.repair >= 0 else ())
-        self.held[c.key] = Held(c, x, out, recomputed=recomputed)
+        sent = self.tamper(ACTIVATION, c.it, c.key, out.detach())
+        self.held[c.key] = Held(c, x, out, recomputed=recomputed, sent=sent)
         self._emit("fwd", c.key, c.it, t0, recompute=c.repair >= 0)
         self.served += 1
         if c.repair == self.stage:
@@ -254,13 +267,18 @@ class PipelineNode:
                 if other.next_peer is not None:
                     load[other.next_peer] = load.get(other.next_peer, 0) + 1
             upstream = h.carry.path[-1] if h.carry.path else ""
-            peer = self.router.choose(nxt, candidates, key[0], upstream, load)
+            client = self.client_routed and 0 < self.stage < self.last
+            peer = key[0] if client else self.router.choose(nxt, candidates, key[0], upstream, load)
             if peer is None:
                 await self.give_up(key)
                 return
-            carry = m.Carry(key, h.carry.it, nxt, path, h.out.detach(), h.carry.repair, h.carry.holder, h.recomputed)
+            tensor = h.sent if h.sent is not None else h.out.detach()
+            carry = m.Carry(key, h.carry.it, nxt, path, tensor, h.carry.repair, h.carry.holder, h.recomputed)
             t0 = self.now()
-            word = await self._ask(peer, m.FORWARD, carry.to_bytes())
+            word = await self.deliver("" if client else peer, CHECK_FORWARD, carry)
+            if client and word == m.DENIED:  # the data node found no next peer: it restarts the microbatch
+                self.held.pop(key, None)
+                return
             self._emit("send", key, h.carry.it, t0, to=peer, answer=word)
             if word == m.OK:
                 self.router.observe(peer, self.now() - t0)
@@ -273,10 +291,61 @@ class PipelineNode:
             self.router.failed(peer)
             h.excluded.add(peer)
 
-    async def _ask(self, peer: str, topic: str, payload: bytes) -> str | None:
+    def relayed_by(self, sender: str, c: m.Carry) -> bool:
+        """Whether `sender` is a verifier hop trusted to deliver carries for other peers: a boundary
+        verifier, or (client-routed) the microbatch's data node."""
+        if sender in self.verifiers.values():
+            return True
+        return self.client_routed and sender == c.key[0] and self.directory.get(sender) == 0
+
+    def hop(self, direction: str, c: m.Carry, to: str) -> str | None:
+        """The verifier hop a carry goes through, or None to send it straight to `to`."""
+        if self.verifiers:
+            link = c.stage - 1 if direction == CHECK_FORWARD else c.stage
+            return self.verifiers.get(link)
+        if self.client_routed and self.stage > 0 and to != c.key[0]:
+            return c.key[0]
+        return None
+
+    async def deliver(self, to: str, direction: str, c: m.Carry) -> str | None:
+        """Send a forward or backward carry to `to`, through its verifier hop if there is one."""
+        topic = m.FORWARD if direction == CHECK_FORWARD else m.BACKWARD
+        via = self.hop(direction, c, to)
+        if via is None:
+            return await self._ask(to, topic, c.to_bytes())
+        return await self._ask(via, VIA_TOPIC, via_bytes(direction, to, c), 3 * self.config.complete_timeout)
+
+    def tamper(self, kind: str, it: int, key: m.Key, tensor: torch.Tensor) -> torch.Tensor:
+        """What this node sends for an outgoing activation or input gradient; honest nodes send it as it is."""
+        return tensor
+
+    def _on_ban(self, sender: str, payload: bytes) -> None:
+        """A verifier banned a relay: route around it and leave it out of aggregation groups."""
+        peer, it, keys = parse_ban(payload, sender, self.transport)
+        trusted = sender in self.verifiers.values() or self.client_routed and self.directory.get(sender) == 0
+        if not trusted and self.directory.get(sender, 0) > 0:
+            raise RemoteError(Evidence(sender, "false_stage", "a relay sent a verifier's ban", it))
+        if not trusted or peer == self.me or self.directory.get(peer) == 0:
+            return
+        self.sentinel_ban(peer, it, keys)
+
+    def sentinel_ban(self, peer: str, it: int, keys: list[m.Key]) -> None:
+        """Apply a verifier's ban of `peer` (again: a no-op) and drop the listed microbatches, which
+        their data nodes restart around it; data nodes also reroute them."""
+        for key in keys:  # free the slots
+            self.held.pop(key, None)
+            self.pending.pop(key, None)
+            self.rerouted.add(key)
+        if peer in self.banned:
+            return
+        self.banned.add(peer)
+        if self.flow is not None:
+            self.spawn(self.flow.send(self.flow.lost(peer)))
+
+    async def _ask(self, peer: str, topic: str, payload: bytes, timeout: float | None = None) -> str | None:
         """Send a request and return the answer word; None when the peer timed out, failed or was unreachable."""
         try:
-            response = await self.transport.request(peer, topic, payload, self.config.complete_timeout)
+            response = await self.transport.request(peer, topic, payload, timeout or self.config.complete_timeout)
             return m.parse_answer(response, peer, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
@@ -326,21 +395,25 @@ class PipelineNode:
         if c.stage != self.stage or len(c.path) != self.last + 1 or c.path[self.stage] != self.me:
             raise RemoteError(Evidence(sender, "unknown_microbatch", "backward for a stage or path I do not serve", c.it))
         expected = c.path[self.stage + 1] if self.stage < self.last else c.path[0]
-        if sender != expected:
+        if sender != expected and not self.relayed_by(sender, c):
             raise RemoteError(Evidence(sender, "false_stage", "backward sender is not the next node of the path", c.it))
+        sender = expected  # through a verifier hop: the peer it verified for
         h = self.held.get(c.key)
         if h is None or h.x is None and self.stage > 0 or c.path[: self.stage] != h.carry.path:
-            if c.it < self.version:
+            if c.it < self.version or c.key in self.rerouted:
                 return m.answer(m.STALE)
             raise RemoteError(Evidence(sender, "unknown_microbatch", f"never held {m.key_name(c.key)}", c.it))
         check_tensor(c.tensor, sender, shape=tuple(h.out.shape), dtype=torch.float32, step=c.it)
+        grad_out = await self.inbound(CHECK_BACKWARD, c)
+        if grad_out is None:
+            return m.answer(m.STALE)  # a verifying data node refused it: the attempt is being rerouted
         del self.held[c.key]  # a second backward for it (a resend) finds nothing to do
         t0 = self.now()
         async with self.compute_lock:
             if c.it != self.version:
                 return m.answer(m.STALE)  # aggregation stepped the weights while this waited
             inputs = ([h.x] if h.x is not None else []) + self.params
-            grads = torch.autograd.grad(h.out, inputs, c.tensor, allow_unused=True)
+            grads = torch.autograd.grad(h.out, inputs, grad_out, allow_unused=True)
             await self._compute(2 * self.staged.forward_flops[self.stage])
         gx = grads[0] if h.x is not None else None
         self.grads[c.key] = flat(list(grads[len(grads) - len(self.params):]), self.params)
@@ -349,14 +422,15 @@ class PipelineNode:
         if self.stage == 0:
             self.finished(c.key, m.Carry(c.key, c.it, 0, c.path, c.tensor, recomputed=recomputed))
         else:
-            back = m.Carry(c.key, c.it, self.stage - 1, c.path, gx.detach(), recomputed=recomputed)
+            sent = self.tamper(GRADIENT, c.it, c.key, gx.detach())
+            back = m.Carry(c.key, c.it, self.stage - 1, c.path, sent, recomputed=recomputed)
             self.spawn(self.send_backward(back))
         return m.answer(m.OK)
 
     async def send_backward(self, carry: m.Carry) -> None:
         """Send an input gradient to the node serving carry.stage; on failure keep it and report BROKEN."""
         target = carry.path[carry.stage]
-        word = await self._ask(target, m.BACKWARD, carry.to_bytes())
+        word = await self.deliver(target, CHECK_BACKWARD, carry)
         if word in (m.OK, m.STALE):
             return
         self.router.failed(target)
@@ -369,6 +443,11 @@ class PipelineNode:
 
     def finished(self, key: m.Key, carry: m.Carry) -> None:
         """Data nodes only: a microbatch's backward reached stage 0."""
+
+    async def inbound(self, direction: str, c: m.Carry) -> torch.Tensor | None:
+        """The tensor a node works on for a carry that came to it directly (a verifying data node
+        judges it here; None: refused); relays take it as it is."""
+        return c.tensor
 
     # --- repair (GWTF V-D, backward crash) --------------------------------------
 
@@ -487,6 +566,7 @@ class PipelineNode:
         self.grads.clear()
         self.pending.clear()
         self.suspects.clear()
+        self.rerouted.clear()
         self.ready_event(version).set()
         if self.stage < self.last:
             try:

@@ -1,0 +1,189 @@
+"""`phalanx bench sentinel` in the simulator: SENTINEL's Table 1 over the pipeline runtime.
+
+Each run is a `simulate_pipeline` run: one data node (embedding and loss), three
+relay stages of `relays` relays each (block 0 | block 1 | head), routed by
+SWARM or GWTF over the simulated network, with SENTINEL's verifiers on the stage
+boundaries (`placement=boundary`) or in the data node (client-routed). In
+stages 1 and 2, `malicious` relays (drawn from the seed) run an
+`AttackingRelay` from `attack_start`; the head stage and the data node are
+honest, as the paper assumes. Detection is scored per tensor against the attack
+log (the verifiers never read it): a tampered tensor is caught when it is
+flagged or replaced by the momentum; tensors judged during warm-up, refused
+from banned senders, or tainted honest ones are not scored. Loss = held-out
+loss of the model made of one honest replica per stage after the last
+iteration. Overhead = mean simulated iteration time of the clean run with
+verifiers over the clean run without (and the same for wall time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from ..core.rng import py_stream
+from ..pipeline_config import LinkAttackConfig, PipelineNetworkConfig, PipelineRunConfig
+from ..runtime.dp_peer import TrainConfig
+from ..runtime.pipeline.config import PipelineConfig
+from ..runtime.pipeline.verifier import VerifierConfig
+from .pipeline_run import simulate_pipeline
+from .swarm import peer_identity
+
+STAGES = 3  # relay stages: block 0 | block 1 | head (the head stage is honest)
+
+
+def malicious_indices(config) -> list[int]:
+    """Relay indices of the malicious relays: `malicious` per attacked stage (1 and 2), seeded."""
+    chosen = []
+    for stage in (1, 2):
+        members = [r for r in range(STAGES * config.relays) if 1 + r % STAGES == stage]
+        chosen += py_stream(config.seed, "sentinel-sim-malicious", stage).sample(members, config.malicious)
+    return sorted(chosen)
+
+
+def run_config(config, attack: str, defended: bool, variant: str = "all") -> PipelineRunConfig:
+    """The pipeline run of one cell of the grid."""
+    verifier = VerifierConfig(**{**dataclasses.asdict(config.sentinel), "enabled": defended,
+                                 "placement": config.placement, "forward_response": config.forward_response})
+    if variant == "beta0":
+        verifier = dataclasses.replace(verifier, beta_h=0.0, beta_g=0.0)
+    elif variant in ("l1", "l2", "sign", "swd"):
+        verifier = dataclasses.replace(verifier, distances=variant)
+    relays = ",".join(map(str, malicious_indices(config))) if attack != "none" else ""
+    return PipelineRunConfig(
+        preset=f"sentinel-{attack}-{'sentinel' if defended else 'none'}", peers=1 + STAGES * config.relays,
+        data_nodes=1, steps=config.iterations, seed=config.seed,
+        train=TrainConfig(task="chars-gpt", optimizer="adam", lr=config.lr, batch_size=config.batch_size),
+        pipeline=PipelineConfig(stages=STAGES, microbatches=config.microbatches, capacity=config.microbatches,
+                                routing=config.routing, flops_scale=config.flops_scale),
+        network=PipelineNetworkConfig(),
+        sentinel=verifier,
+        attack=LinkAttackConfig(name=attack, relays=relays, target=config.target, start=config.attack_start,
+                                fraction=config.fraction),
+    )
+
+
+def score(summary: dict, malicious: list[str], attack_start: int) -> dict:
+    """Per-tensor detection against the attack log, bans, loss and timing of one run."""
+    log = {(a["peer"], a["direction"], a["src"], a["seq"], a["att"]): a["tampered"] for a in summary["attacks"]}
+    tp = fp = fn = honest = 0
+    for v in summary["verdicts"]:
+        if v["reason"] in ("warmup", "banned"):
+            continue
+        tampered = log.get((v["peer"], v["direction"], v["src"], v["seq"], v["att"]), False)
+        if v["reason"] == "tainted" and not tampered:
+            continue
+        caught = v["flagged"] or (tampered and v["substituted"])
+        tp += tampered and caught
+        fn += tampered and not caught
+        fp += caught and not tampered
+        honest += not tampered
+    precision = tp / (tp + fp) if tp + fp else float("nan")
+    recall = tp / (tp + fn) if tp + fn else float("nan")
+    f1 = 2 * precision * recall / (precision + recall) if tp else (0.0 if fn else float("nan"))
+    first_ban = {}
+    for b in summary["bans"]:
+        first_ban.setdefault(b["peer"], b["step"])
+    delays = [first_ban[w] - attack_start + 1 for w in malicious if w in first_ban]
+    durations = [m["duration"] for m in summary["metrics"]]
+    losses = [m["loss"] for m in summary["metrics"][-5:] if m["loss"] is not None]
+    return {
+        "tampered": tp + fn, "tp": tp, "fp": fp, "fn": fn, "precision": precision, "recall": recall, "f1": f1,
+        "fp_rate": fp / honest if honest else float("nan"),
+        "banned": sorted(first_ban), "malicious": sorted(malicious), "exact_bans": sorted(first_ban) == sorted(malicious),
+        "honest_banned": len(set(first_ban) - set(malicious)), "ban_iterations": delays,
+        "max_ban_iterations": max(delays) if malicious and len(delays) == len(malicious) else None,
+        "val_loss": summary["val_loss"], "train_loss": sum(losses) / len(losses) if losses else None,
+        "iteration_seconds": sum(durations) / len(durations), "wall_s": summary["wall_seconds"],
+        "completed": sum(m["completed"] for m in summary["metrics"]),
+    }
+
+
+def run_one(config, attack: str, defended: bool, variant: str = "all") -> dict:
+    run = run_config(config, attack, defended, variant)
+    summary = simulate_pipeline(run, progress=False, evaluate=True)
+    ids = [peer_identity(run.seed, run.data_nodes + i).peer_id for i in run.attack.indices]
+    return {"attack": attack, "defended": defended, "variant": variant, **score(summary, ids, config.attack_start)}
+
+
+def _packed(args: tuple) -> dict:
+    return run_one(*args)
+
+
+def run_grid(config, specs: list, partial: Path | None = None) -> list[dict]:
+    """Every (attack, defended, variant) of `specs`, in `config.jobs` processes (0: one per core);
+    each row is appended to `partial` (JSON lines) as soon as its run ends."""
+    todo = [(config, s.attack, s.defended, s.variant) for s in specs]
+    jobs = config.jobs or os.cpu_count() or 1
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+    rows = []
+
+    def keep(row: dict) -> None:
+        rows.append(row)
+        if partial is not None:
+            with open(partial, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if jobs == 1:
+        for t in todo:
+            keep(_packed(t))
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            for future in as_completed([pool.submit(_packed, t) for t in todo]):
+                keep(future.result())
+    return rows
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if value != value else format(value, spec)
+    return str(value)
+
+
+def format_table(config, rows: list[dict], attacks: list[str], ablation: list[str], ablation_attacks: list[str]) -> str:
+    by = {(r["attack"], r["defended"], r["variant"]): r for r in rows}
+    clean, clean_def = by[("none", False, "all")], by[("none", True, "all")]
+    lines = [
+        f"SENTINEL bench - SIMULATOR pipeline runtime (placement={config.placement}, routing={config.routing}, "
+        f"forward_response={config.forward_response})",
+        f"chars-gpt in {STAGES} relay stages x {config.relays} relays + 1 data node; {config.iterations} iterations x "
+        f"{config.microbatches} microbatches of {config.batch_size}; {config.malicious}/{config.relays} relays malicious "
+        f"in stages 1 and 2 from iteration {config.attack_start}; target={config.target}, fraction={config.fraction}; "
+        f"warm-up {config.sentinel.warmup} tensors per link and direction",
+        "",
+        f"{'attack':16s} {'F1':>6s} {'prec':>6s} {'recall':>6s} {'tamp':>5s} {'bans(it)':>10s} {'exact':>5s} "
+        f"{'honest':>6s} {'loss SENT':>9s} {'loss none':>9s} {'clean':>7s} {'gap%':>6s}",
+    ]
+    for attack in attacks:
+        d, u = by[(attack, True, "all")], by.get((attack, False, "all"), {"val_loss": None})
+        gap = 100 * (d["val_loss"] / clean["val_loss"] - 1) if d["val_loss"] and clean["val_loss"] else float("nan")
+        bans = ",".join(map(str, d["ban_iterations"])) or "-"
+        lines.append(
+            f"{attack:16s} {_fmt(d['f1']):>6s} {_fmt(d['precision']):>6s} {_fmt(d['recall']):>6s} {d['tampered']:5d} "
+            f"{bans:>10s} {str(d['exact_bans']):>5s} {d['honest_banned']:6d} {_fmt(d['val_loss'], '9.4f')} "
+            f"{_fmt(u['val_loss'], '9.4f')} {_fmt(clean['val_loss'], '7.4f')} {_fmt(gap, '+6.2f')}")
+    lines += [
+        "",
+        f"clean run: val loss {_fmt(clean['val_loss'], '.4f')} without verifiers, {_fmt(clean_def['val_loss'], '.4f')} "
+        f"with; false-positive rate {100 * clean_def['fp_rate']:.3f}% ({clean_def['fp']} flags), "
+        f"bans {clean_def['banned'] or 'none'}",
+        f"overhead: simulated iteration time with / without verifiers = "
+        f"{clean_def['iteration_seconds'] / clean['iteration_seconds']:.3f} ({clean_def['iteration_seconds']:.3f} s / "
+        f"{clean['iteration_seconds']:.3f} s); wall with / without = {clean_def['wall_s'] / clean['wall_s']:.3f} "
+        f"({clean_def['wall_s']:.1f} s / {clean['wall_s']:.1f} s)",
+    ]
+    if ablation:
+        lines += ["", "ablation: F1 per verifier variant (beta0: beta_h = beta_g = 0; l1/l2/sign/swd: that distance alone; "
+                  "all: combined)", f"{'variant':8s} " + " ".join(f"{a[:10]:>10s}" for a in ablation_attacks) + f" {'mean':>6s}"]
+        for variant in ablation:
+            f1s = [by[(a, True, variant)]["f1"] for a in ablation_attacks]
+            good = [v for v in f1s if v == v]
+            mean = sum(good) / len(good) if good else float("nan")
+            lines.append(f"{variant:8s} " + " ".join(f"{_fmt(v):>10s}" for v in f1s) + f" {_fmt(mean):>6s}")
+    return "\n".join(lines)

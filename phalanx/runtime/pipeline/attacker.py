@@ -1,0 +1,41 @@
+"""A malicious relay: it runs the pipeline protocol and computes its stage honestly, then lies on its links.
+
+Each outgoing activation and input gradient goes through a
+`algorithms.link_attacks.LinkAttack` policy before it is sent; `log` receives
+one record per tensor (the attack log, the experiment's ground truth; no
+verifier reads it). `probe(kind, link, tensor)` is the white-box view an
+adaptive attacker may be lent in experiments (None: no view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...algorithms.link_attacks import ACTIVATION, LinkAttack, LinkView
+from . import messages as m
+from .relay import Relay
+
+Probe = Callable[[str, int, torch.Tensor], bool]
+
+
+class AttackingRelay(Relay):
+    """A relay whose outgoing tensors are chosen by a link attack policy."""
+
+    def __init__(self, *args, attack: LinkAttack, log: Callable[[dict], None], probe: Probe | None = None,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.attack = attack
+        self.log = log
+        self.probe = probe
+
+    def tamper(self, kind: str, it: int, key: m.Key, tensor: torch.Tensor) -> torch.Tensor:
+        link = self.stage if kind == ACTIVATION else self.stage - 1
+        probe = None if self.probe is None else (lambda t: self.probe(kind, link, t))
+        sent = self.attack.relay(LinkView(kind, it, key, tensor, probe))
+        self.log({"kind": "attack", "peer": self.me, "stage": self.stage, "link": link,
+                  "direction": "forward" if kind == ACTIVATION else "backward", "mb": m.key_name(key),
+                  "src": key[0], "seq": key[1], "att": key[2], "it": it, "tampered": sent.tampered,
+                  "attack": sent.attack})
+        return sent.tensor.detach().to(torch.float32).contiguous()

@@ -1,0 +1,372 @@
+"""SENTINEL's verifier role in the pipeline: one code, two placements.
+
+A `VerifierHop` sits on the path of pipeline traffic. Every activation a
+stage sends forward and every activation gradient it sends back reaches the
+hop wrapped in a VIA request (`to` = the intended receiver); the hop judges
+the tensor with `algorithms.sentinel.Sentinel`, delivers what the verdict
+says to pass on (unchanged forward, or the activation momentum with
+`forward_response=substitute`; the gradient momentum for a flagged or tainted
+gradient), and returns the receiver's answer word to the sender.
+
+* `placement=boundary`: the organiser deploys one trusted `VerifierNode` per
+  stage boundary (link s sits between stage s and s+1; link 0 starts at the
+  data nodes, link S ends at them). Every FORWARD/BACKWARD crossing link s
+  goes through verifier s. Verifiers are not relays and are not in the stage
+  directory; nodes know them from the run's configuration.
+* `placement=data_node` (client-routed, SWARM's figure 2): relays send their
+  outputs and input gradients to the microbatch's data node, which verifies
+  them, chooses the next-stage peer itself (`to` empty) and delivers. What
+  comes straight to the data node (the last stage's output, stage 1's input
+  gradient) is verified in place.
+
+Tensors sent by a data node are trusted (they are not judged). When a
+verdict bans workers, the hop broadcasts BAN (peer, iteration, the keys of
+the microbatches of that iteration it saw pass through the peer) to every
+member: nodes drop the peer from routing (SWARM and GWTF alike) and from
+aggregation groups, and data nodes restart those microbatches (SWARM's
+restart, the crash path), so they are rerouted around the banned peer.
+Upstream blame across separate boundary verifiers uses the path the carry
+claims (see `Sentinel.check_forward`'s `upstream`): a relay could put a
+peer into a path it forwards to frame it, a limitation noted in the docs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ...algorithms.sentinel import BACKWARD, FORWARD, Sentinel, SentinelConfig, Verdict
+from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
+from ...core.serialization import encode
+from ...transport.base import Transport
+from . import messages as m
+from .config import PipelineConfig
+
+VIA = "pp.via"  # request, sender -> verifier hop: {"dir", "to", "carry"}; answered with the receiver's word
+BAN = "pp.ban"  # one-way, verifier -> every member: {"peer", "it", "keys"}
+TAINT = "pp.taint"  # one-way, boundary verifier -> the other verifiers: a microbatch flagged forward / substituted back
+PLACEMENTS = ("boundary", "data_node")
+FORWARD_RESPONSES = ("pass", "substitute")
+
+
+@dataclass(frozen=True)
+class VerifierConfig(SentinelConfig):
+    """`sentinel.*` of a pipeline run: whether and where SENTINEL verifies, and its statistics' parameters.
+
+    `forward_response`: `pass` forwards a flagged activation unchanged (the
+    paper's figure 5); `substitute` sends the link's activation momentum (the
+    EMA per-feature mean broadcast to the tensor's shape) instead.
+    `verifier_flops`: speed of a boundary verifier's machine (FLOP/s) in the
+    simulator; the verification cost charged per tensor is an estimate of the
+    projection and quantile work, 2*N*C*P + 5*N*P*log2(N) for N token vectors of
+    C features and P projections.
+    """
+
+    enabled: bool = False
+    placement: str = "boundary"  # boundary | data_node
+    forward_response: str = "pass"  # pass | substitute
+    verifier_flops: float = 50e9
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"sentinel.enabled={self.enabled!r} must be true or false")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"sentinel.placement={self.placement!r} must be one of {', '.join(PLACEMENTS)}")
+        if self.forward_response not in FORWARD_RESPONSES:
+            raise ConfigError(
+                f"sentinel.forward_response={self.forward_response!r} must be one of {', '.join(FORWARD_RESPONSES)}")
+        if not (math.isfinite(self.verifier_flops) and self.verifier_flops > 0):
+            raise ConfigError(f"sentinel.verifier_flops={self.verifier_flops!r} must be a finite number > 0")
+
+    def statistics(self, seed: int) -> SentinelConfig:
+        """The `Sentinel` parameters, with the projection streams seeded by the run."""
+        names = {f.name for f in dataclasses.fields(SentinelConfig)}
+        return SentinelConfig(**{**{k: v for k, v in dataclasses.asdict(self).items() if k in names}, "seed": seed})
+
+
+def link_of(direction: str, c: m.Carry) -> int:
+    """The link a carry crosses: forward into stage s crosses link s-1; the gradient of stage s's output, link s."""
+    return c.stage - 1 if direction == FORWARD else c.stage
+
+
+def sender_of(direction: str, c: m.Carry, last: int) -> str:
+    """Who sent a carry over its link, as the path says."""
+    if direction == FORWARD:
+        return c.path[-1]
+    return c.path[c.stage + 1] if c.stage < last else c.path[0]
+
+
+def via_bytes(direction: str, to: str, c: m.Carry) -> bytes:
+    return encode({"dir": direction, "to": to, "carry": c.to_bytes()})
+
+
+def verify_flops(tensor: torch.Tensor, projections: int) -> float:
+    rows = tensor.numel() // max(1, tensor.shape[-1])
+    return 2.0 * tensor.numel() * projections + 5.0 * rows * projections * math.log2(max(2, rows))
+
+
+EventSink = Callable[[dict], None]
+Chooser = Callable[[m.Carry, set[str]], str | None]
+
+
+class VerifierHop:
+    """The verifier role on one transport: judges carries, delivers them, broadcasts bans.
+
+    `trusted(peer)` says whether a sender is a data node (its tensors are not
+    judged). `choose(carry, excluded)` picks the receiver when a VIA request
+    leaves `to` empty (client-routed mode); None: nobody can take it.
+    `on_ban(peer, it, keys)` applies the hop's own bans where it runs.
+    """
+
+    def __init__(
+        self, transport: Transport, config: VerifierConfig, pipeline: PipelineConfig, seed: int,
+        trusted: Callable[[str], bool], on_event: EventSink, choose: Chooser | None = None,
+        on_ban: Callable[[str, int, list[m.Key]], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.me = transport.peer_id
+        self.config = config
+        self.pipeline = pipeline
+        self.last = pipeline.stages
+        self.sentinel = Sentinel(config.statistics(seed))
+        self.trusted = trusted
+        self.on_event = on_event
+        self.choose = choose
+        self.peers: list[str] = []  # the other verifiers of the run (boundary placement): taint is shared with them
+        self.on_ban = on_ban or (lambda peer, it, keys: None)
+        self.seen: dict[m.Key, tuple[int, set[str]]] = {}  # microbatch -> (iteration, nodes it passed)
+        self.dropped: dict[m.Key, int] = {}  # microbatch attempts being rerouted -> iteration: their traffic is refused
+        self.iteration = 0
+        self._tasks: set[asyncio.Task] = set()
+        transport.add_request_handler(VIA, self._on_via)
+
+    # --- judging --------------------------------------------------------------
+
+    def judge(self, direction: str, c: m.Carry, receiver: str) -> torch.Tensor | None:
+        """The tensor to pass on for carry `c`, or None to refuse it (the attempt is being rerouted, or
+        its sender is banned: then it is rerouted)."""
+        if c.key in self.dropped:
+            return None
+        self._remember(c, receiver)
+        sender = sender_of(direction, c, self.last)
+        if self.trusted(sender):
+            return c.tensor
+        link = link_of(direction, c)
+        if direction == FORWARD:
+            upstream = {s: c.path[s] for s in range(1, len(c.path) - 1)}
+            tainted = self.sentinel.taint_of(c.key)
+            verdict = self.sentinel.check_forward(link, sender, c.key, c.tensor, upstream=upstream)
+            if tainted is None and self.sentinel.taint_of(c.key) is not None:
+                self._share({"tainted": [link, sender]}, c.key)
+        else:
+            upstream = {s: c.path[s] for s in range(1, c.stage + 1)}
+            verdict = self.sentinel.check_backward(link, sender, c.key, c.tensor, upstream=upstream)
+            if verdict.substitute is not None:
+                self._share({"replaced": link}, c.key)
+        self._record(verdict, c)
+        if verdict.reason == "banned":
+            self.spawn(self.reroute(sender, c))
+            return None
+        if direction == FORWARD and verdict.flagged and self.config.forward_response == "substitute":
+            return self.sentinel.momentum(link, c.tensor, FORWARD)
+        return verdict.passed_on(c.tensor)
+
+    def _share(self, note: dict, key: m.Key) -> None:
+        """Tell the other verifiers (they judge the microbatch's other links) what this one did to it."""
+        body = encode({**note, "key": list(key)})
+        for peer in self.peers:
+            self.spawn(self.transport.send(peer, TAINT, body))
+
+    def on_taint(self, sender: str, payload: bytes) -> None:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "taint note")
+        key = m.parse_key(dict(zip(("src", "seq", "att"), obj.get("key") or [])), sender)
+        tainted, replaced = obj.get("tainted"), obj.get("replaced")
+        if isinstance(tainted, list) and len(tainted) == 2 and type(tainted[0]) is int and isinstance(tainted[1], str):
+            self.sentinel.mark_tainted(key, tainted[0], tainted[1])
+        elif type(replaced) is int:
+            self.sentinel.mark_replaced(key, replaced)
+        else:
+            raise RemoteError(Evidence(sender, "malformed", "bad taint note"))
+
+    def cost(self, tensor: torch.Tensor) -> float:
+        return verify_flops(tensor, self.config.projections)
+
+    def _remember(self, c: m.Carry, receiver: str) -> None:
+        if c.it > self.iteration:
+            self.iteration = c.it
+            for key in [k for k, (it, _) in self.seen.items() if it < c.it - 1]:
+                self.forget(key)
+            for key in [k for k, it in self.dropped.items() if it < c.it - 1]:
+                del self.dropped[key]
+        it, nodes = self.seen.setdefault(c.key, (c.it, set()))
+        nodes.update(p for p in c.path if not self.trusted(p))
+        if receiver and not self.trusted(receiver):
+            nodes.add(receiver)
+
+    def forget(self, key: m.Key) -> None:
+        """A microbatch attempt that will not come back (restarted, deferred)."""
+        self.seen.pop(key, None)
+        self.sentinel.forget(key)
+
+    def drop(self, key: m.Key, it: int) -> None:
+        """A microbatch attempt its data node restarts around a banned peer: refuse the rest of its traffic
+        (stragglers still computed from a tampered tensor would otherwise be judged against honest peers)."""
+        self.dropped[key] = it
+        self.forget(key)
+
+    def _record(self, verdict: Verdict, c: m.Carry) -> None:
+        self.on_event({
+            "kind": "verdict", "by": self.me, "peer": verdict.worker, "link": verdict.link,
+            "direction": verdict.direction, "mb": m.key_name(c.key), "src": c.key[0], "seq": c.key[1],
+            "att": c.key[2], "it": c.it, "flagged": verdict.flagged, "reason": verdict.reason,
+            "substituted": verdict.substitute is not None, "outside": list(verdict.outside),
+            "distances": dict(verdict.distances),
+            "t": self.transport.clock.now(),
+        })
+        for peer in verdict.bans:
+            self.spawn(self.announce(peer, c.it, verdict.link))
+
+    # --- bans ---------------------------------------------------------------------
+
+    async def announce(self, peer: str, it: int, link: int) -> None:
+        """Record a ban and tell every member, with the microbatches of the iteration it touched."""
+        keys = sorted(k for k, (kit, nodes) in self.seen.items() if kit >= it and peer in nodes)
+        self.on_event({"kind": "ban", "peer": peer, "step": it, "reason": "sentinel", "by": self.me, "link": link,
+                       "t": self.transport.clock.now(), "microbatches": len(keys)})
+        for key in keys:
+            self.drop(key, it)
+        self.on_ban(peer, it, keys)
+        body = encode({"peer": peer, "it": it, "keys": [list(k) for k in keys]})
+        for member in self.transport.members():
+            if member != self.me:
+                await self.transport.send(member, BAN, body)
+
+    async def reroute(self, peer: str, c: m.Carry) -> None:
+        """A banned peer still sends a microbatch (it got it before the ban reached its sender):
+        have its data node restart it."""
+        self.drop(c.key, c.it)
+        self.on_ban(peer, c.it, [c.key])
+        if c.key[0] != self.me:
+            await self.transport.send(c.key[0], BAN, encode({"peer": peer, "it": c.it, "keys": [list(c.key)]}))
+
+    def banned_elsewhere(self, peer: str) -> None:
+        """Another verifier banned `peer`: refuse its traffic here too."""
+        self.sentinel.ban(peer)
+
+    # --- the VIA hop ------------------------------------------------------------------
+
+    async def _on_via(self, sender: str, payload: bytes) -> bytes:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "via request")
+        direction, to, raw = obj.get("dir"), obj.get("to"), obj.get("carry")
+        if direction not in (FORWARD, BACKWARD) or not isinstance(to, str) or not isinstance(raw, bytes):
+            raise RemoteError(Evidence(sender, "malformed", "bad via request"))
+        c = m.parse_carry(raw, sender, self.transport.limits, self.last + 1)
+        if (direction == FORWARD and (len(c.path) != c.stage or c.stage < 1)) or (
+                direction == BACKWARD and (len(c.path) != self.last + 1 or c.stage > self.last)):
+            raise RemoteError(Evidence(sender, "malformed", "via carry with an inconsistent path", c.it))
+        if sender_of(direction, c, self.last) != sender:
+            raise RemoteError(Evidence(sender, "false_stage", "via carry sent by a peer not at its place in the path", c.it))
+        if direction == BACKWARD:
+            to = c.path[c.stage]
+        elif c.stage == self.last + 1:
+            to = c.key[0]
+        tensor = self.judge(direction, c, to)
+        if tensor is None:
+            return m.answer(m.STALE if c.key in self.dropped else m.DENIED)
+        await self.transport.charge_compute(self.cost(c.tensor))
+        c = dataclasses.replace(c, tensor=tensor)
+        topic = m.FORWARD if direction == FORWARD else m.BACKWARD
+        if to:
+            return m.answer(await self.deliver(to, topic, c))
+        return m.answer(await self.route(c))
+
+    async def deliver(self, to: str, topic: str, c: m.Carry) -> str:
+        """Send the judged carry to its receiver; a failure is answered DENIED (the sender tries elsewhere)."""
+        try:
+            response = await self.transport.request(to, topic, c.to_bytes(), self.pipeline.complete_timeout)
+            return m.parse_answer(response, to, self.transport.limits)
+        except RemoteError as exc:
+            self.transport.report(exc.evidence)
+        except PhalanxError:
+            pass
+        return m.DENIED
+
+    async def route(self, c: m.Carry) -> str:
+        """Client-routed forward: choose the next-stage peer, retrying others until one takes it."""
+        excluded: set[str] = set()
+        deadline = self.transport.clock.now() + 1.5 * self.pipeline.complete_timeout
+        while self.choose is not None and self.transport.clock.now() < deadline:
+            peer = self.choose(c, excluded)
+            if peer is None:
+                break
+            self._remember(c, peer)
+            word = await self.deliver(peer, m.FORWARD, c)
+            if word in (m.OK, m.STALE):
+                return word
+            excluded.add(peer)
+        return m.DENIED
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def parse_ban(payload: bytes, sender: str, transport: Transport) -> tuple[str, int, list[m.Key]]:
+    obj = m.parse_mapping(payload, sender, transport.limits, "ban")
+    peer, it, keys = obj.get("peer"), obj.get("it"), obj.get("keys")
+    ok = (isinstance(peer, str) and type(it) is int and isinstance(keys, list) and len(keys) <= 100_000
+          and all(isinstance(k, list) and len(k) == 3 and isinstance(k[0], str)
+                  and all(type(v) is int and v >= 0 for v in k[1:]) for k in keys))
+    if not ok:
+        raise RemoteError(Evidence(sender, "malformed", "bad ban message"))
+    return peer, it, [(k[0], k[1], k[2]) for k in keys]
+
+
+class VerifierNode:
+    """A trusted boundary verifier (organiser-deployed): a VIA hop for one link, and nothing else."""
+
+    def __init__(self, transport: Transport, config: VerifierConfig, pipeline: PipelineConfig, seed: int,
+                 directory: dict[str, int], on_event: EventSink, verifiers: set[str]) -> None:
+        self.transport = transport
+        self.directory = directory
+        self.hop = VerifierHop(transport, config, pipeline, seed, lambda p: self.directory.get(p) == 0, on_event)
+        self.verifiers = verifiers  # the run's verifiers: their bans and taint notes are applied here too
+        self.hop.peers = sorted(verifiers - {transport.peer_id})
+        self._stopped = asyncio.Event()
+        transport.add_message_handler(BAN, self._on_ban)
+        transport.add_message_handler(TAINT, self._on_taint)
+
+    def _on_taint(self, sender: str, payload: bytes) -> None:
+        if sender in self.verifiers:
+            self.hop.on_taint(sender, payload)
+
+    def _on_ban(self, sender: str, payload: bytes) -> None:
+        peer, it, keys = parse_ban(payload, sender, self.transport)
+        if sender in self.verifiers:
+            self.hop.banned_elsewhere(peer)
+            for key in keys:
+                self.hop.drop(key, it)
+
+    async def serve(self) -> None:
+        await self._stopped.wait()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def close(self) -> None:
+        self.stop()
+        await self.hop.close()
