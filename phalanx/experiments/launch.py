@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -35,8 +36,9 @@ MEMBERSHIP_TTL = 20.0  # seconds a dead peer's membership record outlives it (it
 STOP_GRACE = 10.0  # seconds a worker has to stop after SIGTERM before it is killed
 
 
-def run_id_of(config: RunConfig) -> str:
-    return f"{config.preset}-seed{config.seed}"
+def run_id_of(config: RunConfig, token: str = "") -> str:
+    """The run's DHT namespace; `token` (random per launch) keeps concurrent runs on one host apart."""
+    return f"{config.preset}-seed{config.seed}{'-' + token if token else ''}"
 
 
 async def _barrier(transport, name: str, peers: list[str]) -> None:
@@ -70,7 +72,9 @@ async def _swarm_is_training(transport, initial_peers: list[str], config: RunCon
     except TimeoutError:
         return False
     others = [p for p in transport.members() if p != transport.peer_id]
-    return bool(await collect_offers(transport, others, config.catchup))
+    # As a joiner at once: a restarted peer is in the initial roster, and training peers must
+    # leave it out of their groups before they see its record and wait for it.
+    return bool(await collect_offers(transport, others, config.catchup, joining=True))
 
 
 async def run_worker(
@@ -80,6 +84,7 @@ async def run_worker(
     records_path: Path,
     host: str = "/ip4/127.0.0.1/tcp/0",
     address_file: Path | None = None,
+    token: str = "",
 ) -> list[dict]:
     """One real peer: join, wait for the swarm, train, leave together.
 
@@ -97,9 +102,9 @@ async def run_worker(
         _exit_after(STOP_GRACE, 128 + signal.SIGTERM)
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    identity = peer_identity(config.seed, index) if index is not None else Identity.generate()
+    identity = peer_identity(config.seed, index, token) if index is not None else Identity.generate()
     transport = HivemindTransport(
-        identity, run_id=run_id_of(config), initial_peers=initial_peers, host_maddrs=[host], membership_ttl=MEMBERSHIP_TTL
+        identity, run_id=run_id_of(config, token), initial_peers=initial_peers, host_maddrs=[host], membership_ttl=MEMBERSHIP_TTL
     )
     await transport.start()
     records: list[dict] = []
@@ -108,10 +113,11 @@ async def run_worker(
             tmp = address_file.with_suffix(".tmp")
             tmp.write_text("\n".join(transport.visible_maddrs()) + "\n")
             tmp.rename(address_file)
+        joining = await _swarm_is_training(transport, initial_peers, config)
         role = -1 if index is None else index
-        peer = build_peer(config, transport, role)
+        peer = build_peer(config, transport, role, token)
         service = CatchupService(peer, config.catchup)
-        if await _swarm_is_training(transport, initial_peers, config):
+        if joining:
             await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is
         else:
             try:
@@ -157,8 +163,9 @@ def _exit_after(seconds: float, code: int) -> None:
 class _Workers:
     """The launcher's worker processes: each in its own process group, with its own marker."""
 
-    def __init__(self, config_path: Path, peer_dir: Path, token: str) -> None:
+    def __init__(self, config_path: Path, peer_dir: Path, token: str, run_token: str) -> None:
         self.base = [sys.executable, "-m", "phalanx.experiments.launch", "--config", str(config_path), "--out", str(peer_dir)]
+        self.base += ["--run-token", run_token]
         self.token = token
         self.procs: dict[int, subprocess.Popen] = {}
         self.failed: dict[int, int] = {}  # index -> exit status, for workers that ended by themselves
@@ -248,7 +255,9 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
         return launch_aspis(config, out, progress)
     wall_start = time.perf_counter()
     config_path, peer_dir, address_file = prepare_run_dir(config, out)
-    workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker())
+    token = secrets.token_hex(4)
+    (out / "run_token").write_text(token + "\n")  # `phalanx peer --run-token` joins this run
+    workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker(), token)
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         first = workers.start(0, "--address-file", str(address_file))
@@ -275,7 +284,7 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
     finally:
         workers.stop()
         signal.signal(signal.SIGTERM, previous)
-    ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
+    ids = [peer_identity(config.seed, i, token).peer_id for i in range(config.peers)]
     recorder = Recorder(config, ids)
     for index in range(config.peers):
         path = peer_dir / f"{index}.jsonl"
@@ -287,7 +296,7 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
         raise LocalError(f"the run did not finish: peers {failed}; see their output above")
     _to_relative_time(recorder.records)
     recorder.crashed = [ids[i] for i in sorted(workers.failed)]
-    return recorder.write(out, {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start})
+    return recorder.write(out, {"mode": "launch", "run_token": token, "wall_seconds": time.perf_counter() - wall_start})
 
 
 def _last_step(path: Path) -> int | None:
@@ -332,7 +341,9 @@ def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:
     address_file = Path(args.address_file) if args.address_file else None
     inherited = os.environ.get(MARKER_ENV)
     guard_worker(f"{inherited}/peer-{os.getpid()}" if inherited else new_marker(), die_with_parent=False)
-    records = asyncio.run(run_worker(config, args.index, args.initial_peers, out / "peers" / f"{name}.jsonl", args.host, address_file))
+    records = asyncio.run(
+        run_worker(config, args.index, args.initial_peers, out / "peers" / f"{name}.jsonl", args.host, address_file, args.run_token)
+    )
     recorder = Recorder(config, sorted({r["peer"] for r in records}))
     for record in records:
         recorder.add(record)
@@ -347,13 +358,19 @@ def _worker_main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--run-token", default="")
     parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = RunConfig.from_dict(json.loads(Path(args.config).read_text()))
     address_file = Path(args.address_file) if args.address_file else None
     try:
-        asyncio.run(run_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl", address_file=address_file))
+        asyncio.run(
+            run_worker(
+                config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
+                address_file=address_file, token=args.run_token,
+            )
+        )
     except (KeyboardInterrupt, asyncio.CancelledError):
         sys.exit(128 + signal.SIGTERM)
 

@@ -179,7 +179,10 @@ class Roster:
     `catchup.ready` (from the step they named) are admitted; with None, every
     member is. Either way a peer that asked for an offer as a joiner is left
     out until its `ready` step, so the swarm never waits for a peer that is
-    still downloading.
+    still downloading. An admitted peer that leaves the membership view (dead,
+    its record expired) loses its place: when it comes back (a restart with the
+    same identity) it is left out until it announces `ready` again, so the
+    swarm never waits for a restarted process that has not caught up yet.
     """
 
     def __init__(self, transport: Transport, initial: list[str] | None, margin: int) -> None:
@@ -193,6 +196,9 @@ class Roster:
     def admit(self, step: int, members: list[str]) -> list[str]:
         self._absorb(step)
         me = self.transport.peer_id
+        present = set(members)
+        for gone in [p for p in self.active if p != me and p not in present and self.active[p] <= step]:
+            del self.active[gone]
         return [p for p in members if p == me or self._admitted(p, step)]
 
     def _admitted(self, peer: str, step: int) -> bool:
@@ -306,7 +312,9 @@ class CatchupService:
             return
         reports = {p: e.payload for p, e in self.transport.board.get(DIGEST, sync).items() if p in self.peer.group(step)}
         reports[self.transport.peer_id] = mine[2]
-        found = agreed(reports, len(reports), self.config.confirmations)
+        # Our own group, whose aggregate we already trust: a strict majority of its digests
+        # is enough (a crash mid-gather can leave 2 of 3 survivors on one state, 1 on another).
+        found = agreed(reports, len(reports), len(reports))
         if found is None or found[0] == mine[2]:
             return
         log.warning("state at sync step %d differs from the swarm's: re-syncing", sync)
@@ -335,28 +343,30 @@ class CatchupService:
         """
         clock = self.transport.clock
         deadline = clock.now() + self.config.timeout
+        loaded = False
         while True:
+            # Load the latest agreed snapshot, then replay agreed updates until we stand where the
+            # swarm trains. If the updates stop agreeing (replicas that diverged at a crash and have
+            # not re-synced yet), a newer agreed snapshot taken after their re-sync gets us past it.
             offers = await self._offers(self._others(), joining=True)
             choice = choose_snapshot(offers, self.config.confirmations)
-            if choice is not None:
+            if choice is not None and (not loaded or choice.step > self.peer.step):
                 try:
                     data = await self._download(choice)
                     load_state(self.peer, data, choice.holders[0])
                     self.roster.merge_majority(self._rosters)
-                    break
+                    loaded = True
                 except RemoteError as exc:
                     self.transport.report(exc.evidence)
                 except PhalanxError as exc:
                     log.info("snapshot download failed: %s", exc)
-            self._give_up_after(deadline, "no snapshot the swarm agrees on")
-            await asyncio.sleep(self.config.poll)
-        while True:  # replay the agreed updates until we stand where the swarm trains
-            offers = await self._offers(self._others(), joining=True)
-            await self._replay(offers)
-            now = swarm_step(offers)
-            if now is not None and self.peer.step >= now:
-                break
-            self._give_up_after(deadline, f"could not replay up to the swarm's step (at {self.peer.step})")
+            if loaded:
+                await self._replay(offers)
+                now = swarm_step(offers)
+                if now is not None and self.peer.step >= now:
+                    break
+            why = f"could not replay up to the swarm's step (at {self.peer.step})" if loaded else "no snapshot the swarm agrees on"
+            self._give_up_after(deadline, why)
             await asyncio.sleep(self.config.poll)
         now = swarm_step(await self._offers(self._others(), joining=True))  # fresh: the swarm moved meanwhile
         target = max(now if now is not None else 0, self.peer.step) + self.config.margin
@@ -427,7 +437,7 @@ class CatchupService:
         request = decode(payload, sender, self.transport.limits)
         if not isinstance(request, dict) or not isinstance(request.get("joining"), bool):
             raise RemoteError(Evidence(sender, "malformed", "bad catch-up offer request"))
-        if request["joining"]:
+        if request["joining"] and self.training:  # before training, the roster is set at the start barrier
             self.roster.mark_joining(sender, self.peer.step)
         if not self.training:
             return encode({"latest": -1, "snapshots": {}, "updates": {}, "roster": {}})
@@ -512,9 +522,15 @@ async def fetch_snapshot(transport: Transport, choice: Agreed, config: CatchupCo
     return data
 
 
-async def collect_offers(transport: Transport, peers: list[str], config: CatchupConfig = CatchupConfig()) -> dict[str, Offer]:
-    """Ask `peers` what they hold (as an observer, not a joiner); for protocols that choose with `choose_snapshot`."""
-    return (await _gather_offers(transport, peers, False, config))[0]
+async def collect_offers(
+    transport: Transport, peers: list[str], config: CatchupConfig = CatchupConfig(), joining: bool = False
+) -> dict[str, Offer]:
+    """Ask `peers` what they hold; for protocols that choose with `choose_snapshot`.
+
+    As an observer by default; with `joining`, training peers leave us out of
+    their groups until we announce `ready` (ask so before anything slow).
+    """
+    return (await _gather_offers(transport, peers, joining, config))[0]
 
 
 async def _gather_offers(
