@@ -191,6 +191,7 @@ class Roster:
         self.active: dict[str, int] = {p: 0 for p in initial or []}
         self.joining: set[str] = set()
         self.margin = margin
+        self.probation: set[str] = set()  # entered by `ready`, has not taken part in a step yet
         self._ready: dict[str, int] = {}
 
     def admit(self, step: int, members: list[str]) -> list[str]:
@@ -218,6 +219,25 @@ class Roster:
         self._ready[peer] = step
         self.active[peer] = step
         self.joining.discard(peer)
+        if peer != self.transport.peer_id:
+            self.probation.add(peer)
+
+    def observe(self, step: int, group: tuple[str, ...], dropped: tuple[str, ...]) -> None:
+        """After `step`: a peer on probation (it entered by `ready`) that sent nothing is demoted.
+
+        It announced it would train from its entry step and then never showed up
+        (died, or stalled): leave it out until it announces `ready` again instead of
+        waiting out the all-reduce timeout at every step. One step it took part in
+        ends its probation.
+        """
+        for peer in group:
+            if peer not in self.probation or self.active.get(peer, step + 1) > step:
+                continue
+            self.probation.discard(peer)
+            if peer in dropped:
+                log.warning("peer %s announced it would train from step %d and sent nothing: dropped from the roster", peer[:8], self.active[peer])
+                del self.active[peer]
+                self.joining.add(peer)
 
     def mark_joining(self, peer: str, now: int) -> None:
         """`peer` asked to catch up: leave it out until it announces ready (a stale request is ignored)."""
@@ -261,6 +281,7 @@ class CatchupService:
         self._sending: set[asyncio.Future] = set()
         peer.admit = self.roster.admit
         peer.on_update.append(self._record_update)
+        peer.on_result.append(lambda step, result: self.roster.observe(step, result.group, result.dropped_senders))
         t = peer.transport
         t.add_request_handler("catchup.offer", self._serve_offer)
         t.add_request_handler("catchup.manifest", self._serve_manifest)

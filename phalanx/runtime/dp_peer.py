@@ -22,7 +22,7 @@ from ..training.task import TASKS, Task, compute_gradient, make_task, num_params
 from ..transport.base import Transport
 from ..algorithms.btard_attacks import ProtocolPolicy
 from .btard import BTARDConfig, SecureResult, SecureRound
-from .butterfly import AllReduceConfig, ButterflyAllReduce, Reducer
+from .butterfly import AllReduceConfig, AllReduceResult, ButterflyAllReduce, Reducer
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class DataParallelPeer:
         self.step = 0
         self.admit: Callable[[int, list[str]], list[str]] | None = None  # who trains at a step (catch-up's roster)
         self.on_update: list[Callable[[int, torch.Tensor], None]] = []  # told each step's applied update
+        self.on_result: list[Callable[[int, AllReduceResult], None]] = []  # told each step's all-reduce outcome
 
     def group(self, step: int | None = None) -> list[str]:
         """This step's group: current members that are admitted and not banned, in sorted order."""
@@ -131,6 +132,8 @@ class DataParallelPeer:
         if self.attack is not None:
             gradient = self.attack(self._attack_view(step, gradient, group, x, y))
         result = await self.allreduce(step, gradient, group)
+        for listener in self.on_result:
+            listener(step, result)
         set_flat_grad(self.model, result.vector)
         self.optimizer.step()
         for listener in self.on_update:
