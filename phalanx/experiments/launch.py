@@ -25,7 +25,9 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
-from ..runtime.catchup import CatchupService, collect_offers
+from ..runtime.catchup import CatchupFailed, CatchupService, collect_offers
+from ..runtime.dp_peer import task_of
+from .launch_churn import LaunchChurn
 from .processes import MARKER_ENV, guard_worker, kill_group, kill_marked, new_marker
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
@@ -85,8 +87,11 @@ async def run_worker(
     host: str = "/ip4/127.0.0.1/tcp/0",
     address_file: Path | None = None,
     token: str = "",
+    append: bool = False,
 ) -> list[dict]:
     """One real peer: join, wait for the swarm, train, leave together.
+
+    `append` adds to `records_path` (a worker the launcher started again) instead of replacing it.
 
     SIGTERM stops it cleanly (like Ctrl-C): the transport, its DHT child and
     p2pd are shut down before it returns.
@@ -102,7 +107,8 @@ async def run_worker(
         _exit_after(STOP_GRACE, 128 + signal.SIGTERM)
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    identity = peer_identity(config.seed, index, token) if index is not None else Identity.generate()
+    task_of(config.train)  # its imports and data loading block for seconds: do them before our record is visible
+    identity = peer_identity(config.seed, index) if index is not None else Identity.generate()
     transport = HivemindTransport(
         identity, run_id=run_id_of(config, token), initial_peers=initial_peers, host_maddrs=[host], membership_ttl=MEMBERSHIP_TTL
     )
@@ -115,22 +121,27 @@ async def run_worker(
             tmp.rename(address_file)
         joining = await _swarm_is_training(transport, initial_peers, config)
         role = -1 if index is None else index
-        peer = build_peer(config, transport, role, token)
+        peer = build_peer(config, transport, role)
         service = CatchupService(peer, config.catchup)
         if joining:
-            await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is
+            try:
+                await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is
+            except CatchupFailed as exc:
+                print(f"phalanx: could not join the running swarm: {exc}", file=sys.stderr)
+                return records
         else:
             try:
                 peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
             except TimeoutError:
                 raise LocalError(
                     f"only {len(transport.members())} of {config.peers} peers joined within {JOIN_TIMEOUT:.0f} s: check"
-                    " --initial-peers, and that every peer runs the same preset, seed and --peers"
+                    " --initial-peers, and that every peer runs the same preset, seed, --peers and --run-token"
+                    " (a launch writes its token to OUT/run_token)"
                 ) from None
             service.set_roster(peers)
             await _barrier(transport, "start", peers)
         records_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(records_path, "w") as sink:
+        with open(records_path, "a" if append else "w") as sink:
 
             def on_step(record: dict) -> None:
                 records.append(record)
@@ -169,9 +180,11 @@ class _Workers:
         self.token = token
         self.procs: dict[int, subprocess.Popen] = {}
         self.failed: dict[int, int] = {}  # index -> exit status, for workers that ended by themselves
+        self.stopped: set[int] = set()  # workers the launcher killed on purpose (churn)
         self.stopping = False
 
     def start(self, index: int, *args: str) -> subprocess.Popen:
+        self.stopped.discard(index)
         env = {**os.environ, MARKER_ENV: self.marker(index)}
         cmd = [*self.base, "--index", str(index), "--die-with-parent", *args]
         self.procs[index] = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -188,13 +201,20 @@ class _Workers:
         new = []
         for index, proc in self.procs.items():
             code = proc.poll()
-            if code is None or index in self.failed or self.stopping:
+            if code is None or index in self.failed or index in self.stopped or self.stopping:
                 continue
             self.sweep(index)
             if code != 0:
                 self.failed[index] = code
                 new.append(index)
         return new
+
+    def kill(self, index: int) -> None:
+        """SIGKILL worker `index` on purpose (it is not listed as failed) and sweep what it leaves."""
+        self.stopped.add(index)
+        self.procs[index].kill()
+        self.procs[index].wait()
+        self.sweep(index)
 
     def sweep(self, index: int) -> None:
         kill_group(self.procs[index].pid)
@@ -270,7 +290,10 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
         for index in range(1, config.peers):
             workers.start(index, "--initial-peers", *addrs)
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
+        churn = LaunchChurn(config) if LaunchChurn.wanted(config) else None
         while workers.running():
+            if churn is not None:
+                _churn(churn, workers, peer_dir, addrs)
             for index in workers.reap():
                 last = _last_step(peer_dir / f"{index}.jsonl")
                 print(
@@ -284,7 +307,7 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
     finally:
         workers.stop()
         signal.signal(signal.SIGTERM, previous)
-    ids = [peer_identity(config.seed, i, token).peer_id for i in range(config.peers)]
+    ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
     recorder = Recorder(config, ids)
     for index in range(config.peers):
         path = peer_dir / f"{index}.jsonl"
@@ -296,7 +319,21 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
         raise LocalError(f"the run did not finish: peers {failed}; see their output above")
     _to_relative_time(recorder.records)
     recorder.crashed = [ids[i] for i in sorted(workers.failed)]
-    return recorder.write(out, {"mode": "launch", "run_token": token, "wall_seconds": time.perf_counter() - wall_start})
+    extra = {"mode": "launch", "run_token": token, "wall_seconds": time.perf_counter() - wall_start}
+    if churn is not None:
+        extra["churn"] = [{"step": e.step, "peer": ids[e.index], "index": e.index, "event": e.event} for e in churn.events]
+    return recorder.write(out, extra)
+
+
+def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[str]) -> None:
+    """Apply the churn decisions for the steps finished so far: kill leavers, start returners again."""
+    progress = max((_last_step(peer_dir / f"{i}.jsonl") or -1) for i in workers.procs)
+    for event in churn.advance(progress, workers.running()):
+        print(f"phalanx: churn: peer {event.index} {event.event} after step {event.step}", file=sys.stderr)
+        if event.event == "left":
+            workers.kill(event.index)
+        else:
+            workers.start(event.index, "--initial-peers", *addrs, "--append")
 
 
 def _last_step(path: Path) -> int | None:
@@ -359,6 +396,7 @@ def _worker_main() -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
     parser.add_argument("--run-token", default="")
+    parser.add_argument("--append", action="store_true", help="add to this worker's records (a restarted worker)")
     parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
@@ -368,7 +406,7 @@ def _worker_main() -> None:
         asyncio.run(
             run_worker(
                 config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
-                address_file=address_file, token=args.run_token,
+                address_file=address_file, token=args.run_token, append=args.append,
             )
         )
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -35,12 +35,9 @@ MPRNG_BEHAVIOURS: dict[str, type[MPRNGBehaviour]] = {
 }
 
 
-def peer_identity(seed: int, index: int, salt: str = "") -> Identity:
-    """The identity of experiment peer `index`: public and reproducible, so runs compare.
-
-    `salt` (a launch's run token) keeps concurrent real runs on one host apart.
-    """
-    return Identity.from_seed(f"phalanx-experiment/{seed}/{index}{'/' + salt if salt else ''}".encode())
+def peer_identity(seed: int, index: int) -> Identity:
+    """The identity of experiment peer `index`: public and reproducible, so runs compare."""
+    return Identity.from_seed(f"phalanx-experiment/{seed}/{index}".encode())
 
 
 def byzantine_indices(config: RunConfig) -> list[int]:
@@ -56,14 +53,14 @@ def crash_indices(config: RunConfig) -> list[int]:
     return sorted(py_stream(config.seed, "crash").sample(pool, min(config.faults.crash, len(pool))))
 
 
-def build_peer(config: RunConfig, transport: Transport, index: int, salt: str = "") -> DataParallelPeer:
+def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParallelPeer:
     byzantine = index in byzantine_indices(config)
     attack = policy = None
     schedule = AttackSchedule(start_step=config.byzantine.start_step, every=config.byzantine.every)
     if byzantine and config.byzantine.attack in ATTACKS:
         attack = make_attack(config.byzantine.attack, schedule, **config.byzantine.params)
     if byzantine and config.byzantine.attack in PROTOCOL_ATTACKS:
-        colluders = frozenset(peer_identity(config.seed, i, salt).peer_id for i in byzantine_indices(config))
+        colluders = frozenset(peer_identity(config.seed, i).peer_id for i in byzantine_indices(config))
         policy = make_policy(config.byzantine.attack, schedule, config.seed, colluders, **config.byzantine.params)
     return DataParallelPeer(
         transport,

@@ -404,6 +404,8 @@ class CatchupService:
         return self.peer.step
 
     def _give_up_after(self, deadline: float, why: str) -> None:
+        if not self._others():
+            raise CatchupFailed(f"catch-up gave up: no other peer is left in the view ({why})")
         if self.transport.clock.now() > deadline:
             raise CatchupFailed(f"catch-up gave up after {self.config.timeout:.0f} s: {why}")
 
