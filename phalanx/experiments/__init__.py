@@ -5,6 +5,7 @@
 - launch: real OS processes over hivemind (`launch`, `peer`)
 - processes: process hygiene (markers, watchdog, parent-death signals, process groups)
 - churn: crashes, restarts, joiners and churn in simulated runs
+- launch_churn: churn decisions for `launch` (which workers are killed and started again)
 - report: PNG plots and summary table of a run directory
 - robustness: the aggregator x attack benchmark (BTARD Fig. 3 baselines)
 - aspis: Aspis run config, presets and the simulated run (1 coordinator + K workers)

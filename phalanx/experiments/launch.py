@@ -291,9 +291,10 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
             workers.start(index, "--initial-peers", *addrs)
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
         churn = LaunchChurn(config) if LaunchChurn.wanted(config) else None
+        lines_at: dict[int, int] = {}
         while workers.running():
             if churn is not None:
-                _churn(churn, workers, peer_dir, addrs)
+                _churn(churn, workers, peer_dir, addrs, lines_at)
             for index in workers.reap():
                 last = _last_step(peer_dir / f"{index}.jsonl")
                 print(
@@ -325,14 +326,26 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
     return recorder.write(out, extra)
 
 
-def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[str]) -> None:
-    """Apply the churn decisions for the steps finished so far: kill leavers, start returners again."""
+def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[str], lines_at: dict[int, int]) -> None:
+    """Apply the churn decisions for the steps finished so far: kill leavers, start returners again.
+
+    `lines_at` holds, per worker started again, its record count at that start (to see it train).
+    """
+    for index in sorted(churn.starting):
+        if _lines(peer_dir / f"{index}.jsonl") > lines_at[index]:
+            churn.trained(index)
+        elif workers.procs[index].poll() is not None:
+            workers.stopped.add(index)  # not a failure of the run: it may come back later
+            workers.sweep(index)
+            churn.failed_start(index)
     progress = max((_last_step(peer_dir / f"{i}.jsonl") or -1) for i in workers.procs)
-    for event in churn.advance(progress, workers.running()):
+    training = [i for i in workers.running() if i not in churn.starting]
+    for event in churn.advance(progress, training):
         print(f"phalanx: churn: peer {event.index} {event.event} after step {event.step}", file=sys.stderr)
         if event.event == "left":
             workers.kill(event.index)
         else:
+            lines_at[event.index] = _lines(peer_dir / f"{event.index}.jsonl")
             workers.start(event.index, "--initial-peers", *addrs, "--append")
 
 
