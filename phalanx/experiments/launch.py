@@ -142,6 +142,8 @@ async def run_worker(
             await _barrier(transport, "start", peers)
         records_path.parent.mkdir(parents=True, exist_ok=True)
         with open(records_path, "a" if append else "w") as sink:
+            if append and sink.tell() > 0:
+                sink.write("\n")  # the killed process may have left its last line unfinished
 
             def on_step(record: dict) -> None:
                 records.append(record)
@@ -291,10 +293,10 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
             workers.start(index, "--initial-peers", *addrs)
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
         churn = LaunchChurn(config) if LaunchChurn.wanted(config) else None
-        lines_at: dict[int, int] = {}
+        last_at: dict[int, int | None] = {}
         while workers.running():
             if churn is not None:
-                _churn(churn, workers, peer_dir, addrs, lines_at)
+                _churn(churn, workers, peer_dir, addrs, last_at)
             for index in workers.reap():
                 last = _last_step(peer_dir / f"{index}.jsonl")
                 print(
@@ -313,7 +315,10 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
     for index in range(config.peers):
         path = peer_dir / f"{index}.jsonl"
         for line in path.read_text().splitlines() if path.exists() else []:
-            recorder.add(json.loads(line))
+            try:
+                recorder.add(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill (a restarted worker appends after it)
     finished = any(r["step"] == config.steps - 1 for r in recorder.records)
     if not finished:
         failed = ", ".join(f"{i} {_exit_text(c)}" for i, c in sorted(workers.failed.items()))
@@ -326,13 +331,13 @@ def launch(config: RunConfig, out: Path, progress: bool = True) -> dict:
     return recorder.write(out, extra)
 
 
-def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[str], lines_at: dict[int, int]) -> None:
+def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[str], last_at: dict[int, int | None]) -> None:
     """Apply the churn decisions for the steps finished so far: kill leavers, start returners again.
 
-    `lines_at` holds, per worker started again, its record count at that start (to see it train).
+    `last_at` holds, per worker started again, the last step it had recorded then (to see it train).
     """
     for index in sorted(churn.starting):
-        if _lines(peer_dir / f"{index}.jsonl") > lines_at[index]:
+        if _last_step(peer_dir / f"{index}.jsonl") != last_at[index]:
             churn.trained(index)
         elif workers.procs[index].poll() is not None:
             workers.stopped.add(index)  # not a failure of the run: it may come back later
@@ -345,7 +350,7 @@ def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[st
         if event.event == "left":
             workers.kill(event.index)
         else:
-            lines_at[event.index] = _lines(peer_dir / f"{event.index}.jsonl")
+            last_at[event.index] = _last_step(peer_dir / f"{event.index}.jsonl")
             workers.start(event.index, "--initial-peers", *addrs, "--append")
 
 
