@@ -11,7 +11,7 @@ from phalanx.core.errors import RemoteError
 from phalanx.experiments.simulate import simulate
 from phalanx.experiments.swarm import build_peer, peer_identity, run_peer
 from phalanx.presets import get_preset
-from phalanx.runtime.catchup import CatchupConfig, CatchupService, load_state, state_bytes
+from phalanx.runtime.catchup import DEMOTE_AFTER, CatchupConfig, CatchupService, load_state, state_bytes
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
 D1, D2 = b"\x01" * 32, b"\x02" * 32
@@ -114,7 +114,7 @@ def test_malformed_state_is_evidence():
 
 
 def test_admitted_joiner_that_never_shows_up_is_demoted():
-    """A peer announces `ready` for step 5 and then sends nothing: the others wait for it once, not every step."""
+    """A peer announces `ready` for step 5 and then sends nothing: the others wait for it DEMOTE_AFTER steps, not every step."""
     config = override(get_preset("digits-dp"), ["peers=4", "steps=12", "train.eval_every=100"])
     ids = [peer_identity(config.seed, i) for i in range(5)]
     records: list[dict] = []
@@ -139,5 +139,6 @@ def test_admitted_joiner_that_never_shows_up_is_demoted():
     run_simulation(main)
     groups = {(r["step"], r["group"], r["dropped"]) for r in records}
     assert {(s, g) for s, g, _ in groups if s < 5} == {(s, 4) for s in range(5)}
-    assert {(s, g, d) for s, g, d in groups if s == 5} == {(5, 5, 1)}  # waited for once
-    assert {(s, g, d) for s, g, d in groups if s > 5} == {(s, 4, 0) for s in range(6, 12)}
+    waited = {(s, 5, 1) for s in range(5, 5 + DEMOTE_AFTER)}
+    assert {(s, g, d) for s, g, d in groups if 5 <= s < 5 + DEMOTE_AFTER} == waited  # waited for DEMOTE_AFTER steps
+    assert {(s, g, d) for s, g, d in groups if s >= 5 + DEMOTE_AFTER} == {(s, 4, 0) for s in range(5 + DEMOTE_AFTER, 12)}

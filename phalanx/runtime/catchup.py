@@ -55,6 +55,7 @@ from .dp_peer import DataParallelPeer
 log = logging.getLogger(__name__)
 
 READY, DIGEST = "catchup.ready", "catchup.digest"
+DEMOTE_AFTER = 3  # steps an admitted joiner may miss in a row before it is dropped from the roster
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ class Roster:
         self.active: dict[str, int] = {p: 0 for p in initial or []}
         self.joining: set[str] = set()
         self.margin = margin
-        self.probation: set[str] = set()  # entered by `ready`, has not taken part in a step yet
+        self.probation: dict[str, int] = {}  # entered by `ready`, not yet in a step: steps it missed
         self._ready: dict[str, int] = {}
 
     def admit(self, step: int, members: list[str]) -> list[str]:
@@ -220,23 +221,27 @@ class Roster:
         self.active[peer] = step
         self.joining.discard(peer)
         if peer != self.transport.peer_id:
-            self.probation.add(peer)
+            self.probation[peer] = 0
 
     def observe(self, step: int, group: tuple[str, ...], dropped: tuple[str, ...]) -> None:
-        """After `step`: a peer on probation (it entered by `ready`) that sent nothing is demoted.
+        """After `step`: a peer on probation (it entered by `ready`) that sent nothing `DEMOTE_AFTER` steps is demoted.
 
         It announced it would train from its entry step and then never showed up
         (died, or stalled): leave it out until it announces `ready` again instead of
         waiting out the all-reduce timeout at every step. One step it took part in
-        ends its probation.
+        ends its probation. (Not the first miss: joiners entering together may
+        disagree on the group for a step, and each then misses the others' parts.)
         """
         for peer in group:
             if peer not in self.probation or self.active.get(peer, step + 1) > step:
                 continue
-            self.probation.discard(peer)
-            if peer in dropped:
+            if peer not in dropped:
+                del self.probation[peer]
+                continue
+            self.probation[peer] += 1
+            if self.probation[peer] >= DEMOTE_AFTER:
                 log.warning("peer %s announced it would train from step %d and sent nothing: dropped from the roster", peer[:8], self.active[peer])
-                del self.active[peer]
+                del self.probation[peer], self.active[peer]
                 self.joining.add(peer)
 
     def mark_joining(self, peer: str, now: int) -> None:
