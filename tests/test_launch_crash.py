@@ -76,15 +76,16 @@ def test_killed_worker_is_dropped_rejoins_and_nothing_is_left(tmp_path):
         assert "peer 3 was killed by SIGKILL" in stderr and "peer 0" not in stderr
         rows = _records(out / "metrics.jsonl")
         assert [r["step"] for r in rows] == list(range(STEPS))
-        assert rows[-1]["peers"] == 3 and rows[-1]["group"] == 4  # the restarted peer trains in their group
+        assert rows[-1]["peers"] == 3 and rows[-1]["group"] == 4, rejoin_stderr[-3000:]  # the restarted peer trains with them
         assert summary["final_accuracy"] > 0.8
         # The restarted process has the killed one's identity, trains a contiguous range up to the
         # last step, and ends with the state digest of the three that never stopped.
+        tail = rejoin_stderr[-3000:]
         steps = [r["step"] for r in _records(rejoin_out / "peers" / "3.jsonl")]
-        assert steps == list(range(steps[0], STEPS)) and steps[0] > last
+        assert steps and steps == list(range(steps[0], STEPS)) and steps[0] > last, tail
         final = json.loads((rejoin_out / "summary.json").read_text())["final_digests"]
-        assert list(final) == [victim]
-        assert len(summary["final_digests"]) == 3 and set(summary["final_digests"].values()) == {final[victim]}
+        assert list(final) == [victim], tail
+        assert len(summary["final_digests"]) == 3 and set(summary["final_digests"].values()) == {final[victim]}, tail
         deadline = time.monotonic() + 10
         while marked_processes(token, prefix=True) and time.monotonic() < deadline:
             time.sleep(0.1)
