@@ -282,6 +282,7 @@ class CatchupService:
         self._snapshots: dict[int, tuple[bytes, dict, bytes]] = {}  # step -> (data, manifest, digest)
         self._updates: dict[int, tuple[torch.Tensor, bytes]] = {}
         self._check_at: int | None = None
+        self._alone_since: float | None = None  # when a joiner last saw no other peer in its view
         self._rosters: list[dict] = []  # the roster views of the last offers
         self._sending: set[asyncio.Future] = set()
         peer.admit = self.roster.admit
@@ -409,9 +410,14 @@ class CatchupService:
         return self.peer.step
 
     def _give_up_after(self, deadline: float, why: str) -> None:
-        if not self._others():
-            raise CatchupFailed(f"catch-up gave up: no other peer is left in the view ({why})")
-        if self.transport.clock.now() > deadline:
+        now = self.transport.clock.now()
+        if self._others():
+            self._alone_since = None
+        elif self._alone_since is None:
+            self._alone_since = now
+        elif now - self._alone_since > self.config.request_timeout:  # a view can be empty for a moment
+            raise CatchupFailed(f"catch-up gave up: no other peer in the view for {self.config.request_timeout:.0f} s ({why})")
+        if now > deadline:
             raise CatchupFailed(f"catch-up gave up after {self.config.timeout:.0f} s: {why}")
 
     def _others(self) -> list[str]:
