@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index", type=int, help="experiment index (reproducible identity and role); random identity if omitted")
     p.add_argument("--host", default="/ip4/0.0.0.0/tcp/0", help="multiaddr to listen on")
     p.add_argument("--address-file", help="write this peer's visible multiaddrs to this file")
+    p.add_argument("--run-token", default="", help="the run token of the launch to join (its summary's run_token)")
 
     p = sub.add_parser("report", help="draw PNG plots and a summary table of a run directory")
     p.add_argument("dir")

@@ -11,7 +11,7 @@ from phalanx.core.errors import RemoteError
 from phalanx.experiments.simulate import simulate
 from phalanx.experiments.swarm import build_peer, peer_identity, run_peer
 from phalanx.presets import get_preset
-from phalanx.runtime.catchup import CatchupConfig, CatchupService, load_state, state_bytes
+from phalanx.runtime.catchup import DEMOTE_AFTER, CatchupConfig, CatchupService, load_state, state_bytes
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
 D1, D2 = b"\x01" * 32, b"\x02" * 32
@@ -111,3 +111,34 @@ def test_malformed_state_is_evidence():
         assert info.value.evidence.peer == "liar" and info.value.evidence.kind == "bad_state"
 
     run_simulation(main)
+
+
+def test_admitted_joiner_that_never_shows_up_is_demoted():
+    """A peer announces `ready` for step 5 and then sends nothing: the others wait for it DEMOTE_AFTER steps, not every step."""
+    config = override(get_preset("digits-dp"), ["peers=4", "steps=12", "train.eval_every=100"])
+    ids = [peer_identity(config.seed, i) for i in range(5)]
+    records: list[dict] = []
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=0))
+        transports = [network.add_peer(identity) for identity in ids]
+        peers = [build_peer(config, t, i) for i, t in enumerate(transports[:4])]
+        services = [CatchupService(p, CatchupConfig(sync_every=10), [i.peer_id for i in ids[:4]]) for p in peers]
+
+        async def ghost():  # stays in the view, announces it trains from step 5, never does
+            await transports[4].broadcast("catchup.ready", 5, b"")
+
+        network.spawn(ids[4].peer_id, ghost)
+        tasks = [
+            network.spawn(t.peer_id, lambda i=i: run_peer(config, peers[i], i, True, records.append, services[i]))
+            for i, t in enumerate(transports[:4])
+        ]
+        for task in tasks:
+            await task
+
+    run_simulation(main)
+    groups = {(r["step"], r["group"], r["dropped"]) for r in records}
+    assert {(s, g) for s, g, _ in groups if s < 5} == {(s, 4) for s in range(5)}
+    waited = {(s, 5, 1) for s in range(5, 5 + DEMOTE_AFTER)}
+    assert {(s, g, d) for s, g, d in groups if 5 <= s < 5 + DEMOTE_AFTER} == waited  # waited for DEMOTE_AFTER steps
+    assert {(s, g, d) for s, g, d in groups if s >= 5 + DEMOTE_AFTER} == {(s, 4, 0) for s in range(5 + DEMOTE_AFTER, 12)}

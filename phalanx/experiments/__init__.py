@@ -8,6 +8,7 @@
 - tap_link: a user-space link with delay, jitter and loss between two TAP devices (where the kernel lacks netem)
 - churn: crashes, restarts, joiners and churn in simulated runs
 - checkpoints: checkpoint directories (atomic files, manifests, keep N), --resume, quiet cuts of simulated runs
+- launch_churn: churn decisions for `launch` (which workers are killed and started again)
 - report: PNG plots and summary table of a run directory
 - robustness: the aggregator x attack benchmark (BTARD Fig. 3 baselines)
 - aspis: Aspis run config, presets and the simulated run (1 coordinator + K workers)

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,8 +25,10 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
-from ..runtime.catchup import CatchupService, collect_offers
+from ..runtime.catchup import CatchupFailed, CatchupService, collect_offers
+from ..runtime.dp_peer import task_of
 from .checkpoints import Checkpoint, LaunchSealer, WorkerCheckpoints, rewind_run_dir, worker_args
+from .launch_churn import LaunchChurn
 from .netns import NetnsConfig, Testbed
 from .processes import MARKER_ENV, guard_worker, kill_group, kill_marked, new_marker
 from .swarm import Recorder, build_peer, peer_identity, run_peer
@@ -37,8 +40,9 @@ MEMBERSHIP_TTL = 20.0  # seconds a dead peer's membership record outlives it (it
 STOP_GRACE = 10.0  # seconds a worker has to stop after SIGTERM before it is killed
 
 
-def run_id_of(config: RunConfig) -> str:
-    return f"{config.preset}-seed{config.seed}"
+def run_id_of(config: RunConfig, token: str = "") -> str:
+    """The run's DHT namespace; `token` (random per launch) keeps concurrent runs on one host apart."""
+    return f"{config.preset}-seed{config.seed}{'-' + token if token else ''}"
 
 
 async def _barrier(transport, name: str, peers: list[str]) -> None:
@@ -72,7 +76,9 @@ async def _swarm_is_training(transport, initial_peers: list[str], config: RunCon
     except TimeoutError:
         return False
     others = [p for p in transport.members() if p != transport.peer_id]
-    return bool(await collect_offers(transport, others, config.catchup))
+    # As a joiner at once: a restarted peer is in the initial roster, and training peers must
+    # leave it out of their groups before they see its record and wait for it.
+    return bool(await collect_offers(transport, others, config.catchup, joining=True))
 
 
 async def run_worker(
@@ -83,8 +89,12 @@ async def run_worker(
     host: str = "/ip4/127.0.0.1/tcp/0",
     address_file: Path | None = None,
     checkpoints: WorkerCheckpoints | None = None,
+    token: str = "",
+    append: bool = False,
 ) -> list[dict]:
     """One real peer: join, wait for the swarm, train, leave together (writing `checkpoints` if given).
+
+    `append` adds to `records_path` (a worker the launcher started again) instead of replacing it.
 
     SIGTERM stops it cleanly (like Ctrl-C): the transport, its DHT child and
     p2pd are shut down before it returns.
@@ -100,9 +110,10 @@ async def run_worker(
         _exit_after(STOP_GRACE, 128 + signal.SIGTERM)
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    task_of(config.train)  # its imports and data loading block for seconds: do them before our record is visible
     identity = peer_identity(config.seed, index) if index is not None else Identity.generate()
     transport = HivemindTransport(
-        identity, run_id=run_id_of(config), initial_peers=initial_peers, host_maddrs=[host], membership_ttl=MEMBERSHIP_TTL
+        identity, run_id=run_id_of(config, token), initial_peers=initial_peers, host_maddrs=[host], membership_ttl=MEMBERSHIP_TTL
     )
     await transport.start()
     records: list[dict] = []
@@ -111,23 +122,32 @@ async def run_worker(
             tmp = address_file.with_suffix(".tmp")
             tmp.write_text("\n".join(transport.visible_maddrs()) + "\n")
             tmp.rename(address_file)
+        joining = await _swarm_is_training(transport, initial_peers, config)
         role = -1 if index is None else index
         peer = build_peer(config, transport, role)
         service = CatchupService(peer, config.catchup)
-        if await _swarm_is_training(transport, initial_peers, config):
-            await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is
+        if joining:
+            try:
+                await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is
+            except CatchupFailed as exc:
+                print(f"phalanx: could not join the running swarm: {exc}", file=sys.stderr)
+                return records
         else:
             try:
                 peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
             except TimeoutError:
                 raise LocalError(
                     f"only {len(transport.members())} of {config.peers} peers joined within {JOIN_TIMEOUT:.0f} s: check"
-                    " --initial-peers, and that every peer runs the same preset, seed and --peers"
+                    " --initial-peers, and that every peer runs the same preset, seed, --peers and --run-token"
+                    " (a launch writes its token to OUT/run_token)"
                 ) from None
             service.set_roster(peers)
             await _barrier(transport, "start", peers)
         records_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(records_path, "a" if checkpoints is not None and checkpoints.resuming else "w") as sink:
+        append = append or (checkpoints is not None and checkpoints.resuming)
+        with open(records_path, "a" if append else "w") as sink:
+            if append and sink.tell() > 0:
+                sink.write("\n")  # the killed process may have left its last line unfinished
 
             def on_step(record: dict) -> None:
                 records.append(record)
@@ -160,15 +180,18 @@ def _exit_after(seconds: float, code: int) -> None:
 class _Workers:
     """The launcher's worker processes: each in its own process group, with its own marker."""
 
-    def __init__(self, config_path: Path, peer_dir: Path, token: str) -> None:
+    def __init__(self, config_path: Path, peer_dir: Path, token: str, run_token: str) -> None:
         self.base = [sys.executable, "-m", "phalanx.experiments.launch", "--config", str(config_path), "--out", str(peer_dir)]
+        self.base += ["--run-token", run_token]
         self.token = token
         self.procs: dict[int, subprocess.Popen] = {}
         self.failed: dict[int, int] = {}  # index -> exit status, for workers that ended by themselves
+        self.stopped: set[int] = set()  # workers the launcher killed on purpose (churn)
         self.stopping = False
         self.bed: Testbed | None = None  # a netns test bed: worker i runs in host i's namespace, listening on its address
 
     def start(self, index: int, *args: str) -> subprocess.Popen:
+        self.stopped.discard(index)
         env = {**os.environ, MARKER_ENV: self.marker(index)}
         cmd = [*self.base, "--index", str(index), "--die-with-parent", *args]
         if self.bed is not None:
@@ -187,13 +210,20 @@ class _Workers:
         new = []
         for index, proc in self.procs.items():
             code = proc.poll()
-            if code is None or index in self.failed or self.stopping:
+            if code is None or index in self.failed or index in self.stopped or self.stopping:
                 continue
             self.sweep(index)
             if code != 0:
                 self.failed[index] = code
                 new.append(index)
         return new
+
+    def kill(self, index: int) -> None:
+        """SIGKILL worker `index` on purpose (it is not listed as failed) and sweep what it leaves."""
+        self.stopped.add(index)
+        self.procs[index].kill()
+        self.procs[index].wait()
+        self.sweep(index)
 
     def sweep(self, index: int) -> None:
         kill_group(self.procs[index].pid)
@@ -264,7 +294,9 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
         rewind_run_dir(out, resume.step)
     sealer = LaunchSealer(config, out) if config.checkpoint.every else None
     extra = worker_args(config, out, resume)
-    workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker())
+    token = secrets.token_hex(4)
+    (out / "run_token").write_text(token + "\n")  # `phalanx peer --run-token` joins this run
+    workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker(), token)
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         if netns is not None:
@@ -280,7 +312,11 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
         for index in range(1, config.peers):
             workers.start(index, *extra, "--initial-peers", *addrs)
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
+        churn = LaunchChurn(config) if LaunchChurn.wanted(config) else None
+        last_at: dict[int, int | None] = {}
         while workers.running():
+            if churn is not None:
+                _churn(churn, workers, peer_dir, addrs, last_at)
             for index in workers.reap():
                 last = _last_step(peer_dir / f"{index}.jsonl")
                 print(
@@ -305,15 +341,45 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
     for index in range(config.peers):
         path = peer_dir / f"{index}.jsonl"
         for line in path.read_text().splitlines() if path.exists() else []:
-            recorder.add(json.loads(line))
+            try:
+                recorder.add(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill (a restarted worker appends after it)
     finished = any(r["step"] == config.steps - 1 for r in recorder.records)
     if not finished:
         failed = ", ".join(f"{i} {_exit_text(c)}" for i, c in sorted(workers.failed.items()))
         raise LocalError(f"the run did not finish: peers {failed}; see their output above")
     _to_relative_time(recorder.records)
     recorder.crashed = [ids[i] for i in sorted(workers.failed)]
-    extra = {"netns": {str(i): line for i, line in workers.bed.applied.items()}} if workers.bed is not None else {}
-    return recorder.write(out, {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, **extra})
+    extra = {"mode": "launch", "run_token": token, "wall_seconds": time.perf_counter() - wall_start}
+    if workers.bed is not None:
+        extra["netns"] = {str(i): line for i, line in workers.bed.applied.items()}
+    if churn is not None:
+        extra["churn"] = [{"step": e.step, "peer": ids[e.index], "index": e.index, "event": e.event} for e in churn.events]
+    return recorder.write(out, extra)
+
+
+def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[str], last_at: dict[int, int | None]) -> None:
+    """Apply the churn decisions for the steps finished so far: kill leavers, start returners again.
+
+    `last_at` holds, per worker started again, the last step it had recorded then (to see it train).
+    """
+    for index in sorted(churn.starting):
+        if _last_step(peer_dir / f"{index}.jsonl") != last_at[index]:
+            churn.trained(index)
+        elif workers.procs[index].poll() is not None:
+            workers.stopped.add(index)  # not a failure of the run: it may come back later
+            workers.sweep(index)
+            churn.failed_start(index)
+    progress = max((_last_step(peer_dir / f"{i}.jsonl") or -1) for i in workers.procs)
+    training = [i for i in workers.running() if i not in churn.starting]
+    for event in churn.advance(progress, training):
+        print(f"phalanx: churn: peer {event.index} {event.event} after step {event.step}", file=sys.stderr)
+        if event.event == "left":
+            workers.kill(event.index)
+        else:
+            last_at[event.index] = _last_step(peer_dir / f"{event.index}.jsonl")
+            workers.start(event.index, "--initial-peers", *addrs, "--append")
 
 
 def _last_step(path: Path) -> int | None:
@@ -358,7 +424,9 @@ def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:
     address_file = Path(args.address_file) if args.address_file else None
     inherited = os.environ.get(MARKER_ENV)
     guard_worker(f"{inherited}/peer-{os.getpid()}" if inherited else new_marker(), die_with_parent=False)
-    records = asyncio.run(run_worker(config, args.index, args.initial_peers, out / "peers" / f"{name}.jsonl", args.host, address_file))
+    records = asyncio.run(
+        run_worker(config, args.index, args.initial_peers, out / "peers" / f"{name}.jsonl", args.host, address_file, args.run_token)
+    )
     recorder = Recorder(config, sorted({r["peer"] for r in records}))
     for record in records:
         recorder.add(record)
@@ -374,6 +442,8 @@ def _worker_main() -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
     parser.add_argument("--host", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
+    parser.add_argument("--run-token", default="")
+    parser.add_argument("--append", action="store_true", help="add to this worker's records (a restarted worker)")
     parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     parser.add_argument("--checkpoint-dir", help="write this worker's checkpoints under this directory")
     parser.add_argument("--resume-from", help="a complete checkpoint directory (step-NNNNNN) to start from")
@@ -387,7 +457,12 @@ def _worker_main() -> None:
         checkpoints = WorkerCheckpoints(config, root, args.index, Path(args.resume_from) if args.resume_from else None)
     records = Path(args.out) / f"{args.index}.jsonl"
     try:
-        asyncio.run(run_worker(config, args.index, args.initial_peers, records, args.host, address_file, checkpoints=checkpoints))
+        asyncio.run(
+            run_worker(
+                config, args.index, args.initial_peers, records, args.host, address_file,
+                checkpoints=checkpoints, token=args.run_token, append=args.append,
+            )
+        )
     except (KeyboardInterrupt, asyncio.CancelledError):
         sys.exit(128 + signal.SIGTERM)
 

@@ -55,6 +55,7 @@ from .dp_peer import DataParallelPeer
 log = logging.getLogger(__name__)
 
 READY, DIGEST = "catchup.ready", "catchup.digest"
+DEMOTE_AFTER = 3  # steps an admitted joiner may miss in a row before it is dropped from the roster
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,10 @@ class Roster:
     `catchup.ready` (from the step they named) are admitted; with None, every
     member is. Either way a peer that asked for an offer as a joiner is left
     out until its `ready` step, so the swarm never waits for a peer that is
-    still downloading.
+    still downloading. An admitted peer that leaves the membership view (dead,
+    its record expired) loses its place: when it comes back (a restart with the
+    same identity) it is left out until it announces `ready` again, so the
+    swarm never waits for a restarted process that has not caught up yet.
     """
 
     def __init__(self, transport: Transport, initial: list[str] | None, margin: int) -> None:
@@ -188,11 +192,15 @@ class Roster:
         self.active: dict[str, int] = {p: 0 for p in initial or []}
         self.joining: set[str] = set()
         self.margin = margin
+        self.probation: dict[str, int] = {}  # entered by `ready`, not yet in a step: steps it missed
         self._ready: dict[str, int] = {}
 
     def admit(self, step: int, members: list[str]) -> list[str]:
         self._absorb(step)
         me = self.transport.peer_id
+        present = set(members)
+        for gone in [p for p in self.active if p != me and p not in present and self.active[p] <= step]:
+            del self.active[gone]
         return [p for p in members if p == me or self._admitted(p, step)]
 
     def _admitted(self, peer: str, step: int) -> bool:
@@ -212,6 +220,29 @@ class Roster:
         self._ready[peer] = step
         self.active[peer] = step
         self.joining.discard(peer)
+        if peer != self.transport.peer_id:
+            self.probation[peer] = 0
+
+    def observe(self, step: int, group: tuple[str, ...], dropped: tuple[str, ...]) -> None:
+        """After `step`: a peer on probation (it entered by `ready`) that sent nothing `DEMOTE_AFTER` steps is demoted.
+
+        It announced it would train from its entry step and then never showed up
+        (died, or stalled): leave it out until it announces `ready` again instead of
+        waiting out the all-reduce timeout at every step. One step it took part in
+        ends its probation. (Not the first miss: joiners entering together may
+        disagree on the group for a step, and each then misses the others' parts.)
+        """
+        for peer in group:
+            if peer not in self.probation or self.active.get(peer, step + 1) > step:
+                continue
+            if peer not in dropped:
+                del self.probation[peer]
+                continue
+            self.probation[peer] += 1
+            if self.probation[peer] >= DEMOTE_AFTER:
+                log.warning("peer %s announced it would train from step %d and sent nothing: dropped from the roster", peer[:8], self.active[peer])
+                del self.probation[peer], self.active[peer]
+                self.joining.add(peer)
 
     def mark_joining(self, peer: str, now: int) -> None:
         """`peer` asked to catch up: leave it out until it announces ready (a stale request is ignored)."""
@@ -251,10 +282,12 @@ class CatchupService:
         self._snapshots: dict[int, tuple[bytes, dict, bytes]] = {}  # step -> (data, manifest, digest)
         self._updates: dict[int, tuple[torch.Tensor, bytes]] = {}
         self._check_at: int | None = None
+        self._alone_since: float | None = None  # when a joiner last saw no other peer in its view
         self._rosters: list[dict] = []  # the roster views of the last offers
         self._sending: set[asyncio.Future] = set()
         peer.admit = self.roster.admit
         peer.on_update.append(self._record_update)
+        peer.on_result.append(lambda step, result: self.roster.observe(step, result.group, result.dropped_senders))
         t = peer.transport
         t.add_request_handler("catchup.offer", self._serve_offer)
         t.add_request_handler("catchup.manifest", self._serve_manifest)
@@ -306,7 +339,9 @@ class CatchupService:
             return
         reports = {p: e.payload for p, e in self.transport.board.get(DIGEST, sync).items() if p in self.peer.group(step)}
         reports[self.transport.peer_id] = mine[2]
-        found = agreed(reports, len(reports), self.config.confirmations)
+        # Our own group, whose aggregate we already trust: a strict majority of its digests
+        # is enough (a crash mid-gather can leave 2 of 3 survivors on one state, 1 on another).
+        found = agreed(reports, len(reports), len(reports))
         if found is None or found[0] == mine[2]:
             return
         log.warning("state at sync step %d differs from the swarm's: re-syncing", sync)
@@ -335,28 +370,30 @@ class CatchupService:
         """
         clock = self.transport.clock
         deadline = clock.now() + self.config.timeout
+        loaded = False
         while True:
+            # Load the latest agreed snapshot, then replay agreed updates until we stand where the
+            # swarm trains. If the updates stop agreeing (replicas that diverged at a crash and have
+            # not re-synced yet), a newer agreed snapshot taken after their re-sync gets us past it.
             offers = await self._offers(self._others(), joining=True)
             choice = choose_snapshot(offers, self.config.confirmations)
-            if choice is not None:
+            if choice is not None and (not loaded or choice.step > self.peer.step):
                 try:
                     data = await self._download(choice)
                     load_state(self.peer, data, choice.holders[0])
                     self.roster.merge_majority(self._rosters)
-                    break
+                    loaded = True
                 except RemoteError as exc:
                     self.transport.report(exc.evidence)
                 except PhalanxError as exc:
                     log.info("snapshot download failed: %s", exc)
-            self._give_up_after(deadline, "no snapshot the swarm agrees on")
-            await asyncio.sleep(self.config.poll)
-        while True:  # replay the agreed updates until we stand where the swarm trains
-            offers = await self._offers(self._others(), joining=True)
-            await self._replay(offers)
-            now = swarm_step(offers)
-            if now is not None and self.peer.step >= now:
-                break
-            self._give_up_after(deadline, f"could not replay up to the swarm's step (at {self.peer.step})")
+            if loaded:
+                await self._replay(offers)
+                now = swarm_step(offers)
+                if now is not None and self.peer.step >= now:
+                    break
+            why = f"could not replay up to the swarm's step (at {self.peer.step})" if loaded else "no snapshot the swarm agrees on"
+            self._give_up_after(deadline, why)
             await asyncio.sleep(self.config.poll)
         now = swarm_step(await self._offers(self._others(), joining=True))  # fresh: the swarm moved meanwhile
         target = max(now if now is not None else 0, self.peer.step) + self.config.margin
@@ -373,7 +410,14 @@ class CatchupService:
         return self.peer.step
 
     def _give_up_after(self, deadline: float, why: str) -> None:
-        if self.transport.clock.now() > deadline:
+        now = self.transport.clock.now()
+        if self._others():
+            self._alone_since = None
+        elif self._alone_since is None:
+            self._alone_since = now
+        elif now - self._alone_since > self.config.request_timeout:  # a view can be empty for a moment
+            raise CatchupFailed(f"catch-up gave up: no other peer in the view for {self.config.request_timeout:.0f} s ({why})")
+        if now > deadline:
             raise CatchupFailed(f"catch-up gave up after {self.config.timeout:.0f} s: {why}")
 
     def _others(self) -> list[str]:
@@ -427,7 +471,7 @@ class CatchupService:
         request = decode(payload, sender, self.transport.limits)
         if not isinstance(request, dict) or not isinstance(request.get("joining"), bool):
             raise RemoteError(Evidence(sender, "malformed", "bad catch-up offer request"))
-        if request["joining"]:
+        if request["joining"] and self.training:  # before training, the roster is set at the start barrier
             self.roster.mark_joining(sender, self.peer.step)
         if not self.training:
             return encode({"latest": -1, "snapshots": {}, "updates": {}, "roster": {}})
@@ -512,9 +556,15 @@ async def fetch_snapshot(transport: Transport, choice: Agreed, config: CatchupCo
     return data
 
 
-async def collect_offers(transport: Transport, peers: list[str], config: CatchupConfig = CatchupConfig()) -> dict[str, Offer]:
-    """Ask `peers` what they hold (as an observer, not a joiner); for protocols that choose with `choose_snapshot`."""
-    return (await _gather_offers(transport, peers, False, config))[0]
+async def collect_offers(
+    transport: Transport, peers: list[str], config: CatchupConfig = CatchupConfig(), joining: bool = False
+) -> dict[str, Offer]:
+    """Ask `peers` what they hold; for protocols that choose with `choose_snapshot`.
+
+    As an observer by default; with `joining`, training peers leave us out of
+    their groups until we announce `ready` (ask so before anything slow).
+    """
+    return (await _gather_offers(transport, peers, joining, config))[0]
 
 
 async def _gather_offers(

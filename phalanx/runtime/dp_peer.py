@@ -23,7 +23,7 @@ from ..training.task import TASKS, Task, compute_gradient, flat_params, make_tas
 from ..transport.base import Transport
 from ..algorithms.btard_attacks import ProtocolPolicy
 from .btard import BTARDConfig, SecureResult, SecureRound
-from .butterfly import AllReduceConfig, ButterflyAllReduce, Reducer
+from .butterfly import AllReduceConfig, AllReduceResult, ButterflyAllReduce, Reducer
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class DataParallelPeer:
         self.on_update: list[Callable[[int, torch.Tensor], None]] = []  # told each step's applied update
         self._params_at: dict[int, torch.Tensor] = {}  # BTARD: parameters each recent step's gradients were taken at
         self._scratch: torch.nn.Module | None = None  # BTARD: model that validators recompute gradients on
+        self.on_result: list[Callable[[int, AllReduceResult], None]] = []  # told each step's all-reduce outcome
 
     def group(self, step: int | None = None) -> list[str]:
         """This step's group: current members that are admitted and not banned, in sorted order."""
@@ -152,6 +153,8 @@ class DataParallelPeer:
         if self.attack is not None:
             gradient = self.attack(self._attack_view(step, gradient, group, x, y))
         result = await self.allreduce(step, gradient, group)
+        for listener in self.on_result:
+            listener(step, result)
         set_flat_grad(self.model, result.vector)
         self.optimizer.step()
         for listener in self.on_update:
