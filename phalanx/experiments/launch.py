@@ -88,6 +88,7 @@ async def run_worker(
     records_path: Path,
     host: str = "/ip4/127.0.0.1/tcp/0",
     address_file: Path | None = None,
+    *,
     checkpoints: WorkerCheckpoints | None = None,
     token: str = "",
     append: bool = False,
@@ -145,9 +146,10 @@ async def run_worker(
             await _barrier(transport, "start", peers)
         records_path.parent.mkdir(parents=True, exist_ok=True)
         append = append or (checkpoints is not None and checkpoints.resuming)
+        cut = append and records_path.exists() and not records_path.read_bytes().endswith(b"\n")
         with open(records_path, "a" if append else "w") as sink:
-            if append and sink.tell() > 0:
-                sink.write("\n")  # the killed process may have left its last line unfinished
+            if cut:
+                sink.write("\n")  # the killed process left its last line unfinished
 
             def on_step(record: dict) -> None:
                 records.append(record)
@@ -425,7 +427,7 @@ def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:
     inherited = os.environ.get(MARKER_ENV)
     guard_worker(f"{inherited}/peer-{os.getpid()}" if inherited else new_marker(), die_with_parent=False)
     records = asyncio.run(
-        run_worker(config, args.index, args.initial_peers, out / "peers" / f"{name}.jsonl", args.host, address_file, args.run_token)
+        run_worker(config, args.index, args.initial_peers, out / "peers" / f"{name}.jsonl", args.host, address_file, token=args.run_token)
     )
     recorder = Recorder(config, sorted({r["peer"] for r in records}))
     for record in records:
