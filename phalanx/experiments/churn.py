@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ..config import RunConfig
 from ..core.rng import py_stream
+from ..runtime.admission import admission_for
 from ..runtime.catchup import CatchupFailed, CatchupService
 from ..transport.sim import SimNetwork, SimTransport
 from .swarm import build_peer, crash_indices, run_peer
@@ -60,9 +61,10 @@ class FaultDriver:
         async def main() -> None:
             config = self.config
             peer = build_peer(config, self.transports[index], index)
-            service = None
+            service = admission = None
             if self.catchup:
                 service = CatchupService(peer, config.catchup, initial=self.ids[: config.peers])
+                admission = admission_for(peer, service, config.btard)
             if peer_id in self.started:
                 try:
                     await service.join(end=config.steps)
@@ -71,7 +73,10 @@ class FaultDriver:
                     return self._done(peer_id)
                 self.joins += 1
             self.started.add(peer_id)
-            await run_peer(config, peer, index, True, self.record, service)
+            try:
+                await run_peer(config, peer, index, True, self.record, service, admission)
+            except CatchupFailed as exc:
+                log.info("peer %d got no admission state: %s", index, exc)
             self._done(peer_id)
 
         return main

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
+from ..runtime.admission import admission_for
 from ..runtime.catchup import CatchupService, collect_offers
 from .processes import MARKER_ENV, guard_worker, kill_group, kill_marked, new_marker
 from .swarm import Recorder, build_peer, peer_identity, run_peer
@@ -111,6 +112,7 @@ async def run_worker(
         role = -1 if index is None else index
         peer = build_peer(config, transport, role)
         service = CatchupService(peer, config.catchup)
+        admission = admission_for(peer, service, config.btard)
         if await _swarm_is_training(transport, initial_peers, config):
             await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is
         else:
@@ -131,7 +133,7 @@ async def run_worker(
                 sink.write(json.dumps(record, sort_keys=True) + "\n")
                 sink.flush()
 
-            await run_peer(config, peer, role, False, on_step, service)
+            await run_peer(config, peer, role, False, on_step, service, admission)
         # Stay until everyone is done: a slower peer may still pull our parts.
         await _leave_together(transport)
     finally:

@@ -25,6 +25,12 @@ One call per step, with the candidates (the unbanned members in this peer's view
    V3 flags trigger CHECKAVERAGING. Validators fetch their target's gradient,
    check it against its commitment, recompute it from the public batch and
    check its norms and inner products (Alg. 7).
+Admission (App. F), when `admission` is set: only the trusted members
+(`Roles.owners`) own partitions and have their parts aggregated; untrusted
+members commit their gradient, may be drawn as validation targets (never as
+validators), and receive the aggregate; their ELIMINATE claims are ignored
+(a cheap identity must not be able to remove a trusted one with it).
+
 6. report: each peer broadcasts its claims (ACCUSE with evidence, ELIMINATE),
    approvals and a digest of the commitments it saw; the reports are
    collected, split views are turned into equivocation proofs, and every
@@ -42,9 +48,11 @@ import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from ..algorithms.admission import Roles
 from ..algorithms.bans import BanLedger, BanRecord
 from ..algorithms.btard_attacks import ProtocolPolicy
 from ..algorithms.btard_checks import (
@@ -86,6 +94,12 @@ class BTARDConfig:
     timeout: float = 5.0  # seconds per broadcast phase (commitments, metadata, reports)
     delta_max: float = float("inf")  # V3 threshold on ||g_i(j) - ĝ(j)|| (inf: V3 never fires)
     bans: bool = True  # False: claims are resolved but nobody is banned (a benchmark baseline)
+    # T of App. F: approved gradients a peer that joins mid-run needs before it is trusted (0: trusted at once).
+    # 10: with m validators and n trusted peers a joiner is a target with probability ~m/(n+1-m) per step, so
+    # it stays out of the average ~75 steps under btard-digits (16 peers, m=2): about 3x the ~25 steps a digits
+    # run needed to recover after its last sign-flip ban (issue-6 bench), the paper's rule for T; and a Sybil
+    # that splits one device between two identities gets both trusted with probability 2^-9 (App. F, eq. 77).
+    admission_after: int = 10
 
     def __post_init__(self) -> None:
         if self.validators < 0:
@@ -94,6 +108,8 @@ class BTARDConfig:
             raise ConfigError(f"btard.timeout={self.timeout!r} must be a finite number > 0")
         if not self.delta_max > 0:
             raise ConfigError(f"btard.delta_max={self.delta_max!r} must be > 0 (inf: V3 off)")
+        if self.admission_after < 0:
+            raise ConfigError(f"btard.admission_after={self.admission_after} must be >= 0 (0: joiners are trusted at once)")
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,15 @@ class SecureResult(AllReduceResult):
     bans: tuple[BanRecord, ...] = ()
     claims: int = 0
     validators: tuple[str, ...] = ()
+    approved: tuple[str, ...] = ()  # targets whose validator approved them this step (neither banned)
+
+
+class AdmissionHook(Protocol):
+    """What the round asks of admission (App. F): who does what this step, and what happened."""
+
+    def roles(self, step: int, group: list[str]) -> Roles: ...
+
+    def settle(self, step: int, result: SecureResult) -> None: ...
 
 
 @dataclass
@@ -108,8 +133,9 @@ class _Step:
     """Everything one step's checks and verdicts read."""
 
     step: int
-    group: list[str]
+    group: list[str]  # the partition owners (the whole group unless admission says otherwise)
     bounds: list[tuple[int, int]]
+    g: bytes = b""  # digest of the whole group, named by every signed payload of the step
     commits: dict[str, tuple[list[bytes], bytes]] = field(default_factory=dict)
     commit_seen: dict[str, bytes] = field(default_factory=dict)
     rcommits: dict[str, tuple[bytes, list[str]]] = field(default_factory=dict)
@@ -155,6 +181,7 @@ class SecureRound(ButterflyAllReduce):
         self._grads: dict[int, torch.Tensor] = {}
         self._used: dict[int, dict[str, torch.Tensor]] = {}
         self._evidence: list[Evidence] = []
+        self.admission: AdmissionHook | None = None  # App. F; None: every member is trusted
         transport.add_request_handler("bt.grad", self._on_grad)
         transport.add_request_handler("bt.parts", self._on_parts)
         transport.on_evidence(self._evidence.append)
@@ -176,8 +203,12 @@ class SecureRound(ButterflyAllReduce):
         for table in (self._grads, self._used):
             for key in [k for k in table if k < step - 1]:
                 del table[key]
-        st = _Step(step, list(group), part_bounds(self.dim, len(group)))
-        index = group.index(me)
+        roles = self.admission.roles(step, group) if self.admission else Roles(tuple(group), tuple(group))
+        owners = list(roles.owners)
+        if not owners:  # nobody trusted in view: nothing can be aggregated this step
+            return SecureResult(torch.zeros(self.dim), tuple(group), (), (), ())
+        st = _Step(step, owners, part_bounds(self.dim, len(owners)), g)
+        index = owners.index(me) if me in owners else None
         claims: list[Claim] = []
         committed = self.policy.committed_gradient(step, vector.detach().reshape(-1).to(torch.float32))
         parts = [committed[a:b] for a, b in st.bounds]
@@ -186,79 +217,86 @@ class SecureRound(ButterflyAllReduce):
         # 1. commitments (each names the group its sender settled on: another group is a view
         # mismatch, which excludes the sender from my step but proves nothing against it)
         payload = encode({"g": g, "parts": [tensor_hash(p) for p in parts], "whole": tensor_hash(committed)})
-        if self.policy.equivocate(step):
+        if me not in roles.committers:
+            pass  # queued: nothing to commit
+        elif self.policy.equivocate(step):
             await self._split_commit(step, payload, encode({"g": g, "parts": [tensor_hash(-p) for p in parts], "whole": tensor_hash(-committed)}))
         else:
             await tr.broadcast("bt.commit", step, payload)
-        envelopes = await tr.collect_broadcasts("bt.commit", step, group, self.btard.timeout, relays=len(group))
+        envelopes = await tr.collect_broadcasts("bt.commit", step, list(roles.committers), self.btard.timeout, relays=len(group))
         for peer, env in envelopes.items():
             if _group_of(env.payload, peer, tr) != g:
                 continue
-            parsed = _commit_of(env.payload, peer, len(group), tr)
+            parsed = _commit_of(env.payload, peer, len(owners), tr)
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
                 st.commits[peer] = parsed
                 st.commit_seen[peer] = digest(env.payload)
-        contributors_all = [p for p in group if p in st.commits]
-
-        # 2. scatter and check parts against their commitments
-        sent = {owner: self.policy.part_for(step, owner, parts[j], group) for j, owner in enumerate(group)}
-        self._publish(step, PART, {o: t for o, t in sent.items() if t is not None})
-        for owner, tensor in sent.items():
-            if owner != me and tensor is not None:
-                await tr.send(owner, "ar.part", encode({"step": step, "g": g, "t": tensor}))
-        lo, hi = st.bounds[index]
-        valid = await self._collect(step, PART, {p: (hi - lo,) for p in contributors_all if p != me})
-        box = self._inbox.get((step, PART), {})
+        contributors_all = [p for p in roles.committers if p in st.commits]
+        trusted = [p for p in contributors_all if p in owners]  # contributors whose parts are aggregated
         rows, used = [], []
-        for peer in contributors_all:
-            if peer == me:
-                if parts[index].shape == (hi - lo,):
-                    rows.append(parts[index])
-                    used.append(me)
-                continue
-            held = box.get(peer)
-            raw = held[0] if held is not None and held[1] == g else None
-            if raw is None:
-                claims.append(Claim(ELIMINATE, me, peer, "missing_part"))
-            elif tensor_hash(raw) != st.commits[peer][0][index]:
-                claims.append(Claim(ELIMINATE, me, peer, "part_hash"))
-            elif peer not in valid:
-                claims.append(Claim(ACCUSE, me, peer, "bad_part", (index, raw)))
-            else:
-                rows.append(valid[peer])
-                used.append(peer)
-        self._used[step] = dict(zip(used, rows))
+        mine = None
 
-        # 3. reduce, commit the aggregate, send it
-        aggregate = self.reducer(torch.stack(rows)).to(torch.float32) if rows else torch.zeros(hi - lo)
-        mine, sent_aggregate = self.policy.aggregate(step, aggregate)
-        await tr.broadcast("bt.rcommit", step, encode({"g": g, "h": tensor_hash(mine), "from": used}))
-        self._publish(step, REDUCED, {peer: sent_aggregate for peer in group})
-        message = encode({"step": step, "g": g, "t": sent_aggregate})
-        for peer in group:
-            if peer != me:
-                await tr.send(peer, "ar.reduced", message)
+        # 2. scatter and check parts against their commitments (owners only: untrusted and
+        # queued members send no parts and reduce no partition)
+        if index is not None:
+            sent = {owner: self.policy.part_for(step, owner, parts[j], owners) for j, owner in enumerate(owners)}
+            self._publish(step, PART, {o: t for o, t in sent.items() if t is not None})
+            for owner, tensor in sent.items():
+                if owner != me and tensor is not None:
+                    await tr.send(owner, "ar.part", encode({"step": step, "g": g, "t": tensor}))
+            lo, hi = st.bounds[index]
+            valid = await self._collect(step, PART, {p: (hi - lo,) for p in trusted if p != me})
+            box = self._inbox.get((step, PART), {})
+            for peer in trusted:
+                if peer == me:
+                    if parts[index].shape == (hi - lo,):
+                        rows.append(parts[index])
+                        used.append(me)
+                    continue
+                held = box.get(peer)
+                raw = held[0] if held is not None and held[1] == g else None
+                if raw is None:
+                    claims.append(Claim(ELIMINATE, me, peer, "missing_part"))
+                elif tensor_hash(raw) != st.commits[peer][0][index]:
+                    claims.append(Claim(ELIMINATE, me, peer, "part_hash"))
+                elif peer not in valid:
+                    claims.append(Claim(ACCUSE, me, peer, "bad_part", (index, raw)))
+                else:
+                    rows.append(valid[peer])
+                    used.append(peer)
+
+            # 3. reduce, commit the aggregate, send it (to every member, untrusted and queued too)
+            aggregate = self.reducer(torch.stack(rows)).to(torch.float32) if rows else torch.zeros(hi - lo)
+            mine, sent_aggregate = self.policy.aggregate(step, aggregate)
+            await tr.broadcast("bt.rcommit", step, encode({"g": g, "h": tensor_hash(mine), "from": used}))
+            self._publish(step, REDUCED, {peer: sent_aggregate for peer in group})
+            message = encode({"step": step, "g": g, "t": sent_aggregate})
+            for peer in group:
+                if peer != me:
+                    await tr.send(peer, "ar.reduced", message)
+        self._used[step] = dict(zip(used, rows))
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
         wait = self.config.timeout + self.btard.timeout
-        envelopes = await tr.collect_broadcasts("bt.rcommit", step, group, wait, relays=len(group))
+        envelopes = await tr.collect_broadcasts("bt.rcommit", step, owners, wait, relays=len(group))
         for peer, env in envelopes.items():
             if _group_of(env.payload, peer, tr) != g:
                 continue
-            parsed = _rcommit_of(env.payload, peer, group, tr)
+            parsed = _rcommit_of(env.payload, peer, owners, tr)
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
                 st.rcommits[peer] = parsed
 
         # 4. gather aggregates while MPRNG draws r
-        owners = {o: (st.slice(o).stop - st.slice(o).start,) for o in group if o != me and o in st.rcommits}
-        results, r = await asyncio.gather(self._collect(step, REDUCED, owners), self._draw(step))
+        expected = {o: (st.slice(o).stop - st.slice(o).start,) for o in owners if o != me and o in st.rcommits}
+        results, r = await asyncio.gather(self._collect(step, REDUCED, expected), self._draw(step))
         rbox = self._inbox.get((step, REDUCED), {})
         out = torch.zeros(self.dim, dtype=torch.float32)
-        st.aggregates[me] = mine
-        for owner in owners:
+        if mine is not None:
+            st.aggregates[me] = mine
+        for owner in expected:
             held = rbox.get(owner)
             raw = held[0] if held is not None and held[1] == g else None
             if raw is None:
@@ -271,15 +309,13 @@ class SecureRound(ButterflyAllReduce):
                 st.aggregates[owner] = results[owner]
         for owner, tensor in st.aggregates.items():
             out[st.slice(owner)] = tensor
-        missing = tuple(o for o in group if o not in st.aggregates)
+        missing = tuple(o for o in owners if o not in st.aggregates)
 
         # 5. verification metadata and checks
         approvals: list[str] = []
         if r is not None:
             st.z = direction(r, self.dim)
-            m = min(self.btard.validators, len(contributors_all) // 2)
-            chosen = choose(r, contributors_all, 2 * m)
-            st.pairs = list(zip(chosen[:m], chosen[m:]))
+            st.pairs = _pairs(r, trusted, contributors_all, min(self.btard.validators, len(trusted) // 2))
             await self._send_meta(st, parts, me)
             # A peer may have waited the whole gather timeout for a silent owner's aggregate.
             wait = self.config.timeout + self.btard.timeout
@@ -323,7 +359,11 @@ class SecureRound(ButterflyAllReduce):
                 everyone.append(Claim(ACCUSE, me, peer, "bad_report", (env.to_bytes(),)))
                 continue
             st.reports[peer] = report
-            everyone += [Claim(c["kind"], peer, c["target"], c["reason"], tuple(c["ev"])) for c in report["claims"]]
+            everyone += [
+                Claim(c["kind"], peer, c["target"], c["reason"], tuple(c["ev"]))
+                for c in report["claims"]
+                if c["kind"] != ELIMINATE or peer in owners  # an untrusted peer cannot eliminate
+            ]
         await self._compare_views(st)
         for proof in tr.board.proofs:
             if proof.first.topic == "bt.commit" and proof.first.step == step and proof.first.sender in group:
@@ -340,15 +380,20 @@ class SecureRound(ButterflyAllReduce):
         bans = resolve(self.ledger, step, everyone, lambda c: self._verdict(st, c), apply=self.btard.bans)
         if not self.btard.bans:
             bans = []  # would-be bans of a run without bans are not bans: the ledger stays empty
-        return SecureResult(
+        banned = self.ledger.is_banned
+        result = SecureResult(
             out,
             tuple(group),
-            tuple(p for p in contributors_all if p != me and p not in used),
+            tuple(p for p in trusted if p != me and p not in used) if index is not None else (),
             missing,
             tuple(bans),
             len(everyone),
             tuple(v for v, _ in st.pairs),
+            tuple(sorted({t for v, t in st.pairs if t in st.reports.get(v, {}).get("approve", []) and not banned(t) and not banned(v)})),
         )
+        if self.admission is not None:
+            self.admission.settle(step, result)
+        return result
 
     # --- phases ----------------------------------------------------------------
 
@@ -396,6 +441,8 @@ class SecureRound(ButterflyAllReduce):
 
     def _owner_checks(self, st: _Step, me: str) -> list[Claim]:
         """V1 and V2 on the parts this peer aggregated."""
+        if me not in st.group:
+            return []
         index = st.group.index(me)
         claims = []
         for peer, part in self._used.get(st.step, {}).items():
@@ -525,7 +572,7 @@ class SecureRound(ButterflyAllReduce):
             env = SignedEnvelope.from_bytes(ev[0], target, self.transport.limits).verify()
             parse = {"bad_commit": lambda: _commit_of(env.payload, target, len(st.group), None) or _rcommit_of(env.payload, target, st.group, None),
                      "bad_report": lambda: _report_of(env.payload, target, None)}[claim.reason]
-            same_group = _group_of(env.payload, target, None) == group_digest(st.group)
+            same_group = _group_of(env.payload, target, None) == st.g
             return Verdict(env.sender == target and env.step == st.step and same_group and parse() is None)
         if claim.reason == "bad_part":
             j, part = ev
@@ -577,6 +624,19 @@ class SecureRound(ButterflyAllReduce):
         if type(step) is not int:
             raise RemoteError(Evidence(sender, "malformed", "bad parts request"))
         return encode({"step": step, "parts": self._used.get(step, {})})
+
+
+def _pairs(r: bytes, trusted: list[str], contributors: list[str], m: int) -> list[tuple[str, str]]:
+    """m (validator, target) pairs from r: validators among trusted contributors, targets among all (App. F).
+
+    Without untrusted contributors this is plain BTARD's draw of 2m distinct contributors.
+    """
+    if len(trusted) == len(contributors):
+        chosen = choose(r, contributors, 2 * m)
+        return list(zip(chosen[:m], chosen[m:]))
+    validators = choose(r, trusted, m)
+    targets = choose(r + b"/targets", [p for p in contributors if p not in validators], m)
+    return list(zip(validators, targets))
 
 
 # --- parsing signed payloads (None: malformed) -----------------------------------------
