@@ -173,7 +173,7 @@ class Recorder:
             admission = [json.dumps(r["admission"], sort_keys=True) for r in recs if "admission" in r and self.index_of.get(r["peer"]) not in self.byzantine]
             if admission:
                 status = json.loads(admission[0])
-                row["untrusted"], row["queued"] = len(status["untrusted"]), len(status["queued"])
+                row["trusted"], row["untrusted"], row["queued"] = len(status["trusted"]), len(status["untrusted"]), len(status["queued"])
                 row["admission_agree"] = len(set(admission)) == 1
             rows.append(row)
         return rows

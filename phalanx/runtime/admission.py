@@ -98,9 +98,12 @@ class AdmissionService:
                 events += state.ban(record.peer, record.reason)
         for peer in self._absent.pop(step, []):
             events += state.ban(peer, "missed_step")
+        described = _describe(events)
         for peer in result.approved:
-            events += state.approved(peer)
-        self._records.setdefault(step, {"admission_events": []})["admission_events"] += _describe(events)
+            if peer in state.untrusted:
+                described.append([peer, "approved"])  # the ledger of validations a joiner's trust rests on
+            described += _describe(state.approved(peer))
+        self._records.setdefault(step, {"admission_events": []})["admission_events"] += described
         self._history[step + 1] = state.to_dict()
         for old in [s for s in self._history if s <= step + 1 - KEEP_STEPS]:
             del self._history[old]
@@ -163,7 +166,7 @@ class AdmissionService:
 
 
 def _describe(events: list[Event]) -> list[list[str]]:
-    """Events as [peer, what] pairs for records: queued, untrusted, trusted, banned:REASON."""
+    """Events as [peer, what] pairs for records: queued, untrusted, (approved), trusted, banned:REASON."""
     out = []
     for event in events:
         if isinstance(event, Admitted):
