@@ -291,7 +291,7 @@ class SecureRound(ButterflyAllReduce):
 
         # 4. gather aggregates while MPRNG draws r
         expected = {o: (st.slice(o).stop - st.slice(o).start,) for o in owners if o != me and o in st.rcommits}
-        results, r = await asyncio.gather(self._collect(step, REDUCED, expected), self._draw(step))
+        results, r = await asyncio.gather(self._collect(step, REDUCED, expected), self._draw(step, group))
         rbox = self._inbox.get((step, REDUCED), {})
         out = torch.zeros(self.dim, dtype=torch.float32)
         if mine is not None:
@@ -397,9 +397,9 @@ class SecureRound(ButterflyAllReduce):
 
     # --- phases ----------------------------------------------------------------
 
-    async def _draw(self, step: int) -> bytes | None:
+    async def _draw(self, step: int, group: list[str]) -> bytes | None:
         try:
-            return (await run_mprng(self.transport, self.ledger, step, self.mprng, self.entropy)).value
+            return (await run_mprng(self.transport, self.ledger, step, self.mprng, self.entropy, among=group)).value
         except MPRNGFailed as exc:
             log.warning("BTARD step %d has no random value (%s): V2 and validation are skipped", step, exc)
             return None

@@ -121,8 +121,13 @@ async def run_mprng(
     config: MPRNGConfig = MPRNGConfig(),
     entropy: Callable[[int], bytes] = secrets.token_bytes,
     behaviour: MPRNGBehaviour = MPRNGBehaviour(),
+    among: list[str] | None = None,
 ) -> MPRNGResult:
-    """Run one MPRNG round among the current, unbanned members.
+    """Run one MPRNG round among the current, unbanned members (or the unbanned ones of `among`).
+
+    `among` is a protocol's agreed group (BTARD's step group): members that do
+    not take part in the protocol yet, such as a joiner still catching up, are
+    then not waited for.
 
     Raises MPRNGFailed when no attempt agreed (e.g. a peer keeps lying about
     what it saw); callers treat that as "no random value this round".
@@ -130,7 +135,7 @@ async def run_mprng(
     newly_banned: list[str] = []
     for attempt in range(config.max_attempts):
         commit_topic, reveal_topic = f"mprng.commit.{attempt}", f"mprng.reveal.{attempt}"
-        participants = ledger.filter(transport.members())
+        participants = ledger.filter(transport.members() if among is None else among)
         value, salt = entropy(VALUE_BYTES), entropy(SALT_BYTES)
         await behaviour.commit(transport, commit_topic, round_id, value, salt)
         envelopes = await transport.collect_broadcasts(commit_topic, round_id, participants, config.timeout)
