@@ -25,17 +25,18 @@ One call per step, with the candidates (the unbanned members in this peer's view
    V3 flags trigger CHECKAVERAGING. Validators fetch their target's gradient,
    check it against its commitment, recompute it from the public batch and
    check its norms and inner products (Alg. 7).
-Admission (App. F), when `admission` is set: only the trusted members
-(`Roles.owners`) own partitions and have their parts aggregated; untrusted
-members commit their gradient, may be drawn as validation targets (never as
-validators), and receive the aggregate; their ELIMINATE claims are ignored
-(a cheap identity must not be able to remove a trusted one with it).
-
 6. report: each peer broadcasts its claims (ACCUSE with evidence, ELIMINATE),
    approvals and a digest of the commitments it saw; the reports are
    collected, split views are turned into equivocation proofs, and every
    honest peer resolves the same claims in one canonical order
    (`btard_checks.resolve`). The peer then takes its SGD step.
+
+Admission (App. F), when `admission` is set: only the trusted members
+(`Roles.owners`) own partitions and have their parts aggregated; untrusted
+members commit their gradient, may be drawn as validation targets (never as
+validators), and receive the aggregate; their ELIMINATE claims are ignored
+(a cheap identity must not be able to remove a trusted one with it); queued
+members only receive the aggregate.
 
 Protocol messages a peer gets wrong never raise: they become claims.
 """
@@ -217,11 +218,9 @@ class SecureRound(ButterflyAllReduce):
         # 1. commitments (each names the group its sender settled on: another group is a view
         # mismatch, which excludes the sender from my step but proves nothing against it)
         payload = encode({"g": g, "parts": [tensor_hash(p) for p in parts], "whole": tensor_hash(committed)})
-        if me not in roles.committers:
-            pass  # queued: nothing to commit
-        elif self.policy.equivocate(step):
+        if me in roles.committers and self.policy.equivocate(step):
             await self._split_commit(step, payload, encode({"g": g, "parts": [tensor_hash(-p) for p in parts], "whole": tensor_hash(-committed)}))
-        else:
+        elif me in roles.committers:  # a queued member commits nothing
             await tr.broadcast("bt.commit", step, payload)
         envelopes = await tr.collect_broadcasts("bt.commit", step, list(roles.committers), self.btard.timeout, relays=len(group))
         for peer, env in envelopes.items():
