@@ -207,7 +207,7 @@ class SecureRound(ButterflyAllReduce):
         roles = self.admission.roles(step, group) if self.admission else Roles(tuple(group), tuple(group))
         owners = list(roles.owners)
         if not owners:  # nobody trusted in view: nothing can be aggregated this step
-            return SecureResult(torch.zeros(self.dim), tuple(group), (), (), ())
+            return self._settled(step, SecureResult(torch.zeros(self.dim), tuple(group), (), (), ()))
         st = _Step(step, owners, part_bounds(self.dim, len(owners)), g)
         index = owners.index(me) if me in owners else None
         claims: list[Claim] = []
@@ -380,7 +380,7 @@ class SecureRound(ButterflyAllReduce):
         if not self.btard.bans:
             bans = []  # would-be bans of a run without bans are not bans: the ledger stays empty
         banned = self.ledger.is_banned
-        result = SecureResult(
+        return self._settled(step, SecureResult(
             out,
             tuple(group),
             tuple(p for p in trusted if p != me and p not in used) if index is not None else (),
@@ -389,7 +389,10 @@ class SecureRound(ButterflyAllReduce):
             len(everyone),
             tuple(v for v, _ in st.pairs),
             tuple(sorted({t for v, t in st.pairs if t in st.reports.get(v, {}).get("approve", []) and not banned(t) and not banned(v)})),
-        )
+        ))
+
+    def _settled(self, step: int, result: SecureResult) -> SecureResult:
+        """Tell admission (if any) how the step ended; return the result."""
         if self.admission is not None:
             self.admission.settle(step, result)
         return result
