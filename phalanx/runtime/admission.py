@@ -59,6 +59,7 @@ class AdmissionService:
         self._entered: set[tuple[str, int]] = set()
         self._absent: dict[int, list[str]] = {}
         self._records: dict[int, dict] = {}
+        self._current = -1  # the step whose round is running: what settles now is recorded there
         peer.allreduce.admission = self
         self.transport.add_request_handler(STATE, self._serve_state)
 
@@ -82,6 +83,7 @@ class AdmissionService:
             self._entered.add((p, s))
             events += state.join(p)
         roles = state.roles(group)
+        self._current = step
         self._absent[step] = sorted(p for p in state.untrusted if p not in group)
         self._records[step] = {
             "admission": {"trusted": sorted(state.trusted), "untrusted": dict(sorted(state.untrusted.items())), "queued": list(state.queue)},
@@ -90,7 +92,11 @@ class AdmissionService:
         return roles
 
     def settle(self, step: int, result: SecureResult) -> None:
-        """Apply step `step`'s agreed outcome: bans, chain breaks, approvals (in that order)."""
+        """Apply step `step`'s agreed outcome: bans, chain breaks, approvals (in that order).
+
+        It takes effect from the next round on; a round that resolves an earlier
+        step's verification (a one-step delay) settles it during its own step.
+        """
         state = self._require()
         events: list[Event] = []
         for record in self.peer.ledger.records:
@@ -103,9 +109,10 @@ class AdmissionService:
             if peer in state.untrusted:
                 described.append([peer, "approved"])  # the ledger of validations a joiner's trust rests on
             described += _describe(state.approved(peer))
-        self._records.setdefault(step, {"admission_events": []})["admission_events"] += described
-        self._history[step + 1] = state.to_dict()
-        for old in [s for s in self._history if s <= step + 1 - KEEP_STEPS]:
+        now = max(self._current, step)
+        self._records.setdefault(now, {"admission_events": []})["admission_events"] += described
+        self._history[now + 1] = state.to_dict()
+        for old in [s for s in self._history if s <= now + 1 - KEEP_STEPS]:
             del self._history[old]
 
     def record(self, step: int) -> dict:
