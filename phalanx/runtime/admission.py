@@ -120,6 +120,7 @@ class AdmissionService:
         return self._records.pop(step, {})
 
     def status(self, peer: str) -> str:
+        """trusted | untrusted | queued | banned | unknown, in this replica's current state."""
         return self._require().status(peer)
 
     def _require(self) -> Admission:
