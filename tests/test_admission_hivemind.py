@@ -17,11 +17,14 @@ from phalanx.presets import get_preset
 pytestmark = pytest.mark.hivemind
 
 # Generous timeouts: on a loaded machine a descheduled process must not be taken for a silent one.
-SETS = ["seed=11", "byzantine.count=0", "btard.admission_after=2", "train.eval_every=80", "btard.timeout=20", "allreduce.timeout=20"]
+# 200 steps: with background verification an idle machine trains ~5 steps/s, and the joiner (a fresh
+# process that imports torch, then catches up) must enter well before the end.
+STEPS = 200
+SETS = ["seed=11", "byzantine.count=0", "btard.admission_after=2", f"train.eval_every={STEPS}", "btard.timeout=20", "allreduce.timeout=20"]
 
 
 def test_peer_joining_a_running_launch_is_trusted_after_t_approvals(tmp_path):
-    config = override(get_preset("btard-digits"), ["peers=4", "steps=80", *SETS])
+    config = override(get_preset("btard-digits"), ["peers=4", f"steps={STEPS}", *SETS])
     swarm, joiner_out = tmp_path / "swarm", tmp_path / "joiner"
     marker = f"admission-test-{os.getpid()}"
     env = {**os.environ, MARKER_ENV: marker}
@@ -36,7 +39,7 @@ def test_peer_joining_a_running_launch_is_trusted_after_t_approvals(tmp_path):
                 return
             time.sleep(0.2)
         addrs = (swarm / "peers" / "0.addr").read_text().split()
-        cmd = [sys.executable, "-m", "phalanx.cli", "peer", "btard-digits", "--peers", "4", "--steps", "80"]
+        cmd = [sys.executable, "-m", "phalanx.cli", "peer", "btard-digits", "--peers", "4", "--steps", str(STEPS)]
         cmd += [x for s in SETS for x in ("--set", s)] + ["--host", "/ip4/127.0.0.1/tcp/0", "--out", str(joiner_out), "--initial-peers", *addrs]
         joined["proc"] = proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         joined["stderr"] = proc.communicate(timeout=180)[1]
