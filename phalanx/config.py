@@ -83,6 +83,7 @@ class ByzantineConfig:
     every: int = 1
     mprng: str = "honest"  # honest | withhold | wrong | split: how they behave in MPRNG rounds
     params: dict[str, float | str] = field(default_factory=dict)  # the attack's parameters: --set byzantine.params.scale=10
+    joiners: int = 0  # of the faults.join new peers, how many (the first ones) run the attack too
 
     def __post_init__(self) -> None:
         _check(self.count >= 0, "byzantine.count", self.count, "must be >= 0")
@@ -90,6 +91,7 @@ class ByzantineConfig:
         _check(self.attack in allowed, "byzantine.attack", self.attack, f"is not known; allowed: {', '.join(allowed)}")
         _check(self.every >= 1, "byzantine.every", self.every, "must be >= 1")
         _check(self.start_step >= 0, "byzantine.start_step", self.start_step, "must be >= 0")
+        _check(self.joiners >= 0, "byzantine.joiners", self.joiners, "must be >= 0")
         try:
             schedule = AttackSchedule(self.start_step, self.every)
             if self.attack in ATTACKS:
@@ -126,6 +128,7 @@ class RunConfig:
         elif self.byzantine.attack in PROTOCOL_ATTACKS:
             _check(False, "byzantine.attack", self.byzantine.attack, "is a BTARD protocol attack: set btard.enabled=true")
         _check(self.peers >= 1, "peers", self.peers, "must be >= 1")
+        _check(self.byzantine.joiners <= self.faults.join, "byzantine.joiners", self.byzantine.joiners, f"must be <= faults.join ({self.faults.join})")
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         _check(self.eval_peers >= 1, "eval_peers", self.eval_peers, "must be >= 1")
         _check(self.mprng_every >= 0, "mprng_every", self.mprng_every, "must be >= 0")

@@ -9,7 +9,9 @@ A peer, trusted or not, that misses a commitment or has one invalidated is
 banned: the chain of gradient records must not break.
 
 The machine only decides; the runtime feeds it what happened in a step
-(commitments seen, validations) and acts on the events it returns.
+(entries, bans, validations) and acts on the events it returns. Fed the same
+agreed inputs in the same order, every honest replica holds the same state;
+`to_dict` / `from_dict` carry it to a peer that joins mid-run.
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         if self.approvals < 1:
             raise ConfigError(f"admission.approvals={self.approvals} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Who does what in one step's group.
+
+    owners: the trusted members; each owns a partition and its gradient is aggregated.
+    committers: owners and untrusted members; each commits a gradient that validators may check.
+    Every other member (queued) only receives the step's aggregate.
+    """
+
+    owners: tuple[str, ...]
+    committers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,47 @@ class Admission:
     def committing(self) -> list[str]:
         """The peers that must commit a gradient every step (trusted and untrusted), sorted."""
         return sorted(self.trusted | set(self.untrusted))
+
+    def roles(self, group: list[str]) -> Roles:
+        """The roles of `group`'s members at this step (sorted)."""
+        owners = tuple(sorted(p for p in group if p in self.trusted))
+        return Roles(owners, tuple(sorted(p for p in group if p in self.trusted or p in self.untrusted)))
+
+    def status(self, peer: str) -> str:
+        """trusted | untrusted | queued | banned | unknown."""
+        for name, holder in (("trusted", self.trusted), ("untrusted", self.untrusted), ("queued", self.queue), ("banned", self.banned)):
+            if peer in holder:
+                return name
+        return "unknown"
+
+    def to_dict(self) -> dict:
+        """The whole state in canonical form (equal on replicas that agree)."""
+        return {
+            "approvals": self.config.approvals,
+            "trusted": sorted(self.trusted),
+            "untrusted": dict(sorted(self.untrusted.items())),
+            "queue": list(self.queue),
+            "banned": sorted(self.banned),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Admission":
+        """The inverse of `to_dict`; ValueError if `data` is not such a state."""
+        if not isinstance(data, dict) or set(data) != {"approvals", "trusted", "untrusted", "queue", "banned"}:
+            raise ValueError("admission state must hold exactly approvals, trusted, untrusted, queue, banned")
+        lists = [data["trusted"], data["queue"], data["banned"]]
+        if not all(isinstance(x, list) and all(isinstance(p, str) for p in x) for x in lists):
+            raise ValueError("admission state lists must hold peer ids")
+        untrusted = data["untrusted"]
+        if not isinstance(untrusted, dict) or not all(isinstance(p, str) and type(n) is int and n >= 0 for p, n in untrusted.items()):
+            raise ValueError("admission state untrusted must map peer ids to approval counts")
+        if type(data["approvals"]) is not int or data["approvals"] < 1:
+            raise ValueError("admission state approvals must be an int >= 1")
+        state = cls(data["trusted"], AdmissionConfig(data["approvals"]))
+        state.untrusted = dict(untrusted)
+        state.queue = list(data["queue"])
+        state.banned = set(data["banned"])
+        return state
 
     def join(self, peer: str) -> list[Event]:
         """A new identity asks to join."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ..config import RunConfig
 from ..core.rng import py_stream
+from ..runtime.admission import admission_for
 from ..runtime.catchup import CatchupFailed, CatchupService
 from ..runtime.checkpoint import PeerCheckpoints
 from ..transport.sim import SimNetwork, SimTransport
@@ -67,9 +68,10 @@ class FaultDriver:
         async def main() -> None:
             config = self.config
             peer = build_peer(config, self.transports[index], index)
-            service = None
+            service = admission = None
             if self.catchup:
                 service = CatchupService(peer, config.catchup, initial=self.ids[: config.peers])
+                admission = admission_for(peer, service, config.btard)
             if peer_id in self.started:
                 try:
                     await service.join(end=config.steps)
@@ -79,7 +81,10 @@ class FaultDriver:
                 self.joins += 1
             self.started.add(peer_id)
             hook = self.checkpoints(index) if self.checkpoints is not None else None
-            await run_peer(config, peer, index, True, self.record, service, hook)
+            try:
+                await run_peer(config, peer, index, True, self.record, service, hook, admission=admission)
+            except CatchupFailed as exc:
+                log.info("peer %d got no admission state: %s", index, exc)
             self._done(peer_id)
 
         return main

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..core.errors import ConfigError, LocalError
 from ..core.identity import Identity
+from ..runtime.admission import admission_for
 from ..runtime.catchup import CatchupFailed, CatchupService, collect_offers
 from ..runtime.dp_peer import task_of
 from .checkpoints import Checkpoint, LaunchSealer, WorkerCheckpoints, rewind_run_dir, worker_args
@@ -127,6 +128,7 @@ async def run_worker(
         role = -1 if index is None else index
         peer = build_peer(config, transport, role)
         service = CatchupService(peer, config.catchup)
+        admission = admission_for(peer, service, config.btard)
         if joining:
             try:
                 await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is
@@ -156,7 +158,7 @@ async def run_worker(
                 sink.write(json.dumps(record, sort_keys=True) + "\n")
                 sink.flush()
 
-            await run_peer(config, peer, role, False, on_step, service, checkpoints)
+            await run_peer(config, peer, role, False, on_step, service, checkpoints, admission=admission)
         # Stay until everyone is done: a slower peer may still pull our parts.
         await _leave_together(transport)
     finally:

@@ -19,6 +19,7 @@ from ..algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
 from ..config import RunConfig
 from ..core.identity import Identity
 from ..core.rng import py_stream
+from ..runtime.admission import AdmissionService
 from ..runtime.catchup import CatchupService
 from ..runtime.checkpoint import PeerCheckpoints
 from ..runtime.dp_peer import DataParallelPeer, task_of
@@ -42,9 +43,10 @@ def peer_identity(seed: int, index: int) -> Identity:
 
 
 def byzantine_indices(config: RunConfig) -> list[int]:
-    """Which peers lie: drawn from the seed, never among the evaluating peers."""
+    """Which peers lie: drawn from the seed, never among the evaluating peers; then the first byzantine.joiners joiners."""
     pool = list(range(min(config.eval_peers, config.peers), config.peers))
-    return sorted(py_stream(config.seed, "byzantine").sample(pool, min(config.byzantine.count, len(pool))))
+    drawn = sorted(py_stream(config.seed, "byzantine").sample(pool, min(config.byzantine.count, len(pool))))
+    return drawn + [config.peers + j for j in range(config.byzantine.joiners)]
 
 
 def crash_indices(config: RunConfig) -> list[int]:
@@ -85,12 +87,15 @@ async def run_peer(
     on_step: Callable[[dict], None],
     catchup: CatchupService | None = None,
     checkpoints: PeerCheckpoints | None = None,
+    admission: AdmissionService | None = None,
 ) -> None:
     """Train from peer.step to config.steps; after every mprng_every-th step, run an MPRNG round; report each step.
 
     With `catchup`, the peer serves state to joiners and checks its digest at sync points;
     its last record carries its final state digest. With `checkpoints`, the peer is
     restored from a checkpoint first (on a resume) and offers it each step to write.
+    With `admission` (BTARD App. F), each record carries the admission status the
+    step used and what changed.
     """
     byzantine = index in byzantine_indices(config)
     behaviour = MPRNG_BEHAVIOURS[config.byzantine.mprng if byzantine else "honest"]()
@@ -105,6 +110,8 @@ async def run_peer(
         peer.allreduce.entropy = entropy
     if checkpoints is not None:
         checkpoints.attach(peer, streams)
+    if admission is not None:
+        await admission.start(peer.step)
     for step in range(peer.step, config.steps):
         if checkpoints is not None and config.checkpoint.due(step):
             await peer.settle()  # BTARD: no verification is in flight at a checkpoint
@@ -118,6 +125,8 @@ async def run_peer(
         record = await peer.train_step(step)
         if step == config.steps - 1:
             await peer.finish(record)
+        if admission is not None:
+            record.update(admission.record(step))
         if config.mprng_every and (step + 1) % config.mprng_every == 0:
             try:
                 result = await run_mprng(peer.transport, peer.ledger, step, config.mprng, entropy, behaviour)
@@ -177,6 +186,11 @@ class Recorder:
             if mprng:
                 row["mprng"] = mprng[0]
                 row["mprng_agree"] = len(set(mprng)) == 1
+            admission = [json.dumps(r["admission"], sort_keys=True) for r in recs if "admission" in r and self.index_of.get(r["peer"]) not in self.byzantine]
+            if admission:
+                status = json.loads(admission[0])
+                row["trusted"], row["untrusted"], row["queued"] = len(status["trusted"]), len(status["untrusted"]), len(status["queued"])
+                row["admission_agree"] = len(set(admission)) == 1
             rows.append(row)
         return rows
 
@@ -224,6 +238,12 @@ class Recorder:
         recs = sorted((r for r in self.records if r["peer"] == witness and "bans" in r), key=lambda r: r["step"])
         return [ban for r in recs for ban in r["bans"]]
 
+    def admission_events(self) -> list[dict]:
+        """Admission changes (step, peer, event) as the longest-running honest peer applied them (BTARD App. F)."""
+        witness = self._witness("admission")
+        recs = sorted((r for r in self.records if r["peer"] == witness and "admission_events" in r), key=lambda r: r["step"])
+        return [{"step": r["step"], "peer": peer, "event": event} for r in recs for peer, event in r["admission_events"]]
+
     def write(self, out: Path, extra: dict) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         metrics = self.metrics()
@@ -231,6 +251,10 @@ class Recorder:
             with open(out / "bans.jsonl", "w") as f:
                 for ban in self.ban_records():
                     f.write(json.dumps(ban, sort_keys=True) + "\n")
+        if any("admission" in r for r in self.records):
+            with open(out / "admissions.jsonl", "w") as f:
+                for event in self.admission_events():
+                    f.write(json.dumps(event, sort_keys=True) + "\n")
         (out / "config.json").write_text(self.config.to_json() + "\n")
         with open(out / "metrics.jsonl", "w") as f:
             for row in metrics:

@@ -54,6 +54,14 @@ paper makes the same trade (App. B: checks run while peers compute the next
 step). With `btard.background=false` each step's verification and bans happen
 before its SGD step (the baseline for the overhead benchmark).
 
+Admission (App. F), when `admission` is set: only the trusted members
+(`Roles.owners`) own partitions and have their parts aggregated; untrusted
+members commit their gradient, may be drawn as validation targets (never as
+validators), and receive the aggregate; their ELIMINATE claims are ignored
+(a cheap identity must not be able to remove a trusted one with it); queued
+members only receive the aggregate. A step's approvals reach admission when
+its verification is settled (`AdmissionHook.settle`).
+
 Protocol messages a peer gets wrong never raise: they become claims.
 """
 
@@ -65,9 +73,11 @@ import math
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 
+from ..algorithms.admission import Roles
 from ..algorithms.bans import BanLedger, BanRecord
 from ..algorithms.btard_attacks import ProtocolPolicy
 from ..algorithms.btard_checks import (
@@ -112,6 +122,12 @@ class BTARDConfig:
     delta_max: float = float("inf")  # V3 threshold on ||g_i(j) - ĝ(j)|| (inf: V3 never fires)
     bans: bool = True  # False: claims are resolved but nobody is banned (a benchmark baseline)
     background: bool = True  # verify step k while step k + 1 runs, its bans at the end of step k + 1's all-reduce (App. B); False: before k's SGD step
+    # T of App. F: approved gradients a peer that joins mid-run needs before it is trusted (0: trusted at once).
+    # 10: with m validators and n trusted peers a joiner is a target with probability ~m/(n+1-m) per step, so
+    # it stays out of the average ~75 steps under btard-digits (16 peers, m=2): about 3x the ~25 steps a digits
+    # run needed to recover after its last sign-flip ban (issue-6 bench), the paper's rule for T; and a Sybil
+    # that splits one device between two identities gets both trusted with probability 2^-9 (App. F, eq. 77).
+    admission_after: int = 10
 
     def __post_init__(self) -> None:
         if self.validators < 0:
@@ -120,6 +136,8 @@ class BTARDConfig:
             raise ConfigError(f"btard.timeout={self.timeout!r} must be a finite number > 0")
         if not self.delta_max > 0:
             raise ConfigError(f"btard.delta_max={self.delta_max!r} must be > 0 (inf: V3 off)")
+        if self.admission_after < 0:
+            raise ConfigError(f"btard.admission_after={self.admission_after} must be >= 0 (0: joiners are trusted at once)")
 
 
 @dataclass(frozen=True)
@@ -127,13 +145,28 @@ class SecureResult(AllReduceResult):
     bans: tuple[BanRecord, ...] = ()  # bans that took effect since the previous result (verifications of earlier steps)
 
 
+class AdmissionHook(Protocol):
+    """What the round asks of admission (App. F): who does what in a step, and whom its verification approved."""
+
+    async def roles(self, step: int, group: list[str]) -> Roles: ...
+
+    async def settle(self, step: int, approved: tuple[str, ...]) -> None: ...
+
+    def checkpoint_state(self) -> dict: ...
+
+    def load_checkpoint_state(self, saved: dict) -> None: ...
+
+
 @dataclass
 class _Step:
     """Everything one step's checks and verdicts read."""
 
     step: int
-    group: list[str]
+    group: list[str]  # the partition owners (the whole group unless admission says otherwise)
     bounds: list[tuple[int, int]]
+    g: bytes = b""  # digest of the whole group, named by every signed payload of the step
+    members: list[str] = field(default_factory=list)  # the whole group
+    committers: list[str] = field(default_factory=list)  # owners and untrusted members
     commits: dict[str, tuple[list[bytes], bytes]] = field(default_factory=dict)
     commit_seen: dict[str, bytes] = field(default_factory=dict)
     rcommits: dict[str, tuple[bytes, list[str]]] = field(default_factory=dict)
@@ -184,6 +217,7 @@ class SecureRound(ButterflyAllReduce):
         self._joined: set[int] = set()  # steps whose join this peer already broadcast
         self._pending: dict[int, tuple[_Step, asyncio.Future]] = {}  # step -> its verification, not yet resolved
         self._unreported: list[BanRecord] = []
+        self.admission: AdmissionHook | None = None  # App. F; None: every member is trusted
         transport.add_request_handler("bt.grad", self._on_grad)
         transport.add_request_handler("bt.parts", self._on_parts)
         transport.on_evidence(lambda ev: self._evidence.append(ev))
@@ -209,12 +243,16 @@ class SecureRound(ButterflyAllReduce):
         for table in (self._grads, self._used):
             for key in [k for k in table if k < step - 2]:
                 del table[key]
-        st = _Step(step, list(group), part_bounds(self.dim, len(group)))
-        index = group.index(me)
+        roles = await self.admission.roles(step, group) if self.admission is not None else Roles(tuple(group), tuple(group))
+        owners, committers = list(roles.owners), list(roles.committers)
+        st = _Step(step, owners, part_bounds(self.dim, len(owners)), g, list(group), committers)
+        if not owners:  # nobody trusted in view: nothing can be aggregated this step
+            return await self._unaggregated(st)
+        index = owners.index(me) if me in owners else None
         # MPRNG commits now, alongside the scatter, and reveals once every aggregate commitment is in
         # (App. B: r must not be known before them); it runs on into the background verification.
         rcommitted = asyncio.Event()
-        draw = asyncio.ensure_future(self._draw(step, rcommitted.wait))
+        draw = asyncio.ensure_future(self._draw(step, group, rcommitted.wait))
         claims = st.claims
         committed = self.policy.committed_gradient(step, vector.detach().reshape(-1).to(torch.float32))
         parts = [committed[a:b] for a, b in st.bounds]
@@ -225,89 +263,96 @@ class SecureRound(ButterflyAllReduce):
         # it holds the sender's commitment, so the commitment needs no round of its own (App. B: one
         # synchronisation before aggregation). Each names the group its sender settled on: another
         # group is a view mismatch, which excludes the sender from my step but proves nothing.
+        # A queued member commits nothing.
         payload = encode({"g": g, "parts": hashes, "whole": gradient_hash(hashes)})
-        if self.policy.equivocate(step):
+        if me in committers and self.policy.equivocate(step):
             negated = [tensor_hash(-p) for p in parts]
             await self._split_commit(step, payload, encode({"g": g, "parts": negated, "whole": gradient_hash(negated)}))
-        else:
+        elif me in committers:
             await tr.broadcast("bt.commit", step, payload)
 
-        # 2. scatter, then check each part against its commitment
-        sent = {owner: self.policy.part_for(step, owner, parts[j], group) for j, owner in enumerate(group)}
-        self._publish(step, PART, {o: t for o, t in sent.items() if t is not None})
-        for owner, tensor in sent.items():
-            if owner != me and tensor is not None:
-                await tr.send(owner, "ar.part", encode({"step": step, "g": g, "t": tensor}))
+        # 2. scatter, then check each part against its commitment (owners only: untrusted and
+        # queued members send no parts and reduce no partition)
+        if index is not None:
+            sent = {owner: self.policy.part_for(step, owner, parts[j], owners) for j, owner in enumerate(owners)}
+            self._publish(step, PART, {o: t for o, t in sent.items() if t is not None})
+            for owner, tensor in sent.items():
+                if owner != me and tensor is not None:
+                    await tr.send(owner, "ar.part", encode({"step": step, "g": g, "t": tensor}))
         await tr.broadcast("bt.join", step + 1, b"")
         self._joined.add(step + 1)
-        lo, hi = st.bounds[index]
+        lo, hi = st.bounds[index] if index is not None else (0, 0)
         envelopes, valid = await asyncio.gather(
-            tr.collect_broadcasts("bt.commit", step, group, self.btard.timeout, relays=len(group)),
-            self._collect(step, PART, {p: (hi - lo,) for p in group if p != me}),
+            tr.collect_broadcasts("bt.commit", step, committers, self.btard.timeout, relays=len(group)),
+            self._collect(step, PART, {p: (hi - lo,) for p in owners if p != me} if index is not None else {}),
         )
         for peer, env in envelopes.items():
             obj = _decoded(env.payload, peer, tr)
             if _group_in(obj) != g:
                 continue
-            parsed = _commit_in(obj, len(group))
+            parsed = _commit_in(obj, len(owners))
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
                 st.commits[peer] = parsed
                 st.commit_seen[peer] = digest(env.payload)
-        contributors_all = [p for p in group if p in st.commits]
-        box = self._inbox.get((step, PART), {})
+        contributors_all = [p for p in committers if p in st.commits]
+        trusted = [p for p in contributors_all if p in owners]  # contributors whose parts are aggregated
         rows, used = [], []
-        for peer in contributors_all:
-            if peer == me:
-                if parts[index].shape == (hi - lo,):
-                    rows.append(parts[index])
-                    used.append(me)
-                continue
-            held = box.get(peer)
-            raw = held[0] if held is not None and held[1] == g else None
-            if raw is None:
-                claims.append(Claim(ELIMINATE, me, peer, "missing_part"))
-            elif tensor_hash(raw) != st.commits[peer][0][index]:
-                claims.append(Claim(ELIMINATE, me, peer, "part_hash"))
-            elif peer not in valid:
-                claims.append(Claim(ACCUSE, me, peer, "bad_part", (index, raw)))
-            else:
-                rows.append(valid[peer])
-                used.append(peer)
-        self._used[step] = dict(zip(used, rows))
+        mine = None
+        if index is not None:
+            box = self._inbox.get((step, PART), {})
+            for peer in trusted:
+                if peer == me:
+                    if parts[index].shape == (hi - lo,):
+                        rows.append(parts[index])
+                        used.append(me)
+                    continue
+                held = box.get(peer)
+                raw = held[0] if held is not None and held[1] == g else None
+                if raw is None:
+                    claims.append(Claim(ELIMINATE, me, peer, "missing_part"))
+                elif tensor_hash(raw) != st.commits[peer][0][index]:
+                    claims.append(Claim(ELIMINATE, me, peer, "part_hash"))
+                elif peer not in valid:
+                    claims.append(Claim(ACCUSE, me, peer, "bad_part", (index, raw)))
+                else:
+                    rows.append(valid[peer])
+                    used.append(peer)
 
-        # 3. reduce, commit the aggregate, send it
-        aggregate = self.reducer(torch.stack(rows)).to(torch.float32) if rows else torch.zeros(hi - lo)
-        mine, sent_aggregate = self.policy.aggregate(step, aggregate)
-        await tr.broadcast("bt.rcommit", step, encode({"g": g, "h": tensor_hash(mine), "from": used}))
-        self._publish(step, REDUCED, {peer: sent_aggregate for peer in group})
-        message = encode({"step": step, "g": g, "t": sent_aggregate})
-        for peer in group:
-            if peer != me:
-                await tr.send(peer, "ar.reduced", message)
+            # 3. reduce, commit the aggregate, send it (to every member, untrusted and queued too)
+            aggregate = self.reducer(torch.stack(rows)).to(torch.float32) if rows else torch.zeros(hi - lo)
+            mine, sent_aggregate = self.policy.aggregate(step, aggregate)
+            await tr.broadcast("bt.rcommit", step, encode({"g": g, "h": tensor_hash(mine), "from": used}))
+            self._publish(step, REDUCED, {peer: sent_aggregate for peer in group})
+            message = encode({"step": step, "g": g, "t": sent_aggregate})
+            for peer in group:
+                if peer != me:
+                    await tr.send(peer, "ar.reduced", message)
+        self._used[step] = dict(zip(used, rows))
 
         # 4. gather the aggregates while their commitments arrive; once they are in, MPRNG may reveal.
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
         async def aggregate_commitments():
-            held = await tr.collect_broadcasts("bt.rcommit", step, group, self.config.timeout + self.btard.timeout, relays=len(group))
+            held = await tr.collect_broadcasts("bt.rcommit", step, owners, self.config.timeout + self.btard.timeout, relays=len(group))
             rcommitted.set()
             return held
 
-        others = {o: (st.slice(o).stop - st.slice(o).start,) for o in group if o != me}
+        others = {o: (st.slice(o).stop - st.slice(o).start,) for o in owners if o != me}
         envelopes, results = await asyncio.gather(aggregate_commitments(), self._collect(step, REDUCED, others))
         for peer, env in envelopes.items():
             obj = _decoded(env.payload, peer, tr)
             if _group_in(obj) != g:
                 continue
-            parsed = _rcommit_in(obj, group)
+            parsed = _rcommit_in(obj, owners)
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
                 st.rcommits[peer] = parsed
         rbox = self._inbox.get((step, REDUCED), {})
         out = torch.zeros(self.dim, dtype=torch.float32)
-        st.aggregates[me] = mine
+        if mine is not None:
+            st.aggregates[me] = mine
         for owner in others:
             if owner not in st.rcommits:
                 continue
@@ -332,10 +377,22 @@ class SecureRound(ButterflyAllReduce):
         return SecureResult(
             out,
             tuple(group),
-            tuple(p for p in contributors_all if p != me and p not in used),
-            tuple(o for o in group if o not in st.aggregates),
+            tuple(p for p in trusted if p != me and p not in used) if index is not None else (),
+            tuple(o for o in owners if o not in st.aggregates),
             tuple(bans),
         )
+
+    async def _unaggregated(self, st: _Step) -> SecureResult:
+        """A step with no trusted member in view: no update; its (empty) verification settles like any other."""
+        await self.transport.broadcast("bt.join", st.step + 1, b"")
+        self._joined.add(st.step + 1)
+        self._used[st.step] = {}
+        nothing = asyncio.get_running_loop().create_future()
+        nothing.set_result([])
+        self._pending[st.step] = (st, nothing)
+        await self.settle(st.step if self.btard.background else st.step + 1)
+        bans, self._unreported = self._unreported, []
+        return SecureResult(torch.zeros(self.dim, dtype=torch.float32), tuple(st.members), (), (), tuple(bans))
 
     async def settle(self, step: int | None = None) -> None:
         """Resolve the pending verifications of steps before `step` (all of them when None), in step order.
@@ -352,6 +409,10 @@ class SecureRound(ButterflyAllReduce):
             bans = resolve(self.ledger, k, everyone, lambda c, st=st: self._verdict(st, c), apply=self.btard.bans)
             if self.btard.bans:  # would-be bans of a run without bans are not bans: the ledger stays empty
                 self._unreported += bans
+            if self.admission is not None:
+                banned = self.ledger.is_banned
+                approved = {t for v, t in st.pairs if t in st.reports.get(v, {}).get("approve", []) and not banned(t) and not banned(v)}
+                await self.admission.settle(k, tuple(sorted(approved)))
 
     def take_bans(self) -> list[BanRecord]:
         """Bans applied by `settle` and not yet returned by a round."""
@@ -364,13 +425,16 @@ class SecureRound(ButterflyAllReduce):
         The bans `settle` applied that the next round will report, and the
         signed joins for `step` already received: joins for step k + 1 travel
         with step k's scatter, so a resumed run would otherwise pay a join
-        round that the uninterrupted run did not.
+        round that the uninterrupted run did not. With admission, its state too.
         """
-        return {
+        saved = {
             "unreported_bans": [asdict(b) for b in self._unreported],
             "joined": step in self._joined,
             "joins": [env.to_bytes() for _, env in sorted(self.transport.board.get("bt.join", step).items())],
         }
+        if self.admission is not None:
+            saved["admission"] = self.admission.checkpoint_state()
+        return saved
 
     def load_checkpoint_state(self, step: int, saved: dict) -> None:
         """Take back `checkpoint_state(step)`; the joins are verified again like any received envelope."""
@@ -380,21 +444,22 @@ class SecureRound(ButterflyAllReduce):
         me = self.transport.peer_id
         for data in saved["joins"]:
             self.transport.board.add(SignedEnvelope.from_bytes(data, me).verify())
+        if self.admission is not None and "admission" in saved:
+            self.admission.load_checkpoint_state(saved["admission"])
 
     async def _verify(self, st: _Step, parts: list[torch.Tensor], draw: asyncio.Future) -> list[Claim]:
         """Steps 5-6 of one step: metadata, V1-V3, validators, reports; returns every claim to resolve."""
         tr, me = self.transport, self.transport.peer_id
-        step, group, g = st.step, st.group, group_digest(st.group)
-        contributors_all = [p for p in group if p in st.commits]
+        step, group, g = st.step, st.members, st.g
+        contributors_all = [p for p in st.committers if p in st.commits]
+        trusted = [p for p in contributors_all if p in st.group]  # validators are drawn among these (App. F)
         claims = st.claims
         approvals: list[str] = []
         r, mprng_claims = await draw
         if r is not None:
             st.z = direction(r, self.dim)
             st.z64 = st.z.to(torch.float64)  # converted once: every projection of the step reads it
-            m = min(self.btard.validators, len(contributors_all) // 2)
-            chosen = choose(r, contributors_all, 2 * m)
-            st.pairs = list(zip(chosen[:m], chosen[m:]))
+            st.pairs = _pairs(r, trusted, contributors_all, min(self.btard.validators, len(trusted) // 2))
             await self._send_meta(st, parts, me)
             # A peer may have waited the whole gather timeout for a silent owner's aggregate.
             wait = self.config.timeout + self.btard.timeout
@@ -441,7 +506,11 @@ class SecureRound(ButterflyAllReduce):
                 everyone.append(Claim(ACCUSE, me, peer, "bad_report", (env.to_bytes(),)))
                 continue
             st.reports[peer] = report
-            everyone += [Claim(c["kind"], peer, c["target"], c["reason"], tuple(c["ev"])) for c in report["claims"]]
+            everyone += [
+                Claim(c["kind"], peer, c["target"], c["reason"], tuple(c["ev"]))
+                for c in report["claims"]
+                if c["kind"] != ELIMINATE or peer in st.group  # an untrusted peer cannot eliminate
+            ]
         await self._compare_views(st)
         for proof in tr.board.proofs:
             if proof.first.topic == "bt.commit" and proof.first.step == step and proof.first.sender in group:
@@ -459,8 +528,10 @@ class SecureRound(ButterflyAllReduce):
 
     # --- phases ----------------------------------------------------------------
 
-    async def _draw(self, step: int, before_reveal: Callable[[], Awaitable[None]]) -> tuple[bytes | None, list[Claim]]:
-        """The step's MPRNG output and claims against its cheaters.
+    async def _draw(self, step: int, group: list[str], before_reveal: Callable[[], Awaitable[None]]) -> tuple[bytes | None, list[Claim]]:
+        """The step's MPRNG output (drawn among the step's group) and claims against its cheaters.
+
+        Among the group, not every member: a joiner still catching up is not waited for.
 
         MPRNG runs on a copy of the ledger, so its bans (no reveal, bad
         reveal, equivocation: each derived from signed broadcasts every honest
@@ -471,7 +542,7 @@ class SecureRound(ButterflyAllReduce):
         shadow.restore(self.ledger.records)
         before = set(shadow.banned)
         try:
-            value = (await run_mprng(self.transport, shadow, step, self.mprng, self.entropy, before_reveal=before_reveal)).value
+            value = (await run_mprng(self.transport, shadow, step, self.mprng, self.entropy, before_reveal=before_reveal, among=group)).value
         except MPRNGFailed as exc:
             log.warning("BTARD step %d has no random value (%s): V2 and validation are skipped", step, exc)
             value = None
@@ -513,7 +584,9 @@ class SecureRound(ButterflyAllReduce):
         return None
 
     def _owner_checks(self, st: _Step, me: str) -> list[Claim]:
-        """V1 and V2 on the parts this peer aggregated."""
+        """V1 and V2 on the parts this peer aggregated (none unless it owns a partition)."""
+        if me not in st.group:
+            return []
         index = st.group.index(me)
         claims = []
         for peer, part in self._used.get(st.step, {}).items():
@@ -653,7 +726,7 @@ class SecureRound(ButterflyAllReduce):
             obj = _decoded(env.payload, target, None)
             parse = {"bad_commit": lambda: _commit_in(obj, len(st.group)) or _rcommit_in(obj, st.group),
                      "bad_report": lambda: _report_in(obj)}[claim.reason]
-            same_group = _group_in(obj) == group_digest(st.group)
+            same_group = _group_in(obj) == st.g
             return Verdict(env.sender == target and env.step == st.step and same_group and parse() is None)
         if claim.reason == "bad_part":
             j, part = ev
@@ -705,6 +778,19 @@ class SecureRound(ButterflyAllReduce):
         if type(step) is not int:
             raise RemoteError(Evidence(sender, "malformed", "bad parts request"))
         return encode({"step": step, "parts": self._used.get(step, {})})
+
+
+def _pairs(r: bytes, trusted: list[str], contributors: list[str], m: int) -> list[tuple[str, str]]:
+    """m (validator, target) pairs from r: validators among trusted contributors, targets among all (App. F).
+
+    Without untrusted contributors this is plain BTARD's draw of 2m distinct contributors.
+    """
+    if len(trusted) == len(contributors):
+        chosen = choose(r, contributors, 2 * m)
+        return list(zip(chosen[:m], chosen[m:]))
+    validators = choose(r, trusted, m)
+    targets = choose(r + b"/targets", [p for p in contributors if p not in validators], m)
+    return list(zip(validators, targets))
 
 
 # --- parsing signed payloads (None: malformed) -----------------------------------------

@@ -8,7 +8,8 @@ the all-reduce's step (which messages it accepts), its named random streams
 (the MPRNG/BTARD entropy stream of a deterministic run), its attack's memory,
 the process's global random generators, and, in a BTARD run, the bans that
 its last settled verification has not reported yet and the signed joins for
-the next step that it already holds. A BTARD peer resolves
+the next step that it already holds (and, with admission of joiners, the
+admission state: launched BTARD runs have it). A BTARD peer resolves
 its background verifications before the cut (`run_peer`), so a checkpoint
 never holds a verification in flight.
 

@@ -122,8 +122,13 @@ async def run_mprng(
     entropy: Callable[[int], bytes] = secrets.token_bytes,
     behaviour: MPRNGBehaviour = MPRNGBehaviour(),
     before_reveal: Callable[[], Awaitable[None]] | None = None,
+    among: list[str] | None = None,
 ) -> MPRNGResult:
-    """Run one MPRNG round among the current, unbanned members.
+    """Run one MPRNG round among the current, unbanned members (or the unbanned ones of `among`).
+
+    `among` is a protocol's agreed group (BTARD's step group): members that do
+    not take part in the protocol yet, such as a joiner still catching up, are
+    then not waited for.
 
     `before_reveal`, when given, is awaited before the first reveal: a caller
     can commit early and reveal only once what r must not influence is fixed
@@ -134,7 +139,7 @@ async def run_mprng(
     newly_banned: list[str] = []
     for attempt in range(config.max_attempts):
         commit_topic, reveal_topic = f"mprng.commit.{attempt}", f"mprng.reveal.{attempt}"
-        participants = ledger.filter(transport.members())
+        participants = ledger.filter(transport.members() if among is None else among)
         value, salt = entropy(VALUE_BYTES), entropy(SALT_BYTES)
         await behaviour.commit(transport, commit_topic, round_id, value, salt)
         envelopes = await transport.collect_broadcasts(commit_topic, round_id, participants, config.timeout)

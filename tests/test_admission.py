@@ -1,0 +1,113 @@
+"""Sybil-resistant admission (BTARD App. F) in simulated BTARD runs with peers joining mid-run."""
+
+import json
+
+import pytest
+
+from phalanx.algorithms.admission import Admission, AdmissionConfig, Roles
+from phalanx.config import override
+from phalanx.core.errors import ConfigError
+from phalanx.experiments.simulate import simulate
+from phalanx.presets import get_preset
+
+T = 3  # approvals a joiner needs in these runs
+BASE = ["peers=4", "steps=24", "byzantine.count=0", "btard.timeout=1.0", "train.eval_every=1", f"btard.admission_after={T}"]
+JOIN = ["faults.join_after_step=2"]
+
+
+def _run(path, *extra):
+    summary = simulate(override(get_preset("btard-digits"), [*BASE, *extra]), path, progress=False)
+    metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    events = path / "admissions.jsonl"
+    admissions = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+    return summary, metrics, admissions
+
+
+def _losses(metrics):
+    return [m["test_loss"] for m in metrics]
+
+
+def _agree(summary, metrics):
+    """(d) every honest peer, joiners included, held the same trusted/untrusted/queued sets at every step."""
+    rows = [m for m in metrics if "admission_agree" in m]
+    assert rows and all(m["admission_agree"] for m in rows)
+    honest = [p for p in summary["peer_ids"] if p not in summary["byzantine"] and p in summary["banned_by_peer"]]
+    assert len({json.dumps(sorted(summary["banned_by_peer"][p])) for p in honest}) == 1
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The same run without any joiner."""
+    return _run(tmp_path_factory.mktemp("baseline"))
+
+
+def test_honest_joiner_is_aggregated_only_after_t_approvals(tmp_path, baseline):
+    summary, metrics, admissions = _run(tmp_path, "faults.join=1", *JOIN)
+    joiner = summary["peer_ids"][4]
+    mine = [(a["step"], a["event"]) for a in admissions if a["peer"] == joiner]
+    entered = mine[0][0]
+    assert mine[0] == (entered, "untrusted")  # a free slot (t=4: 2 slots): untrusted at once
+    approvals = [s for s, e in mine if e == "approved"]
+    trusted_at = next(s for s, e in mine if e == "trusted")
+    assert len(approvals) == T and approvals[-1] == trusted_at  # trusted at the step of its T-th approval
+    assert [e for _, e in mine] == ["untrusted", *["approved"] * T, "trusted"]
+    assert entered > 2 and trusted_at < 20
+    for m in metrics:
+        assert m["untrusted"] == (1 if entered <= m["step"] <= trusted_at else 0)
+        assert m["trusted"] == (5 if m["step"] > trusted_at else 4)
+    # Until its promotion the model is exactly the one trained without it (its gradient was never
+    # aggregated); from the next step on its gradient is in the average and the trajectory moves.
+    assert _losses(metrics)[: trusted_at + 1] == _losses(baseline[1])[: trusted_at + 1]
+    assert _losses(metrics)[trusted_at + 1 :] != _losses(baseline[1])[trusted_at + 1 :]
+    assert summary["banned"] == []
+    assert len(set(summary["final_digests"].values())) == 1
+    _agree(summary, metrics)
+
+
+def test_lying_joiner_is_banned_before_it_is_ever_trusted_and_never_moves_the_model(tmp_path, baseline):
+    lie = ["faults.join=1", *JOIN, "byzantine.joiners=1", "byzantine.attack=sign_flip", "byzantine.start_step=0"]
+    summary, metrics, admissions = _run(tmp_path, *lie)
+    joiner = summary["peer_ids"][4]
+    assert summary["byzantine"] == [joiner]
+    assert [a["event"] for a in admissions if a["peer"] == joiner] == ["untrusted", "banned:gradient"]
+    assert summary["banned"] == [joiner]
+    assert _losses(metrics) == _losses(baseline[1])  # its sign-flipped gradient never entered the average
+    _agree(summary, metrics)
+    # Without admission (btard.admission_after=0) the same joiner is aggregated until a validator catches it.
+    _, open_metrics, _ = _run(tmp_path / "open", *lie, "btard.admission_after=0")
+    assert _losses(open_metrics) != _losses(baseline[1])
+
+
+def test_at_most_half_as_many_untrusted_as_trusted_the_rest_queued_in_id_order(tmp_path):
+    summary, metrics, admissions = _run(tmp_path, "faults.join=3", *JOIN, "steps=30")
+    joiners = summary["peer_ids"][4:]
+    first = min(a["step"] for a in admissions)
+    at_entry = [(a["peer"], a["event"]) for a in admissions if a["step"] == first and a["event"] in ("untrusted", "queued")]
+    first_two, last = sorted(joiners)[:2], sorted(joiners)[2]
+    assert at_entry == [(first_two[0], "untrusted"), (first_two[1], "untrusted"), (last, "queued")]
+    for m in metrics:
+        assert m["untrusted"] <= m["trusted"] // 2
+    assert any(m["queued"] == 1 for m in metrics)
+    # The queued peer gets the slot freed when the first of the others becomes trusted, in that same step.
+    first_trusted = min(a["step"] for a in admissions if a["event"] == "trusted")
+    assert (last, "untrusted") in [(a["peer"], a["event"]) for a in admissions if a["step"] == first_trusted]
+    assert {a["peer"] for a in admissions if a["event"] == "trusted"} == set(joiners)
+    assert metrics[-1]["trusted"] == 7 and metrics[-1]["untrusted"] == metrics[-1]["queued"] == 0
+    assert summary["banned"] == []
+    _agree(summary, metrics)
+
+
+def test_admission_state_round_trips_and_gives_roles():
+    state = Admission(["t0", "t1", "t2", "t3"], AdmissionConfig(approvals=2))
+    state.join("a"), state.join("b"), state.join("c")
+    state.approved("a")
+    copy = Admission.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert copy.to_dict() == state.to_dict() and copy.queue == ["c"]
+    assert copy.roles(["t0", "t1", "a", "c", "x"]) == Roles(("t0", "t1"), ("a", "t0", "t1"))
+    assert [copy.status(p) for p in ("t0", "a", "c", "x")] == ["trusted", "untrusted", "queued", "unknown"]
+    with pytest.raises(ValueError):
+        Admission.from_dict({**state.to_dict(), "untrusted": {"a": -1}})
+    with pytest.raises(ConfigError, match="btard.admission_after"):
+        override(get_preset("btard-digits"), ["btard.admission_after=-1"])
+    with pytest.raises(ConfigError, match="byzantine.joiners"):
+        override(get_preset("btard-digits"), ["byzantine.joiners=1"])
