@@ -39,8 +39,9 @@ def test_peer_joining_a_running_launch_is_trusted_after_t_approvals(tmp_path):
                 return
             time.sleep(0.2)
         addrs = (swarm / "peers" / "0.addr").read_text().split()
+        token = (swarm / "run_token").read_text().strip()  # each launch has its own DHT namespace
         cmd = [sys.executable, "-m", "phalanx.cli", "peer", "btard-digits", "--peers", "4", "--steps", str(STEPS)]
-        cmd += [x for s in SETS for x in ("--set", s)] + ["--host", "/ip4/127.0.0.1/tcp/0", "--out", str(joiner_out), "--initial-peers", *addrs]
+        cmd += [x for s in SETS for x in ("--set", s)] + ["--host", "/ip4/127.0.0.1/tcp/0", "--out", str(joiner_out), "--run-token", token, "--initial-peers", *addrs]
         joined["proc"] = proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         joined["stderr"] = proc.communicate(timeout=180)[1]
 
