@@ -312,7 +312,8 @@ def _write(rows: list[dict], out: Path) -> None:
         writer.writerows(rows)
 
 
-def _fmt(value, spec: str = ".3f") -> str:
+def format_cell(value, spec: str = ".3f") -> str:
+    """One table cell: "-" for a missing value, "nan" for NaN, floats with `spec`."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -338,7 +339,7 @@ def format_table(config: SentinelBenchConfig, rows: list[dict]) -> str:
         gap = 100 * (d["val_loss"] / clean["val_loss"] - 1)
         bans = ",".join(map(str, d["ban_iterations"])) or "-"
         lines.append(
-            f"{attack:16s} {_fmt(d['f1']):>6s} {_fmt(d['precision']):>6s} {_fmt(d['recall']):>6s} {d['tampered']:5d} "
+            f"{attack:16s} {format_cell(d['f1']):>6s} {format_cell(d['precision']):>6s} {format_cell(d['recall']):>6s} {d['tampered']:5d} "
             f"{bans:>14s} {str(d['exact_bans']):>5s} {d['val_loss']:9.4f} {u['val_loss']:9.4f} "
             f"{clean['val_loss']:7.4f} {gap:+6.2f}" + (f"  STALLED at iteration {d['stalled_at']} (a stage lost every relay)" if d["stalled_at"] is not None else ""))
     overhead = clean_def["wall_s"] / clean["wall_s"]
@@ -357,7 +358,7 @@ def format_table(config: SentinelBenchConfig, rows: list[dict]) -> str:
         for variant in variants:
             f1s = [by[(a, True, variant)]["f1"] for a in attacks]
             mean = sum(f1s) / len(f1s)
-            lines.append(f"{variant:8s} " + " ".join(f"{_fmt(v):>10s}" for v in f1s) + f" {_fmt(mean):>6s}")
+            lines.append(f"{variant:8s} " + " ".join(f"{format_cell(v):>10s}" for v in f1s) + f" {format_cell(mean):>6s}")
     return "\n".join(lines)
 
 

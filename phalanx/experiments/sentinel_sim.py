@@ -29,6 +29,7 @@ from ..runtime.dp_peer import TrainConfig
 from ..runtime.pipeline.config import PipelineConfig
 from ..runtime.pipeline.verifier import VerifierConfig
 from .pipeline_run import simulate_pipeline
+from .sentinel_bench import format_cell
 from .swarm import peer_identity
 
 STAGES = 3  # relay stages: block 0 | block 1 | head (the head stage is honest)
@@ -138,14 +139,6 @@ def run_grid(config, specs: list, partial: Path | None = None) -> list[dict]:
     return rows
 
 
-def _fmt(value, spec: str = ".3f") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return "nan" if value != value else format(value, spec)
-    return str(value)
-
-
 def format_table(config, rows: list[dict], attacks: list[str], ablation: list[str], ablation_attacks: list[str]) -> str:
     by = {(r["attack"], r["defended"], r["variant"]): r for r in rows}
     clean, clean_def = by[("none", False, "all")], by[("none", True, "all")]
@@ -165,12 +158,12 @@ def format_table(config, rows: list[dict], attacks: list[str], ablation: list[st
         gap = 100 * (d["val_loss"] / clean["val_loss"] - 1) if d["val_loss"] and clean["val_loss"] else float("nan")
         bans = ",".join(map(str, d["ban_iterations"])) or "-"
         lines.append(
-            f"{attack:16s} {_fmt(d['f1']):>6s} {_fmt(d['precision']):>6s} {_fmt(d['recall']):>6s} {d['tampered']:5d} "
-            f"{bans:>10s} {str(d['exact_bans']):>5s} {d['honest_banned']:6d} {_fmt(d['val_loss'], '9.4f')} "
-            f"{_fmt(u['val_loss'], '9.4f')} {_fmt(clean['val_loss'], '7.4f')} {_fmt(gap, '+6.2f')}")
+            f"{attack:16s} {format_cell(d['f1']):>6s} {format_cell(d['precision']):>6s} {format_cell(d['recall']):>6s} {d['tampered']:5d} "
+            f"{bans:>10s} {str(d['exact_bans']):>5s} {d['honest_banned']:6d} {format_cell(d['val_loss'], '9.4f')} "
+            f"{format_cell(u['val_loss'], '9.4f')} {format_cell(clean['val_loss'], '7.4f')} {format_cell(gap, '+6.2f')}")
     lines += [
         "",
-        f"clean run: val loss {_fmt(clean['val_loss'], '.4f')} without verifiers, {_fmt(clean_def['val_loss'], '.4f')} "
+        f"clean run: val loss {format_cell(clean['val_loss'], '.4f')} without verifiers, {format_cell(clean_def['val_loss'], '.4f')} "
         f"with; false-positive rate {100 * clean_def['fp_rate']:.3f}% ({clean_def['fp']} flags), "
         f"bans {clean_def['banned'] or 'none'}",
         f"overhead: simulated iteration time with / without verifiers = "
@@ -185,5 +178,5 @@ def format_table(config, rows: list[dict], attacks: list[str], ablation: list[st
             f1s = [by[(a, True, variant)]["f1"] for a in ablation_attacks]
             good = [v for v in f1s if v == v]
             mean = sum(good) / len(good) if good else float("nan")
-            lines.append(f"{variant:8s} " + " ".join(f"{_fmt(v):>10s}" for v in f1s) + f" {_fmt(mean):>6s}")
+            lines.append(f"{variant:8s} " + " ".join(f"{format_cell(v):>10s}" for v in f1s) + f" {format_cell(mean):>6s}")
     return "\n".join(lines)
