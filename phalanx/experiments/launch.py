@@ -316,11 +316,12 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
         for index in range(1, config.peers):
             workers.start(index, *extra, "--initial-peers", *addrs)
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
-        churn = LaunchChurn(config) if LaunchChurn.wanted(config) else None
+        churn = LaunchChurn(config, resume.step if resume is not None else 0) if LaunchChurn.wanted(config) else None
+        rejoin = worker_args(config, out, None)  # a churned worker catches up: checkpoint args, never --resume-from
         last_at: dict[int, int | None] = {}
         while workers.running():
             if churn is not None:
-                _churn(churn, workers, peer_dir, addrs, last_at)
+                _churn(churn, workers, peer_dir, [*rejoin, "--initial-peers", *addrs], last_at)
             for index in workers.reap():
                 last = _last_step(peer_dir / f"{index}.jsonl")
                 print(
@@ -363,7 +364,7 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
     return recorder.write(out, extra)
 
 
-def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[str], last_at: dict[int, int | None]) -> None:
+def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, args: list[str], last_at: dict[int, int | None]) -> None:
     """Apply the churn decisions for the steps finished so far: kill leavers, start returners again.
 
     `last_at` holds, per worker started again, the last step it had recorded then (to see it train).
@@ -375,7 +376,7 @@ def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[st
             workers.stopped.add(index)  # not a failure of the run: it may come back later
             workers.sweep(index)
             churn.failed_start(index)
-    progress = max((_last_step(peer_dir / f"{i}.jsonl") or -1) for i in workers.procs)
+    progress = max(-1 if (last := _last_step(peer_dir / f"{i}.jsonl")) is None else last for i in workers.procs)
     training = [i for i in workers.running() if i not in churn.starting]
     for event in churn.advance(progress, training):
         print(f"phalanx: churn: peer {event.index} {event.event} after step {event.step}", file=sys.stderr)
@@ -383,7 +384,7 @@ def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, addrs: list[st
             workers.kill(event.index)
         else:
             last_at[event.index] = _last_step(peer_dir / f"{event.index}.jsonl")
-            workers.start(event.index, "--initial-peers", *addrs, "--append")
+            workers.start(event.index, *args, "--append")
 
 
 def _last_step(path: Path) -> int | None:

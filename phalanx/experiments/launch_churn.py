@@ -33,7 +33,8 @@ class ChurnEvent:
 class LaunchChurn:
     """Which workers to stop and start as the run progresses (decisions only; the launcher acts)."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, start: int = 0) -> None:
+        """Decide from step `start` on (a resumed run does not replay the decisions before its checkpoint)."""
         self.config = config
         self.min_alive = 1 + config.catchup.confirmations
         self.last = config.steps - 2 * config.catchup.margin  # no churn from this step on
@@ -41,7 +42,7 @@ class LaunchChurn:
         self.starting: set[int] = set()  # started again, not training yet
         self.events: list[ChurnEvent] = []
         self._rng = py_stream(config.seed, "launch-churn")
-        self._done = -1
+        self._done = start - 1
 
     def trained(self, index: int) -> None:
         """Worker `index`, started again, has recorded a step: it trains (and may leave again)."""
