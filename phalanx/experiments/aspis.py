@@ -27,8 +27,8 @@ from ..core.rng import py_stream
 from ..runtime.aspis import AspisConfig, AspisCoordinator, AspisWorker, LiePolicy, assignment_at
 from ..runtime.dp_peer import TrainConfig, task_of
 from ..transport.base import Transport
-from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
-from .swarm import peer_identity
+from ..transport.sim import SimNetwork, run_simulation
+from .swarm import peer_identity, sim_config
 
 DISTORTIONS = ("alie", "ipm", "reversed", "constant", "sign_flip", "random_direction")
 
@@ -211,15 +211,7 @@ def simulate_aspis(config: AspisRunConfig, out: Path | None, progress: bool = Tr
         bar.update(1)
 
     async def main() -> tuple[float, dict]:
-        network = SimNetwork(
-            SimConfig(
-                seed=config.seed,
-                link=LinkProfile(latency=config.network.latency, bandwidth=config.network.bandwidth),
-                loss=config.network.loss,
-                detection_delay=config.network.detection_delay,
-                default_flops=config.network.flops,
-            )
-        )
+        network = SimNetwork(sim_config(config.network, config.seed))
         transports = [network.add_peer(identity) for identity in identities]
         roles = [build_role(config, transports[i], i, ids) for i in range(config.peers)]
         done = asyncio.Event()

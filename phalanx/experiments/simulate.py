@@ -12,10 +12,10 @@ from tqdm import tqdm
 
 from ..config import RunConfig
 from ..core.rng import py_stream
-from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
+from ..transport.sim import SimNetwork, run_simulation
 from .checkpoints import Checkpoint, SimCheckpoints
 from .churn import FaultDriver
-from .swarm import Recorder, peer_identity
+from .swarm import Recorder, peer_identity, sim_config
 
 
 def peer_speeds(config: RunConfig) -> list[float]:
@@ -44,15 +44,7 @@ def simulate(config: RunConfig, out: Path, progress: bool = True, resume: Checkp
 
     async def main() -> tuple[float, dict]:
         nonlocal driver
-        network = SimNetwork(
-            SimConfig(
-                seed=config.seed,
-                link=LinkProfile(latency=config.network.latency, bandwidth=config.network.bandwidth),
-                loss=config.network.loss,
-                detection_delay=config.network.detection_delay,
-                default_flops=config.network.flops,
-            )
-        )
+        network = SimNetwork(sim_config(config.network, config.seed))
         speeds = peer_speeds(config) + [config.network.flops] * config.faults.join  # joiners: the median speed
         transports = [network.add_peer(identity, flops=speed) for identity, speed in zip(identities, speeds)]
         if checkpoints is not None:

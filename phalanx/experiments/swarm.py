@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..algorithms.attacks import ATTACKS, AttackSchedule, make_attack
 from ..algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
-from ..config import RunConfig
+from ..config import NetworkConfig, RunConfig
 from ..core.identity import Identity
 from ..core.rng import py_stream
 from ..runtime.admission import AdmissionService
@@ -26,6 +26,7 @@ from ..runtime.dp_peer import DataParallelPeer, task_of
 from ..runtime.btard import SecureRound
 from ..runtime.mprng import MPRNGBehaviour, MPRNGFailed, SplitView, WithholdReveal, WrongReveal, run_mprng
 from ..transport.base import Transport
+from ..transport.sim import LinkProfile, SimConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,17 @@ MPRNG_BEHAVIOURS: dict[str, type[MPRNGBehaviour]] = {
     "wrong": WrongReveal,
     "split": SplitView,
 }
+
+
+def sim_config(network: NetworkConfig, seed: int) -> SimConfig:
+    """The simulated network a run's `network` config describes."""
+    return SimConfig(
+        seed=seed,
+        link=LinkProfile(latency=network.latency, bandwidth=network.bandwidth),
+        loss=network.loss,
+        detection_delay=network.detection_delay,
+        default_flops=network.flops,
+    )
 
 
 def peer_identity(seed: int, index: int) -> Identity:
