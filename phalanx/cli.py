@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import RunConfig, override
+from .config import RunConfig, apply_file, override
 from .core.errors import ConfigError, LocalError
 from .pipeline_config import PipelineRunConfig
 from .presets import describe, get_preset
@@ -32,7 +32,10 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
         config, args.checkpoint = resume_config(Path(args.resume), args.preset, flags + (args.set or []), args.command)
         return config
-    return override(get_preset(args.preset), flags + (args.set or []))
+    base = get_preset(args.preset)
+    if getattr(args, "config", None):
+        base = apply_file(base, Path(args.config))
+    return override(base, flags + (args.set or []))
 
 
 def _out(args: argparse.Namespace, config: RunConfig, mode: str) -> Path:
@@ -54,6 +57,7 @@ def _run_options(p: argparse.ArgumentParser, peers_required: bool = False) -> No
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--out", help="output directory (default runs/PRESET-MODE-seedS)")
+    p.add_argument("--config", metavar="FILE", help="a .toml or .json file of config keys laid over the preset (e.g. a [task] section)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.lr=0.05")
 
 

@@ -26,6 +26,7 @@ from ..core.errors import ConfigError
 from ..core.rng import py_stream
 from ..runtime.aspis import AspisConfig, AspisCoordinator, AspisWorker, LiePolicy, assignment_at
 from ..runtime.dp_peer import TrainConfig, task_of
+from ..training.plugin import TaskConfig
 from ..transport.base import Transport
 from ..transport.sim import SimNetwork, run_simulation
 from .swarm import peer_identity, sim_config
@@ -63,12 +64,13 @@ class AspisRunConfig:
     aspis: AspisConfig = field(default_factory=AspisConfig)
     attack: AspisAttackConfig = field(default_factory=AspisAttackConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(task="digits-mlp", lr=0.05))
+    task: TaskConfig = field(default_factory=TaskConfig)  # a user's task (task.factory); it needs examples(indices)
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
     def __post_init__(self) -> None:
         if self.peers < 2 or self.steps < 1:
             raise ConfigError(f"peers={self.peers} must be >= 2 (a coordinator and a worker) and steps={self.steps} >= 1")
-        if not self.train.task.startswith("digits"):
+        if not self.task.enabled and not self.train.task.startswith("digits"):
             raise ConfigError(f"train.task={self.train.task!r}: Aspis runs use a digits task (digits-mlp or digits-cnn)")
         self.aspis.check_workers(self.workers)
         if self.attack.orchestration == "att2" and 2 * self.byzantine_count > self.workers:
@@ -117,7 +119,7 @@ def distortion_of(config: AspisRunConfig):
 
 def build_role(config: AspisRunConfig, transport: Transport, index: int, ids: list[str]) -> AspisCoordinator | AspisWorker:
     """Peer `index` of the run: the coordinator (0) or worker index - 1."""
-    task = task_of(config.train)
+    task = task_of(config.train, config.task)
     if index == 0:
         return AspisCoordinator(transport, task, config.aspis, config.train, config.seed, ids[1:])
     plan = coalition(config)

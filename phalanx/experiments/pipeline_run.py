@@ -34,6 +34,7 @@ from ..runtime.pipeline.relay import ask_for_stage
 from ..runtime.pipeline.verifier import VerifierNode
 from ..runtime.pipeline.routing import RepairRouter, Router
 from ..core.errors import ConfigError
+from ..runtime.dp_peer import task_of
 from ..training.task import Task, make_task
 from ..transport.base import Transport
 from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
@@ -41,8 +42,10 @@ from .swarm import peer_identity
 
 
 def pipeline_task(config: PipelineRunConfig) -> Task:
-    """The task, deep enough for the stages: an MLP with one 64-wide hidden layer per stage, or a GPT
+    """The plug-in task (task.factory), or the built-in one deep enough for the stages: an MLP with one 64-wide hidden layer per stage, or a GPT
     with max(2, stages - 1) blocks (data nodes hold the first piece, relays one piece each)."""
+    if config.task.enabled:
+        return task_of(config.train, config.task)
     stages = config.pipeline.stages
     corpus = {"corpus": config.train.corpus} if config.train.corpus else {}
     if config.train.task == "digits-mlp":
@@ -375,7 +378,7 @@ def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed:
     """Held-out loss of the model made of one honest, up-to-date replica per stage (None if a stage has none)."""
     lying = {peer_identity(config.seed, config.data_nodes + i).peer_id for i in config.attack.indices}
     model = task.build_model(config.seed)
-    parts = model.stages(config.pipeline.stages + 1)
+    parts = task.stages(model, config.pipeline.stages + 1)
     for stage, part in enumerate(parts):
         source = next((n for p, n in sorted(nodes.items()) if n.stage == stage and p not in crashed
                        and p not in lying and n.version == config.steps), None)
@@ -398,7 +401,6 @@ def reference_losses(config: PipelineRunConfig) -> list[float]:
     task = pipeline_task(config)
     model = task.build_model(config.seed)
     from ..runtime.dp_peer import make_optimizer
-    from ..runtime.pipeline.stages import logits_loss
 
     optimizer = make_optimizer(config.train, model.parameters())
     sources = sorted(peer_identity(config.seed, i).peer_id for i in range(config.data_nodes))
@@ -410,7 +412,7 @@ def reference_losses(config: PipelineRunConfig) -> list[float]:
         for src in sources:
             for seq in range(it * m, (it + 1) * m):
                 x, y = task.batch(config.seed, src, seq, config.train.batch_size)
-                loss = logits_loss(model(x), y)
+                loss = task.output_loss(model(x), y)
                 (loss / (m * len(sources))).backward()
                 values.append(float(loss.detach()))
         optimizer.step()

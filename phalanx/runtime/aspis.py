@@ -143,7 +143,8 @@ def file_gradients(task: Task, model: torch.nn.Module, samples: torch.Tensor, ex
     (torch.func.vmap), whose float rounding depends on the batch (about 1e-7
     relative), so copies must then be compared with a tolerance.
     """
-    x, y = task.data.x_train[samples], task.data.y_train[samples]
+    x, y = task.examples(samples.reshape(-1))
+    x, y = x.view(*samples.shape, *x.shape[1:]), y.view(*samples.shape, *y.shape[1:])
     count = samples.shape[1]
     if exact:
         return torch.stack([compute_gradient(task, model, xs, ys)[0] * count for xs, ys in zip(x, y)])
@@ -349,7 +350,7 @@ class AspisCoordinator:
         work_seconds = time.perf_counter() - work_start
         with torch.no_grad():
             flat = samples.reshape(-1)
-            loss = float(self.task.loss(self.model, self.task.data.x_train[flat], self.task.data.y_train[flat]))
+            loss = float(self.task.loss(self.model, *self.task.examples(flat)))
         record: IterationRecord = {
             "step": t,
             "loss": loss,

@@ -19,6 +19,7 @@ import torch
 from ..algorithms.attacks import Attack, AttackView
 from ..algorithms.bans import BanLedger
 from ..core.errors import ConfigError
+from ..training.plugin import TaskConfig, load_task
 from ..training.task import TASKS, Task, compute_gradient, flat_params, make_task, num_params, set_flat_grad, set_flat_params, train_flops
 from ..transport.base import Transport
 from ..algorithms.btard_attacks import ProtocolPolicy
@@ -57,8 +58,10 @@ class TrainConfig:
             raise ConfigError(f"train.eval_every={self.eval_every} must be >= 1")
 
 
-def task_of(config: TrainConfig) -> Task:
-    """The training task a TrainConfig names (with its corpus for chars-gpt)."""
+def task_of(config: TrainConfig, plugin: TaskConfig = TaskConfig()) -> Task:
+    """The plug-in task `plugin` names, else the built-in one of `config` (with its corpus for chars-gpt)."""
+    if plugin.enabled:
+        return load_task(plugin)
     return make_task(config.task, corpus=config.corpus) if config.corpus else make_task(config.task)
 
 

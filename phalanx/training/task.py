@@ -17,6 +17,7 @@ from .cnn import CNN
 from .data import CharCorpus, batch_indices, load_digits_split
 from .gpt import GPT, GPTConfig
 from .mlp import MLP
+from .staging import contiguous_stages
 
 
 def seeded(seed: int, factory: Callable[[], nn.Module]) -> nn.Module:
@@ -27,10 +28,37 @@ def seeded(seed: int, factory: Callable[[], nn.Module]) -> nn.Module:
 
 
 class Task(ABC):
-    name: str
-    num_classes: int | None  # None for language modelling
+    """What phalanx trains: a model, public batches, a loss and an evaluation.
+
+    Write a subclass (or a factory returning one) and name it with
+    `--set task.factory=package.module:function`; see examples/csv_cnn/.
+
+    Required:
+      dataset_size      number of distinct training samples (windows for LM), > 0
+      build_model(seed) a freshly initialised nn.Module, identical for identical seeds
+                        (build it inside `seeded(seed, ...)` so the caller's RNG is untouched)
+      batch(run_seed, peer, step, batch_size) -> (x, y)
+                        the public batch of `peer` at `step`: a pure function of its
+                        arguments, so validators can recompute any peer's gradient;
+                        draw indices with `batch_indices` and look them up
+      evaluate(model)   {"loss": ..., "accuracy": ...} on a fixed held-out split
+    Optional (defaults shown):
+      name = "task", num_classes = None, tokens_per_sample = 1 (block_size for LM)
+      output_loss(output, y)  mean cross-entropy of [..., classes] outputs against integer targets;
+                        the pipeline kind applies it to the last stage's output at the data node
+      loss(model, x, y) output_loss(model(x), y)
+      examples(indices) -> (x, y)  training samples by index; the Aspis kind needs it (its files
+                        are sample indices)
+      stages(model, k)  k contiguous modules whose composition is model's forward; the pipeline
+                        kind asks for them. Default: model.stages(k) if the model has one, an
+                        nn.Sequential's children cut evenly, or a GPT-like model's
+                        [embed, *blocks, head] cut evenly
+    """
+
+    name: str = "task"
+    num_classes: int | None = None  # None for language modelling
     dataset_size: int  # number of distinct training samples (windows for LM)
-    tokens_per_sample: int  # 1 for classification, block_size for LM
+    tokens_per_sample: int = 1  # 1 for classification, block_size for LM
 
     @abstractmethod
     def build_model(self, seed: int) -> nn.Module:
@@ -41,12 +69,66 @@ class Task(ABC):
         """Public batch (x, y) of `peer` at `step`: a pure function of the arguments."""
 
     @abstractmethod
-    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        """Mean cross-entropy of the model on (x, y)."""
-
-    @abstractmethod
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """{"loss", "accuracy"} on the fixed held-out split."""
+
+    def output_loss(self, output: Tensor, y: Tensor) -> Tensor:
+        """Mean cross-entropy of [..., classes] outputs against integer targets of the leading shape."""
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), y.reshape(-1))
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        """Mean loss of the model on (x, y)."""
+        return self.output_loss(model(x), y)
+
+    def examples(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        """Training samples (x, y) at `indices` (any shape); needed by the Aspis kind."""
+        raise NotImplementedError(f"task {self.name!r} has no examples(indices): the Aspis kind needs one")
+
+    def stages(self, model: nn.Module, k: int) -> list[nn.Module]:
+        """Cut `model` into k contiguous pipeline pieces sharing its parameters."""
+        return default_stages(model, k)
+
+
+def sequential_units(model: nn.Sequential) -> list[nn.Module]:
+    """The children grouped so each unit holds parameters: a layer with the parameter-free ones after it.
+
+    Leading parameter-free children (an Unflatten, say) join the first unit, so
+    no pipeline stage is left without parameters to train.
+    """
+    def has_params(modules: list[nn.Module]) -> bool:
+        return any(True for m in modules for _ in m.parameters())
+
+    units: list[list[nn.Module]] = []
+    for child in model:
+        if has_params([child]) or not units:
+            units.append([child])
+        else:
+            units[-1].append(child)
+    if len(units) > 1 and not has_params(units[0]):
+        units = [units[0] + units[1], *units[2:]]
+    return [group[0] if len(group) == 1 else nn.Sequential(*group) for group in units]
+
+
+def default_stages(model: nn.Module, k: int) -> list[nn.Module]:
+    """model.stages(k), an nn.Sequential's children cut evenly, or a GPT-like [embed, *blocks, head] cut evenly.
+
+    ValueError (saying what the pipeline kind needs) for any other model or a k
+    outside [1, number of pieces].
+    """
+    own = getattr(model, "stages", None)
+    if callable(own):
+        return own(k)
+    if isinstance(model, nn.Sequential):
+        units = sequential_units(model)
+        return contiguous_stages(units, k, f"an nn.Sequential of {len(units)} layers with parameters")
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and all(isinstance(getattr(model, a, None), nn.Module) for a in ("embed", "head")):
+        units = [model.embed, *blocks, model.head]
+        return contiguous_stages(units, k, f"a GPT-like model of {len(blocks)} blocks")
+    raise ValueError(
+        f"{type(model).__name__} cannot be cut into pipeline stages: use an nn.Sequential, a model with "
+        "embed/blocks (nn.ModuleList)/head, or give the task a stages(model, k) method"
+    )
 
 
 class DigitsTask(Task):
@@ -75,11 +157,10 @@ class DigitsTask(Task):
         return seeded(seed, lambda: CNN(self.channels, num_classes=self.num_classes))
 
     def batch(self, run_seed: int, peer: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
-        idx = batch_indices(run_seed, peer, step, batch_size, self.dataset_size)
-        return self.data.x_train[idx], self.data.y_train[idx]
+        return self.examples(batch_indices(run_seed, peer, step, batch_size, self.dataset_size))
 
-    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        return F.cross_entropy(model(x), y)
+    def examples(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        return self.data.x_train[indices], self.data.y_train[indices]
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return _evaluate(model, self.data.x_test, self.data.y_test)
@@ -123,10 +204,6 @@ class CharGPTTask(Task):
     def batch(self, run_seed: int, peer: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
         starts = batch_indices(run_seed, peer, step, batch_size, self.dataset_size)
         return self._windows(self.corpus.train, starts)
-
-    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return _evaluate(model, self.x_val, self.y_val)
