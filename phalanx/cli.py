@@ -8,10 +8,9 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import RunConfig, apply_file, override
+from . import api
 from .core.errors import ConfigError, LocalError
-from .pipeline_config import PipelineRunConfig
-from .presets import describe, get_preset
+from .presets import describe
 
 # `phalanx bench NAME` runs run_cli(args) of this module of phalanx.experiments.
 BENCHES = {
@@ -23,7 +22,7 @@ BENCHES = {
 }
 
 
-def _config(args: argparse.Namespace) -> RunConfig:
+def _config(args: argparse.Namespace) -> api.AnyConfig:
     flags = [f"{k}={v}" for k in ("peers", "steps", "seed") if (v := getattr(args, k, None)) is not None]
     if getattr(args, "checkpoint_every", None) is not None:
         flags.append(f"checkpoint.every={args.checkpoint_every}")
@@ -32,18 +31,15 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
         config, args.checkpoint = resume_config(Path(args.resume), args.preset, flags + (args.set or []), args.command)
         return config
-    base = get_preset(args.preset)
-    if getattr(args, "config", None):
-        base = apply_file(base, Path(args.config))
-    return override(base, flags + (args.set or []))
+    return api.config(args.preset, file=args.config, set=flags + (args.set or []))
 
 
-def _out(args: argparse.Namespace, config: RunConfig, mode: str) -> Path:
+def _out(args: argparse.Namespace, config: api.AnyConfig, mode: str) -> Path:
     if getattr(args, "resume", None):
         if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
             raise ConfigError(f"--out {args.out} differs from --resume {args.resume}: a resumed run continues in its own directory")
         return Path(args.resume)
-    return Path(args.out) if args.out else Path("runs") / f"{config.preset}-{mode}-seed{config.seed}"
+    return Path(args.out) if args.out else api.default_out(config, mode)
 
 
 def _checkpoint_options(p: argparse.ArgumentParser) -> None:
@@ -119,26 +115,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return importlib.import_module(f".experiments.{BENCHES[args.name]}", __package__).run_cli(args)
     config = _config(args)
-    if getattr(args, "netns", None) is not None and not isinstance(config, RunConfig):
-        raise ConfigError(f"--netns runs data-parallel presets only, not {config.preset!r}")
-    if isinstance(config, PipelineRunConfig):
-        from .experiments.pipeline_run import run_pipeline_cli
-
-        summary = run_pipeline_cli(config, args, _out(args, config, args.command))
-    elif args.command == "simulate":
-        from .experiments.simulate import simulate
-
-        summary = simulate(config, _out(args, config, "simulate"), progress=not args.no_progress, resume=getattr(args, "checkpoint", None))
+    resume = getattr(args, "checkpoint", None)
+    if args.command == "simulate":
+        summary = api.simulate(config, _out(args, config, "simulate"), progress=not args.no_progress, resume=resume)
     elif args.command == "launch":
-        from .experiments.launch import launch
-        from .experiments.netns import parse_spec
-
-        netns = None if args.netns is None else parse_spec(args.netns, config.peers)
-        summary = launch(config, _out(args, config, "launch"), progress=not args.no_progress, resume=getattr(args, "checkpoint", None), netns=netns)
+        summary = api.launch(config, _out(args, config, "launch"), progress=not args.no_progress, resume=resume, netns=args.netns)
     else:
-        from .experiments.launch import run_single_peer
-
-        summary = run_single_peer(config, args)
+        summary = api.join(config, args.initial_peers, index=args.index, out=args.out, host=args.host,
+                           address_file=args.address_file, run_token=args.run_token)
     _print_summary(summary)
     return 0
 

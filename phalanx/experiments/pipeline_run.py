@@ -418,14 +418,3 @@ def reference_losses(config: PipelineRunConfig) -> list[float]:
         optimizer.step()
         losses.append(sum(values) / len(values))
     return losses
-
-
-def run_pipeline_cli(config: PipelineRunConfig, args, out: Path) -> dict:
-    """`phalanx simulate|launch|peer` on a pipeline preset."""
-    if args.command == "simulate":
-        return simulate_pipeline(config, out, progress=not args.no_progress)
-    if args.command == "launch":
-        from .pipeline_launch import launch_pipeline
-
-        return launch_pipeline(config, out, progress=not args.no_progress)
-    raise ConfigError("`phalanx peer` does not run pipeline presets yet: use `phalanx launch` for a pipeline run")
