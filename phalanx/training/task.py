@@ -180,8 +180,8 @@ class CharGPTTask(Task):
                  n_layer: int = 2, n_head: int = 2, n_embd: int = 64, eval_windows: int = 64) -> None:
         if corpus is None:
             corpus = CharCorpus.default()
-        elif not isinstance(corpus, CharCorpus):
-            corpus = CharCorpus.from_file(corpus)
+        elif isinstance(corpus, (str, Path)):
+            corpus = CharCorpus.from_file(corpus)  # else a CharCorpus, or a files.TokenCorpus of any tokenizer
         self.name = "chars-gpt"
         self.corpus = corpus
         self.cfg = GPTConfig(corpus.vocab_size, block_size, n_layer, n_head, n_embd)
