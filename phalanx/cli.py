@@ -6,6 +6,7 @@ import argparse
 import importlib
 import logging
 import sys
+import threading
 from pathlib import Path
 
 from . import api
@@ -57,6 +58,11 @@ def _run_options(p: argparse.ArgumentParser, peers_required: bool = False) -> No
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.lr=0.05")
 
 
+def _watch_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--watch", nargs="?", type=int, const=8765, metavar="PORT",
+                   help="serve the live page of this run on 127.0.0.1:PORT (default 8765) while it runs and after, until Ctrl-C")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="phalanx", description="Byzantine-tolerant training on untrusted peers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log protocol events")
@@ -65,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("simulate", help="run a simulated swarm in this process")
     _run_options(p)
     _checkpoint_options(p)
+    _watch_option(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     p = sub.add_parser("launch", help="run N real peers as OS processes on loopback over hivemind")
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     _checkpoint_options(p)
     p.add_argument("--netns", nargs="?", const="", metavar="SPEC", help="each peer in its own network namespace (root);"
                    " SPEC shapes links, e.g. '1:rate=10mbit;2:delay=40ms,jitter=10ms;3:loss=1%%'")
+    _watch_option(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     p = sub.add_parser("peer", help="run one real peer that joins a swarm")
@@ -81,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="/ip4/0.0.0.0/tcp/0", help="multiaddr to listen on")
     p.add_argument("--address-file", help="write this peer's visible multiaddrs to this file")
     p.add_argument("--run-token", default="", help="the run token of the launch to join (its summary's run_token)")
+
+    p = sub.add_parser("watch", help="serve a live page of a run directory (running or finished, here or shared)")
+    p.add_argument("dir")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8765)
 
     p = sub.add_parser("report", help="draw PNG plots and a summary table of a run directory")
     p.add_argument("dir")
@@ -107,6 +120,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         for name, text in describe():
             print(f"{name:18s} {text}")
         return 0
+    if args.command == "watch":
+        from .experiments.watch import serve
+
+        serve(Path(args.dir), args.host, args.port)
+        return 0
     if args.command == "report":
         from .experiments.report import report
 
@@ -116,15 +134,38 @@ def _dispatch(args: argparse.Namespace) -> int:
         return importlib.import_module(f".experiments.{BENCHES[args.name]}", __package__).run_cli(args)
     config = _config(args)
     resume = getattr(args, "checkpoint", None)
-    if args.command == "simulate":
-        summary = api.simulate(config, _out(args, config, "simulate"), progress=not args.no_progress, resume=resume)
-    elif args.command == "launch":
-        summary = api.launch(config, _out(args, config, "launch"), progress=not args.no_progress, resume=resume, netns=args.netns)
-    else:
+    if args.command == "peer":
         summary = api.join(config, args.initial_peers, index=args.index, out=args.out, host=args.host,
                            address_file=args.address_file, run_token=args.run_token)
-    _print_summary(summary)
+        _print_summary(summary)
+        return 0
+    out = _out(args, config, args.command)
+    watch = None
+    if args.watch is not None:
+        from .experiments.watch import BackgroundWatch
+
+        watch = BackgroundWatch(out, port=args.watch)
+        print(f"watch this run at {watch.url}", file=sys.stderr, flush=True)
+    try:
+        if args.command == "simulate":
+            summary = api.simulate(config, out, progress=not args.no_progress, resume=resume)
+        else:
+            summary = api.launch(config, out, progress=not args.no_progress, resume=resume, netns=args.netns)
+        _print_summary(summary)
+        if watch is not None:
+            print(f"run finished; its page stays at {watch.url} until Ctrl-C", file=sys.stderr, flush=True)
+            _wait_for_interrupt()
+    finally:
+        if watch is not None:
+            watch.stop()
     return 0
+
+
+def _wait_for_interrupt() -> None:
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
 
 
 def _print_summary(summary: dict) -> None:

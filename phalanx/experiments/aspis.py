@@ -29,6 +29,7 @@ from ..runtime.dp_peer import TrainConfig, task_of
 from ..training.plugin import TaskConfig
 from ..transport.base import Transport
 from ..transport.sim import SimNetwork, run_simulation
+from .live import LiveLog
 from .swarm import peer_identity, sim_config
 
 DISTORTIONS = ("alie", "ipm", "reversed", "constant", "sign_flip", "random_direction")
@@ -205,11 +206,13 @@ def simulate_aspis(config: AspisRunConfig, out: Path | None, progress: bool = Tr
     identities = [peer_identity(config.seed, i) for i in range(config.peers)]
     ids = [identity.peer_id for identity in identities]
     records: list[dict] = []
+    live = LiveLog(out, config.to_json())
     bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
 
     def on_iteration(record: dict) -> None:
         records.append(record)
         count_distortion(config, records[-1:])
+        live.write(0, record)
         bar.update(1)
 
     async def main() -> tuple[float, dict]:
@@ -233,6 +236,7 @@ def simulate_aspis(config: AspisRunConfig, out: Path | None, progress: bool = Tr
         simulated_seconds, stats = run_simulation(main)
     finally:
         bar.close()
+        live.close()
     summary = summarize(
         config, records, {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds}
     )

@@ -38,6 +38,7 @@ from ..runtime.dp_peer import task_of
 from ..training.task import Task, make_task
 from ..transport.base import Transport
 from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
+from .live import LiveLog
 from .swarm import peer_identity
 
 
@@ -218,6 +219,8 @@ def simulate_pipeline(
     directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
     task = pipeline_task(config)
     recorder = PipelineRecorder(config, ids)
+    live = LiveLog(out, config.to_json())
+    index_of = {peer: i for i, peer in enumerate(ids)}
     bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
     relay_ids = ids[config.data_nodes:]
 
@@ -242,6 +245,7 @@ def simulate_pipeline(
 
         def on_iteration(record: dict) -> None:
             recorder.iterations.append(record)
+            live.write(index_of[record["peer"]], {"type": "iteration", **record})
             if record["peer"] == ids[0]:
                 bar.update(1)
 
@@ -266,6 +270,7 @@ def simulate_pipeline(
 
         def on_event(event: dict) -> None:
             recorder.on_event(event)
+            live.write(index_of.get(event["peer"], len(ids)), {"type": "event", **event})
             f = config.faults
             if (f.crash_stage and event["kind"] == "fwd" and event["stage"] == f.crash_stage
                     and event["it"] == f.crash_iteration and not crashed and not triggered):
@@ -353,6 +358,7 @@ def simulate_pipeline(
         simulated_seconds, stats = run_simulation(main)
     finally:
         bar.close()
+        live.close()
     verifiers_of_run = verifier_ids(config)
     extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
              "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"],
