@@ -104,3 +104,19 @@ def test_watch_page_updates_during_a_run_in_headless_chromium(tmp_path):
             run.join()
         watch.stop()
     print(f"watch page screenshot: {SCREENSHOT}")
+
+
+def test_timeline_is_binned_to_stay_readable_at_256_peers_and_1000_steps(tmp_path):
+    from phalanx.experiments.report import draw_timeline, timeline_bins
+
+    timeline = [{"peer": p, "step": s, "t_start": float(s), "t_computed": s + 0.2, "t_end": s + 0.5}
+                for p in range(256) for s in range(1000) if not (p < 2 and s < 2) and not (p == 255 and s >= 500)]
+    presence, rows, cols, durations = timeline_bins(timeline, 256, 1000)
+    assert presence.shape == (64, 250) and len(rows) == 65 and len(cols) == 251
+    assert presence[0, 0] == pytest.approx(12 / 16)  # peers 0-3 x steps 0-3, four cells missing
+    assert presence[-1, -1] == pytest.approx(3 / 4) and presence[5, 5] == 1.0  # peer 255 left at step 500
+    assert durations == pytest.approx([0.5] * 250)
+    ids = [f"p{i}" for i in range(256)]
+    summary = {"peers": 256, "steps": 1000, "peer_ids": ids, "crashed": {"p255": 499}, "byzantine": ["p7"]}
+    draw_timeline(tmp_path / "timeline.png", timeline, summary, [{"step": 300, "peer": "p7", "reason": "gradient"}], "t")
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
