@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.training import Task, batch_indices, seeded
+from phalanx.training import Task, batch_indices, seeded, to_model
 
 
 class PixelCNNTask(Task):
@@ -50,12 +50,12 @@ class PixelCNNTask(Task):
         return F.cross_entropy(model(x), y)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
+        x, y = to_model(model, self.x_test, self.y_test)  # the model may be on a GPU (train.device)
         model.eval()
         with torch.no_grad():
-            logits = model(self.x_test)
+            logits = model(x)
         model.train()
-        return {"loss": F.cross_entropy(logits, self.y_test).item(),
-                "accuracy": (logits.argmax(1) == self.y_test).float().mean().item()}
+        return {"loss": F.cross_entropy(logits, y).item(), "accuracy": (logits.argmax(1) == y).float().mean().item()}
 
 
 def make_task(path: str = "pixels.csv", side: int = 8) -> PixelCNNTask:

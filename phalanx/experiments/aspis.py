@@ -127,7 +127,7 @@ def build_role(config: AspisRunConfig, transport: Transport, index: int, ids: li
     policy = None
     if plan is not None and (plan.kind == "att3" or index - 1 in plan.byzantine):
         policy = LiePolicy(plan, distortion_of(config))
-    return AspisWorker(transport, task, config.aspis, config.seed, ids[0], index - 1, config.workers, policy)
+    return AspisWorker(transport, task, config.aspis, config.seed, ids[0], index - 1, config.workers, policy, config.train.device)
 
 
 def count_distortion(config: AspisRunConfig, records: list[dict]) -> None:

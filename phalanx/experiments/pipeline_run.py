@@ -105,7 +105,7 @@ def build_node(
     """A data node or relay; with SENTINEL it knows the boundary verifiers (or verifies, client-routed);
     a relay listed in `attack.relays` is an `AttackingRelay` that logs to `on_event` (kind "attack")."""
     stage = config.stage_of(index) if stage is None else stage
-    staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size)
+    staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size, config.train.device)
     capacity = capacities(config)[index] if index < config.peers else config.pipeline.capacity  # a fresh joiner
     router, flow = make_routing(config, transport, stage, capacity)
     client = config.sentinel.enabled and config.sentinel.placement == "data_node"
@@ -398,7 +398,7 @@ def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed:
 
 def param_digest(node: DataNode | Relay) -> str:
     """sha256 prefix of a node's stage parameters (replicas of a stage must agree)."""
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in node.params)).hexdigest()[:16]
+    return hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in node.params)).hexdigest()[:16]
 
 
 def reference_losses(config: PipelineRunConfig) -> list[float]:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cnn import CNN
+from .device import to_model
 from .data import CharCorpus, batch_indices, load_digits_split
 from .gpt import GPT, GPTConfig
 from .mlp import MLP
@@ -40,8 +41,10 @@ class Task(ABC):
       batch(run_seed, peer, step, batch_size) -> (x, y)
                         the public batch of `peer` at `step`: a pure function of its
                         arguments, so validators can recompute any peer's gradient;
-                        draw indices with `batch_indices` and look them up
-      evaluate(model)   {"loss": ..., "accuracy": ...} on a fixed held-out split
+                        draw indices with `batch_indices` and look them up (CPU tensors:
+                        phalanx moves them to the model's device, train.device)
+      evaluate(model)   {"loss": ..., "accuracy": ...} on a fixed held-out split; the model
+                        may be on a GPU: move data with phalanx.training.to_model(model, x, y)
     Optional (defaults shown):
       name = "task", num_classes = None, tokens_per_sample = 1 (block_size for LM)
       output_loss(output, y)  mean cross-entropy of [..., classes] outputs against integer targets;
@@ -212,6 +215,7 @@ class CharGPTTask(Task):
 def _evaluate(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, float]:
     """Mean loss and accuracy in one no-grad eval-mode batch; restores the model's mode."""
     was_training = model.training
+    x, y = to_model(model, x, y)
     model.eval()
     try:
         with torch.no_grad():
@@ -248,8 +252,8 @@ def num_params(model: nn.Module) -> int:
 
 
 def flat_params(model: nn.Module) -> Tensor:
-    """A detached float32 copy of all parameters as one 1-D vector."""
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    """A detached float32 copy of all parameters as one 1-D CPU vector."""
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).cpu()
 
 
 def set_flat_params(model: nn.Module, vec: Tensor) -> None:
@@ -263,11 +267,11 @@ def set_flat_params(model: nn.Module, vec: Tensor) -> None:
 
 
 def flat_grad(model: nn.Module) -> Tensor:
-    """All parameter gradients as one float32 1-D vector (zeros where grad is None)."""
+    """All parameter gradients as one float32 1-D CPU vector (zeros where grad is None)."""
     return torch.cat([
-        (p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel())).float()
+        (p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)).float()
         for p in model.parameters()
-    ])
+    ]).cpu()
 
 
 def set_flat_grad(model: nn.Module, vec: Tensor) -> None:
@@ -275,7 +279,7 @@ def set_flat_grad(model: nn.Module, vec: Tensor) -> None:
     _check_length(model, vec)
     offset = 0
     for p in model.parameters():
-        p.grad = vec[offset:offset + p.numel()].detach().view_as(p).to(p.dtype).clone()
+        p.grad = vec[offset:offset + p.numel()].detach().view_as(p).to(device=p.device, dtype=p.dtype).clone()
         offset += p.numel()
 
 
@@ -287,12 +291,15 @@ def _check_length(model: nn.Module, vec: Tensor) -> None:
 
 def compute_gradient(task: Task, model: nn.Module, x: Tensor, y: Tensor,
                      label_map: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, float]:
-    """Flat gradient (float32, contiguous, 1-D) of task.loss on (x, label_map(y)), and the loss.
+    """Flat gradient (float32, contiguous, 1-D, on the CPU) of task.loss on (x, label_map(y)), and the loss.
+
+    The batch is moved to the model's device (train.device) first.
 
     Clears existing gradients first and leaves the new ones in the model's .grad.
     """
     if label_map is not None:
         y = label_map(y)
+    x, y = to_model(model, x, y)
     model.zero_grad(set_to_none=True)
     loss = task.loss(model, x, y)
     loss.backward()

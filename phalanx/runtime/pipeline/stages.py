@@ -12,13 +12,14 @@ import torch
 from torch import Tensor, nn
 
 from ...core.errors import ConfigError
+from ...training.device import OnDevice, resolve_device
 from ...training.task import Task, num_params
 
 
 class StagedModel:
     """The S+1 parts of a task's model and the activation shape after each part."""
 
-    def __init__(self, task: Task, seed: int, stages: int, batch_size: int) -> None:
+    def __init__(self, task: Task, seed: int, stages: int, batch_size: int, device: str = "cpu") -> None:
         model = task.build_model(seed)
         try:
             self.parts: list[nn.Module] = list(task.stages(model, stages + 1))
@@ -40,6 +41,9 @@ class StagedModel:
                                   "forward; give the task a stages(model, k) method that cuts it faithfully")
         model.train()
         self.out_shapes = shapes  # out_shapes[s]: shape of part s's output (part s+1's input)
+        where = resolve_device(device)
+        if where.type != "cpu":  # parameters on the device; activations in and out stay CPU float32
+            self.parts = [OnDevice(part, where) for part in self.parts]
         tokens = batch_size * task.tokens_per_sample
         self.forward_flops = [2.0 * num_params(p) * tokens for p in self.parts]
 
@@ -49,7 +53,7 @@ class StagedModel:
 
 
 def flat(tensors: list[Tensor | None], params: list[nn.Parameter]) -> Tensor:
-    """Gradients (None = zero) as one float32 vector in parameter order."""
+    """Gradients (None = zero) as one float32 CPU vector in parameter order."""
     return torch.cat([
-        (g.reshape(-1) if g is not None else torch.zeros(p.numel())).float() for g, p in zip(tensors, params)
-    ])
+        (g.reshape(-1) if g is not None else torch.zeros(p.numel(), device=p.device)).float() for g, p in zip(tensors, params)
+    ]).cpu()
