@@ -68,10 +68,17 @@ def test_table_formats_match_hand_loading_and_train(tmp_path, monkeypatch, suffi
     assert task.classes == list(SPECIES)
 
     monkeypatch.chdir(tmp_path)
-    summary = api.simulate(api.config("digits-dp", peers=3, steps=15, task="phalanx.training.files:classification",
+    keys = {"train.eval_every": 15}
+    if suffix == ".csv":  # BTARD's validators recompute a lying peer's gradient from the file's public batches
+        keys.update({"byzantine.count": 1, "byzantine.attack": "sign_flip", "byzantine.start_step": 2})
+    summary = api.simulate(api.config("btard-digits" if suffix == ".csv" else "digits-dp", peers=4, steps=15,
+                                      task="phalanx.training.files:classification",
                                       task_params={"path": path.name, "label": "species", "features": "f0,f1,f2,f3"},
-                                      set={"train.eval_every": 15}), out=tmp_path / "run")
+                                      set=keys), out=tmp_path / "run")
     assert summary["final_accuracy"] > 0.9, summary
+    bans = [json.loads(line) for line in (tmp_path / "run" / "bans.jsonl").read_text().splitlines()] if suffix == ".csv" else []
+    assert len(summary["banned"]) == len(bans) == (1 if suffix == ".csv" else 0)
+    assert all(ban["reason"] == "gradient" for ban in bans)  # caught by recomputing its gradient
 
 
 def test_text_file_with_char_byte_and_trained_tokenizers(tmp_path, monkeypatch):

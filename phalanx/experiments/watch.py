@@ -187,7 +187,7 @@ class RunFollower:
             for row in self._new_rows(path):
                 self.state.add(_index(path), row)
         summary = self.run_dir / "summary.json"
-        if self.state.summary is None and summary.exists():
+        if self.state.summary is None and summary.exists() and summary.stat().st_mtime >= self.config_mtime:  # not a rerun's old one
             self.state.summary = _json(summary)
             if self.state.summary is not None and not peer_files:
                 self.state.add_metrics(list(self._new_rows(self.run_dir / "metrics.jsonl")))
