@@ -49,6 +49,7 @@ def test_pipeline_rows_fill_occupancy_outcomes_and_links():
     snap = state.snapshot()
     assert snap["loss"] == [[0, 2.0]] and snap["outcomes"] == {"deferred": [[0, 1]], "ok": [[0, 2]]}
     assert snap["occupancy"] == {"1": [[0, 0.5]]} and snap["links"] == [{"link": 1, "checked": 2, "flagged": 1}]
+    assert snap["peers_per_step"] == [[0, 1]] and snap["link_flags"] == {"1": [[0, 1]]}
 
 
 def chromium_or_skip() -> str:

@@ -102,6 +102,7 @@ class WatchState:
         kind = row.get("kind")
         if kind in ("fwd", "bwd"):
             self.busy[int(row["stage"])][int(row["it"])] += float(row["t1"]) - float(row["t0"])
+            self.present[int(row["it"])].add(row["peer"])  # nodes that computed in the iteration
         elif kind == "verdict":
             link = int(row["link"])
             self.links[link][0] += 1

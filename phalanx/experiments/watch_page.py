@@ -35,7 +35,7 @@ function chart(id, series, opts = {}) {
   const el = document.getElementById(id);
   const pts = series.flatMap(s => s.points);
   if (!pts.length) { el.innerHTML = '<div class="empty">no data for this run</div>'; return; }
-  const W = 500, H = 220, L = 48, R = 10, T = 10, B = 28;
+  const W = 500, H = 220, L = 58, R = 10, T = 10, B = 28;
   const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
   let x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
   let y0 = opts.y0 !== undefined ? opts.y0 : Math.min(...ys), y1 = opts.y1 !== undefined ? opts.y1 : Math.max(...ys);
@@ -44,9 +44,12 @@ function chart(id, series, opts = {}) {
   let svg = `<svg viewBox="0 0 ${W} ${H}" width="100%" data-points="${pts.length}">`;
   svg += `<line x1="${L}" y1="${H - B}" x2="${W - R}" y2="${H - B}" stroke="#999"/><line x1="${L}" y1="${T}" x2="${L}" y2="${H - B}" stroke="#999"/>`;
   for (let i = 0; i <= 4; i++) {
-    const y = y0 + (y1 - y0) * i / 4, x = x0 + (x1 - x0) * i / 4;
+    const y = y0 + (y1 - y0) * i / 4;
     svg += `<text x="${L - 4}" y="${sy(y) + 4}" text-anchor="end">${+y.toPrecision(3)}</text>`;
-    svg += `<text x="${sx(x)}" y="${H - B + 14}" text-anchor="middle">${Math.round(x)}</text>`;
+  }
+  const every = Math.max(1, Math.ceil((x1 - x0) / 6));  // steps are integers: ticks on whole steps
+  for (let x = Math.ceil(x0 / every) * every; x <= x1; x += every) {
+    svg += `<text x="${sx(x)}" y="${H - B + 14}" text-anchor="middle">${x}</text>`;
   }
   svg += `<text x="${(L + W - R) / 2}" y="${H - 2}" text-anchor="middle">${opts.xlabel || "step"}</text>`;
   for (const m of (opts.marks || [])) {
@@ -60,7 +63,7 @@ function chart(id, series, opts = {}) {
     if (s.dots) for (const p of s.points) svg += `<circle cx="${sx(p[0])}" cy="${sy(p[1])}" r="2.5" fill="${color}"/>`;
   });
   svg += "</svg>";
-  const legend = series.length > 1 ? '<div class="legend">' + series.map((s, i) =>
+  const legend = series.length > 1 || opts.legend ? '<div class="legend">' + series.map((s, i) =>
     `<span><i class="sw" style="background:${s.color || COLORS[i % COLORS.length]}"></i>${esc(s.name)}</span>`).join("") + "</div>" : "";
   el.innerHTML = svg + legend;
 }
@@ -85,8 +88,8 @@ function render(s) {
   document.getElementById("events").innerHTML = kinds.map(([k, t]) => `<span><i class="sw" style="background:${EVENT_COLORS[k]}"></i>${t}</span>`).join("") +
     reasons.map(r => `<span><i class="sw" style="background:${reasonColor(r, reasons)}"></i>ban: ${esc(r)}</span>`).join("");
   chart("admission", named(s.admission), {y0: 0});
-  chart("occupancy", named(s.occupancy).map(v => ({...v, name: "stage " + v.name})), {xlabel: "iteration", y0: 0});
-  chart("outcomes", named(s.outcomes), {xlabel: "iteration", y0: 0});
+  chart("occupancy", named(s.occupancy).map(v => ({...v, name: "stage " + v.name})), {xlabel: "iteration", y0: 0, legend: true});
+  chart("outcomes", named(s.outcomes), {xlabel: "iteration", y0: 0, legend: true});
   document.getElementById("links").innerHTML = s.links.length ? "<table><tr><th>link</th><th>checked</th><th>flagged</th><th>rate</th></tr>" +
     s.links.map(l => `<tr><td>${l.link}</td><td>${l.checked}</td><td>${l.flagged}</td><td>${(l.flagged / Math.max(1, l.checked)).toFixed(3)}</td></tr>`).join("") + "</table>"
     : '<div class="empty">no data for this run</div>';
