@@ -134,3 +134,19 @@ def test_readme_api_script_runs_as_written(user_dir, capsys):
     assert capsys.readouterr().out.startswith("accuracy ")
     summary = json.loads((user_dir / "runs" / "pixel-cnn" / "summary.json").read_text())
     assert summary["final_accuracy"] > 0.5 and len(summary["banned"]) == 2
+
+
+def test_config_file_layers_and_errors(tmp_path):
+    from phalanx.api import config
+
+    (tmp_path / "run.json").write_text(json.dumps({"steps": 7, "train": {"lr": 0.02}, "task": {"factory": "m:f", "params": {"k": 1}}}))
+    loaded = config("digits-dp", file=tmp_path / "run.json", set={"train.lr": 0.03})
+    assert (loaded.steps, loaded.train.lr, loaded.train.optimizer, loaded.task.params) == (7, 0.03, "sgd", {"k": 1})
+    (tmp_path / "bad.toml").write_text("[train]\nlearning_rate = 1\n")
+    with pytest.raises(ConfigError, match="unknown key 'train.learning_rate'"):
+        config("digits-dp", file=tmp_path / "bad.toml")
+    (tmp_path / "run.yaml").write_text("steps: 7\n")
+    with pytest.raises(ConfigError, match="name a .toml or .json file"):
+        config("digits-dp", file=tmp_path / "run.yaml")
+    with pytest.raises(ConfigError, match="no such file"):
+        config("digits-dp", file=tmp_path / "missing.toml")
