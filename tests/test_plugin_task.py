@@ -118,6 +118,16 @@ def test_bad_task_is_one_line_error(user_dir, capsys, factory, message):
     assert rc == 2 and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["aspis-digits", "--peers", "4", "--set", "aspis.q=1"], "has no examples(indices) method: the Aspis kind"),
+    (["chars-gpt-pipeline"], "Linear cannot be cut into pipeline stages: use an nn.Sequential"),
+], ids=["aspis", "pipeline"])
+def test_kind_specific_task_needs_are_one_line(user_dir, capsys, argv, message):
+    rc = main(["simulate", *argv, "--steps", "1", "--no-progress", "--set", f"task.factory={__name__}:PureBatch"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
 def test_pure_task_loads_and_is_cached():
     config = TaskConfig(factory=f"{__name__}:PureBatch")
     assert load_task(config) is load_task(config)

@@ -27,6 +27,7 @@ from ..core.rng import py_stream
 from ..runtime.aspis import AspisConfig, AspisCoordinator, AspisWorker, LiePolicy, assignment_at
 from ..runtime.dp_peer import TrainConfig, task_of
 from ..training.plugin import TaskConfig
+from ..training.task import Task
 from ..transport.base import Transport
 from ..transport.sim import SimNetwork, run_simulation
 from .live import LiveLog
@@ -121,6 +122,8 @@ def distortion_of(config: AspisRunConfig):
 def build_role(config: AspisRunConfig, transport: Transport, index: int, ids: list[str]) -> AspisCoordinator | AspisWorker:
     """Peer `index` of the run: the coordinator (0) or worker index - 1."""
     task = task_of(config.train, config.task)
+    if type(task).examples is Task.examples:
+        raise ConfigError(f"task {task.name!r} has no examples(indices) method: the Aspis kind draws its files by sample index")
     if index == 0:
         return AspisCoordinator(transport, task, config.aspis, config.train, config.seed, ids[1:])
     plan = coalition(config)
