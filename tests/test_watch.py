@@ -84,8 +84,9 @@ def test_watch_page_updates_during_a_run_in_headless_chromium(tmp_path):
             page.wait_for_selector("#steps")
             assert page.inner_text("#steps") == "0"
             run.start()
-            page.wait_for_function("+document.querySelector('#steps').textContent > 0 && "
-                                   "document.querySelector('#state').textContent == 'running'", timeout=60_000)
+            page.wait_for_function("+document.querySelector('#steps').textContent > 0 && "  # mid-run: more steps to come
+                                   "+document.querySelector('#steps').textContent < 49", timeout=60_000)
+            assert page.inner_text("#state") == "running"
             steps = int(page.inner_text("#steps"))
             points = int(page.get_attribute("#loss path.series", "data-n"))
             page.wait_for_function(f"+document.querySelector('#steps').textContent > {steps}", timeout=60_000)
