@@ -1,7 +1,8 @@
 """Task abstraction: model + public data + loss + evaluation, and flat-vector helpers.
 
 The runtime and the experiment harness see training only through `Task` and
-the functions here: gradients and parameters travel as flat float32 vectors.
+the functions here: gradients and parameters travel as flat float32 CPU vectors,
+whatever device (train.device) the model computes on.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cnn import CNN
-from .device import to_model
 from .data import CharCorpus, batch_indices, load_digits_split
+from .device import to_model
 from .gpt import GPT, GPTConfig
 from .mlp import MLP
 from .staging import contiguous_stages
