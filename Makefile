@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q $(PIN) torch==2.13.0
 	$(PIP) install -q $(PIN) --only-binary hivemind hivemind==1.1.12
-	$(PIP) install -q $(PIN) --no-build-isolation -e . pytest
+	$(PIP) install -q $(PIN) --no-build-isolation -e '.[data,watch,test]'
+	-command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 || echo "no chromium: the watch page test will skip"
 	touch $(STAMP)
 
 demo: $(STAMP)

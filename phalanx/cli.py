@@ -6,12 +6,12 @@ import argparse
 import importlib
 import logging
 import sys
+import threading
 from pathlib import Path
 
-from .config import RunConfig, override
+from . import api
 from .core.errors import ConfigError, LocalError
-from .pipeline_config import PipelineRunConfig
-from .presets import describe, get_preset
+from .presets import describe
 
 # `phalanx bench NAME` runs run_cli(args) of this module of phalanx.experiments.
 BENCHES = {
@@ -23,7 +23,7 @@ BENCHES = {
 }
 
 
-def _config(args: argparse.Namespace) -> RunConfig:
+def _config(args: argparse.Namespace) -> api.AnyConfig:
     flags = [f"{k}={v}" for k in ("peers", "steps", "seed") if (v := getattr(args, k, None)) is not None]
     if getattr(args, "checkpoint_every", None) is not None:
         flags.append(f"checkpoint.every={args.checkpoint_every}")
@@ -32,15 +32,15 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
         config, args.checkpoint = resume_config(Path(args.resume), args.preset, flags + (args.set or []), args.command)
         return config
-    return override(get_preset(args.preset), flags + (args.set or []))
+    return api.config(args.preset, file=args.config, set=flags + (args.set or []))
 
 
-def _out(args: argparse.Namespace, config: RunConfig, mode: str) -> Path:
+def _out(args: argparse.Namespace, config: api.AnyConfig, mode: str) -> Path:
     if getattr(args, "resume", None):
         if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
             raise ConfigError(f"--out {args.out} differs from --resume {args.resume}: a resumed run continues in its own directory")
         return Path(args.resume)
-    return Path(args.out) if args.out else Path("runs") / f"{config.preset}-{mode}-seed{config.seed}"
+    return Path(args.out) if args.out else api.default_out(config, mode)
 
 
 def _checkpoint_options(p: argparse.ArgumentParser) -> None:
@@ -54,7 +54,13 @@ def _run_options(p: argparse.ArgumentParser, peers_required: bool = False) -> No
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--out", help="output directory (default runs/PRESET-MODE-seedS)")
+    p.add_argument("--config", metavar="FILE", help="a .toml or .json file of config keys laid over the preset (e.g. a [task] section)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.lr=0.05")
+
+
+def _watch_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--watch", nargs="?", type=int, const=8765, metavar="PORT",
+                   help="serve the live page of this run on 127.0.0.1:PORT (default 8765) while it runs and after, until Ctrl-C")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("simulate", help="run a simulated swarm in this process")
     _run_options(p)
     _checkpoint_options(p)
+    _watch_option(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     p = sub.add_parser("launch", help="run N real peers as OS processes on loopback over hivemind")
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     _checkpoint_options(p)
     p.add_argument("--netns", nargs="?", const="", metavar="SPEC", help="each peer in its own network namespace (root);"
                    " SPEC shapes links, e.g. '1:rate=10mbit;2:delay=40ms,jitter=10ms;3:loss=1%%'")
+    _watch_option(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     p = sub.add_parser("peer", help="run one real peer that joins a swarm")
@@ -81,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="/ip4/0.0.0.0/tcp/0", help="multiaddr to listen on")
     p.add_argument("--address-file", help="write this peer's visible multiaddrs to this file")
     p.add_argument("--run-token", default="", help="the run token of the launch to join (its summary's run_token)")
+
+    p = sub.add_parser("watch", help="serve a live page of a run directory (running or finished, here or shared)")
+    p.add_argument("dir")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8765)
 
     p = sub.add_parser("report", help="draw PNG plots and a summary table of a run directory")
     p.add_argument("dir")
@@ -107,6 +120,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         for name, text in describe():
             print(f"{name:18s} {text}")
         return 0
+    if args.command == "watch":
+        from .experiments.watch import serve
+
+        serve(Path(args.dir), args.host, args.port)
+        return 0
     if args.command == "report":
         from .experiments.report import report
 
@@ -115,28 +133,39 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return importlib.import_module(f".experiments.{BENCHES[args.name]}", __package__).run_cli(args)
     config = _config(args)
-    if getattr(args, "netns", None) is not None and not isinstance(config, RunConfig):
-        raise ConfigError(f"--netns runs data-parallel presets only, not {config.preset!r}")
-    if isinstance(config, PipelineRunConfig):
-        from .experiments.pipeline_run import run_pipeline_cli
+    resume = getattr(args, "checkpoint", None)
+    if args.command == "peer":
+        summary = api.join(config, args.initial_peers, index=args.index, out=args.out, host=args.host,
+                           address_file=args.address_file, run_token=args.run_token)
+        _print_summary(summary)
+        return 0
+    out = _out(args, config, args.command)
+    watch = None
+    if args.watch is not None:
+        from .experiments.watch import BackgroundWatch
 
-        summary = run_pipeline_cli(config, args, _out(args, config, args.command))
-    elif args.command == "simulate":
-        from .experiments.simulate import simulate
-
-        summary = simulate(config, _out(args, config, "simulate"), progress=not args.no_progress, resume=getattr(args, "checkpoint", None))
-    elif args.command == "launch":
-        from .experiments.launch import launch
-        from .experiments.netns import parse_spec
-
-        netns = None if args.netns is None else parse_spec(args.netns, config.peers)
-        summary = launch(config, _out(args, config, "launch"), progress=not args.no_progress, resume=getattr(args, "checkpoint", None), netns=netns)
-    else:
-        from .experiments.launch import run_single_peer
-
-        summary = run_single_peer(config, args)
-    _print_summary(summary)
+        watch = BackgroundWatch(out, port=args.watch)
+        print(f"watch this run at {watch.url}", file=sys.stderr, flush=True)
+    try:
+        if args.command == "simulate":
+            summary = api.simulate(config, out, progress=not args.no_progress, resume=resume)
+        else:
+            summary = api.launch(config, out, progress=not args.no_progress, resume=resume, netns=args.netns)
+        _print_summary(summary)
+        if watch is not None:
+            print(f"run finished; its page stays at {watch.url} until Ctrl-C", file=sys.stderr, flush=True)
+            _wait_for_interrupt()
+    finally:
+        if watch is not None:
+            watch.stop()
     return 0
+
+
+def _wait_for_interrupt() -> None:
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
 
 
 def _print_summary(summary: dict) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tomllib
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .algorithms.attacks import ATTACKS, AttackSchedule, make_attack
 from .algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
@@ -24,6 +26,7 @@ from .runtime.catchup import CatchupConfig
 from .runtime.checkpoint import CheckpointConfig
 from .runtime.dp_peer import TrainConfig
 from .runtime.mprng import MPRNGConfig
+from .training.plugin import TaskConfig
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ class RunConfig:
     eval_peers: int = 2  # peers (by index) that evaluate on the held-out split
     mprng_every: int = 0  # run an MPRNG round after every k-th step (0: never)
     train: TrainConfig = field(default_factory=TrainConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)  # a user's task (task.factory); overrides train.task
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     mprng: MPRNGConfig = field(default_factory=MPRNGConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -182,6 +186,32 @@ def override(config, assignments: list[str]):
             raise ConfigError(f"--set expects key=value, got {assignment!r}")
         _assign(type(config), data, key.split("."), text, "")
     return _build(type(config), data, "")
+
+
+def apply_file(config, path: Path):
+    """`config` with the values of a TOML or JSON file laid over it (sections = nested keys, e.g. [task])."""
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(path.read_text())
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            raise ConfigError(f"--config {path}: name a .toml or .json file")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    base = dataclasses.asdict(config)
+    _merge(base, {k: v for k, v in data.items() if k != "kind"})
+    return _build(type(config), base, "")
+
+
+def _merge(base: dict, data: dict) -> None:
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
 
 
 def _assign(cls: type, data: dict, path: list[str], text: str, prefix: str) -> None:

@@ -18,6 +18,7 @@ from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
 from .runtime.pipeline.config import PipelineConfig
 from .runtime.pipeline.verifier import VerifierConfig
+from .training.plugin import TaskConfig
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class PipelineRunConfig:
     capacity_min: int = 0  # 0: every relay has pipeline.capacity
     capacity_max: int = 0
     train: TrainConfig = field(default_factory=lambda: TrainConfig(task="chars-gpt", optimizer="adam", lr=0.003, batch_size=8))
+    task: TaskConfig = field(default_factory=TaskConfig)  # a user's task (task.factory); overrides train.task
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     network: PipelineNetworkConfig = field(default_factory=PipelineNetworkConfig)

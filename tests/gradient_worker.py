@@ -1,7 +1,7 @@
 """Compute one peer's public-batch gradient in a fresh process and torch.save it.
 
-usage: gradient_worker.py TASK RUN_SEED PEER STEP OUT [--model-seed N] [--batch-size N]
-Used by tests/test_training.py to check cross-process reproducibility.
+usage: gradient_worker.py TASK[,TASK...] RUN_SEED PEER STEP OUT [--model-seed N] [--batch-size N]
+Used by tests/test_training.py to check cross-process reproducibility; OUT holds {task: {"grad", "loss"}}.
 """
 import argparse
 import sys
@@ -26,11 +26,14 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # fixed reduction order in matmuls
-    task = make_task(args.task)
-    model = task.build_model(args.model_seed)
-    x, y = task.batch(args.run_seed, args.peer, args.step, args.batch_size)
-    grad, loss = compute_gradient(task, model, x, y)
-    torch.save({"grad": grad, "loss": loss}, args.out)
+    results = {}
+    for name in args.task.split(","):
+        task = make_task(name)
+        model = task.build_model(args.model_seed)
+        x, y = task.batch(args.run_seed, args.peer, args.step, args.batch_size)
+        grad, loss = compute_gradient(task, model, x, y)
+        results[name] = {"grad": grad, "loss": loss}
+    torch.save(results, args.out)
 
 
 if __name__ == "__main__":

@@ -229,29 +229,31 @@ def test_digits_mlp_sgd_reaches_93_percent(tasks):
 
 # --- cross-process reproducibility ----------------------------------------------
 
-@pytest.mark.parametrize("name", ["digits-mlp", "chars-gpt"])
-def test_gradient_reproducible_across_processes(tmp_path, name):
+def test_gradient_reproducible_across_processes(tmp_path):
+    names = ["digits-mlp", "chars-gpt"]  # both tasks in each worker: three processes, not six
     jobs = {"a": ("peer-7", 11), "b": ("peer-7", 11), "other_step": ("peer-7", 12)}
     procs = {
-        key: subprocess.Popen([sys.executable, str(WORKER), name, "42", peer, str(step), str(tmp_path / key)],
+        key: subprocess.Popen([sys.executable, str(WORKER), ",".join(names), "42", peer, str(step), str(tmp_path / key)],
                               cwd=REPO, stderr=subprocess.PIPE, text=True)
         for key, (peer, step) in jobs.items()
     }
     for key, proc in procs.items():
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, f"worker {key} failed:\n{err}"
-    out = {key: torch.load(tmp_path / key) for key in jobs}
+    results = {key: torch.load(tmp_path / key) for key in jobs}
 
-    # Same code, same machine, one thread each: the float operations run in the
-    # same order, so a validator's recomputation must be bitwise identical.
-    # (Catches per-process state leaking into batches or init, e.g. hash(peer).)
-    assert torch.equal(out["a"]["grad"], out["b"]["grad"])
-    assert out["a"]["loss"] == out["b"]["loss"]
-    assert not torch.allclose(out["a"]["grad"], out["other_step"]["grad"])
+    for name in names:
+        out = {key: result[name] for key, result in results.items()}
+        # Same code, same machine, one thread each: the float operations run in the
+        # same order, so a validator's recomputation must be bitwise identical.
+        # (Catches per-process state leaking into batches or init, e.g. hash(peer).)
+        assert torch.equal(out["a"]["grad"], out["b"]["grad"])
+        assert out["a"]["loss"] == out["b"]["loss"]
+        assert not torch.allclose(out["a"]["grad"], out["other_step"]["grad"])
 
-    # In this process the thread count may differ, which may reorder float sums;
-    # float32 rounding then allows a few ulps per element: rtol 1e-5, atol 1e-7.
-    task = make_task(name)
-    x, y = task.batch(42, "peer-7", 11, 32)
-    grad, _ = compute_gradient(task, task.build_model(0), x, y)
-    torch.testing.assert_close(grad, out["a"]["grad"], rtol=1e-5, atol=1e-7)
+        # In this process the thread count may differ, which may reorder float sums;
+        # float32 rounding then allows a few ulps per element: rtol 1e-5, atol 1e-7.
+        task = make_task(name)
+        x, y = task.batch(42, "peer-7", 11, 32)
+        grad, _ = compute_gradient(task, task.build_model(0), x, y)
+        torch.testing.assert_close(grad, out["a"]["grad"], rtol=1e-5, atol=1e-7)

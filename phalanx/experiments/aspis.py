@@ -26,8 +26,11 @@ from ..core.errors import ConfigError
 from ..core.rng import py_stream
 from ..runtime.aspis import AspisConfig, AspisCoordinator, AspisWorker, LiePolicy, assignment_at
 from ..runtime.dp_peer import TrainConfig, task_of
+from ..training.plugin import TaskConfig
+from ..training.task import Task
 from ..transport.base import Transport
 from ..transport.sim import SimNetwork, run_simulation
+from .live import LiveLog
 from .swarm import peer_identity, sim_config
 
 DISTORTIONS = ("alie", "ipm", "reversed", "constant", "sign_flip", "random_direction")
@@ -63,12 +66,13 @@ class AspisRunConfig:
     aspis: AspisConfig = field(default_factory=AspisConfig)
     attack: AspisAttackConfig = field(default_factory=AspisAttackConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(task="digits-mlp", lr=0.05))
+    task: TaskConfig = field(default_factory=TaskConfig)  # a user's task (task.factory); it needs examples(indices)
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
     def __post_init__(self) -> None:
         if self.peers < 2 or self.steps < 1:
             raise ConfigError(f"peers={self.peers} must be >= 2 (a coordinator and a worker) and steps={self.steps} >= 1")
-        if not self.train.task.startswith("digits"):
+        if not self.task.enabled and not self.train.task.startswith("digits"):
             raise ConfigError(f"train.task={self.train.task!r}: Aspis runs use a digits task (digits-mlp or digits-cnn)")
         self.aspis.check_workers(self.workers)
         if self.attack.orchestration == "att2" and 2 * self.byzantine_count > self.workers:
@@ -117,14 +121,16 @@ def distortion_of(config: AspisRunConfig):
 
 def build_role(config: AspisRunConfig, transport: Transport, index: int, ids: list[str]) -> AspisCoordinator | AspisWorker:
     """Peer `index` of the run: the coordinator (0) or worker index - 1."""
-    task = task_of(config.train)
+    task = task_of(config.train, config.task)
+    if type(task).examples is Task.examples:
+        raise ConfigError(f"task {task.name!r} has no examples(indices) method: the Aspis kind draws its files by sample index")
     if index == 0:
         return AspisCoordinator(transport, task, config.aspis, config.train, config.seed, ids[1:])
     plan = coalition(config)
     policy = None
     if plan is not None and (plan.kind == "att3" or index - 1 in plan.byzantine):
         policy = LiePolicy(plan, distortion_of(config))
-    return AspisWorker(transport, task, config.aspis, config.seed, ids[0], index - 1, config.workers, policy)
+    return AspisWorker(transport, task, config.aspis, config.seed, ids[0], index - 1, config.workers, policy, config.train.device)
 
 
 def count_distortion(config: AspisRunConfig, records: list[dict]) -> None:
@@ -203,11 +209,13 @@ def simulate_aspis(config: AspisRunConfig, out: Path | None, progress: bool = Tr
     identities = [peer_identity(config.seed, i) for i in range(config.peers)]
     ids = [identity.peer_id for identity in identities]
     records: list[dict] = []
+    live = LiveLog(out, config.to_json())
     bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
 
     def on_iteration(record: dict) -> None:
         records.append(record)
         count_distortion(config, records[-1:])
+        live.write(0, record)
         bar.update(1)
 
     async def main() -> tuple[float, dict]:
@@ -231,6 +239,7 @@ def simulate_aspis(config: AspisRunConfig, out: Path | None, progress: bool = Tr
         simulated_seconds, stats = run_simulation(main)
     finally:
         bar.close()
+        live.close()
     summary = summarize(
         config, records, {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds}
     )

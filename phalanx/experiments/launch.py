@@ -112,7 +112,7 @@ async def run_worker(
         _exit_after(STOP_GRACE, 128 + signal.SIGTERM)
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    task_of(config.train)  # its imports and data loading block for seconds: do them before our record is visible
+    task_of(config.train, config.task)  # its imports and data loading block for seconds: do them before our record is visible
     identity = peer_identity(config.seed, index) if index is not None else Identity.generate()
     transport = HivemindTransport(
         identity, run_id=run_id_of(config, token), initial_peers=initial_peers, host_maddrs=[host], membership_ttl=MEMBERSHIP_TTL

@@ -34,15 +34,19 @@ from ..runtime.pipeline.relay import ask_for_stage
 from ..runtime.pipeline.verifier import VerifierNode
 from ..runtime.pipeline.routing import RepairRouter, Router
 from ..core.errors import ConfigError
+from ..runtime.dp_peer import task_of
 from ..training.task import Task, make_task
 from ..transport.base import Transport
 from ..transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
+from .live import LiveLog
 from .swarm import peer_identity
 
 
 def pipeline_task(config: PipelineRunConfig) -> Task:
-    """The task, deep enough for the stages: an MLP with one 64-wide hidden layer per stage, or a GPT
+    """The plug-in task (task.factory), or the built-in one deep enough for the stages: an MLP with one 64-wide hidden layer per stage, or a GPT
     with max(2, stages - 1) blocks (data nodes hold the first piece, relays one piece each)."""
+    if config.task.enabled:
+        return task_of(config.train, config.task)
     stages = config.pipeline.stages
     corpus = {"corpus": config.train.corpus} if config.train.corpus else {}
     if config.train.task == "digits-mlp":
@@ -101,7 +105,7 @@ def build_node(
     """A data node or relay; with SENTINEL it knows the boundary verifiers (or verifies, client-routed);
     a relay listed in `attack.relays` is an `AttackingRelay` that logs to `on_event` (kind "attack")."""
     stage = config.stage_of(index) if stage is None else stage
-    staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size)
+    staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size, config.train.device)
     capacity = capacities(config)[index] if index < config.peers else config.pipeline.capacity  # a fresh joiner
     router, flow = make_routing(config, transport, stage, capacity)
     client = config.sentinel.enabled and config.sentinel.placement == "data_node"
@@ -215,6 +219,8 @@ def simulate_pipeline(
     directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
     task = pipeline_task(config)
     recorder = PipelineRecorder(config, ids)
+    live = LiveLog(out, config.to_json())
+    index_of = {peer: i for i, peer in enumerate(ids)}
     bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
     relay_ids = ids[config.data_nodes:]
 
@@ -239,6 +245,7 @@ def simulate_pipeline(
 
         def on_iteration(record: dict) -> None:
             recorder.iterations.append(record)
+            live.write(index_of[record["peer"]], {"type": "iteration", **record})
             if record["peer"] == ids[0]:
                 bar.update(1)
 
@@ -263,6 +270,7 @@ def simulate_pipeline(
 
         def on_event(event: dict) -> None:
             recorder.on_event(event)
+            live.write(index_of.get(event["peer"], len(ids)), {"type": "event", **event})
             f = config.faults
             if (f.crash_stage and event["kind"] == "fwd" and event["stage"] == f.crash_stage
                     and event["it"] == f.crash_iteration and not crashed and not triggered):
@@ -350,6 +358,7 @@ def simulate_pipeline(
         simulated_seconds, stats = run_simulation(main)
     finally:
         bar.close()
+        live.close()
     verifiers_of_run = verifier_ids(config)
     extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
              "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"],
@@ -375,7 +384,7 @@ def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed:
     """Held-out loss of the model made of one honest, up-to-date replica per stage (None if a stage has none)."""
     lying = {peer_identity(config.seed, config.data_nodes + i).peer_id for i in config.attack.indices}
     model = task.build_model(config.seed)
-    parts = model.stages(config.pipeline.stages + 1)
+    parts = task.stages(model, config.pipeline.stages + 1)
     for stage, part in enumerate(parts):
         source = next((n for p, n in sorted(nodes.items()) if n.stage == stage and p not in crashed
                        and p not in lying and n.version == config.steps), None)
@@ -389,7 +398,7 @@ def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed:
 
 def param_digest(node: DataNode | Relay) -> str:
     """sha256 prefix of a node's stage parameters (replicas of a stage must agree)."""
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in node.params)).hexdigest()[:16]
+    return hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in node.params)).hexdigest()[:16]
 
 
 def reference_losses(config: PipelineRunConfig) -> list[float]:
@@ -398,7 +407,6 @@ def reference_losses(config: PipelineRunConfig) -> list[float]:
     task = pipeline_task(config)
     model = task.build_model(config.seed)
     from ..runtime.dp_peer import make_optimizer
-    from ..runtime.pipeline.stages import logits_loss
 
     optimizer = make_optimizer(config.train, model.parameters())
     sources = sorted(peer_identity(config.seed, i).peer_id for i in range(config.data_nodes))
@@ -410,20 +418,9 @@ def reference_losses(config: PipelineRunConfig) -> list[float]:
         for src in sources:
             for seq in range(it * m, (it + 1) * m):
                 x, y = task.batch(config.seed, src, seq, config.train.batch_size)
-                loss = logits_loss(model(x), y)
+                loss = task.output_loss(model(x), y)
                 (loss / (m * len(sources))).backward()
                 values.append(float(loss.detach()))
         optimizer.step()
         losses.append(sum(values) / len(values))
     return losses
-
-
-def run_pipeline_cli(config: PipelineRunConfig, args, out: Path) -> dict:
-    """`phalanx simulate|launch|peer` on a pipeline preset."""
-    if args.command == "simulate":
-        return simulate_pipeline(config, out, progress=not args.no_progress)
-    if args.command == "launch":
-        from .pipeline_launch import launch_pipeline
-
-        return launch_pipeline(config, out, progress=not args.no_progress)
-    raise ConfigError("`phalanx peer` does not run pipeline presets yet: use `phalanx launch` for a pipeline run")

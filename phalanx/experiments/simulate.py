@@ -15,6 +15,7 @@ from ..core.rng import py_stream
 from ..transport.sim import SimNetwork, run_simulation
 from .checkpoints import Checkpoint, SimCheckpoints
 from .churn import FaultDriver
+from .live import LiveLog
 from .swarm import Recorder, peer_identity, sim_config
 
 
@@ -38,6 +39,8 @@ def simulate(config: RunConfig, out: Path, progress: bool = True, resume: Checkp
     identities = [peer_identity(config.seed, i) for i in range(config.peers + config.faults.join)]
     ids = [identity.peer_id for identity in identities]
     recorder = Recorder(config, ids)
+    live = LiveLog(out, config.to_json())
+    index_of = {peer: i for i, peer in enumerate(ids)}
     checkpoints = SimCheckpoints(config, out, recorder.records, resume) if config.checkpoint.every or resume else None
     bar = tqdm(total=config.steps, desc=f"simulate {config.preset}", disable=not progress, leave=False)
     driver: FaultDriver | None = None
@@ -54,6 +57,7 @@ def simulate(config: RunConfig, out: Path, progress: bool = True, resume: Checkp
         def on_step(record: dict) -> None:
             nonlocal progress_step
             recorder.add(record)
+            live.write(index_of[record["peer"]], record)
             if record["step"] > progress_step:
                 bar.update(record["step"] - progress_step)
                 progress_step = record["step"]
@@ -69,6 +73,7 @@ def simulate(config: RunConfig, out: Path, progress: bool = True, resume: Checkp
         simulated_seconds, stats = run_simulation(main)
     finally:
         bar.close()
+        live.close()
     recorder.crashed = sorted(driver.crashed_ever, key=ids.index)
     return recorder.write(
         out,

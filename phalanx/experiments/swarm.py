@@ -79,7 +79,7 @@ def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParal
         policy = make_policy(config.byzantine.attack, schedule, config.seed, colluders, **config.byzantine.params)
     return DataParallelPeer(
         transport,
-        task_of(config.train),
+        task_of(config.train, config.task),
         config.train,
         config.seed,
         allreduce=config.allreduce,

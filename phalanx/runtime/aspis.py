@@ -56,6 +56,7 @@ from ..core.errors import ConfigError, Evidence, PeerTimeout, PhalanxError, Remo
 from ..core.rng import py_stream
 from ..core.serialization import decode, encode
 from ..training.data import batch_indices
+from ..training.device import resolve_device, to_model
 from ..training.task import Task, compute_gradient, flat_params, num_params, set_flat_grad, set_flat_params, train_flops
 from ..transport.base import Transport
 from .dp_peer import TrainConfig, make_optimizer
@@ -143,7 +144,8 @@ def file_gradients(task: Task, model: torch.nn.Module, samples: torch.Tensor, ex
     (torch.func.vmap), whose float rounding depends on the batch (about 1e-7
     relative), so copies must then be compared with a tolerance.
     """
-    x, y = task.data.x_train[samples], task.data.y_train[samples]
+    x, y = to_model(model, *task.examples(samples.reshape(-1)))
+    x, y = x.view(*samples.shape, *x.shape[1:]), y.view(*samples.shape, *y.shape[1:])
     count = samples.shape[1]
     if exact:
         return torch.stack([compute_gradient(task, model, xs, ys)[0] * count for xs, ys in zip(x, y)])
@@ -153,7 +155,7 @@ def file_gradients(task: Task, model: torch.nn.Module, samples: torch.Tensor, ex
         return task.loss(lambda inputs: functional_call(model, p, (inputs,)), xs, ys) * count
 
     grads = vmap(grad(file_loss), in_dims=(None, 0, 0))(params, x, y)
-    return torch.cat([grads[name].reshape(samples.shape[0], -1) for name in params], dim=1)
+    return torch.cat([grads[name].reshape(samples.shape[0], -1) for name in params], dim=1).cpu()
 
 
 def robust_rule(name: str, q: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -203,6 +205,7 @@ class AspisWorker:
         index: int,
         workers: int,
         policy: LiePolicy | None = None,
+        device: str = "cpu",
     ) -> None:
         self.transport = transport
         self.task = task
@@ -212,7 +215,7 @@ class AspisWorker:
         self.index = index
         self.workers = workers
         self.policy = policy
-        self.model = task.build_model(run_seed)
+        self.model = task.build_model(run_seed).to(resolve_device(device))
         self.dim = num_params(self.model)
         self.stopped = asyncio.Event()
         self.served = 0
@@ -308,7 +311,7 @@ class AspisCoordinator:
         self.train = train
         self.run_seed = run_seed
         self.workers = workers
-        self.model = task.build_model(run_seed)
+        self.model = task.build_model(run_seed).to(resolve_device(train.device))
         self.optimizer = make_optimizer(train, self.model.parameters())
         self.dim = num_params(self.model)
         self.robust = robust_rule(config.aggregator, config.q)
@@ -349,7 +352,7 @@ class AspisCoordinator:
         work_seconds = time.perf_counter() - work_start
         with torch.no_grad():
             flat = samples.reshape(-1)
-            loss = float(self.task.loss(self.model, self.task.data.x_train[flat], self.task.data.y_train[flat]))
+            loss = float(self.task.loss(self.model, *to_model(self.model, *self.task.examples(flat))))
         record: IterationRecord = {
             "step": t,
             "loss": loss,

@@ -19,6 +19,8 @@ import torch
 from ..algorithms.attacks import Attack, AttackView
 from ..algorithms.bans import BanLedger
 from ..core.errors import ConfigError
+from ..training.device import resolve_device
+from ..training.plugin import TaskConfig, load_task
 from ..training.task import TASKS, Task, compute_gradient, flat_params, make_task, num_params, set_flat_grad, set_flat_params, train_flops
 from ..transport.base import Transport
 from ..algorithms.btard_attacks import ProtocolPolicy
@@ -37,6 +39,7 @@ class TrainConfig:
     momentum: float = 0.9
     eval_every: int = 10  # evaluate on the held-out split every k steps (evaluating peers only)
     corpus: str = ""  # chars-gpt only: a text file to train on ("" = the default corpus built from Python's docs)
+    device: str = "cpu"  # cpu | cuda | auto (cuda when one is visible): where models train; all messages stay CPU float32
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -55,10 +58,13 @@ class TrainConfig:
             raise ConfigError(f"train.momentum={self.momentum} must be in [0, 1)")
         if self.eval_every < 1:
             raise ConfigError(f"train.eval_every={self.eval_every} must be >= 1")
+        resolve_device(self.device)
 
 
-def task_of(config: TrainConfig) -> Task:
-    """The training task a TrainConfig names (with its corpus for chars-gpt)."""
+def task_of(config: TrainConfig, plugin: TaskConfig = TaskConfig()) -> Task:
+    """The plug-in task `plugin` names, else the built-in one of `config` (with its corpus for chars-gpt)."""
+    if plugin.enabled:
+        return load_task(plugin)
     return make_task(config.task, corpus=config.corpus) if config.corpus else make_task(config.task)
 
 
@@ -95,7 +101,7 @@ class DataParallelPeer:
         self.colluders = colluders  # the f an attack assumes (ALIE's z depends on it)
         self.evaluate = evaluate
         self.ledger = BanLedger()
-        self.model = task.build_model(run_seed)  # every replica starts from the same public seed
+        self.model = task.build_model(run_seed).to(resolve_device(config.device))  # every replica starts from the same public seed
         self.optimizer = make_optimizer(config, self.model.parameters())
         self.dim = num_params(self.model)
         self.flops = train_flops(task, self.model, config.batch_size)

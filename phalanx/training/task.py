@@ -1,7 +1,8 @@
 """Task abstraction: model + public data + loss + evaluation, and flat-vector helpers.
 
 The runtime and the experiment harness see training only through `Task` and
-the functions here: gradients and parameters travel as flat float32 vectors.
+the functions here: gradients and parameters travel as flat float32 CPU vectors,
+whatever device (train.device) the model computes on.
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from torch import Tensor, nn
 
 from .cnn import CNN
 from .data import CharCorpus, batch_indices, load_digits_split
+from .device import to_model
 from .gpt import GPT, GPTConfig
 from .mlp import MLP
+from .staging import contiguous_stages
 
 
 def seeded(seed: int, factory: Callable[[], nn.Module]) -> nn.Module:
@@ -27,10 +30,39 @@ def seeded(seed: int, factory: Callable[[], nn.Module]) -> nn.Module:
 
 
 class Task(ABC):
-    name: str
-    num_classes: int | None  # None for language modelling
+    """What phalanx trains: a model, public batches, a loss and an evaluation.
+
+    Write a subclass (or a factory returning one) and name it with
+    `--set task.factory=package.module:function`; see examples/csv_cnn/.
+
+    Required:
+      dataset_size      number of distinct training samples (windows for LM), > 0
+      build_model(seed) a freshly initialised nn.Module, identical for identical seeds
+                        (build it inside `seeded(seed, ...)` so the caller's RNG is untouched)
+      batch(run_seed, peer, step, batch_size) -> (x, y)
+                        the public batch of `peer` at `step`: a pure function of its
+                        arguments, so validators can recompute any peer's gradient;
+                        draw indices with `batch_indices` and look them up (CPU tensors:
+                        phalanx moves them to the model's device, train.device)
+      evaluate(model)   {"loss": ..., "accuracy": ...} on a fixed held-out split; the model
+                        may be on a GPU: move data with phalanx.training.to_model(model, x, y)
+    Optional (defaults shown):
+      name = "task", num_classes = None, tokens_per_sample = 1 (block_size for LM)
+      output_loss(output, y)  mean cross-entropy of [..., classes] outputs against integer targets;
+                        the pipeline kind applies it to the last stage's output at the data node
+      loss(model, x, y) output_loss(model(x), y)
+      examples(indices) -> (x, y)  training samples by index; the Aspis kind needs it (its files
+                        are sample indices)
+      stages(model, k)  k contiguous modules whose composition is model's forward; the pipeline
+                        kind asks for them. Default: model.stages(k) if the model has one, an
+                        nn.Sequential's children cut evenly, or a GPT-like model's
+                        [embed, *blocks, head] cut evenly
+    """
+
+    name: str = "task"
+    num_classes: int | None = None  # None for language modelling
     dataset_size: int  # number of distinct training samples (windows for LM)
-    tokens_per_sample: int  # 1 for classification, block_size for LM
+    tokens_per_sample: int = 1  # 1 for classification, block_size for LM
 
     @abstractmethod
     def build_model(self, seed: int) -> nn.Module:
@@ -41,12 +73,66 @@ class Task(ABC):
         """Public batch (x, y) of `peer` at `step`: a pure function of the arguments."""
 
     @abstractmethod
-    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        """Mean cross-entropy of the model on (x, y)."""
-
-    @abstractmethod
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """{"loss", "accuracy"} on the fixed held-out split."""
+
+    def output_loss(self, output: Tensor, y: Tensor) -> Tensor:
+        """Mean cross-entropy of [..., classes] outputs against integer targets of the leading shape."""
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), y.reshape(-1))
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        """Mean loss of the model on (x, y)."""
+        return self.output_loss(model(x), y)
+
+    def examples(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        """Training samples (x, y) at `indices` (any shape); needed by the Aspis kind."""
+        raise NotImplementedError(f"task {self.name!r} has no examples(indices): the Aspis kind needs one")
+
+    def stages(self, model: nn.Module, k: int) -> list[nn.Module]:
+        """Cut `model` into k contiguous pipeline pieces sharing its parameters."""
+        return default_stages(model, k)
+
+
+def sequential_units(model: nn.Sequential) -> list[nn.Module]:
+    """The children grouped so each unit holds parameters: a layer with the parameter-free ones after it.
+
+    Leading parameter-free children (an Unflatten, say) join the first unit, so
+    no pipeline stage is left without parameters to train.
+    """
+    def has_params(modules: list[nn.Module]) -> bool:
+        return any(True for m in modules for _ in m.parameters())
+
+    units: list[list[nn.Module]] = []
+    for child in model:
+        if has_params([child]) or not units:
+            units.append([child])
+        else:
+            units[-1].append(child)
+    if len(units) > 1 and not has_params(units[0]):
+        units = [units[0] + units[1], *units[2:]]
+    return [group[0] if len(group) == 1 else nn.Sequential(*group) for group in units]
+
+
+def default_stages(model: nn.Module, k: int) -> list[nn.Module]:
+    """model.stages(k), an nn.Sequential's children cut evenly, or a GPT-like [embed, *blocks, head] cut evenly.
+
+    ValueError (saying what the pipeline kind needs) for any other model or a k
+    outside [1, number of pieces].
+    """
+    own = getattr(model, "stages", None)
+    if callable(own):
+        return own(k)
+    if isinstance(model, nn.Sequential):
+        units = sequential_units(model)
+        return contiguous_stages(units, k, f"an nn.Sequential of {len(units)} layers with parameters")
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and all(isinstance(getattr(model, a, None), nn.Module) for a in ("embed", "head")):
+        units = [model.embed, *blocks, model.head]
+        return contiguous_stages(units, k, f"a GPT-like model of {len(blocks)} blocks")
+    raise ValueError(
+        f"{type(model).__name__} cannot be cut into pipeline stages: use an nn.Sequential, a model with "
+        "embed/blocks (nn.ModuleList)/head, or give the task a stages(model, k) method"
+    )
 
 
 class DigitsTask(Task):
@@ -75,11 +161,10 @@ class DigitsTask(Task):
         return seeded(seed, lambda: CNN(self.channels, num_classes=self.num_classes))
 
     def batch(self, run_seed: int, peer: str, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
-        idx = batch_indices(run_seed, peer, step, batch_size, self.dataset_size)
-        return self.data.x_train[idx], self.data.y_train[idx]
+        return self.examples(batch_indices(run_seed, peer, step, batch_size, self.dataset_size))
 
-    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        return F.cross_entropy(model(x), y)
+    def examples(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        return self.data.x_train[indices], self.data.y_train[indices]
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return _evaluate(model, self.data.x_test, self.data.y_test)
@@ -99,8 +184,8 @@ class CharGPTTask(Task):
                  n_layer: int = 2, n_head: int = 2, n_embd: int = 64, eval_windows: int = 64) -> None:
         if corpus is None:
             corpus = CharCorpus.default()
-        elif not isinstance(corpus, CharCorpus):
-            corpus = CharCorpus.from_file(corpus)
+        elif isinstance(corpus, (str, Path)):
+            corpus = CharCorpus.from_file(corpus)  # else a CharCorpus, or a files.TokenCorpus of any tokenizer
         self.name = "chars-gpt"
         self.corpus = corpus
         self.cfg = GPTConfig(corpus.vocab_size, block_size, n_layer, n_head, n_embd)
@@ -124,10 +209,6 @@ class CharGPTTask(Task):
         starts = batch_indices(run_seed, peer, step, batch_size, self.dataset_size)
         return self._windows(self.corpus.train, starts)
 
-    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return _evaluate(model, self.x_val, self.y_val)
 
@@ -135,6 +216,7 @@ class CharGPTTask(Task):
 def _evaluate(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, float]:
     """Mean loss and accuracy in one no-grad eval-mode batch; restores the model's mode."""
     was_training = model.training
+    x, y = to_model(model, x, y)
     model.eval()
     try:
         with torch.no_grad():
@@ -171,8 +253,8 @@ def num_params(model: nn.Module) -> int:
 
 
 def flat_params(model: nn.Module) -> Tensor:
-    """A detached float32 copy of all parameters as one 1-D vector."""
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    """A detached float32 copy of all parameters as one 1-D CPU vector."""
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).cpu()
 
 
 def set_flat_params(model: nn.Module, vec: Tensor) -> None:
@@ -186,11 +268,11 @@ def set_flat_params(model: nn.Module, vec: Tensor) -> None:
 
 
 def flat_grad(model: nn.Module) -> Tensor:
-    """All parameter gradients as one float32 1-D vector (zeros where grad is None)."""
+    """All parameter gradients as one float32 1-D CPU vector (zeros where grad is None)."""
     return torch.cat([
-        (p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel())).float()
+        (p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)).float()
         for p in model.parameters()
-    ])
+    ]).cpu()
 
 
 def set_flat_grad(model: nn.Module, vec: Tensor) -> None:
@@ -198,7 +280,7 @@ def set_flat_grad(model: nn.Module, vec: Tensor) -> None:
     _check_length(model, vec)
     offset = 0
     for p in model.parameters():
-        p.grad = vec[offset:offset + p.numel()].detach().view_as(p).to(p.dtype).clone()
+        p.grad = vec[offset:offset + p.numel()].detach().view_as(p).to(device=p.device, dtype=p.dtype).clone()
         offset += p.numel()
 
 
@@ -210,12 +292,15 @@ def _check_length(model: nn.Module, vec: Tensor) -> None:
 
 def compute_gradient(task: Task, model: nn.Module, x: Tensor, y: Tensor,
                      label_map: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, float]:
-    """Flat gradient (float32, contiguous, 1-D) of task.loss on (x, label_map(y)), and the loss.
+    """Flat gradient (float32, contiguous, 1-D, on the CPU) of task.loss on (x, label_map(y)), and the loss.
+
+    The batch is moved to the model's device (train.device) first.
 
     Clears existing gradients first and leaves the new ones in the model's .grad.
     """
     if label_map is not None:
         y = label_map(y)
+    x, y = to_model(model, x, y)
     model.zero_grad(set_to_none=True)
     loss = task.loss(model, x, y)
     loss.backward()

@@ -30,7 +30,6 @@ from ...algorithms.placement import UtilQuery, leader, merge_entries, place_join
 from . import messages as m
 from .node import Held, PipelineNode
 from .relay import parse_util, util_bytes
-from .stages import logits_loss
 from .verifier import VerifierConfig, VerifierHop
 
 
@@ -328,7 +327,7 @@ class DataNode(PipelineNode):
         t0 = self.now()
         logits = tensor.detach().clone().requires_grad_(True)
         with torch.enable_grad():
-            loss = logits_loss(logits, mb.y)
+            loss = self.task.output_loss(logits, mb.y)
             (grad,) = torch.autograd.grad(loss, logits)
         mb.loss, mb.t_loss, mb.path = float(loss.detach()), self.now(), c.path
         self._emit("loss", c.key, c.it, t0)

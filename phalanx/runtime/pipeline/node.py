@@ -549,7 +549,7 @@ class PipelineNode:
                 vector = result.vector[:-1] / mass
                 offset = 0
                 for p in self.params:
-                    p.grad = vector[offset: offset + p.numel()].view_as(p).clone()
+                    p.grad = vector[offset: offset + p.numel()].view_as(p).to(p.device).clone()
                     offset += p.numel()
                 async with self.compute_lock:  # no forward or backward runs across a step
                     self.optimizer.step()
@@ -596,7 +596,7 @@ class PipelineNode:
     # --- weights (joiners, and replicas left out of an aggregation) ---------------------
 
     def state_digest(self) -> bytes:
-        return digest(b"".join(p.detach().numpy().tobytes() for p in self.params))
+        return digest(b"".join(p.detach().cpu().numpy().tobytes() for p in self.params))
 
     async def _on_weights(self, sender: str, payload: bytes) -> bytes:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "weights request")
