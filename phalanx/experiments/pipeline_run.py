@@ -308,8 +308,8 @@ def simulate_pipeline(
             placed = await ask_for_stage(transport, directory, capacities(config)[index], 2 * config.pipeline.complete_timeout)
             if placed is None or placed[0] == 0:
                 return  # no leader answered or no stage can take it: stays idle
-            stage, it = placed
-            node = build_node(config, transport, index, directory, task, on_event, stage=stage)
+            stage, it, known = placed
+            node = build_node(config, transport, index, known, task, on_event, stage=stage)
             nodes[ids[index]] = node
             recorder.events.append({"kind": "join", "peer": ids[index], "stage": stage, "it": it,
                                     "t0": asyncio.get_running_loop().time(), "t1": asyncio.get_running_loop().time()})

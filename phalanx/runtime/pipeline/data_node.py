@@ -42,6 +42,7 @@ class Microbatch:
     first_it: int
     att: int = 0
     t_start: float = 0.0
+    t_progress: float = 0.0  # its last news: start, loss, a broken-backward report
     t_loss: float | None = None
     t_end: float | None = None
     loss: float | None = None
@@ -126,12 +127,12 @@ class DataNode(PipelineNode):
         self.deadline = deadline = t_start + self.config.iteration_timeout
         while (pending := [mb for mb in batch if not mb.done.is_set()]) and self.now() < deadline:
             waits = [asyncio.ensure_future(mb.done.wait()) for mb in pending]
-            soonest = min(mb.t_start for mb in pending) + self.config.microbatch_timeout
+            soonest = min(mb.t_progress for mb in pending) + self.config.microbatch_timeout
             await asyncio.wait(waits, timeout=max(1e-3, min(deadline, soonest) - self.now()), return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
             for mb in pending:
-                if not mb.done.is_set() and self.now() - mb.t_start >= self.config.microbatch_timeout and self.now() < deadline:
+                if not mb.done.is_set() and self.now() - mb.t_progress >= self.config.microbatch_timeout and self.now() < deadline:
                     self.restart(mb, it)
         t_train = self.now()
         if self.leader() == self.me:  # utilization of this iteration, for the joiners of the next (GWTF V-B)
@@ -220,7 +221,7 @@ class DataNode(PipelineNode):
     def _on_util(self, sender: str, payload: bytes) -> None:
         query = parse_util(payload, sender, self.transport)
         if self.directory.get(sender) != self.last or query.leader != self.me:
-            raise RemoteError(Evidence(sender, "false_stage", "utilization answer from outside the last stage"))
+            return  # our views of its stage differ (a move not yet seen here): not evidence
         if query.period > self.util_period:
             self.util_period, self.utilization = query.period, {}
         if query.period == self.util_period:
@@ -239,12 +240,15 @@ class DataNode(PipelineNode):
         entries = {p: v for p, v in self.utilization.items() if p in members and p != sender}  # a stage no copy
         # reached counts as fully utilized; a stage with no live relay cannot take a joiner (no weights to fetch)
         util = {k: v for k, v in stage_utilization(entries, self.last).items() if self.live(k + 1)}
+        # It came back as a fresh process: out of every group and route until its HELLO says where it serves.
+        self.directory.pop(sender, None)
         if not util:
             return encode({"stage": 0, "it": self.version})
         stage = place_joiners({sender: capacity}, util)[sender] + 1
         self.utilization[sender] = (stage - 1, capacity, 0)  # the next joiner sees this one placed
         self.placed += 1
-        return encode({"stage": stage, "it": self.version})
+        known = {p: s for p, s in self.directory.items() if p in members}
+        return encode({"stage": stage, "it": self.version, "directory": known})
 
     def _store_report(self, sender: str, report: dict) -> None:
         self.reports.setdefault(report["it"], {})[sender] = report
@@ -268,7 +272,7 @@ class DataNode(PipelineNode):
     async def start(self, mb: Microbatch, it: int) -> None:
         """Compute stage 0 and send the activation into the pipeline."""
         key = mb.key(self.me)
-        mb.t_start = t0 = self.now()
+        mb.t_start = mb.t_progress = t0 = self.now()
         async with self.compute_lock:
             if it != self.version:
                 return
@@ -331,6 +335,7 @@ class DataNode(PipelineNode):
             loss = logits_loss(logits, mb.y)
             (grad,) = torch.autograd.grad(loss, logits)
         mb.loss, mb.t_loss, mb.path = float(loss.detach()), self.now(), c.path
+        mb.t_progress = self.now()
         self._emit("loss", c.key, c.it, t0)
         self.spawn(self.send_backward(m.Carry(c.key, c.it, self.last, c.path, grad, recomputed=c.recomputed)))
         return m.answer(m.OK)
@@ -385,13 +390,17 @@ class DataNode(PipelineNode):
             return
         expected_stage = stage + 1 if stage < self.last else 0
         if holder != self.me and self.directory.get(holder) != expected_stage:
-            raise RemoteError(Evidence(holder, "false_stage", f"reports a broken stage {stage} it does not follow"))
+            return  # our views of its stage differ (a move not yet seen here): not evidence; the timeout restarts it
         if self.router.restart_on_backward_failure or len(mb.path) != self.last + 1:
             self.restart(mb, self.version)
             return
         mb.repairs += 1
+        mb.t_progress = self.now()
         live_at, live_node = 0, self.me
+        members = set(self.transport.members())
         for stage_index in range(stage - 1, 0, -1):
+            if mb.path[stage_index] not in members:
+                continue  # gone: do not wait out a timeout on it
             word = await self._ask(mb.path[stage_index], m.PING, encode({"src": key[0], "seq": key[1], "att": key[2]}))
             if word == m.OK:
                 live_at, live_node = stage_index, mb.path[stage_index]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ...algorithms.flow import FlowConfig, FlowMessage, FlowNode, edge_cost, from_wire, to_wire
+from ...algorithms.flow import DATA, FlowConfig, FlowMessage, FlowNode, edge_cost, from_wire, to_wire
 from ...core.serialization import decode, encode
 from ...transport.base import Transport
 from .routing import RepairRouter, Router
@@ -97,17 +97,22 @@ class FlowDriver:
 
     def sync_directory(self, directory: dict[str, int], members: set[str]) -> list[FlowMessage]:
         out: list[FlowMessage] = []
+        for peer in sorted(self.known):  # gone, moved out of reach, or banned: its links break at once
+            stage = directory.get(peer)
+            if peer not in members or stage is None or not self.neighbour(stage):
+                out += self.lost(peer)
         for peer, stage in sorted(directory.items()):
-            if peer == self.transport.peer_id or not self.neighbour(stage):
+            if peer == self.transport.peer_id or not self.neighbour(stage) or peer not in members:
                 continue
-            alive = peer in members
-            if alive and self.known.get(peer) != stage:
+            if self.known.get(peer) != stage:
                 self.known[peer] = stage
                 out += self.node.add_peer(peer, self.flow_stage(stage), self.cost(peer))
-            elif not alive and peer in self.known:
-                del self.known[peer]
-                out += self.node.peer_left(peer)
         return out
+
+    def node_stage(self, peer: str) -> int:
+        """The flow state machine's stage number of a known peer (data nodes: its DATA marker)."""
+        stage = self.flow_stage(self.known[peer])
+        return DATA if stage is None else stage
 
     def measured_compute(self, seconds: float, ema: float) -> None:
         self.compute = seconds if self.compute == 0 else (1 - ema) * self.compute + ema * seconds
@@ -143,6 +148,9 @@ class FlowDriver:
 
     def _on_flow(self, sender: str, payload: bytes) -> None:
         msg = from_wire(decode(payload, sender, self.transport.limits), sender, self.transport.peer_id)
+        claimed = getattr(msg, "stage", None)
+        if sender not in self.known or claimed is not None and claimed != self.node_stage(sender):
+            return  # our views of who serves what differ (a move or rejoin not yet seen here): not evidence
         replies = self.node.handle(msg)
         if replies:
             task = asyncio.get_running_loop().create_task(self.send(replies))
