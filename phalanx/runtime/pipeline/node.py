@@ -110,6 +110,7 @@ class PipelineNode:
         self._catching_up = False
         self.serving_from = 0  # the first iteration this node takes microbatches for (a joiner: after its download)
         self.membership: dict[str, int] = {}  # peer -> sequence number of the latest HELLO applied (versioned membership)
+        self.since: dict[str, int] = {}  # joiner -> the first iteration it serves (from its HELLO)
         self.held: dict[m.Key, Held] = {}
         self.grads: dict[m.Key, torch.Tensor] = {}  # key -> this node's parameter gradient for that microbatch
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
@@ -166,10 +167,11 @@ class PipelineNode:
         return self.transport.clock.now()
 
     def live(self, stage: int) -> list[str]:
-        """Peers of `stage` in this node's directory and membership view, not banned, sorted."""
+        """Peers of `stage` in this node's directory and membership view, not banned, serving by the
+        iteration this node is at, sorted."""
         members = set(self.transport.members())
-        return sorted(p for p, s in self.directory.items()
-                      if s == stage and p in members and p != self.me and p not in self.banned)
+        return sorted(p for p, s in self.directory.items() if s == stage and p in members and p != self.me
+                      and p not in self.banned and self.since.get(p, 0) <= self.version)
 
     def _on_evidence(self, evidence: Evidence) -> None:
         """A peer sent us something it must not have: route around it from now on and tell the data nodes."""
@@ -218,7 +220,9 @@ class PipelineNode:
         sender = c.path[-1]  # through a verifier hop: the peer it verified for
         claimed = self.directory.get(sender)
         if claimed is not None and claimed != c.stage - 1:
-            return m.answer(m.DENIED)  # it moved or rejoined and our views differ: not evidence
+            if claimed == 0 or c.stage == 1:  # data nodes never move: a relay posing as one (or the reverse) lies
+                raise RemoteError(Evidence(sender, "false_stage", f"claims stage {c.stage - 1}, serves {claimed}", c.it))
+            return m.answer(m.DENIED)  # a relay that moved or rejoined, our views differ: not evidence
         if c.stage == self.last + 1 and self.stage == 0:
             return await self.take_output(sender, c)
         if c.stage != self.stage or not self.entered or c.it < self.serving_from:
@@ -789,5 +793,9 @@ class PipelineNode:
             raise RemoteError(Evidence(sender, "malformed", "hello with a bad sequence number"))
         if seq < self.membership.get(sender, -1):
             return  # an older announcement than one already applied
+        since = obj.get("since", 0)
+        if type(since) is not int:
+            raise RemoteError(Evidence(sender, "malformed", "hello with a bad first iteration"))
         self.membership[sender] = seq
         self.directory[sender] = stage
+        self.since[sender] = since
