@@ -557,10 +557,14 @@ class PipelineNode:
                 total += grad
                 count += 1
         version = it + 1
-        if self.me in group and self.version == it:
-            result = await self.allreduce(it, torch.cat([total, torch.tensor([float(count)])]), group)
+        behind = self.version != it  # missed an aggregation (cut off, or a joiner): holds no gradients of `it`
+        if self.me in group:
+            # A behind replica still takes its part (zeros, count 0), so that the group neither waits
+            # out a timeout on it nor loses its slice of the sum; it then downloads the result.
+            vector = torch.zeros(num_params(self.part) + 1) if behind else torch.cat([total, torch.tensor([float(count)])])
+            result = await self.allreduce(it, vector, group)
             mass = float(result.vector[-1])
-            if mass > 0:
+            if mass > 0 and not behind:
                 vector = result.vector[:-1] / mass
                 offset = 0
                 for p in self.params:
@@ -569,14 +573,16 @@ class PipelineNode:
                 async with self.compute_lock:  # no forward or backward runs across a step
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
-        else:
-            # Left out (suspected, or behind): take the stepped weights from the group; failing that,
+        fetched = behind or self.me not in group
+        if fetched:
+            # Left out (suspected) or behind: take the stepped weights from the group; failing that,
             # catch up in the background from any stage peer (serving nothing until then).
             version = await self.fetch_weights(it + 1, [p for p in group if p != self.me]) or self.version
             if version < it + 1:
                 self.spawn(self.catch_up(it + 1))
         self.on_event({"kind": "aggregate", "peer": self.me, "stage": self.stage, "it": it, "t0": t0, "t1": self.now(),
-                       "group": len(group), "count": count, "in_group": self.me in group, "version": version})
+                       "group": len(group), "count": count, "in_group": self.me in group, "version": version,
+                       "fetched": fetched})
         self.version = version
         self.last_served, self.served = self.served, 0
         self.held.clear()
