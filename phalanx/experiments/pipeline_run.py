@@ -283,6 +283,10 @@ def simulate_pipeline(
             if pid not in crashed:
                 crashed.add(pid)
                 network.crash(pid)
+                now = asyncio.get_running_loop().time()
+                node = nodes.get(pid)
+                recorder.events.append({"kind": "leave", "peer": pid, "stage": node.stage if node else -1,
+                                        "it": node.version if node else -1, "t0": now, "t1": now})
 
         incarnations = [0] * config.peers
         starter = config.data_nodes - 1 if config.faults.crash_data_node == 0 else 0  # a data node that lives

@@ -233,6 +233,9 @@ class DataNode(PipelineNode):
         capacity = obj.get("capacity")
         if type(capacity) is not int or not 1 <= capacity <= 1024:
             raise RemoteError(Evidence(sender, "malformed", "join request without a capacity"))
+        # It came back as a fresh process: out of every group and route until its HELLO says where it serves.
+        self.directory.pop(sender, None)
+        self.since.pop(sender, None)
         deadline = self.now() + self.config.complete_timeout / 2  # then place on the latest report there is
         while self.util_period < self.version - 1 and self.now() < deadline:
             await asyncio.sleep(self.config.complete_timeout / 20)  # the last iteration's flood is on its way
@@ -240,8 +243,6 @@ class DataNode(PipelineNode):
         entries = {p: v for p, v in self.utilization.items() if p in members and p != sender}  # a stage no copy
         # reached counts as fully utilized; a stage with no live relay cannot take a joiner (no weights to fetch)
         util = {k: v for k, v in stage_utilization(entries, self.last).items() if self.live(k + 1)}
-        # It came back as a fresh process: out of every group and route until its HELLO says where it serves.
-        self.directory.pop(sender, None)
         if not util:
             return encode({"stage": 0, "it": self.version})
         stage = place_joiners({sender: capacity}, util)[sender] + 1
@@ -378,10 +379,33 @@ class DataNode(PipelineNode):
     def _on_broken(self, sender: str, payload: bytes) -> None:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "broken report")
         key = m.parse_key(obj, sender)
-        stage = obj.get("stage")
-        if type(stage) is not int or not 1 <= stage <= self.last:
+        stage, lost = obj.get("stage"), obj.get("lost", False)
+        if type(stage) is not int or not 1 <= stage <= self.last or not isinstance(lost, bool):
             raise RemoteError(Evidence(sender, "malformed", "broken report with a bad stage"))
-        self.spawn(self.handle_broken(key, stage, sender))
+        if lost:
+            self.forward_lost(key)
+        else:
+            self.spawn(self.handle_broken(key, stage, sender))
+
+    async def report_lost(self, key: m.Key, stage: int) -> None:
+        self.forward_lost(key)
+
+    def forward_lost(self, key: m.Key) -> None:
+        """A node on the microbatch's path saw the peer it passed it to leave. Before the output came
+        home the microbatch is lost: restart it. After, its backward may be stuck at the gone peer
+        with nobody left to report it: restart it unless a repair makes progress within a COMPLETE timeout."""
+        mb = self._live_mb(key)
+        if mb is None:
+            return
+        if mb.t_loss is None:
+            self.restart(mb, self.version)
+        else:
+            self.spawn(self._restart_unless_progress(mb, key[2], self.now()))
+
+    async def _restart_unless_progress(self, mb: Microbatch, att: int, since: float) -> None:
+        await asyncio.sleep(self.config.complete_timeout)
+        if mb.att == att and not mb.done.is_set() and mb.t_progress <= since and self.mbs.get(mb.seq) is mb:
+            self.restart(mb, self.version)
 
     async def handle_broken(self, key: m.Key, stage: int, holder: str) -> None:
         """The gradient of `stage`'s output is stuck at `holder`: repair the stage (GWTF) or restart (SWARM)."""

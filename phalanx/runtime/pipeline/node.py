@@ -58,6 +58,7 @@ class Held:
     next_peer: str | None = None
     recomputed: tuple[int, ...] = ()
     sent: torch.Tensor | None = None  # what goes forward (the output, unless the node's policy tampers)
+    lost_reported: bool = False  # its next peer left the membership view and the data node was told
 
 
 class PipelineNode:
@@ -141,13 +142,33 @@ class PipelineNode:
     # --- helpers ------------------------------------------------------------
 
     def start_background(self) -> None:
-        """Start what runs beside training (the flow algorithm under gwtf routing)."""
+        """Start what runs beside training: the watch on next peers, and the flow algorithm under gwtf routing."""
+        self.spawn(self.watch_next_peers())
         if self.flow is not None:
             self.spawn(self.flow.loop(lambda: {p: s for p, s in self.directory.items() if p not in self.banned},
                                       self._stopped))
 
     def stop(self) -> None:
         self._stopped.set()
+
+    async def watch_next_peers(self) -> None:
+        """A microbatch I passed on is lost when the peer I passed it to leaves before its output came
+        home: tell its data node at once (it restarts the microbatch if its loss is not in yet) instead
+        of letting it wait out the microbatch timeout."""
+        while not self._stopped.is_set():
+            members = set(self.transport.members())
+            for key, h in list(self.held.items()):
+                if h.next_peer is not None and h.next_peer not in members and not h.lost_reported:
+                    h.lost_reported = True
+                    self.spawn(self.report_lost(key, self.stage + 1))
+            try:
+                await asyncio.wait_for(self._stopped.wait(), self.config.complete_timeout / 10)
+            except asyncio.TimeoutError:
+                pass
+
+    async def report_lost(self, key: m.Key, stage: int) -> None:
+        body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "lost": True}
+        await self.transport.send(key[0], m.BROKEN, encode(body))
 
     async def close(self) -> None:
         """Stop and cancel everything this node still runs (before its transport stops)."""
@@ -357,10 +378,26 @@ class PipelineNode:
         if self.flow is not None:
             self.spawn(self.flow.send(self.flow.lost(peer)))
 
+    async def _request(self, peer: str, topic: str, payload: bytes, timeout: float) -> bytes:
+        """A request that gives up as soon as `peer` leaves the membership view (PeerUnreachable),
+        instead of waiting out the whole timeout on a peer that is gone."""
+        task = asyncio.ensure_future(self.transport.request(peer, topic, payload, timeout))
+        poll = self.config.complete_timeout / 10
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll)
+                if done:
+                    return task.result()
+                if peer not in self.transport.members():
+                    raise PeerUnreachable(peer, "left the membership view while we waited")
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def _ask(self, peer: str, topic: str, payload: bytes, timeout: float | None = None) -> str | None:
         """Send a request and return the answer word; None when the peer timed out, failed or was unreachable."""
         try:
-            response = await self.transport.request(peer, topic, payload, timeout or self.config.complete_timeout)
+            response = await self._request(peer, topic, payload, timeout or self.config.complete_timeout)
             return m.parse_answer(response, peer, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
@@ -557,12 +594,14 @@ class PipelineNode:
                 total += grad
                 count += 1
         version = it + 1
+        missing = 0
         behind = self.version != it  # missed an aggregation (cut off, or a joiner): holds no gradients of `it`
         if self.me in group:
             # A behind replica still takes its part (zeros, count 0), so that the group neither waits
             # out a timeout on it nor loses its slice of the sum; it then downloads the result.
             vector = torch.zeros(num_params(self.part) + 1) if behind else torch.cat([total, torch.tensor([float(count)])])
             result = await self.allreduce(it, vector, group)
+            missing = len(result.missing_parts)
             mass = float(result.vector[-1])
             if mass > 0 and not behind:
                 vector = result.vector[:-1] / mass
@@ -582,7 +621,7 @@ class PipelineNode:
                 self.spawn(self.catch_up(it + 1))
         self.on_event({"kind": "aggregate", "peer": self.me, "stage": self.stage, "it": it, "t0": t0, "t1": self.now(),
                        "group": len(group), "count": count, "in_group": self.me in group, "version": version,
-                       "fetched": fetched})
+                       "fetched": fetched, "missing": missing})
         self.version = version
         self.last_served, self.served = self.served, 0
         self.held.clear()
