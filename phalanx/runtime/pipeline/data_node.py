@@ -88,6 +88,7 @@ class DataNode(PipelineNode):
         self.util_period = -1
         self.placed = 0
         self._leading: set[int] = set()
+        self._wake = asyncio.Event()  # a microbatch found no stage-1 peer: look at the stages again
 
     def leader(self) -> str:
         return leader(self.data_nodes())
@@ -126,11 +127,17 @@ class DataNode(PipelineNode):
             self.spawn(self.start(mb, it))
         self.deadline = deadline = t_start + self.config.iteration_timeout
         while (pending := [mb for mb in batch if not mb.done.is_set()]) and self.now() < deadline:
-            waits = [asyncio.ensure_future(mb.done.wait()) for mb in pending]
+            if self.stage_without_relay():
+                break  # nothing can finish in this iteration: defer the rest now, not at the deadline
+            self._wake.clear()
+            waits = [asyncio.ensure_future(e.wait()) for e in [*(mb.done for mb in pending), self._wake]]
             soonest = min(mb.t_progress for mb in pending) + self.config.microbatch_timeout
-            await asyncio.wait(waits, timeout=max(1e-3, min(deadline, soonest) - self.now()), return_when=asyncio.FIRST_COMPLETED)
+            # also look again after half a COMPLETE timeout: a stage-1 peer holding one of ours may have left
+            wake = min(deadline, soonest, self.now() + self.config.complete_timeout / 2)
+            await asyncio.wait(waits, timeout=max(1e-3, wake - self.now()), return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
+            self.check_next_peers()
             for mb in pending:
                 if not mb.done.is_set() and self.now() - mb.t_progress >= self.config.microbatch_timeout and self.now() < deadline:
                     self.restart(mb, it)
@@ -155,6 +162,10 @@ class DataNode(PipelineNode):
             "deferred": len(batch) - len(finished),
             "microbatches": [self._mb_record(mb, it) for mb in batch],
         }
+
+    def stage_without_relay(self) -> int | None:
+        """A relay stage with no live peer serving this iteration (its joiners serve from the next), if any."""
+        return next((s for s in range(1, self.last + 1) if not self.live(s)), None)
 
     def _mb_record(self, mb: Microbatch, it: int) -> dict:
         return {"it": it, "src": self.me, "seq": mb.seq, "att": mb.att, "path": list(mb.path), "t_start": mb.t_start,
@@ -315,6 +326,7 @@ class DataNode(PipelineNode):
             mb.outcome = "denied"
             mb.done.set()
             return
+        self._wake.set()
         await asyncio.sleep(self.config.complete_timeout / 10)
         if self.held.get(key) is h:
             h.excluded.clear()

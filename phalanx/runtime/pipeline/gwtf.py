@@ -149,7 +149,7 @@ class FlowDriver:
     def _on_flow(self, sender: str, payload: bytes) -> None:
         msg = from_wire(decode(payload, sender, self.transport.limits), sender, self.transport.peer_id)
         claimed = getattr(msg, "stage", None)
-        if sender not in self.known or claimed is not None and claimed != self.node_stage(sender):
+        if sender in self.known and claimed is not None and claimed != self.node_stage(sender):
             return  # our views of who serves what differ (a move or rejoin not yet seen here): not evidence
         replies = self.node.handle(msg)
         if replies:

@@ -142,8 +142,7 @@ class PipelineNode:
     # --- helpers ------------------------------------------------------------
 
     def start_background(self) -> None:
-        """Start what runs beside training: the watch on next peers, and the flow algorithm under gwtf routing."""
-        self.spawn(self.watch_next_peers())
+        """Start what runs beside training (the flow algorithm under gwtf routing)."""
         if self.flow is not None:
             self.spawn(self.flow.loop(lambda: {p: s for p, s in self.directory.items() if p not in self.banned},
                                       self._stopped))
@@ -151,20 +150,16 @@ class PipelineNode:
     def stop(self) -> None:
         self._stopped.set()
 
-    async def watch_next_peers(self) -> None:
+    def check_next_peers(self) -> None:
         """A microbatch I passed on is lost when the peer I passed it to leaves before its output came
-        home: tell its data node at once (it restarts the microbatch if its loss is not in yet) instead
-        of letting it wait out the microbatch timeout."""
-        while not self._stopped.is_set():
-            members = set(self.transport.members())
-            for key, h in list(self.held.items()):
-                if h.next_peer is not None and h.next_peer not in members and not h.lost_reported:
-                    h.lost_reported = True
-                    self.spawn(self.report_lost(key, self.stage + 1))
-            try:
-                await asyncio.wait_for(self._stopped.wait(), self.config.complete_timeout / 10)
-            except asyncio.TimeoutError:
-                pass
+        home: tell its data node (it restarts the microbatch, or watches its backward) instead of
+        letting it wait out the microbatch timeout. Checked whenever pipeline traffic wakes the node
+        (no timer of its own, so that a run without churn is scheduled exactly as before)."""
+        members = set(self.transport.members())
+        for key, h in list(self.held.items()):
+            if h.next_peer is not None and h.next_peer not in members and not h.lost_reported:
+                h.lost_reported = True
+                self.spawn(self.report_lost(key, self.stage + 1))
 
     async def report_lost(self, key: m.Key, stage: int) -> None:
         body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "lost": True}
@@ -235,6 +230,7 @@ class PipelineNode:
     # --- forward --------------------------------------------------------------
 
     async def _on_forward(self, sender: str, payload: bytes) -> bytes:
+        self.check_next_peers()
         c = m.parse_carry(payload, sender, self.transport.limits, self.last + 1)
         if len(c.path) != c.stage or c.stage < 1 or c.path[-1] != sender and not self.relayed_by(sender, c):
             raise RemoteError(Evidence(sender, "false_stage", "forward sender is not the last node of its path", c.it))
@@ -443,6 +439,7 @@ class PipelineNode:
     # --- backward -------------------------------------------------------------
 
     async def _on_backward(self, sender: str, payload: bytes) -> bytes:
+        self.check_next_peers()
         c = m.parse_carry(payload, sender, self.transport.limits, self.last + 1)
         if c.stage != self.stage or len(c.path) != self.last + 1 or c.path[self.stage] != self.me:
             raise RemoteError(Evidence(sender, "unknown_microbatch", "backward for a stage or path I do not serve", c.it))
@@ -580,6 +577,8 @@ class PipelineNode:
 
     async def aggregate(self, it: int, payload: bytes, done: list, groups: list[list[str]]) -> None:
         """Flood BEGIN on, all-reduce this stage's gradients of the finished microbatches, step, pass CAN TAKE back."""
+        if it - 1 in self._begun:  # the previous aggregation is still running here: let it finish first
+            await self.wait_version(it, self.config.aggregation_timeout)
         if self.stage >= 1 and self.stage < self.last:
             for peer in self.live(self.stage + 1):
                 await self.transport.send(peer, m.BEGIN, payload)
@@ -696,6 +695,9 @@ class PipelineNode:
                 return  # an aggregation caught us up meanwhile
             if got is not None:
                 self.adopt(got, "catch_up")
+                return
+            if not ahead and all(v < 0 for v in versions):  # no live stage peer: nothing newer exists anywhere
+                self.adopt(version, "unstepped")
                 return
             if not ahead and not unstepped:
                 return
