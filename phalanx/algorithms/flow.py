@@ -1010,6 +1010,8 @@ class FlowNode:
         if self.is_data or self._stages.get(msg.src) != self.stage or msg.next_a not in self._costs:
             return no
         u = self._unit_by("out_link", msg.link_b, msg.next_b)
+        if u is not None and u.locked and self._yields_to(u.locked, msg.src):
+            self._drop_pending(u.locked)  # we asked each other at once: the smaller peer id's request goes first
         if u is None or u.locked or u.sink != msg.sink or u.upstream is None or msg.next_b not in self._costs:
             return no
         b_old, b_new = self._costs[msg.next_b], self._costs[msg.next_a]
@@ -1024,6 +1026,12 @@ class FlowNode:
             Rewire(self.peer, msg.next_a, msg.link_a, "up", msg.src, self.peer),
         ]
         return out + self._upstream_update(u, before)
+
+    def _yields_to(self, req: int, peer: str) -> bool:
+        """Whether my pending request `req` is a Change sent to `peer` while `peer` sent me one (each
+        locked its own unit and would refuse the other's, every round, forever): the larger id yields."""
+        p = self._pending.get(req)
+        return p is not None and p.kind == "change" and p.peer == peer and peer < self.peer
 
     def _on_ChangeReply(self, msg: ChangeReply) -> list[FlowMessage]:
         p = self._pending.get(msg.req)
