@@ -306,3 +306,19 @@ def test_departed_relay_is_out_of_the_next_aggregation():
     assert groups[(0, 1)] == 3 and groups[(1, 1)] == 2 and groups[(2, 1)] == 2
     assert not [e for e in summary["events"] if e["kind"] == "aggregate" and e["peer"] == dead and e["it"] >= 1]
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
+def test_gwtf_routes_by_the_flow_after_the_warm_up():
+    # every hop records the routing rule that chose it; churn-free, after the flow warm-up, the
+    # flow's paired units and next hops choose them all (the cheapest-peer fallback none)
+    config = PipelineRunConfig(
+        peers=7, data_nodes=1, steps=4,
+        train=TrainConfig(task="chars-gpt", optimizer="adam", lr=0.003, batch_size=4),
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=2, routing="gwtf"),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    branches = summary["routing_branches"]
+    assert set(branches) <= {"paired", "flow", "fallback"} and sum(branches.values()) >= 4 * 4 * 3
+    used = [e["branch"] for e in summary["events"] if e["kind"] == "send"]
+    assert len(used) == sum(branches.values())
+    assert used.count("paired") > 0 and used.count("fallback") == 0

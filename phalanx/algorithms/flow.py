@@ -430,6 +430,10 @@ class FlowNode:
         self.config = config
         self.rng = rng
         self.temperature = config.temperature
+        # The cost that `temperature` and `min_gain` are expressed in: 1 for unit-free costs (the benches'
+        # graphs); the runtime sets it to its mean measured edge cost, so that T=1.7 means the same
+        # relative worsening whether costs are in seconds or milliseconds.
+        self.cost_unit = 1.0
         self.accepted_moves = 0
         self.optimising = True  # False pauses Request Change / Redirect (routes stay put during training)
         self._stages: dict[str, int] = {}
@@ -623,11 +627,14 @@ class FlowNode:
 
     def _accept(self, delta: float) -> bool:
         """Simulated annealing: improvements always, worsening with prob exp(-delta/T)."""
-        if delta < -self.config.min_gain:
+        if delta < -self._min_gain():
             return True
-        if self.temperature <= 0 or delta <= self.config.min_gain:
+        if self.temperature <= 0 or delta <= self._min_gain():
             return False
-        return math.exp(-delta / self.temperature) > self.rng.random()
+        return math.exp(-delta / (self.temperature * self.cost_unit)) > self.rng.random()
+
+    def _min_gain(self) -> float:
+        return self.config.min_gain * self.cost_unit
 
     def _cooled(self) -> None:
         self.temperature *= self.config.cooling
@@ -745,7 +752,7 @@ class FlowNode:
             if u.kind == "sink" or u.downstream is None or u.locked or (u.kind == "relay" and u.upstream is None):
                 continue
             best = self._best_offer(u.sink)
-            if best is not None and best[0] < self._cost(u) - max(self.config.min_gain, _TOL):
+            if best is not None and best[0] < self._cost(u) - max(self._min_gain(), _TOL):
                 out.append(self._request("switch", best[1], u.sink, best[2], uid=u.uid, replaces=u.out_link))
         return out
 
@@ -836,8 +843,8 @@ class FlowNode:
         if not moves:
             return None
         best = min(moves, key=lambda m: (m[0], m[1]))
-        if best[0] >= -self.config.min_gain:
-            ups = [m for m in moves if m[0] > self.config.min_gain]
+        if best[0] >= -self._min_gain():
+            ups = [m for m in moves if m[0] > self._min_gain()]
             if not ups:
                 return None
             best = ups[self.rng.randrange(len(ups))]

@@ -157,6 +157,14 @@ class PipelineRecorder:
             })
         return rows
 
+    def routing_branches(self) -> dict[str, int]:
+        """How many hops each routing rule chose (paired / flow / fallback under gwtf, swarm, client)."""
+        counts: dict[str, int] = {}
+        for e in self.events:
+            if e["kind"] == "send" and e.get("branch"):
+                counts[e["branch"]] = counts.get(e["branch"], 0) + 1
+        return dict(sorted(counts.items()))
+
     def microbatches(self) -> list[dict]:
         return [mb for r in self.iterations for mb in r["microbatches"]]
 
@@ -192,6 +200,7 @@ class PipelineRecorder:
             "restarts": sum(mb["restarts"] for mb in mbs), "repairs": sum(mb["repairs"] for mb in mbs),
             "wasted_compute_seconds": self.wasted_compute(), "peer_ids": self.ids,
             "banned": sorted({b["peer"] for b in self.bans}),
+            "routing_branches": self.routing_branches(),
             **extra,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -370,6 +379,7 @@ def simulate_pipeline(
         summary["wasted_compute_seconds"] = recorder.wasted_compute()
         summary["peer_ids"] = ids
         summary["verifier_ids"] = verifiers_of_run
+        summary["routing_branches"] = recorder.routing_branches()
         return summary
     summary = recorder.write(out, extra)
     return summary

@@ -122,6 +122,8 @@ class DataNode(PipelineNode):
             batch.append(Microbatch(self.next_seq, x, y, it))
             self.next_seq += 1
         self.mbs = {mb.seq: mb for mb in batch}
+        if self.flow is not None:
+            self.flow.pause(True)  # routes stay put while this iteration's microbatches run
         for mb in batch:
             mb.outcome, mb.done = "pending", asyncio.Event()
             self.spawn(self.start(mb, it))

@@ -42,10 +42,13 @@ class FlowRouter(Router):
         if upstream:
             paired = self.flow.route(sink, upstream)
             if paired in candidates:
+                self.last_branch = "paired"
                 return paired
         hops = {p: n for p, n in self.flow.next_hops(sink).items() if p in candidates and n > 0}
         if hops:
+            self.last_branch = "flow"
             return min(sorted(hops), key=lambda p: (load.get(p, 0) + 1) / hops[p])
+        self.last_branch = "fallback"
         return self.fallback.choose(stage, candidates, sink, upstream, load)
 
     def observe(self, peer: str, seconds: float) -> None:
@@ -90,7 +93,11 @@ class FlowDriver:
         return stage in ring
 
     def cost(self, peer: str) -> float:
+        """Eq. 1 from measurements; a peer not measured yet is priced at the mean of the measured ones
+        (not below them, which would pull flow onto peers nobody has seen work)."""
         rtt = self.rtt.get(peer)
+        if rtt is None and self.rtt:
+            rtt = sum(self.rtt.values()) / len(self.rtt)
         if rtt is None:
             return edge_cost(self.compute, self.compute, 0.0, 0.0, 1.0, 1.0, 0.0)
         return self.compute / 2 + rtt / 2
@@ -118,11 +125,26 @@ class FlowDriver:
         self.compute = seconds if self.compute == 0 else (1 - ema) * self.compute + ema * seconds
 
     def measured_rtt(self, peer: str, seconds: float, ema: float) -> list[FlowMessage]:
+        """A COMPLETE round trip (or a failure's penalty): the peer's cost, the unmeasured peers' (the
+        mean moved) and the cost unit that annealing scales by."""
         old = self.rtt.get(peer)
         self.rtt[peer] = seconds if old is None else (1 - ema) * old + ema * seconds
-        if peer in self.known:
-            return self.node.set_cost(peer, self.cost(peer))
-        return []
+        out: list[FlowMessage] = []
+        for other in sorted(self.known):  # this peer, and the unmeasured ones (their price is the mean)
+            if other == peer or other not in self.rtt:
+                out += self.node.set_cost(other, self.cost(other))
+        measured = [self.cost(p) for p in self.rtt]
+        self.node.cost_unit = max(sum(measured) / len(measured), 1e-9)
+        return out
+
+    def failed(self, peer: str, penalty: float, ema: float) -> list[FlowMessage]:
+        """`peer` timed out or was unreachable: a sample of `penalty` seconds raises its cost."""
+        return self.measured_rtt(peer, penalty, ema)
+
+    def pause(self, paused: bool) -> None:
+        """Pause Request Change / Redirect while an iteration's microbatches run (GWTF Sec. V-C);
+        Request Flow and repairs go on."""
+        self.node.optimising = not paused
 
     def lost(self, peer: str) -> list[FlowMessage]:
         if peer in self.known:

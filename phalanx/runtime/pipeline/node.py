@@ -276,6 +276,8 @@ class PipelineNode:
         self.held[c.key] = Held(c, x, out, recomputed=recomputed, sent=sent)
         self._emit("fwd", c.key, c.it, t0, recompute=c.repair >= 0)
         self.served += 1
+        if self.flow is not None:
+            self.flow.pause(True)  # routes stay put while this iteration's microbatches run
         if c.repair == self.stage:
             self.spawn(self._resume(c.key))
         else:
@@ -311,7 +313,8 @@ class PipelineNode:
             if client and word == m.DENIED:  # the data node found no next peer: it restarts the microbatch
                 self.held.pop(key, None)
                 return
-            self._emit("send", key, h.carry.it, t0, to=peer, answer=word)
+            self._emit("send", key, h.carry.it, t0, to=peer, answer=word,
+                       branch="client" if client else self.router.last_branch)
             if word == m.OK:
                 self.router.observe(peer, self.now() - t0)
                 if self.flow is not None:
@@ -321,6 +324,8 @@ class PipelineNode:
             if word == m.STALE:
                 return
             self.router.failed(peer)
+            if word is None and self.flow is not None:  # timed out or unreachable: its cost goes up
+                await self.flow.send(self.flow.failed(peer, 4 * self.config.complete_timeout, self.config.ema))
             h.excluded.add(peer)
 
     def relayed_by(self, sender: str, c: m.Carry) -> bool:
@@ -579,6 +584,8 @@ class PipelineNode:
         """Flood BEGIN on, all-reduce this stage's gradients of the finished microbatches, step, pass CAN TAKE back."""
         if it - 1 in self._begun:  # the previous aggregation is still running here: let it finish first
             await self.wait_version(it, self.config.aggregation_timeout)
+        if self.flow is not None:
+            self.flow.pause(False)  # between iterations the flow may optimise again
         if self.stage >= 1 and self.stage < self.last:
             for peer in self.live(self.stage + 1):
                 await self.transport.send(peer, m.BEGIN, payload)
