@@ -356,8 +356,9 @@ def simulate_pipeline(
                    if pid not in crashed and node.version == config.steps}
         evidence = [[t.peer_id, e.peer, e.kind] for t in transports for e in t.evidence]
         val = validation_loss(config, task, nodes, crashed) if evaluate else None
+        sample = text_sample(config, task, nodes, crashed)
         return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests, "evidence": evidence,
-                                                   "val_loss": val}
+                                                   "val_loss": val, "sample": sample}
 
     try:
         simulated_seconds, stats = run_simulation(main)
@@ -366,7 +367,7 @@ def simulate_pipeline(
     verifiers_of_run = verifier_ids(config)
     extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
              "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"],
-             "evidence": stats["evidence"], "val_loss": stats["val_loss"]}
+             "evidence": stats["evidence"], "val_loss": stats["val_loss"], "sample": stats["sample"]}
     if out is None:
         summary = dict(extra)
         summary["metrics"] = recorder.metrics()
@@ -385,8 +386,8 @@ def simulate_pipeline(
     return summary
 
 
-def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str]) -> float | None:
-    """Held-out loss of the model made of one honest, up-to-date replica per stage (None if a stage has none)."""
+def assembled_model(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str]) -> torch.nn.Module | None:
+    """The model made of one honest, up-to-date replica per stage (None if a stage has none)."""
     lying = {peer_identity(config.seed, config.data_nodes + i).peer_id for i in config.attack.indices}
     model = task.build_model(config.seed)
     parts = model.stages(config.pipeline.stages + 1)
@@ -398,7 +399,30 @@ def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed:
         with torch.no_grad():
             for mine, theirs in zip(part.parameters(), source.params):
                 mine.copy_(theirs)
-    return task.evaluate(model)["loss"]
+    return model
+
+
+def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str]) -> float | None:
+    """Held-out loss of the assembled model (see `assembled_model`)."""
+    model = assembled_model(config, task, nodes, crashed)
+    return None if model is None else task.evaluate(model)["loss"]
+
+
+def text_sample(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str], length: int = 120) -> str | None:
+    """A character GPT's continuation of the start of the validation text (sampled from the assembled
+    model with a generator seeded by the run seed), or None for other tasks."""
+    corpus = getattr(task, "corpus", None)
+    model = assembled_model(config, task, nodes, crashed) if corpus is not None else None
+    if model is None:
+        return None
+    block = task.cfg.block_size
+    ids = corpus.val[:16].tolist()
+    generator = torch.Generator().manual_seed(config.seed)
+    with torch.no_grad():
+        for _ in range(length):
+            logits = model(torch.tensor([ids[-block:]]))[0, -1]
+            ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)))
+    return corpus.decode(ids)
 
 
 def param_digest(node: DataNode | Relay) -> str:
