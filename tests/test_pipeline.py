@@ -322,3 +322,14 @@ def test_gwtf_routes_by_the_flow_after_the_warm_up():
     used = [e["branch"] for e in summary["events"] if e["kind"] == "send"]
     assert len(used) == sum(branches.values())
     assert used.count("paired") > 0 and used.count("fallback") == 0
+
+
+def test_soak_compares_loss_at_an_equal_number_of_finished_microbatches():
+    from phalanx.experiments.pipeline_soak import loss_gap
+
+    reference = [(4 * (i + 1), 4.0 - 0.1 * i) for i in range(10)]  # 4 finished per iteration
+    slower = [(2 * (i + 1), 4.0 - 0.05 * i) for i in range(10)]  # half as many: 20 finished at the end
+    # 20 finished: the reference was there after 5 iterations; both sides average their last 3 points
+    assert loss_gap(slower, reference, window=3) == pytest.approx((3.65 + 3.6 + 3.55) / (3.8 + 3.7 + 3.6) - 1)
+    assert loss_gap(reference, reference, window=3) == pytest.approx(0.0)
+    assert loss_gap([], reference, window=3) is None
