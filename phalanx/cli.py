@@ -20,6 +20,7 @@ BENCHES = {
     "gwtf": "gwtf_bench",
     "aspis": "aspis_bench",
     "sentinel": "sentinel_bench",
+    "pipeline-soak": "pipeline_soak",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -26,12 +27,12 @@ from phalanx.algorithms.flowgraph import FlowGraph, build_nodes, max_flow, optim
 from phalanx.core.errors import ConfigError, RemoteError
 from phalanx.core.rng import py_stream
 from phalanx.core.serialization import decode, encode
+from phalanx.experiments.gwtf_bench import split_demand
 
 
 def _graph(seed: int, sources: int = 1, relays: int = 9, stages: int = 3) -> FlowGraph:
     g = random_graph(py_stream(seed, "test-flow"), sources, relays, stages, (1, 4), (1, 20), demand=100)
-    per = max(1, max_flow(g) // sources)
-    return replace(g, demand={d: per for d in g.data})
+    return replace(g, demand=split_demand(max_flow(g), sorted(g.data)))
 
 
 def _converge(g: FlowGraph, seed: int, rounds: int = 60) -> SyncDriver:
@@ -216,3 +217,36 @@ def test_routing_views_follow_the_paths() -> None:
         for prev, here, nxt in zip(hops, hops[1:], hops[2:]):
             assert nxt in drv.nodes[here].routes(data, prev)
             assert drv.nodes[here].route(data, prev) in drv.nodes[here].routes(data, prev)
+
+
+def test_mirror_change_requests_do_not_livelock() -> None:
+    # a and b (stage 0) each hold one unit to d; after the costs flip, each wants the other's next
+    # hop. Their queries fall in the same rounds (same phase parity), so each proposes the mirror
+    # swap at once, locks its unit and refused the other's, every 4 rounds, forever. The smaller
+    # id's request now goes first.
+    cfg = FlowConfig(temperature=0.0)
+    stage = {"d": None, "a": 0, "b": 0, "x": 1, "y": 1}
+    nodes = [FlowNode("d", None, 2, 2, cfg, random.Random(1), demand=2),
+             FlowNode("a", 0, 1, 2, cfg, random.Random(0)), FlowNode("b", 0, 1, 2, cfg, random.Random(0)),
+             FlowNode("x", 1, 1, 2, cfg, random.Random(4)), FlowNode("y", 1, 1, 2, cfg, random.Random(5))]
+    cost = {("a", "x"): 1.0, ("a", "y"): 5.0, ("b", "x"): 5.0, ("b", "y"): 1.0}
+    for n in nodes:
+        for other in nodes:
+            if n is not other:
+                n.add_peer(other.peer, stage[other.peer], cost.get((n.peer, other.peer), 1.0))
+    drv = SyncDriver(nodes)
+    a, b = nodes[1], nodes[2]
+    assert a._phase % 2 == b._phase % 2  # they query in the same rounds
+    drv.run(40)
+    drv.settle(20)
+    assert sorted(tuple(p) for _, p, _ in drv.paths()) == [("a", "x"), ("b", "y")]
+    drv.queue += a.set_cost("x", 5.0) + a.set_cost("y", 1.0) + b.set_cost("x", 1.0) + b.set_cost("y", 5.0)
+    drv.run(30)
+    assert sorted(tuple(p) for _, p, _ in drv.paths()) == [("a", "y"), ("b", "x")]
+    assert a.accepted_moves + b.accepted_moves == 1
+
+
+def test_bench_demand_adds_up_to_the_max_flow() -> None:
+    # max_flow // sources per source never asked for the remainder's units
+    assert split_demand(13, ["a", "b"]) == {"a": 7, "b": 6}
+    assert split_demand(1, ["a", "b", "c"]) == {"a": 1, "b": 1, "c": 1}

@@ -226,3 +226,110 @@ def test_leader_crash_the_next_data_node_leads():
     assert dead not in summary["replicas"]
     assert all(version == config.steps for _, version, _ in summary["replicas"].values())
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
+def _stage_moves(summary: dict, config: PipelineRunConfig) -> int:
+    """Rejoins that placed a relay in another stage than it served before."""
+    serving = {pid: config.stage_of(i) for i, pid in enumerate(summary["peer_ids"])}
+    moves = 0
+    for e in summary["events"]:
+        if e["kind"] == "join":
+            moves += serving[e["peer"]] != e["stage"]
+            serving[e["peer"]] = e["stage"]
+    return moves
+
+
+@pytest.mark.parametrize("routing", ["swarm", "gwtf"])
+def test_sustained_churn_never_stalls_and_accuses_nobody(routing):
+    # chars-gpt-pipeline at 20% leave and join per relay and iteration for 60 iterations: before the
+    # fix every such run stalled for good (0 of 4 microbatches per iteration) and honest peers
+    # accused each other (rejoined relays started from a stale stage map, behind replicas never
+    # caught up, joiners were routed to before their download).
+    from phalanx.presets import get_preset
+
+    config = get_preset("chars-gpt-pipeline")
+    config = replace(config, steps=60, seed=1, train=replace(config.train, batch_size=4),
+                     pipeline=replace(config.pipeline, routing=routing),
+                     faults=ChurnConfig(leave_rate=0.2, join_rate=0.2))
+    summary = simulate_pipeline(config, progress=False)
+    mbs = summary["microbatches"]
+    ok = sum(mb["outcome"] == "ok" for mb in mbs)
+    assert ok >= 0.9 * len(mbs)
+    assert summary["evidence"] == []  # nobody lies here: no honest peer is accused
+    assert _stage_moves(summary, config) > 0  # relays did move stage, and that raised no evidence
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+    assert [m["step"] for m in summary["metrics"]] == list(range(60))
+
+
+def test_behind_replica_catches_up_before_serving():
+    # stage-2 relay R is cut off across iteration 1's aggregation: it is out of the group, misses
+    # BEGIN and comes back one version behind; it must fetch the stepped weights (digest confirmed)
+    # before it computes anything for iteration 2, and end in agreement with its stage peer
+    config = _mlp_config(
+        peers=5, data_nodes=1, steps=5,
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=2.0),
+    )
+    behind = peer_identity(config.seed, 2).peer_id  # relay 1: stage 2
+
+    def adversary(network, directory):
+        loop = asyncio.get_running_loop()
+        network.schedule(loop.time() + 6.0, lambda: network.partition([[behind]]))
+        network.schedule(loop.time() + 9.5, network.heal)
+
+    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    mine = [e for e in summary["events"] if e["peer"] == behind]
+    aggregations = [e for e in mine if e["kind"] == "aggregate"]
+    assert [e["it"] for e in aggregations] == [0, 2, 3, 4]  # the cut made it miss iteration 1's
+    assert aggregations[1]["fetched"] and aggregations[1]["version"] == 3  # it downloaded the stepped weights
+    changes = sorted((e["t1"], e["version"]) for e in mine if e["kind"] in ("aggregate", "catch_up"))
+    served = [e for e in mine if e["kind"] == "fwd"]
+    assert {e["it"] for e in served} >= {0, 3, 4}
+    for e in served:  # every microbatch it computed, it computed at that iteration's version
+        version = max([v for t, v in changes if t <= e["t0"]], default=0)
+        assert version == e["it"]
+    assert summary["replicas"][behind][:2] == [2, config.steps]
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+    assert summary["evidence"] == []
+
+
+def test_departed_relay_is_out_of_the_next_aggregation():
+    # relay 0 (stage 1 of 2, three relays per stage) crashes just after iteration 1 opens: the
+    # aggregation of iteration 1 runs among the two that are left, who agree
+    config = _mlp_config(
+        peers=7, data_nodes=1, steps=3,
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=2.0),
+        faults=ChurnConfig(crash_relay=0, crash_iteration=1, crash_at=0.001),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    dead = summary["peer_ids"][1]
+    groups = {(e["it"], e["stage"]): e["group"] for e in summary["events"] if e["kind"] == "aggregate"}
+    assert groups[(0, 1)] == 3 and groups[(1, 1)] == 2 and groups[(2, 1)] == 2
+    assert not [e for e in summary["events"] if e["kind"] == "aggregate" and e["peer"] == dead and e["it"] >= 1]
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
+def test_gwtf_routes_by_the_flow_after_the_warm_up():
+    # every hop records the routing rule that chose it; churn-free, after the flow warm-up, the
+    # flow's paired units and next hops choose them all (the cheapest-peer fallback none)
+    config = PipelineRunConfig(
+        peers=7, data_nodes=1, steps=4,
+        train=TrainConfig(task="chars-gpt", optimizer="adam", lr=0.003, batch_size=4),
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=2, routing="gwtf"),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    branches = summary["routing_branches"]
+    assert set(branches) <= {"paired", "flow", "fallback"} and sum(branches.values()) >= 4 * 4 * 3
+    used = [e["branch"] for e in summary["events"] if e["kind"] == "send"]
+    assert len(used) == sum(branches.values())
+    assert used.count("paired") > 0 and used.count("fallback") == 0
+
+
+def test_soak_compares_loss_at_an_equal_number_of_finished_microbatches():
+    from phalanx.experiments.pipeline_soak import loss_gap
+
+    reference = [(4 * (i + 1), 4.0 - 0.1 * i) for i in range(10)]  # 4 finished per iteration
+    slower = [(2 * (i + 1), 4.0 - 0.05 * i) for i in range(10)]  # half as many: 20 finished at the end
+    # 20 finished: the reference was there after 5 iterations; both sides average their last 3 points
+    assert loss_gap(slower, reference, window=3) == pytest.approx((3.65 + 3.6 + 3.55) / (3.8 + 3.7 + 3.6) - 1)
+    assert loss_gap(reference, reference, window=3) == pytest.approx(0.0)
+    assert loss_gap([], reference, window=3) is None

@@ -26,7 +26,9 @@ def _config(attack: str = "none", placement: str = "boundary", routing: str = "s
     return PipelineRunConfig(
         peers=7, data_nodes=1, steps=STEPS,
         train=TrainConfig(task="chars-gpt", optimizer="adam", lr=0.001, batch_size=4),
-        pipeline=PipelineConfig(stages=2, microbatches=8, capacity=8, routing=routing),
+        # gwtf routes by its flow: with room for all 8 microbatches on one relay per stage the flow may leave
+        # the attackers idle (nothing to detect); 3 per relay makes it use every relay of a stage
+        pipeline=PipelineConfig(stages=2, microbatches=8, capacity=3 if routing == "gwtf" else 8, routing=routing),
         sentinel=VerifierConfig(enabled=enabled, placement=placement, warmup=120),
         attack=LinkAttackConfig(name=attack, relays=MALICIOUS if attack != "none" else "", start=START),
     )

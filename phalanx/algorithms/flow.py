@@ -430,6 +430,10 @@ class FlowNode:
         self.config = config
         self.rng = rng
         self.temperature = config.temperature
+        # The cost that `temperature` and `min_gain` are expressed in: 1 for unit-free costs (the benches'
+        # graphs); the runtime sets it to its mean measured edge cost, so that T=1.7 means the same
+        # relative worsening whether costs are in seconds or milliseconds.
+        self.cost_unit = 1.0
         self.accepted_moves = 0
         self.optimising = True  # False pauses Request Change / Redirect (routes stay put during training)
         self._stages: dict[str, int] = {}
@@ -623,11 +627,14 @@ class FlowNode:
 
     def _accept(self, delta: float) -> bool:
         """Simulated annealing: improvements always, worsening with prob exp(-delta/T)."""
-        if delta < -self.config.min_gain:
+        if delta < -self._min_gain():
             return True
-        if self.temperature <= 0 or delta <= self.config.min_gain:
+        if self.temperature <= 0 or delta <= self._min_gain():
             return False
-        return math.exp(-delta / self.temperature) > self.rng.random()
+        return math.exp(-delta / (self.temperature * self.cost_unit)) > self.rng.random()
+
+    def _min_gain(self) -> float:
+        return self.config.min_gain * self.cost_unit
 
     def _cooled(self) -> None:
         self.temperature *= self.config.cooling
@@ -745,7 +752,7 @@ class FlowNode:
             if u.kind == "sink" or u.downstream is None or u.locked or (u.kind == "relay" and u.upstream is None):
                 continue
             best = self._best_offer(u.sink)
-            if best is not None and best[0] < self._cost(u) - max(self.config.min_gain, _TOL):
+            if best is not None and best[0] < self._cost(u) - max(self._min_gain(), _TOL):
                 out.append(self._request("switch", best[1], u.sink, best[2], uid=u.uid, replaces=u.out_link))
         return out
 
@@ -836,8 +843,8 @@ class FlowNode:
         if not moves:
             return None
         best = min(moves, key=lambda m: (m[0], m[1]))
-        if best[0] >= -self.config.min_gain:
-            ups = [m for m in moves if m[0] > self.config.min_gain]
+        if best[0] >= -self._min_gain():
+            ups = [m for m in moves if m[0] > self._min_gain()]
             if not ups:
                 return None
             best = ups[self.rng.randrange(len(ups))]
@@ -1010,6 +1017,8 @@ class FlowNode:
         if self.is_data or self._stages.get(msg.src) != self.stage or msg.next_a not in self._costs:
             return no
         u = self._unit_by("out_link", msg.link_b, msg.next_b)
+        if u is not None and u.locked and self._yields_to(u.locked, msg.src):
+            self._drop_pending(u.locked)  # we asked each other at once: the smaller peer id's request goes first
         if u is None or u.locked or u.sink != msg.sink or u.upstream is None or msg.next_b not in self._costs:
             return no
         b_old, b_new = self._costs[msg.next_b], self._costs[msg.next_a]
@@ -1024,6 +1033,12 @@ class FlowNode:
             Rewire(self.peer, msg.next_a, msg.link_a, "up", msg.src, self.peer),
         ]
         return out + self._upstream_update(u, before)
+
+    def _yields_to(self, req: int, peer: str) -> bool:
+        """Whether my pending request `req` is a Change sent to `peer` while `peer` sent me one (each
+        locked its own unit and would refuse the other's, every round, forever): the larger id yields."""
+        p = self._pending.get(req)
+        return p is not None and p.kind == "change" and p.peer == peer and peer < self.peer
 
     def _on_ChangeReply(self, msg: ChangeReply) -> list[FlowMessage]:
         p = self._pending.get(msg.req)

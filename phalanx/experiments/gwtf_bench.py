@@ -71,13 +71,20 @@ class FlowBenchConfig:
         return [int(p) for p in self.settings.split(",")]
 
 
+def split_demand(total: int, sources: list[str]) -> dict[str, int]:
+    """`total` units over `sources` as evenly as integers allow (the first ones take the remainder),
+    so that the demands add up to the maximum flow; at least 1 each."""
+    per, extra = divmod(total, len(sources))
+    return {d: max(1, per + (i < extra)) for i, d in enumerate(sources)}
+
+
 def run_flow_case(setting: int, seed: int, config: FlowBenchConfig) -> dict:
     """One graph of one setting: GWTF, SWARM greedy and the optimum."""
     sources, relays, stages, capacity, link_cost = FLOW_SETTINGS[setting]
     graph = random_graph(py_stream(config.seed, "gwtf-flow-graph", setting, seed), sources, relays, stages,
                          capacity, link_cost, demand=10**6)
     best_value = max_flow(graph)
-    graph = replace(graph, demand={d: max(1, best_value // sources) for d in graph.data})
+    graph = replace(graph, demand=split_demand(best_value, sorted(graph.data)))
     start = time.perf_counter()
     driver = SyncDriver(build_nodes(graph, config.flow, config.seed * 1000 + seed))
     driver.run(config.rounds - config.settle)

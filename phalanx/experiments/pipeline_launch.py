@@ -100,8 +100,8 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
         await asyncio.sleep(1.0)
     if placed is None or placed[0] == 0:
         raise LocalError("no data node placed this joiner")
-    stage, it = placed
-    node = build_node(config, transport, index, directory, pipeline_task(config), lambda e: write("event", e), stage=stage)
+    stage, it, known = placed
+    node = build_node(config, transport, index, known, pipeline_task(config), lambda e: write("event", e), stage=stage)
     write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": node.now(), "t1": node.now()})
     if not await node.enter(it):
         raise LocalError(f"could not download the weights of stage {stage}")

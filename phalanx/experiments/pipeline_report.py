@@ -75,5 +75,7 @@ def report_pipeline(run_dir: Path, summary: dict) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     table = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+    if summary.get("sample"):  # a character model's continuation of the start of the validation text
+        table += "\n\ntext sample (the first 16 characters are the prompt):\n" + summary["sample"]
     (run_dir / "summary.txt").write_text(table + "\n")
     return table

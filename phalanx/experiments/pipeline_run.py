@@ -161,6 +161,14 @@ class PipelineRecorder:
             })
         return rows
 
+    def routing_branches(self) -> dict[str, int]:
+        """How many hops each routing rule chose (paired / flow / fallback under gwtf, swarm, client)."""
+        counts: dict[str, int] = {}
+        for e in self.events:
+            if e["kind"] == "send" and e.get("branch"):
+                counts[e["branch"]] = counts.get(e["branch"], 0) + 1
+        return dict(sorted(counts.items()))
+
     def microbatches(self) -> list[dict]:
         return [mb for r in self.iterations for mb in r["microbatches"]]
 
@@ -196,6 +204,7 @@ class PipelineRecorder:
             "restarts": sum(mb["restarts"] for mb in mbs), "repairs": sum(mb["repairs"] for mb in mbs),
             "wasted_compute_seconds": self.wasted_compute(), "peer_ids": self.ids,
             "banned": sorted({b["peer"] for b in self.bans}),
+            "routing_branches": self.routing_branches(),
             **extra,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -291,6 +300,10 @@ def simulate_pipeline(
             if pid not in crashed:
                 crashed.add(pid)
                 network.crash(pid)
+                now = asyncio.get_running_loop().time()
+                node = nodes.get(pid)
+                recorder.events.append({"kind": "leave", "peer": pid, "stage": node.stage if node else -1,
+                                        "it": node.version if node else -1, "t0": now, "t1": now})
 
         incarnations = [0] * config.peers
         starter = config.data_nodes - 1 if config.faults.crash_data_node == 0 else 0  # a data node that lives
@@ -316,8 +329,8 @@ def simulate_pipeline(
             placed = await ask_for_stage(transport, directory, capacities(config)[index], 2 * config.pipeline.complete_timeout)
             if placed is None or placed[0] == 0:
                 return  # no leader answered or no stage can take it: stays idle
-            stage, it = placed
-            node = build_node(config, transport, index, directory, task, on_event, stage=stage)
+            stage, it, known = placed
+            node = build_node(config, transport, index, known, task, on_event, stage=stage)
             nodes[ids[index]] = node
             recorder.events.append({"kind": "join", "peer": ids[index], "stage": stage, "it": it,
                                     "t0": asyncio.get_running_loop().time(), "t1": asyncio.get_running_loop().time()})
@@ -351,8 +364,9 @@ def simulate_pipeline(
                    if pid not in crashed and node.version == config.steps}
         evidence = [[t.peer_id, e.peer, e.kind] for t in transports for e in t.evidence]
         val = validation_loss(config, task, nodes, crashed) if evaluate else None
+        sample = text_sample(config, task, nodes, crashed)
         return asyncio.get_running_loop().time(), {**network.stats(), "digests": digests, "evidence": evidence,
-                                                   "val_loss": val}
+                                                   "val_loss": val, "sample": sample}
 
     try:
         simulated_seconds, stats = run_simulation(main)
@@ -362,7 +376,7 @@ def simulate_pipeline(
     verifiers_of_run = verifier_ids(config)
     extra = {"mode": "simulate", "wall_seconds": time.perf_counter() - wall_start, "simulated_seconds": simulated_seconds,
              "messages": stats["messages_sent"], "bytes": stats["bytes_sent"], "replicas": stats["digests"],
-             "evidence": stats["evidence"], "val_loss": stats["val_loss"]}
+             "evidence": stats["evidence"], "val_loss": stats["val_loss"], "sample": stats["sample"]}
     if out is None:
         summary = dict(extra)
         summary["metrics"] = recorder.metrics()
@@ -375,13 +389,14 @@ def simulate_pipeline(
         summary["wasted_compute_seconds"] = recorder.wasted_compute()
         summary["peer_ids"] = ids
         summary["verifier_ids"] = verifiers_of_run
+        summary["routing_branches"] = recorder.routing_branches()
         return summary
     summary = recorder.write(out, extra)
     return summary
 
 
-def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str]) -> float | None:
-    """Held-out loss of the model made of one honest, up-to-date replica per stage (None if a stage has none)."""
+def assembled_model(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str]) -> torch.nn.Module | None:
+    """The model made of one honest, up-to-date replica per stage (None if a stage has none)."""
     lying = {peer_identity(config.seed, config.data_nodes + i).peer_id for i in config.attack.indices}
     model = task.build_model(config.seed)
     parts = task.stages(model, config.pipeline.stages + 1)
@@ -393,7 +408,30 @@ def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed:
         with torch.no_grad():
             for mine, theirs in zip(part.parameters(), source.params):
                 mine.copy_(theirs)
-    return task.evaluate(model)["loss"]
+    return model
+
+
+def validation_loss(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str]) -> float | None:
+    """Held-out loss of the assembled model (see `assembled_model`)."""
+    model = assembled_model(config, task, nodes, crashed)
+    return None if model is None else task.evaluate(model)["loss"]
+
+
+def text_sample(config: PipelineRunConfig, task: Task, nodes: dict, crashed: set[str], length: int = 120) -> str | None:
+    """A character GPT's continuation of the start of the validation text (sampled from the assembled
+    model with a generator seeded by the run seed), or None for other tasks."""
+    corpus = getattr(task, "corpus", None)
+    model = assembled_model(config, task, nodes, crashed) if corpus is not None else None
+    if model is None:
+        return None
+    block = task.cfg.block_size
+    ids = corpus.val[:16].tolist()
+    generator = torch.Generator().manual_seed(config.seed)
+    with torch.no_grad():
+        for _ in range(length):
+            logits = model(torch.tensor([ids[-block:]]))[0, -1]
+            ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)))
+    return corpus.decode(ids)
 
 
 def param_digest(node: DataNode | Relay) -> str:

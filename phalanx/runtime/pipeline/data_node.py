@@ -41,6 +41,7 @@ class Microbatch:
     first_it: int
     att: int = 0
     t_start: float = 0.0
+    t_progress: float = 0.0  # its last news: start, loss, a broken-backward report
     t_loss: float | None = None
     t_end: float | None = None
     loss: float | None = None
@@ -86,6 +87,7 @@ class DataNode(PipelineNode):
         self.util_period = -1
         self.placed = 0
         self._leading: set[int] = set()
+        self._wake = asyncio.Event()  # a microbatch found no stage-1 peer: look at the stages again
 
     def leader(self) -> str:
         return leader(self.data_nodes())
@@ -119,18 +121,26 @@ class DataNode(PipelineNode):
             batch.append(Microbatch(self.next_seq, x, y, it))
             self.next_seq += 1
         self.mbs = {mb.seq: mb for mb in batch}
+        if self.flow is not None:
+            self.flow.pause(True)  # routes stay put while this iteration's microbatches run
         for mb in batch:
             mb.outcome, mb.done = "pending", asyncio.Event()
             self.spawn(self.start(mb, it))
         self.deadline = deadline = t_start + self.config.iteration_timeout
         while (pending := [mb for mb in batch if not mb.done.is_set()]) and self.now() < deadline:
-            waits = [asyncio.ensure_future(mb.done.wait()) for mb in pending]
-            soonest = min(mb.t_start for mb in pending) + self.config.microbatch_timeout
-            await asyncio.wait(waits, timeout=max(1e-3, min(deadline, soonest) - self.now()), return_when=asyncio.FIRST_COMPLETED)
+            if self.stage_without_relay():
+                break  # nothing can finish in this iteration: defer the rest now, not at the deadline
+            self._wake.clear()
+            waits = [asyncio.ensure_future(e.wait()) for e in [*(mb.done for mb in pending), self._wake]]
+            soonest = min(mb.t_progress for mb in pending) + self.config.microbatch_timeout
+            # also look again after half a COMPLETE timeout: a stage-1 peer holding one of ours may have left
+            wake = min(deadline, soonest, self.now() + self.config.complete_timeout / 2)
+            await asyncio.wait(waits, timeout=max(1e-3, wake - self.now()), return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
+            self.check_next_peers()
             for mb in pending:
-                if not mb.done.is_set() and self.now() - mb.t_start >= self.config.microbatch_timeout and self.now() < deadline:
+                if not mb.done.is_set() and self.now() - mb.t_progress >= self.config.microbatch_timeout and self.now() < deadline:
                     self.restart(mb, it)
         t_train = self.now()
         if self.leader() == self.me:  # utilization of this iteration, for the joiners of the next (GWTF V-B)
@@ -153,6 +163,10 @@ class DataNode(PipelineNode):
             "deferred": len(batch) - len(finished),
             "microbatches": [self._mb_record(mb, it) for mb in batch],
         }
+
+    def stage_without_relay(self) -> int | None:
+        """A relay stage with no live peer serving this iteration (its joiners serve from the next), if any."""
+        return next((s for s in range(1, self.last + 1) if not self.live(s)), None)
 
     def _mb_record(self, mb: Microbatch, it: int) -> dict:
         return {"it": it, "src": self.me, "seq": mb.seq, "att": mb.att, "path": list(mb.path), "t_start": mb.t_start,
@@ -219,7 +233,7 @@ class DataNode(PipelineNode):
     def _on_util(self, sender: str, payload: bytes) -> None:
         query = parse_util(payload, sender, self.transport)
         if self.directory.get(sender) != self.last or query.leader != self.me:
-            raise RemoteError(Evidence(sender, "false_stage", "utilization answer from outside the last stage"))
+            return  # our views of its stage differ (a move not yet seen here): not evidence
         if query.period > self.util_period:
             self.util_period, self.utilization = query.period, {}
         if query.period == self.util_period:
@@ -231,6 +245,9 @@ class DataNode(PipelineNode):
         capacity = obj.get("capacity")
         if type(capacity) is not int or not 1 <= capacity <= 1024:
             raise RemoteError(Evidence(sender, "malformed", "join request without a capacity"))
+        # It came back as a fresh process: out of every group and route until its HELLO says where it serves.
+        self.directory.pop(sender, None)
+        self.since.pop(sender, None)
         deadline = self.now() + self.config.complete_timeout / 2  # then place on the latest report there is
         while self.util_period < self.version - 1 and self.now() < deadline:
             await asyncio.sleep(self.config.complete_timeout / 20)  # the last iteration's flood is on its way
@@ -243,7 +260,8 @@ class DataNode(PipelineNode):
         stage = place_joiners({sender: capacity}, util)[sender] + 1
         self.utilization[sender] = (stage - 1, capacity, 0)  # the next joiner sees this one placed
         self.placed += 1
-        return encode({"stage": stage, "it": self.version})
+        known = {p: s for p, s in self.directory.items() if p in members}
+        return encode({"stage": stage, "it": self.version, "directory": known})
 
     def _store_report(self, sender: str, report: dict) -> None:
         self.reports.setdefault(report["it"], {})[sender] = report
@@ -267,7 +285,7 @@ class DataNode(PipelineNode):
     async def start(self, mb: Microbatch, it: int) -> None:
         """Compute stage 0 and send the activation into the pipeline."""
         key = mb.key(self.me)
-        mb.t_start = t0 = self.now()
+        mb.t_start = mb.t_progress = t0 = self.now()
         async with self.compute_lock:
             if it != self.version:
                 return
@@ -309,6 +327,7 @@ class DataNode(PipelineNode):
             mb.outcome = "denied"
             mb.done.set()
             return
+        self._wake.set()
         await asyncio.sleep(self.config.complete_timeout / 10)
         if self.held.get(key) is h:
             h.excluded.clear()
@@ -330,6 +349,7 @@ class DataNode(PipelineNode):
             loss = self.task.output_loss(logits, mb.y)
             (grad,) = torch.autograd.grad(loss, logits)
         mb.loss, mb.t_loss, mb.path = float(loss.detach()), self.now(), c.path
+        mb.t_progress = self.now()
         self._emit("loss", c.key, c.it, t0)
         self.spawn(self.send_backward(m.Carry(c.key, c.it, self.last, c.path, grad, recomputed=c.recomputed)))
         return m.answer(m.OK)
@@ -372,10 +392,33 @@ class DataNode(PipelineNode):
     def _on_broken(self, sender: str, payload: bytes) -> None:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "broken report")
         key = m.parse_key(obj, sender)
-        stage = obj.get("stage")
-        if type(stage) is not int or not 1 <= stage <= self.last:
+        stage, lost = obj.get("stage"), obj.get("lost", False)
+        if type(stage) is not int or not 1 <= stage <= self.last or not isinstance(lost, bool):
             raise RemoteError(Evidence(sender, "malformed", "broken report with a bad stage"))
-        self.spawn(self.handle_broken(key, stage, sender))
+        if lost:
+            self.forward_lost(key)
+        else:
+            self.spawn(self.handle_broken(key, stage, sender))
+
+    async def report_lost(self, key: m.Key, stage: int) -> None:
+        self.forward_lost(key)
+
+    def forward_lost(self, key: m.Key) -> None:
+        """A node on the microbatch's path saw the peer it passed it to leave. Before the output came
+        home the microbatch is lost: restart it. After, its backward may be stuck at the gone peer
+        with nobody left to report it: restart it unless a repair makes progress within a COMPLETE timeout."""
+        mb = self._live_mb(key)
+        if mb is None:
+            return
+        if mb.t_loss is None:
+            self.restart(mb, self.version)
+        else:
+            self.spawn(self._restart_unless_progress(mb, key[2], self.now()))
+
+    async def _restart_unless_progress(self, mb: Microbatch, att: int, since: float) -> None:
+        await asyncio.sleep(self.config.complete_timeout)
+        if mb.att == att and not mb.done.is_set() and mb.t_progress <= since and self.mbs.get(mb.seq) is mb:
+            self.restart(mb, self.version)
 
     async def handle_broken(self, key: m.Key, stage: int, holder: str) -> None:
         """The gradient of `stage`'s output is stuck at `holder`: repair the stage (GWTF) or restart (SWARM)."""
@@ -384,13 +427,17 @@ class DataNode(PipelineNode):
             return
         expected_stage = stage + 1 if stage < self.last else 0
         if holder != self.me and self.directory.get(holder) != expected_stage:
-            raise RemoteError(Evidence(holder, "false_stage", f"reports a broken stage {stage} it does not follow"))
+            return  # our views of its stage differ (a move not yet seen here): not evidence; the timeout restarts it
         if self.router.restart_on_backward_failure or len(mb.path) != self.last + 1:
             self.restart(mb, self.version)
             return
         mb.repairs += 1
+        mb.t_progress = self.now()
         live_at, live_node = 0, self.me
+        members = set(self.transport.members())
         for stage_index in range(stage - 1, 0, -1):
+            if mb.path[stage_index] not in members:
+                continue  # gone: do not wait out a timeout on it
             word = await self._ask(mb.path[stage_index], m.PING, encode({"src": key[0], "seq": key[1], "att": key[2]}))
             if word == m.OK:
                 live_at, live_node = stage_index, mb.path[stage_index]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ...algorithms.flow import FlowConfig, FlowMessage, FlowNode, edge_cost, from_wire, to_wire
+from ...algorithms.flow import DATA, FlowConfig, FlowMessage, FlowNode, edge_cost, from_wire, to_wire
 from ...core.serialization import decode, encode
 from ...transport.base import Transport
 from .routing import RepairRouter, Router
@@ -42,10 +42,13 @@ class FlowRouter(Router):
         if upstream:
             paired = self.flow.route(sink, upstream)
             if paired in candidates:
+                self.last_branch = "paired"
                 return paired
         hops = {p: n for p, n in self.flow.next_hops(sink).items() if p in candidates and n > 0}
         if hops:
+            self.last_branch = "flow"
             return min(sorted(hops), key=lambda p: (load.get(p, 0) + 1) / hops[p])
+        self.last_branch = "fallback"
         return self.fallback.choose(stage, candidates, sink, upstream, load)
 
     def observe(self, peer: str, seconds: float) -> None:
@@ -90,34 +93,58 @@ class FlowDriver:
         return stage in ring
 
     def cost(self, peer: str) -> float:
+        """Eq. 1 from measurements; a peer not measured yet is priced at the mean of the measured ones
+        (not below them, which would pull flow onto peers nobody has seen work)."""
         rtt = self.rtt.get(peer)
+        if rtt is None and self.rtt:
+            rtt = sum(self.rtt.values()) / len(self.rtt)
         if rtt is None:
             return edge_cost(self.compute, self.compute, 0.0, 0.0, 1.0, 1.0, 0.0)
         return self.compute / 2 + rtt / 2
 
     def sync_directory(self, directory: dict[str, int], members: set[str]) -> list[FlowMessage]:
         out: list[FlowMessage] = []
+        for peer in sorted(self.known):  # gone, moved out of reach, or banned: its links break at once
+            stage = directory.get(peer)
+            if peer not in members or stage is None or not self.neighbour(stage):
+                out += self.lost(peer)
         for peer, stage in sorted(directory.items()):
-            if peer == self.transport.peer_id or not self.neighbour(stage):
+            if peer == self.transport.peer_id or not self.neighbour(stage) or peer not in members:
                 continue
-            alive = peer in members
-            if alive and self.known.get(peer) != stage:
+            if self.known.get(peer) != stage:
                 self.known[peer] = stage
                 out += self.node.add_peer(peer, self.flow_stage(stage), self.cost(peer))
-            elif not alive and peer in self.known:
-                del self.known[peer]
-                out += self.node.peer_left(peer)
         return out
+
+    def node_stage(self, peer: str) -> int:
+        """The flow state machine's stage number of a known peer (data nodes: its DATA marker)."""
+        stage = self.flow_stage(self.known[peer])
+        return DATA if stage is None else stage
 
     def measured_compute(self, seconds: float, ema: float) -> None:
         self.compute = seconds if self.compute == 0 else (1 - ema) * self.compute + ema * seconds
 
     def measured_rtt(self, peer: str, seconds: float, ema: float) -> list[FlowMessage]:
+        """A COMPLETE round trip (or a failure's penalty): the peer's cost, the unmeasured peers' (the
+        mean moved) and the cost unit that annealing scales by."""
         old = self.rtt.get(peer)
         self.rtt[peer] = seconds if old is None else (1 - ema) * old + ema * seconds
-        if peer in self.known:
-            return self.node.set_cost(peer, self.cost(peer))
-        return []
+        out: list[FlowMessage] = []
+        for other in sorted(self.known):  # this peer, and the unmeasured ones (their price is the mean)
+            if other == peer or other not in self.rtt:
+                out += self.node.set_cost(other, self.cost(other))
+        measured = [self.cost(p) for p in self.rtt]
+        self.node.cost_unit = max(sum(measured) / len(measured), 1e-9)
+        return out
+
+    def failed(self, peer: str, penalty: float, ema: float) -> list[FlowMessage]:
+        """`peer` timed out or was unreachable: a sample of `penalty` seconds raises its cost."""
+        return self.measured_rtt(peer, penalty, ema)
+
+    def pause(self, paused: bool) -> None:
+        """Pause Request Change / Redirect while an iteration's microbatches run (GWTF Sec. V-C);
+        Request Flow and repairs go on."""
+        self.node.optimising = not paused
 
     def lost(self, peer: str) -> list[FlowMessage]:
         if peer in self.known:
@@ -143,6 +170,9 @@ class FlowDriver:
 
     def _on_flow(self, sender: str, payload: bytes) -> None:
         msg = from_wire(decode(payload, sender, self.transport.limits), sender, self.transport.peer_id)
+        claimed = getattr(msg, "stage", None)
+        if sender in self.known and claimed is not None and claimed != self.node_stage(sender):
+            return  # our views of who serves what differ (a move or rejoin not yet seen here): not evidence
         replies = self.node.handle(msg)
         if replies:
             task = asyncio.get_running_loop().create_task(self.send(replies))

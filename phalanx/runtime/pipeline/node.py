@@ -58,6 +58,7 @@ class Held:
     next_peer: str | None = None
     recomputed: tuple[int, ...] = ()
     sent: torch.Tensor | None = None  # what goes forward (the output, unless the node's policy tampers)
+    lost_reported: bool = False  # its next peer left the membership view and the data node was told
 
 
 class PipelineNode:
@@ -106,6 +107,11 @@ class PipelineNode:
         self.optimizer = make_optimizer(train, self.params)
         self.allreduce = ButterflyAllReduce(transport, num_params(self.part) + 1, reducer, allreduce)
         self.version = 0  # optimizer steps applied = the iteration this node accepts microbatches for
+        self.entered = True  # a joiner is not until its download is done (`enter`)
+        self._catching_up = False
+        self.serving_from = 0  # the first iteration this node takes microbatches for (a joiner: after its download)
+        self.membership: dict[str, int] = {}  # peer -> sequence number of the latest HELLO applied (versioned membership)
+        self.since: dict[str, int] = {}  # joiner -> the first iteration it serves (from its HELLO)
         self.held: dict[m.Key, Held] = {}
         self.grads: dict[m.Key, torch.Tensor] = {}  # key -> this node's parameter gradient for that microbatch
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
@@ -144,6 +150,21 @@ class PipelineNode:
     def stop(self) -> None:
         self._stopped.set()
 
+    def check_next_peers(self) -> None:
+        """A microbatch I passed on is lost when the peer I passed it to leaves before its output came
+        home: tell its data node (it restarts the microbatch, or watches its backward) instead of
+        letting it wait out the microbatch timeout. Checked whenever pipeline traffic wakes the node
+        (no timer of its own, so that a run without churn is scheduled exactly as before)."""
+        members = set(self.transport.members())
+        for key, h in list(self.held.items()):
+            if h.next_peer is not None and h.next_peer not in members and not h.lost_reported:
+                h.lost_reported = True
+                self.spawn(self.report_lost(key, self.stage + 1))
+
+    async def report_lost(self, key: m.Key, stage: int) -> None:
+        body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "lost": True}
+        await self.transport.send(key[0], m.BROKEN, encode(body))
+
     async def close(self) -> None:
         """Stop and cancel everything this node still runs (before its transport stops)."""
         self.stop()
@@ -162,16 +183,19 @@ class PipelineNode:
         return self.transport.clock.now()
 
     def live(self, stage: int) -> list[str]:
-        """Peers of `stage` in this node's directory and membership view, not banned, sorted."""
+        """Peers of `stage` in this node's directory and membership view, not banned, serving by the
+        iteration this node is at, sorted."""
         members = set(self.transport.members())
-        return sorted(p for p, s in self.directory.items()
-                      if s == stage and p in members and p != self.me and p not in self.banned)
+        return sorted(p for p, s in self.directory.items() if s == stage and p in members and p != self.me
+                      and p not in self.banned and self.since.get(p, 0) <= self.version)
 
     def _on_evidence(self, evidence: Evidence) -> None:
         """A peer sent us something it must not have: route around it from now on and tell the data nodes."""
         if evidence.peer in self.banned or self.directory.get(evidence.peer) == 0:
             return
         self.banned.add(evidence.peer)
+        if self.flow is not None:  # a banned peer leaves the flow at once
+            self.spawn(self.flow.send(self.flow.lost(evidence.peer)))
         body = encode({"peer": evidence.peer, "evidence": True})
         for node in self.data_nodes():
             if node != self.me:
@@ -206,17 +230,20 @@ class PipelineNode:
     # --- forward --------------------------------------------------------------
 
     async def _on_forward(self, sender: str, payload: bytes) -> bytes:
+        self.check_next_peers()
         c = m.parse_carry(payload, sender, self.transport.limits, self.last + 1)
         if len(c.path) != c.stage or c.stage < 1 or c.path[-1] != sender and not self.relayed_by(sender, c):
             raise RemoteError(Evidence(sender, "false_stage", "forward sender is not the last node of its path", c.it))
         sender = c.path[-1]  # through a verifier hop: the peer it verified for
         claimed = self.directory.get(sender)
         if claimed is not None and claimed != c.stage - 1:
-            raise RemoteError(Evidence(sender, "false_stage", f"claims stage {c.stage - 1}, serves {claimed}", c.it))
+            if claimed == 0 or c.stage == 1:  # data nodes never move: a relay posing as one (or the reverse) lies
+                raise RemoteError(Evidence(sender, "false_stage", f"claims stage {c.stage - 1}, serves {claimed}", c.it))
+            return m.answer(m.DENIED)  # a relay that moved or rejoined, our views differ: not evidence
         if c.stage == self.last + 1 and self.stage == 0:
             return await self.take_output(sender, c)
-        if c.stage != self.stage:
-            return m.answer(m.DENIED)  # misrouted: its view of who serves what differs from ours
+        if c.stage != self.stage or not self.entered or c.it < self.serving_from:
+            return m.answer(m.DENIED)  # misrouted (views differ), or a joiner before its first iteration
         check_tensor(c.tensor, sender, shape=self.staged.input_shape(self.stage), dtype=torch.float32, step=c.it)
         if c.it < self.version:
             return m.answer(m.STALE)
@@ -225,7 +252,12 @@ class PipelineNode:
         if len(self.held) >= self.capacity:
             return m.answer(m.DENIED)
         self.held[c.key] = Held(c, None, c.tensor)  # reserve the slot before waiting
-        if not await self.wait_version(c.it, self.config.aggregation_timeout):
+        # Our aggregation may end just after the sender's; a replica further behind is catching up: deny
+        # long before the sender's COMPLETE timeout, so that it tries another peer instead of suspecting us.
+        if not await self.wait_version(c.it, min(self.config.aggregation_timeout, self.config.complete_timeout / 2)):
+            if c.it == self.version + 1 and not self._catching_up:  # behind (a missed BEGIN): catch up
+                self._catching_up = True
+                self.spawn(self.catch_up(c.it, unstepped=False)).add_done_callback(self._caught_up)
             self.held.pop(c.key, None)
             return m.answer(m.DENIED)
         t0 = self.now()
@@ -244,6 +276,8 @@ class PipelineNode:
         self.held[c.key] = Held(c, x, out, recomputed=recomputed, sent=sent)
         self._emit("fwd", c.key, c.it, t0, recompute=c.repair >= 0)
         self.served += 1
+        if self.flow is not None:
+            self.flow.pause(True)  # routes stay put while this iteration's microbatches run
         if c.repair == self.stage:
             self.spawn(self._resume(c.key))
         else:
@@ -279,7 +313,8 @@ class PipelineNode:
             if client and word == m.DENIED:  # the data node found no next peer: it restarts the microbatch
                 self.held.pop(key, None)
                 return
-            self._emit("send", key, h.carry.it, t0, to=peer, answer=word)
+            self._emit("send", key, h.carry.it, t0, to=peer, answer=word,
+                       branch="client" if client else self.router.last_branch)
             if word == m.OK:
                 self.router.observe(peer, self.now() - t0)
                 if self.flow is not None:
@@ -289,6 +324,8 @@ class PipelineNode:
             if word == m.STALE:
                 return
             self.router.failed(peer)
+            if word is None and self.flow is not None:  # timed out or unreachable: its cost goes up
+                await self.flow.send(self.flow.failed(peer, 4 * self.config.complete_timeout, self.config.ema))
             h.excluded.add(peer)
 
     def relayed_by(self, sender: str, c: m.Carry) -> bool:
@@ -342,10 +379,26 @@ class PipelineNode:
         if self.flow is not None:
             self.spawn(self.flow.send(self.flow.lost(peer)))
 
+    async def _request(self, peer: str, topic: str, payload: bytes, timeout: float) -> bytes:
+        """A request that gives up as soon as `peer` leaves the membership view (PeerUnreachable),
+        instead of waiting out the whole timeout on a peer that is gone."""
+        task = asyncio.ensure_future(self.transport.request(peer, topic, payload, timeout))
+        poll = self.config.complete_timeout / 10
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll)
+                if done:
+                    return task.result()
+                if peer not in self.transport.members():
+                    raise PeerUnreachable(peer, "left the membership view while we waited")
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def _ask(self, peer: str, topic: str, payload: bytes, timeout: float | None = None) -> str | None:
         """Send a request and return the answer word; None when the peer timed out, failed or was unreachable."""
         try:
-            response = await self.transport.request(peer, topic, payload, timeout or self.config.complete_timeout)
+            response = await self._request(peer, topic, payload, timeout or self.config.complete_timeout)
             return m.parse_answer(response, peer, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
@@ -391,6 +444,7 @@ class PipelineNode:
     # --- backward -------------------------------------------------------------
 
     async def _on_backward(self, sender: str, payload: bytes) -> bytes:
+        self.check_next_peers()
         c = m.parse_carry(payload, sender, self.transport.limits, self.last + 1)
         if c.stage != self.stage or len(c.path) != self.last + 1 or c.path[self.stage] != self.me:
             raise RemoteError(Evidence(sender, "unknown_microbatch", "backward for a stage or path I do not serve", c.it))
@@ -502,7 +556,7 @@ class PipelineNode:
         if not ok:
             raise RemoteError(Evidence(sender, "malformed", "bad resume request"))
         if self.directory.get(sender, carry.stage) != carry.stage:
-            raise RemoteError(Evidence(sender, "false_stage", f"resumes stage {carry.stage} it does not serve"))
+            return m.answer(m.UNKNOWN)  # our views of its stage differ (a move not yet seen here): not evidence
         del self.pending[key]
         path = tuple(prefix) + carry.path[carry.stage + 1:]
         recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
@@ -521,13 +575,17 @@ class PipelineNode:
         )
         if not valid:
             raise RemoteError(Evidence(sender, "malformed", "bad BEGIN AGGREGATION"))
-        if it < self.version or it in self._begun:
+        if it < self.version or it in self._begun or not self.entered:
             return
         self._begun.add(it)
         self.spawn(self.aggregate(it, payload, done, groups))
 
     async def aggregate(self, it: int, payload: bytes, done: list, groups: list[list[str]]) -> None:
         """Flood BEGIN on, all-reduce this stage's gradients of the finished microbatches, step, pass CAN TAKE back."""
+        if it - 1 in self._begun:  # the previous aggregation is still running here: let it finish first
+            await self.wait_version(it, self.config.aggregation_timeout)
+        if self.flow is not None:
+            self.flow.pause(False)  # between iterations the flow may optimise again
         if self.stage >= 1 and self.stage < self.last:
             for peer in self.live(self.stage + 1):
                 await self.transport.send(peer, m.BEGIN, payload)
@@ -542,10 +600,16 @@ class PipelineNode:
                 total += grad
                 count += 1
         version = it + 1
-        if self.me in group and self.version == it:
-            result = await self.allreduce(it, torch.cat([total, torch.tensor([float(count)])]), group)
+        missing = 0
+        behind = self.version != it  # missed an aggregation (cut off, or a joiner): holds no gradients of `it`
+        if self.me in group:
+            # A behind replica still takes its part (zeros, count 0), so that the group neither waits
+            # out a timeout on it nor loses its slice of the sum; it then downloads the result.
+            vector = torch.zeros(num_params(self.part) + 1) if behind else torch.cat([total, torch.tensor([float(count)])])
+            result = await self.allreduce(it, vector, group)
+            missing = len(result.missing_parts)
             mass = float(result.vector[-1])
-            if mass > 0:
+            if mass > 0 and not behind:
                 vector = result.vector[:-1] / mass
                 offset = 0
                 for p in self.params:
@@ -554,12 +618,16 @@ class PipelineNode:
                 async with self.compute_lock:  # no forward or backward runs across a step
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
-        else:
-            # Left out (suspected, or behind): take the stepped weights from the group, or stay
-            # behind (serving nothing) until a later aggregation lets us catch up.
+        fetched = behind or self.me not in group
+        if fetched:
+            # Left out (suspected) or behind: take the stepped weights from the group; failing that,
+            # catch up in the background from any stage peer (serving nothing until then).
             version = await self.fetch_weights(it + 1, [p for p in group if p != self.me]) or self.version
+            if version < it + 1:
+                self.spawn(self.catch_up(it + 1))
         self.on_event({"kind": "aggregate", "peer": self.me, "stage": self.stage, "it": it, "t0": t0, "t1": self.now(),
-                       "group": len(group), "count": count, "in_group": self.me in group, "version": version})
+                       "group": len(group), "count": count, "in_group": self.me in group, "version": version,
+                       "fetched": fetched, "missing": missing})
         self.version = version
         self.last_served, self.served = self.served, 0
         self.held.clear()
@@ -601,9 +669,12 @@ class PipelineNode:
     async def _on_weights(self, sender: str, payload: bytes) -> bytes:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "weights request")
         version, full = obj.get("version"), obj.get("full")
-        if type(version) is not int or not isinstance(full, bool):
+        stage, wait = obj.get("stage", self.stage), obj.get("wait", True)
+        if type(version) is not int or not isinstance(full, bool) or type(stage) is not int or not isinstance(wait, bool):
             raise RemoteError(Evidence(sender, "malformed", "bad weights request"))
-        if version > self.version:
+        if stage != self.stage or not self.entered:
+            return encode({"version": -1})  # not (or not yet) a replica of that stage: not evidence
+        if version > self.version and wait:
             await self.wait_version(version, self.config.aggregation_timeout)
         if version > self.version or full and not self.ready_event(self.version).is_set():
             return encode({"version": self.version})
@@ -614,6 +685,58 @@ class PipelineNode:
             state = self.optimizer.state_dict()["state"]
             body["state"] = {str(i): dict(v) for i, v in state.items()}
         return encode(body)
+
+    async def catch_up(self, version: int, unstepped: bool = True) -> None:
+        """A replica behind after an aggregation: fetch `version` (or later) from any live stage peer,
+        digest confirmed, retrying until it has; it serves nothing until then. When no live stage peer
+        reaches `version` within the aggregation timeout, the stepped weights died with the group that
+        made them: the replicas left keep their weights and take the version unstepped (all of them
+        alike, so they still agree)."""
+        started = self.now()
+        while self.version < version and not self._stopped.is_set():
+            peers = self.live(self.stage)
+            versions = [await self._version_of(p) for p in peers]
+            ahead = [p for p, v in sorted(zip(peers, versions), key=lambda pv: -pv[1]) if v >= version]
+            got = await self.fetch_weights(version, ahead) if ahead else None
+            if self.version >= version:
+                return  # an aggregation caught us up meanwhile
+            if got is not None:
+                self.adopt(got, "catch_up")
+                return
+            if not ahead and all(v < 0 for v in versions):  # no live stage peer: nothing newer exists anywhere
+                self.adopt(version, "unstepped")
+                return
+            if not ahead and not unstepped:
+                return
+            if not ahead and self.now() - started >= self.config.aggregation_timeout and all(
+                    v <= self.version for v in versions):
+                self.adopt(version, "unstepped")
+                return
+            await asyncio.sleep(self.config.complete_timeout / 5)
+
+    def _caught_up(self, task: asyncio.Task) -> None:
+        self._catching_up = False
+
+    def adopt(self, version: int, how: str) -> None:
+        """Serve from `version` on (after a catch-up)."""
+        self.on_event({"kind": "catch_up", "peer": self.me, "stage": self.stage, "it": version - 1, "t0": self.now(),
+                       "t1": self.now(), "version": version, "how": how})
+        self.version = version
+        self.ready_event(version).set()
+
+    async def _version_of(self, peer: str) -> int:
+        """A stage peer's current version, asked without waiting (-1: no answer)."""
+        try:
+            response = await self.transport.request(
+                peer, m.WEIGHTS, encode({"version": 0, "full": False, "stage": self.stage, "wait": False}),
+                self.config.complete_timeout)
+            body = decode(response, peer, self.transport.limits)
+        except RemoteError as exc:
+            self.transport.report(exc.evidence)
+            return -1
+        except PhalanxError:
+            return -1
+        return body["version"] if isinstance(body, dict) and type(body.get("version")) is int else -1
 
     async def fetch_weights(self, version: int, sources: list[str]) -> int | None:
         """Download this stage's parameters and optimizer state at `version` or later from one source,
@@ -648,8 +771,9 @@ class PipelineNode:
 
     async def _weights_from(self, source: str, version: int, full: bool) -> dict | None:
         try:
-            response = await self.transport.request(source, m.WEIGHTS, encode({"version": version, "full": full}),
-                                                    self.config.aggregation_timeout)
+            response = await self.transport.request(
+                source, m.WEIGHTS, encode({"version": version, "full": full, "stage": self.stage}),
+                self.config.aggregation_timeout)
             body = decode(response, source, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
@@ -682,19 +806,34 @@ class PipelineNode:
 
     # --- joining (GWTF V-B) ------------------------------------------------------------
 
-    async def enter(self, version: int) -> bool:
-        """A joiner: download this stage's weights at `version` (digest confirmed by a second peer),
-        then tell every member that it serves the stage. False if no stage peer delivered."""
-        got = await self.fetch_weights(version, self.live(self.stage))
+    async def enter(self, version: int, attempts: int = 5) -> bool:
+        """A joiner: download this stage's weights at `version` or later (digest confirmed by a second
+        peer), then tell every member that it serves the stage from the next iteration on. Until then it
+        takes no microbatch and no part in aggregation. False if no stage peer delivered in `attempts` tries."""
+        self.entered = False
+        got = None
+        for _ in range(attempts):
+            got = await self.fetch_weights(version, self.live(self.stage))
+            if got is not None:
+                break
+            await asyncio.sleep(self.config.complete_timeout / 5)
         if got is None:
             return False
-        self.version = version = got
-        self.ready_event(version).set()
-        hello = encode({"stage": self.stage, "version": version, "capacity": self.capacity})
+        self.version = got
+        self.serving_from = got + 1  # the iteration under way started without us: serve from the next
+        self.entered = True
+        self.ready_event(got).set()
+        self.announce()
+        return True
+
+    def announce(self) -> None:
+        """HELLO to every member: my stage, from which iteration, under a fresh membership sequence number."""
+        seq = int(self.now() * 1000)
+        hello = encode({"stage": self.stage, "version": self.version, "since": self.serving_from,
+                        "capacity": self.capacity, "seq": seq})
         for peer in self.transport.members():
             if peer != self.me:
-                await self.transport.send(peer, m.HELLO, hello)
-        return True
+                self.spawn(self.transport.send(peer, m.HELLO, hello))
 
     def _on_hello(self, sender: str, payload: bytes) -> None:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "hello")
@@ -703,4 +842,14 @@ class PipelineNode:
             raise RemoteError(Evidence(sender, "false_stage", f"claims relay stage {stage!r}"))
         if self.directory.get(sender) == 0:
             raise RemoteError(Evidence(sender, "false_stage", "a data node claims a relay stage"))
+        seq = obj.get("seq", 0)
+        if type(seq) is not int:
+            raise RemoteError(Evidence(sender, "malformed", "hello with a bad sequence number"))
+        if seq < self.membership.get(sender, -1):
+            return  # an older announcement than one already applied
+        since = obj.get("since", 0)
+        if type(since) is not int:
+            raise RemoteError(Evidence(sender, "malformed", "hello with a bad first iteration"))
+        self.membership[sender] = seq
         self.directory[sender] = stage
+        self.since[sender] = since

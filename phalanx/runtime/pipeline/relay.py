@@ -35,7 +35,7 @@ class Relay(PipelineNode):
     def _on_util(self, sender: str, payload: bytes) -> None:
         query = parse_util(payload, sender, self.transport)
         if self.directory.get(sender) != self.stage - 1:
-            raise RemoteError(Evidence(sender, "false_stage", "utilization query from outside the previous stage"))
+            return  # our views of its stage differ (a move not yet seen here): not evidence
         first = query.period not in self._util
         merged = self._util.setdefault(query.period, {})
         for peer, stage, capacity, flow in query.entries:
@@ -72,8 +72,10 @@ def parse_util(payload: bytes, sender: str, transport: Transport) -> UtilQuery:
     return UtilQuery(sender, transport.peer_id, lead, period, tuple(tuple(e) for e in entries))
 
 
-async def ask_for_stage(transport: Transport, directory: dict[str, int], capacity: int, timeout: float) -> tuple[int, int] | None:
-    """A joiner asks the leader (then the other data nodes) where to serve: (stage, current iteration)."""
+async def ask_for_stage(transport: Transport, directory: dict[str, int], capacity: int,
+                        timeout: float) -> tuple[int, int, dict[str, int]] | None:
+    """A joiner asks the leader (then the other data nodes) where to serve: (stage, current iteration,
+    the leader's stage directory, which the joiner starts from instead of its own stale one)."""
     members = set(transport.members())
     data_nodes = sorted(p for p, s in directory.items() if s == 0 and p in members)
     if not data_nodes:
@@ -89,5 +91,10 @@ async def ask_for_stage(transport: Transport, directory: dict[str, int], capacit
         except PhalanxError:
             continue
         if isinstance(obj, dict) and type(obj.get("stage")) is int and type(obj.get("it")) is int and obj["stage"] >= 1:
-            return obj["stage"], obj["it"]
+            known = obj.get("directory", {})
+            if not (isinstance(known, dict) and all(isinstance(p, str) and type(s) is int and s >= 0
+                                                    for p, s in known.items())):
+                transport.report(Evidence(node, "malformed", "join answer with a bad directory"))
+                continue
+            return obj["stage"], obj["it"], {**directory, **known}
     return None

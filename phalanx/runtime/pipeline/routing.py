@@ -17,6 +17,7 @@ class Router(ABC):
 
     name: str
     restart_on_backward_failure: bool  # SWARM restarts a microbatch; GWTF repairs the broken stage
+    last_branch: str = ""  # which rule made the latest choice (logged per hop, counted per run)
 
     @abstractmethod
     def choose(self, stage: int, candidates: list[str], sink: str = "", upstream: str = "",
@@ -59,6 +60,7 @@ class SwarmRouter(Router):
         known = [self.latency[p] for p in candidates if p in self.latency]
         default = min(known) if known else 1.0
         weights = [1.0 / max(self.latency.get(p, default), 1e-9) for p in candidates]
+        self.last_branch = "swarm"
         return self.rng.choices(candidates, weights=weights)[0]
 
     def observe(self, peer: str, seconds: float) -> None:
@@ -88,6 +90,7 @@ class RepairRouter(Router):
                load: dict[str, int] | None = None) -> str | None:
         if not candidates:
             return None
+        self.last_branch = "cheapest"
         return min(candidates, key=lambda p: (self.latency.get(p, 0.0), p))
 
     def observe(self, peer: str, seconds: float) -> None:
