@@ -75,7 +75,8 @@ from torch import Tensor
 from ..core.errors import ConfigError
 from ..core.rng import torch_stream
 
-DISTANCES = ("l1", "l2", "sign", "swd")
+DISTANCES = ("l1", "l2", "sign", "swd", "bind")
+MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
 VOTES = ("any", "majority", "all")
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -95,10 +96,12 @@ class SentinelConfig:
     log_fences: bool = True  # fence log(l1), log(l2), log(swd): they are positive and right-skewed
     min_spread: float = 0.05  # IQR floor of the fenced values (log units: 5%); sign's floor is 1/C
     projections: int = 16  # random directions of the sliced Wasserstein distance
+    bind_projections: int = 32  # random directions of the input/output sketches of the ``bind`` distance
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
     seed: int = 0  # run seed of the projection streams
+    detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
 
     def __post_init__(self) -> None:
         for key in ("beta_h", "beta_g"):
@@ -117,7 +120,7 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.warmup={self.warmup} must be >= 5 (fences need at least 4 distances)")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
-        for key in ("projections", "quantiles", "strikes", "strike_window"):
+        for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be >= 1")
         if self.strikes > self.strike_window:
@@ -164,6 +167,8 @@ class Verdict:
     distances: tuple[tuple[str, float], ...] = ()
     outside: tuple[str, ...] = ()  # distances outside their fences
     bans: tuple[str, ...] = ()  # workers this verdict's strikes banned
+    convicted: tuple[str, ...] = ()  # workers this verdict's strikes brought to the strike rule (banned unless detect-only)
+    suspects: tuple[str, ...] = ()  # workers a flag was held against (the sender and, if blamed, its upstream)
     substitute: Tensor | None = field(default=None, repr=False)
 
     def passed_on(self, tensor: Tensor) -> Tensor:
@@ -224,9 +229,42 @@ def distances(x: Summary, ref: Summary, names: tuple[str, ...] = DISTANCES) -> d
             out[name] = (torch.sign(x.mean) != torch.sign(ref.mean)).float().mean().item()
         elif name == "swd":
             out[name] = (x.quantiles - ref.quantiles).abs().mean().item()
+        elif name == "bind":
+            continue  # needs the stage's input for the same microbatch: see `binding`
         else:
             raise ValueError(f"unknown distance {name!r}; known: {', '.join(DISTANCES)}")
     return out
+
+
+def bind_sketch(tensor: Tensor, proj: Tensor) -> Tensor:
+    """The token vectors of a tensor [..., C] projected on `proj` [C, P], for the ``bind`` distance.
+
+    A tensor [B, T, C] with B > 1 is centred per position (the mean over the
+    batch at each position is taken off), so what remains is what the text of
+    this microbatch puts there, not what every microbatch shares (positions)."""
+    t = tensor.detach().float()
+    if t.dim() >= 3 and t.shape[0] > 1:
+        t = t - t.mean(dim=0, keepdim=True)
+    return t.reshape(-1, t.shape[-1]) @ proj
+
+
+def binding(inp: Tensor, out: Tensor) -> float | None:
+    """1 - linear CKA between a stage's input and output sketches of one microbatch (None: not comparable).
+
+    A stage maps each token's input to its output, so tokens that look alike
+    coming in look alike going out: the token-by-token similarity structure of
+    the output follows the input's (linear CKA is high, about 0.4-0.8 here).
+    An output replayed from another microbatch (a stale tensor) or made up
+    loses that structure: CKA falls near 0, so the distance rises near 1.
+    """
+    if inp.shape != out.shape or inp.shape[0] < 2:
+        return None
+    a = inp - inp.mean(dim=0, keepdim=True)
+    b = out - out.mean(dim=0, keepdim=True)
+    norm = (a.T @ a).norm() * (b.T @ b).norm()
+    if not torch.isfinite(norm) or norm.item() <= 1e-30:
+        return None
+    return 1.0 - ((b.T @ a).pow(2).sum() / norm).item()
 
 
 def ema(old: Summary, new: Summary, beta: float) -> Summary:
@@ -247,7 +285,7 @@ def vote(outside: int, total: int, rule: str) -> bool:
 
 def _scaled(name: str, value: float, config: SentinelConfig) -> float:
     """The scale the fences work on: log for the magnitudes (l1, l2, swd) when `log_fences`."""
-    if name == "sign" or not config.log_fences:
+    if name not in MAGNITUDES or not config.log_fences:
         return value
     return math.log(max(value, 1e-300))
 
@@ -283,11 +321,18 @@ class Sentinel:
         self._history: dict[str, deque[list]] = {}  # worker -> [microbatch, flagged, co-suspects] of its last microbatches
         self._paths: dict[Hashable, dict[int, str]] = {}  # microbatch -> forward sender per link
         self._banned: set[str] = set()
+        self._convicted: set[str] = set()  # reached the strike rule (banned, or only reported in detect-only mode)
         self._tainted: dict[Hashable, tuple[int, str]] = {}  # microbatch -> (link, worker) of its forward flag
         self._replaced: dict[Hashable, int] = {}  # microbatch -> backward link where a substitute was sent
+        self._inputs: dict[Hashable, dict[tuple[int, str], Tensor]] = {}  # microbatch -> (stage, direction) -> sketch
+        self._bind_proj: dict[int, Tensor] = {}  # features -> projection of the bind sketches
 
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
+
+    def convicted(self) -> frozenset[str]:
+        """Workers that reached the strike rule: the banned ones, or in detect-only mode those that would be."""
+        return frozenset(self._convicted)
 
     def check_forward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor,
                       upstream: Mapping[int, str] | None = None) -> Verdict:
@@ -343,6 +388,25 @@ class Sentinel:
         self._tainted.pop(microbatch, None)
         self._replaced.pop(microbatch, None)
         self._paths.pop(microbatch, None)
+        self._inputs.pop(microbatch, None)
+
+    @property
+    def binds(self) -> bool:
+        """Whether the ``bind`` distance is used (then verifiers record what they deliver to each stage)."""
+        return "bind" in self._names
+
+    def sketch(self, tensor: Tensor) -> Tensor:
+        """The bind sketch of a tensor (directions seeded by the run and the feature count, shared by every link)."""
+        features = tensor.shape[-1]
+        if features not in self._bind_proj:
+            self._bind_proj[features] = projections(self.config.seed, -1, "bind", features, self.config.bind_projections)
+        return bind_sketch(tensor, self._bind_proj[features])
+
+    def record_input(self, microbatch: Hashable, stage: int, direction: str, sketch: Tensor) -> None:
+        """What was delivered to `stage` for `microbatch` in `direction` (its forward input, or the gradient of
+        its output); the stage's own output in that direction is then bound to it. A boundary verifier
+        records what it delivers and passes the sketch to the verifier of the stage's outgoing link."""
+        self._inputs.setdefault(microbatch, {})[(stage, direction)] = sketch
 
     def mark_tainted(self, microbatch: Hashable, link: int, worker: str) -> None:
         """Another verifier flagged `worker`'s activation of `microbatch` on `link` (as `check_forward` would here)."""
@@ -360,7 +424,8 @@ class Sentinel:
     def ban(self, worker: str) -> None:
         """Ban `worker` on another verifier's word (its traffic is refused from now on)."""
         if worker not in self._banned:
-            self._ban(worker)
+            self._convict(worker)
+            self._banned.add(worker)
 
     def momentum(self, link: int, like: Tensor, direction: str = BACKWARD) -> Tensor:
         """The momentum of a link and direction (default: the gradient momentum), broadcast to `like`'s
@@ -380,24 +445,32 @@ class Sentinel:
         track = self._tracks.get((link, direction))
         if track is None or track.accepted < self.config.warmup:
             return None
-        return {n: self._fence(track, n) for n in self._names}
+        return {n: self._fence(track, n) for n in self._names if len(track.windows[n]) >= 4}
 
-    def probe(self, link: int, direction: str, tensor: Tensor) -> tuple[str, ...] | None:
+    def probe(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> tuple[str, ...] | None:
         """The distances a tensor would have outside the fences, without any state change.
 
-        None while warming up (anything passes). This is the white-box view an
-        adaptive attacker is granted in experiments; the verifier never needs it.
+        None while warming up (anything passes). With `microbatch`, ``bind`` is
+        measured against that microbatch's recorded input. This is the white-box
+        view an adaptive attacker is granted in experiments; the verifier never needs it.
         """
         track = self._tracks.get((link, direction))
         fences = self.fences(link, direction)
         if fences is None or track is None or not self._well_formed(track, tensor):
             return None if fences is None else tuple(self._names)
-        return self._outside(track, distances(summarize(tensor, track.proj, self.config.quantiles), track.ref, self._names))
+        summary = summarize(tensor, track.proj, self.config.quantiles)
+        return self._outside(track, self._distances(track, link, direction, microbatch, tensor, summary))
 
-    def would_accept(self, link: int, direction: str, tensor: Tensor) -> bool:
+    def would_accept(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> bool:
         """Whether `tensor` would pass the vote right now (no state change; True while warming up)."""
-        outside = self.probe(link, direction, tensor)
-        return outside is None or not vote(len(outside), len(self._names), self.config.vote)
+        track = self._tracks.get((link, direction))
+        if self.fences(link, direction) is None or track is None:
+            return True
+        if not self._well_formed(track, tensor):
+            return False
+        summary = summarize(tensor, track.proj, self.config.quantiles)
+        dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        return not vote(len(self._outside(track, dist)), self._voters(track, dist), self.config.vote)
 
     # -- internals ---------------------------------------------------------
 
@@ -421,14 +494,14 @@ class Sentinel:
             if learn:
                 track.ref, track.accepted = summary, 1
             return Verdict(link, direction, worker, microbatch, False, "warmup")
-        dist = distances(summary, track.ref, self._names)
+        dist = self._distances(track, link, direction, microbatch, tensor, summary)
         named = tuple(dist.items())
         if track.accepted < self.config.warmup:
             if learn:
                 self._accept(track, direction, summary, dist)
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
-        flagged = vote(len(outside), len(self._names), self.config.vote)
+        flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
         if learn and not flagged:
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
@@ -448,8 +521,26 @@ class Sentinel:
         for name, value in dist.items():
             track.windows[name].append(_scaled(name, value, self.config))
 
+    def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
+                   summary: Summary) -> dict[str, float]:
+        dist = distances(summary, track.ref, self._names)
+        if self.binds:
+            stage = link if direction == FORWARD else link + 1
+            inp = self._inputs.get(microbatch, {}).get((stage, direction))
+            bound = None if inp is None else binding(inp, self.sketch(tensor))
+            if bound is not None:
+                dist["bind"] = bound
+        return dist
+
+    def _voters(self, track: _Track, dist: dict[str, float]) -> int:
+        """How many distances take part in the vote: those measured that have a fence."""
+        return sum(1 for n in dist if len(track.windows[n]) >= 4)
+
     def _outside(self, track: _Track, dist: dict[str, float]) -> tuple[str, ...]:
-        return tuple(n for n in self._names if not self._fence(track, n).contains(_scaled(n, dist[n], self.config)))
+        """Distances outside their fences (a distance without enough history, e.g. ``bind`` whose input
+        sketch was missing for most tensors, is not fenced yet)."""
+        return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
+                     and not self._fence(track, n).contains(_scaled(n, dist[n], self.config)))
 
     def _fence(self, track: _Track, name: str) -> Fence:
         if name == "sign":
@@ -464,12 +555,12 @@ class Sentinel:
         if verdict.flagged and blame_upstream:  # the tensor may be odd because of what flowed into its sender
             bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
             suspects |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
-        bans = []
+        convicted = []
         for worker in [verdict.worker, *sorted(suspects - {verdict.worker})]:
-            if worker in self._banned:
+            if worker in self._convicted:
                 continue
             others = suspects - {worker} if verdict.flagged else set()
-            flagged = verdict.flagged and not others & self._banned  # explained by a worker banned just now
+            flagged = verdict.flagged and not others & self._convicted  # explained by a worker convicted just now
             history = self._history.setdefault(worker, deque(maxlen=self.config.strike_window))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
             if entry is None:
@@ -478,13 +569,19 @@ class Sentinel:
                 entry[1] = True
                 entry[2] |= others
             if sum(e[1] for e in history) >= self.config.strikes:
-                self._ban(worker)
-                bans.append(worker)
-        return dataclasses.replace(verdict, bans=tuple(bans)) if bans else verdict
+                self._convict(worker)
+                convicted.append(worker)
+        if not self.config.detect_only:
+            self._banned.update(convicted)
+        blamed = tuple(sorted(suspects)) if verdict.flagged else ()
+        if not (convicted or blamed):
+            return verdict
+        bans = () if self.config.detect_only else tuple(convicted)
+        return dataclasses.replace(verdict, bans=bans, convicted=tuple(convicted), suspects=blamed)
 
-    def _ban(self, worker: str) -> None:
-        """Ban `worker`; strikes it shared with others are explained by it and taken off them."""
-        self._banned.add(worker)
+    def _convict(self, worker: str) -> None:
+        """`worker` reached the strike rule; strikes it shared with others are explained by it and taken off them."""
+        self._convicted.add(worker)
         for history in self._history.values():
             for entry in history:
                 if worker in entry[2]:

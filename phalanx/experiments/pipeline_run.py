@@ -320,8 +320,7 @@ def simulate_pipeline(
         hops = {}
         for link, vid in verifiers.items():
             vt = network.add_peer(verifier_identity(config.seed, link), flops=config.sentinel.verifier_flops)
-            node = VerifierNode(vt, config.sentinel, config.pipeline, config.seed, directory, on_event,
-                                set(verifiers.values()))
+            node = VerifierNode(vt, config.sentinel, config.pipeline, config.seed, directory, on_event, verifiers)
             hops[link] = node.hop
             network.spawn(vid, node.serve)
 

@@ -139,6 +139,7 @@ class VerifierHop:
         self.on_event = on_event
         self.choose = choose
         self.peers: list[str] = []  # the other verifiers of the run (boundary placement): taint is shared with them
+        self.links: dict[int, str] = {}  # boundary placement: link -> its verifier (input sketches go there)
         self.on_ban = on_ban or (lambda peer, it, keys: None)
         self.seen: dict[m.Key, tuple[int, set[str]]] = {}  # microbatch -> (iteration, nodes it passed)
         self.dropped: dict[m.Key, int] = {}  # microbatch attempts being rerouted -> iteration: their traffic is refused
@@ -155,8 +156,28 @@ class VerifierHop:
             return None
         self._remember(c, receiver)
         sender = sender_of(direction, c, self.last)
-        if self.trusted(sender):
-            return c.tensor
+        passed = c.tensor if self.trusted(sender) else self._judged(direction, c, sender)
+        if passed is not None and self.sentinel.binds:
+            self._bind_input(direction, c, passed)
+        return passed
+
+    def _bind_input(self, direction: str, c: m.Carry, passed: torch.Tensor) -> None:
+        """Record what is delivered to the next stage (forward) or the previous one (backward), so that the
+        stage's own output for this microbatch is bound to it (`sentinel.bind`); boundary verifiers pass the
+        sketch to the verifier of that stage's outgoing link."""
+        link = link_of(direction, c)
+        stage, out_link = (link + 1, link + 1) if direction == FORWARD else (link, link - 1)
+        if not 1 <= stage <= self.last or out_link < 0:
+            return
+        sketch = self.sentinel.sketch(passed)
+        peer = self.links.get(out_link)
+        if not self.links or peer == self.me:
+            self.sentinel.record_input(c.key, stage, direction, sketch)
+        elif peer is not None:
+            body = encode({"input": [stage, direction, sketch], "key": list(c.key)})
+            self.spawn(self.transport.send(peer, TAINT, body))
+
+    def _judged(self, direction: str, c: m.Carry, sender: str) -> torch.Tensor | None:
         link = link_of(direction, c)
         if direction == FORWARD:
             upstream = {s: c.path[s] for s in range(1, len(c.path) - 1)}
@@ -186,8 +207,11 @@ class VerifierHop:
     def on_taint(self, sender: str, payload: bytes) -> None:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "taint note")
         key = m.parse_key(dict(zip(("src", "seq", "att"), obj.get("key") or [])), sender)
-        tainted, replaced = obj.get("tainted"), obj.get("replaced")
-        if isinstance(tainted, list) and len(tainted) == 2 and type(tainted[0]) is int and isinstance(tainted[1], str):
+        tainted, replaced, bound = obj.get("tainted"), obj.get("replaced"), obj.get("input")
+        if isinstance(bound, list) and len(bound) == 3 and type(bound[0]) is int and bound[1] in (FORWARD, BACKWARD) \
+                and isinstance(bound[2], torch.Tensor) and bound[2].dim() == 2 and bound[2].is_floating_point():
+            self.sentinel.record_input(key, bound[0], bound[1], bound[2].float())
+        elif isinstance(tainted, list) and len(tainted) == 2 and type(tainted[0]) is int and isinstance(tainted[1], str):
             self.sentinel.mark_tainted(key, tainted[0], tainted[1])
         elif type(replaced) is int:
             self.sentinel.mark_replaced(key, replaced)
@@ -226,8 +250,8 @@ class VerifierHop:
             "direction": verdict.direction, "mb": m.key_name(c.key), "src": c.key[0], "seq": c.key[1],
             "att": c.key[2], "it": c.it, "flagged": verdict.flagged, "reason": verdict.reason,
             "substituted": verdict.substitute is not None, "outside": list(verdict.outside),
-            "distances": dict(verdict.distances),
-            "t": self.transport.clock.now(),
+            "distances": dict(verdict.distances), "convicted": list(verdict.convicted),
+            "suspects": list(verdict.suspects), "t": self.transport.clock.now(),
         })
         for peer in verdict.bans:
             self.spawn(self.announce(peer, c.it, verdict.link))
@@ -340,12 +364,13 @@ class VerifierNode:
     """A trusted boundary verifier (organiser-deployed): a VIA hop for one link, and nothing else."""
 
     def __init__(self, transport: Transport, config: VerifierConfig, pipeline: PipelineConfig, seed: int,
-                 directory: dict[str, int], on_event: EventSink, verifiers: set[str]) -> None:
+                 directory: dict[str, int], on_event: EventSink, verifiers: dict[int, str]) -> None:
         self.transport = transport
         self.directory = directory
         self.hop = VerifierHop(transport, config, pipeline, seed, lambda p: self.directory.get(p) == 0, on_event)
-        self.verifiers = verifiers  # the run's verifiers: their bans and taint notes are applied here too
-        self.hop.peers = sorted(verifiers - {transport.peer_id})
+        self.verifiers = set(verifiers.values())  # the run's verifiers: their bans and notes are applied here too
+        self.hop.peers = sorted(self.verifiers - {transport.peer_id})
+        self.hop.links = dict(verifiers)
         self._stopped = asyncio.Event()
         transport.add_message_handler(BAN, self._on_ban)
         transport.add_message_handler(TAINT, self._on_taint)
