@@ -15,7 +15,8 @@ pattern with the magnitude of x, signSGD-style, so it differs from scaling);
 delay: the tensor this relay sent `delay` steps earlier (another microbatch,
 an older model); bias: x + bias * mean|x|; invisible_noise: a `portion` of the
 coordinates replaced by Gaussian noise with the tensor's own mean and std;
-mixed: one of several attacks per microbatch; adaptive: the largest step from
+mixed: one of several attacks per microbatch; framing: `base`'s tampering plus
+an honest upstream peer written into the forwarded path and hop record; adaptive: the largest step from
 the honest tensor towards a harmful one (default: its negation) that the
 verifier's current fences still accept, times a safety `margin`. The adaptive
 attacker is white-box: the experiment lends it the verifier's `probe`.
@@ -253,9 +254,44 @@ class Adaptive(LinkAttack):
         return x + self.margin * lo * (harm - x)
 
 
+@dataclass(kw_only=True)
+class Framing(LinkAttack):
+    """Tamper like `base`, and write an honest upstream peer into what is forwarded, to share the blame.
+
+    The tensor part is `base`'s; the framing itself is protocol-level (the
+    relay rewrites the path and the upstream hop record of its forward carries,
+    naming `frames_victim` instead of the peer it got the microbatch from), so
+    the runtime relay does it when `frames` is set. The victim is drawn from a
+    seeded stream among the previous stage's peers.
+    """
+
+    name: ClassVar[str] = "framing"
+    frames: ClassVar[bool] = True
+    base: str = "scaling"
+    _part: LinkAttack = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.base not in LINK_ATTACKS or self.base in ("framing", "none"):
+            raise ConfigError(f"framing base={self.base!r} must name a link attack (not framing/none)")
+        self._part = LINK_ATTACKS[self.base](target=self.target, start_step=self.start_step, seed=self.seed,
+                                             worker=self.worker)
+
+    def observe(self, view: LinkView) -> None:
+        self._part.observe(view)
+
+    def forge(self, view: LinkView, gen: torch.Generator) -> Tensor | None:
+        return self._part.forge(view, gen)
+
+    def victim(self, candidates: list[str]) -> str | None:
+        """The honest-looking peer to frame (the same one all along: blame adds up on it)."""
+        return py_stream(self.seed, "framing-victim", self.worker).choice(sorted(candidates)) if candidates else None
+
+
 LINK_ATTACKS: dict[str, type[LinkAttack]] = {
     cls.name: cls
-    for cls in (LinkAttack, Constant, RandomValues, Scaling, SignFlip, Delay, Bias, InvisibleNoise, Mixed, Adaptive)
+    for cls in (LinkAttack, Constant, RandomValues, Scaling, SignFlip, Delay, Bias, InvisibleNoise, Mixed, Adaptive,
+                Framing)
 }
 
 

@@ -30,6 +30,21 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   |Q_x - Q|, where Q is the EMA of the projected quantile functions (in 1-D the
   average of quantile functions is the Wasserstein barycentre, so Q is the
   EMA's distribution).
+* **Staleness: ``bind``.** The distances above compare a tensor with the
+  link's history, so a replayed tensor (delay: an honest tensor of another
+  microbatch, sent many steps earlier) passes them all. ``bind`` ties a
+  stage's output to its input for the same microbatch: the verifier records a
+  sketch of what it delivers to a stage (its input forward, the gradient of
+  its output backward: token vectors centred per position, projected on
+  `bind_projections` seeded directions) and compares the stage's own output
+  with it: 1 - linear CKA of the two sketches. A stage maps each token's input
+  to its output, so the token-by-token similarity structure carries over
+  (CKA 0.3-0.9 for honest tensors here); an output of another microbatch keeps
+  none of it (CKA 0.01-0.05, ``bind`` near 1), whatever the delay. Above its
+  fence, ``bind`` counts only beyond `bind_floor` (0.9): late in training an
+  honest stage's gradient can drift far from the window (CKA 0.1-0.5) while
+  still far from unrelated; below its lower fence (an output that copies its
+  input) it counts as usual.
 * **Fences.** Tukey fences over the last `window` accepted distances:
   [Q1 - k*IQR, Q3 + k*IQR] with k = 5 (wider than Tukey's "far out" 3, which
   flagged ~0.4% of honest GPT traffic; 5 flags ~0.1%). l1, l2 and swd are
@@ -43,6 +58,11 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
 * **Vote.** A tensor is flagged when `vote` of the distances (any, majority,
   all) are outside their fences. Malformed tensors (wrong feature size,
   non-finite values) are always flagged.
+* **Detect-only** (`detect_only`): everything above runs, but the strike rule
+  only *convicts* (reported in `Verdict.convicted`), nobody is banned, so F1
+  can be measured over every tampered tensor of a run.
+* **Protocol breaches** (`reject`): a tensor whose sender forged or dropped a
+  hop signature is flagged against the sender alone (no upstream blame).
 * **Strikes.** A worker is banned when `strikes` of the last `strike_window`
   microbatches it handled carry a flag against it (one strike per microbatch).
   A flag is held against the sender and against every worker the verifier saw
@@ -87,7 +107,7 @@ class SentinelConfig:
 
     beta_h: float = 0.9  # EMA factor of activations (paper's default; 0 = last accepted tensor)
     beta_g: float = 0.8  # EMA factor of activation gradients (paper's default)
-    distances: str = "l1,l2,sign,swd"  # comma-separated subset of DISTANCES
+    distances: str = "l1,l2,sign,swd,bind"  # comma-separated subset of DISTANCES (the vote ablation: docs/notes/issue-16.md)
     vote: str = "any"  # how many out-of-fence distances flag a tensor: any, majority or all
     k: float = 5.0  # Tukey multiplier; 3 ("far out") gave ~0.4% false flags on the GPT's traffic, 5 about 0.1%
     window: int = 64  # accepted distances kept per link, direction and distance
@@ -97,6 +117,7 @@ class SentinelConfig:
     min_spread: float = 0.05  # IQR floor of the fenced values (log units: 5%); sign's floor is 1/C
     projections: int = 16  # random directions of the sliced Wasserstein distance
     bind_projections: int = 32  # random directions of the input/output sketches of the ``bind`` distance
+    bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
@@ -118,6 +139,8 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
         if self.warmup < 5:
             raise ConfigError(f"sentinel.warmup={self.warmup} must be >= 5 (fences need at least 4 distances)")
+        if not 0.0 <= self.bind_floor <= 1.0:
+            raise ConfigError(f"sentinel.bind_floor={self.bind_floor} must be in [0, 1]")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
         for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window"):
@@ -382,6 +405,20 @@ class Sentinel:
         reason = "tainted" if verdict.reason in ("ok", "warmup") else verdict.reason
         return dataclasses.replace(verdict, reason=reason, substitute=self.momentum(link, tensor))
 
+    def reject(self, link: int, direction: str, worker: str, microbatch: Hashable, reason: str, like: Tensor) -> Verdict:
+        """Flag a tensor whose sender broke the protocol around it (a forged or missing hop signature), held
+        against the sender alone, with the usual response: forward, the microbatch is tainted; backward, the
+        gradient momentum is sent instead."""
+        if worker in self._banned:
+            return Verdict(link, direction, worker, microbatch, True, "banned")
+        verdict = self._strike(Verdict(link, direction, worker, microbatch, True, reason), blame_upstream=False)
+        if direction == FORWARD:
+            self._tainted.setdefault(microbatch, (link, worker))
+            return verdict
+        if link > 0:
+            self._replaced[microbatch] = link
+        return dataclasses.replace(verdict, substitute=self.momentum(link, like))
+
     def forget(self, microbatch: Hashable) -> None:
         """Drop what is remembered of a microbatch (done at its link-0 backward check; call it
         when a microbatch's backward will not come: crash, reroute)."""
@@ -540,7 +577,8 @@ class Sentinel:
         """Distances outside their fences (a distance without enough history, e.g. ``bind`` whose input
         sketch was missing for most tensors, is not fenced yet)."""
         return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
-                     and not self._fence(track, n).contains(_scaled(n, dist[n], self.config)))
+                     and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
+                     and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high))
 
     def _fence(self, track: _Track, name: str) -> Fence:
         if name == "sign":
@@ -551,12 +589,16 @@ class Sentinel:
         mb = verdict.microbatch
         if verdict.direction == FORWARD:
             self._paths.setdefault(mb, {})[verdict.link] = verdict.worker
-        suspects = {verdict.worker}
-        if verdict.flagged and blame_upstream:  # the tensor may be odd because of what flowed into its sender
+        # everyone upstream of the sender handled this microbatch: a flag may be explained by what flowed into
+        # the sender (it is then held against them too), and a clean tensor counts in their histories as well,
+        # so that a verifier several links downstream does not see only their flagged microbatches
+        handlers = {verdict.worker}
+        if blame_upstream:
             bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
-            suspects |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
+            handlers |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
+        suspects = handlers if verdict.flagged else {verdict.worker}
         convicted = []
-        for worker in [verdict.worker, *sorted(suspects - {verdict.worker})]:
+        for worker in [verdict.worker, *sorted(handlers - {verdict.worker})]:
             if worker in self._convicted:
                 continue
             others = suspects - {worker} if verdict.flagged else set()

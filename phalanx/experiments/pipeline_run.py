@@ -27,7 +27,6 @@ from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
 from ..algorithms.flow import FlowConfig
 from ..runtime.pipeline.gwtf import FlowDriver, FlowRouter
-from ..algorithms.link_attacks import make_link_attack
 from ..algorithms.sentinel import BACKWARD, FORWARD
 from ..runtime.pipeline.attacker import AttackingRelay
 from ..runtime.pipeline.relay import ask_for_stage
@@ -111,10 +110,7 @@ def build_node(
         extra["sentinel"] = config.sentinel if client else None
     elif index - config.data_nodes in config.attack.indices and config.attack.name != "none":
         cls = AttackingRelay
-        a = config.attack
-        extra.update(attack=make_link_attack(a.name, target=a.target, start_step=a.start, fraction=a.fraction,
-                                             seed=config.seed, worker=transport.peer_id),
-                     log=on_event, probe=probe)
+        extra.update(attack=config.attack.policy(config.seed, transport.peer_id), log=on_event, probe=probe)
     else:
         cls = Relay
     return cls(

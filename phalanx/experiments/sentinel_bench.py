@@ -70,6 +70,7 @@ class SentinelBenchConfig:
     attacks: str = ",".join(TABLE_ATTACKS)
     target: str = "both"  # activations, gradients or both
     fraction: float = 1.0  # of a malicious relay's microbatches that it attacks
+    delay: int = 20  # iterations by which the delay attack's tensors are stale
     ablation: str = ",".join(ABLATIONS)  # variants run with SENTINEL on `ablation_attacks` ("" for none)
     ablation_attacks: str = "zeros,random,scaling,sign_flip,invisible_noise,mixed"
     jobs: int = 0  # parallel processes (0: one per core)
@@ -186,8 +187,9 @@ def run_one(config: SentinelBenchConfig, spec: RunSpec) -> dict:
     for s in (1, 2):
         for name in relays[s]:
             if spec.attack != "none" and name in bad[s]:
+                extra = {"delay": config.delay} if spec.attack == "delay" else {}
                 policies[name] = make_link_attack(spec.attack, target=config.target, start_step=config.attack_start,
-                                                  fraction=config.fraction, seed=config.seed, worker=name)
+                                                  fraction=config.fraction, seed=config.seed, worker=name, **extra)
             else:
                 policies[name] = LinkAttack(worker=name)
     verifier = Sentinel(_verifier_config(config, spec.variant)) if spec.defended else None

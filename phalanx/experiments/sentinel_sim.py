@@ -60,7 +60,7 @@ def run_config(config, attack: str, defended: bool, variant: str = "all") -> Pip
         network=PipelineNetworkConfig(),
         sentinel=verifier,
         attack=LinkAttackConfig(name=attack, relays=relays, target=config.target, start=config.attack_start,
-                                fraction=config.fraction),
+                                fraction=config.fraction, delay=config.delay),
     )
 
 
@@ -130,20 +130,18 @@ def replay_votes(summary: dict, rules: list[str]) -> dict[str, dict]:
     """Per-tensor detection of other distance sets and votes, replayed from a run's verdicts.
 
     Each judged tensor records which distances were outside their fences; a rule "d1+d2:vote" flags it
-    when `vote` of those distances are outside. Approximate: the EMA and the windows were those of the
-    run's own rule (a tensor this rule would accept but the run flagged did not update them)."""
+    when `vote` of those distances are outside. Only tensors the run judged by the fences count (not those
+    its own flags tainted). Approximate: the EMA and the windows were those of the run's own rule (a tensor
+    this rule would accept but the run flagged did not update them)."""
     out = {}
-    scored = scored_verdicts(summary)
+    scored = [(v, t) for v, t in scored_verdicts(summary) if v["reason"] in ("fence", "ok")]
     for rule in rules:
         names, rule_vote = rule.split(":")
         subset = set(names.split("+"))
         tp = fp = fn = honest = 0
         for v, tampered in scored:
-            if v["reason"] in ("fence", "ok"):
-                flagged = vote(len(subset & set(v["outside"])), len(subset), VOTE_TOKENS[rule_vote])
-            else:
-                flagged = v["flagged"]  # malformed tensors, unsigned hops: flagged whatever the vote
-            caught = flagged or (tampered and v["substituted"] and v["reason"] == "tainted")
+            present = subset & set(v["distances"])  # bind is missing where no input sketch was recorded
+            caught = bool(present) and vote(len(present & set(v["outside"])), len(present), VOTE_TOKENS[rule_vote])
             tp += tampered and caught
             fn += tampered and not caught
             fp += caught and not tampered
@@ -155,7 +153,8 @@ def replay_votes(summary: dict, rules: list[str]) -> dict[str, dict]:
 
 
 REPLAY_RULES = ["l1+l2+sign+swd:any", "l1+l2+sign+swd:majority", "l1+l2+sign+swd:unanimous", "l1:any", "l2:any",
-                "sign:any", "swd:any", "sign+swd:any", "sign+swd:unanimous", "l2+sign+swd:majority"]
+                "sign:any", "swd:any", "sign+swd:any", "sign+swd:unanimous", "bind:any", "sign+bind:any",
+                "sign+swd+bind:any", "l1+l2+sign+swd+bind:any", "l1+l2+sign+swd+bind:majority"]
 
 
 def run_one(config, attack: str, defended: bool, variant: str = "all") -> dict:

@@ -71,11 +71,13 @@ class VerifierConfig(SentinelConfig):
     placement: str = "boundary"  # boundary | data_node
     forward_response: str = "pass"  # pass | substitute
     verifier_flops: float = 50e9
+    signed_hops: bool = True  # boundary placement: blame upstream only along verifiers' signed hop records
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"sentinel.enabled={self.enabled!r} must be true or false")
+        if not isinstance(self.enabled, bool) or not isinstance(self.signed_hops, bool):
+            raise ConfigError(f"sentinel.enabled={self.enabled!r} and sentinel.signed_hops={self.signed_hops!r} "
+                              "must be true or false")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"sentinel.placement={self.placement!r} must be one of {', '.join(PLACEMENTS)}")
         if self.forward_response not in FORWARD_RESPONSES:
@@ -156,7 +158,7 @@ class VerifierHop:
             return None
         self._remember(c, receiver)
         sender = sender_of(direction, c, self.last)
-        passed = c.tensor if self.trusted(sender) else self._judged(direction, c, sender)
+        passed = c.tensor if self.trusted(sender) else self._judged(direction, c, sender, receiver)
         if passed is not None and self.sentinel.binds:
             self._bind_input(direction, c, passed)
         return passed
@@ -177,16 +179,27 @@ class VerifierHop:
             body = encode({"input": [stage, direction, sketch], "key": list(c.key)})
             self.spawn(self.transport.send(peer, TAINT, body))
 
-    def _judged(self, direction: str, c: m.Carry, sender: str) -> torch.Tensor | None:
+    def _judged(self, direction: str, c: m.Carry, sender: str, receiver: str) -> torch.Tensor | None:
         link = link_of(direction, c)
-        if direction == FORWARD:
-            upstream = {s: c.path[s] for s in range(1, len(c.path) - 1)}
+        signed = self.signs
+        upstream, problem = self._signed_upstream(direction, c, sender, receiver) if signed else (None, "")
+        if problem:
+            tainted = self.sentinel.taint_of(c.key)
+            verdict = self.sentinel.reject(link, direction, sender, c.key, problem, c.tensor)
+            if direction == FORWARD and tainted is None and self.sentinel.taint_of(c.key) is not None:
+                self._share({"tainted": [link, sender]}, c.key)
+            elif verdict.substitute is not None:
+                self._share({"replaced": link}, c.key)
+        elif direction == FORWARD:
+            if not signed:  # the path the carry claims (a relay can write anyone into it)
+                upstream = {s: c.path[s] for s in range(1, len(c.path) - 1)}
             tainted = self.sentinel.taint_of(c.key)
             verdict = self.sentinel.check_forward(link, sender, c.key, c.tensor, upstream=upstream)
             if tainted is None and self.sentinel.taint_of(c.key) is not None:
                 self._share({"tainted": [link, sender]}, c.key)
         else:
-            upstream = {s: c.path[s] for s in range(1, c.stage + 1)}
+            if not signed:
+                upstream = {s: c.path[s] for s in range(1, c.stage + 1)}
             verdict = self.sentinel.check_backward(link, sender, c.key, c.tensor, upstream=upstream)
             if verdict.substitute is not None:
                 self._share({"replaced": link}, c.key)
@@ -197,6 +210,55 @@ class VerifierHop:
         if direction == FORWARD and verdict.flagged and self.config.forward_response == "substitute":
             return self.sentinel.momentum(link, c.tensor, FORWARD)
         return verdict.passed_on(c.tensor)
+
+    @property
+    def signs(self) -> bool:
+        """Boundary verifiers with `signed_hops`: hops sign what they pass on, and blame follows signatures."""
+        return bool(self.links) and self.config.signed_hops
+
+    def _signed_upstream(self, direction: str, c: m.Carry, sender: str, receiver: str) -> tuple[dict[int, str] | None, str]:
+        """Who sent this microbatch forward over earlier links, as the earlier verifiers signed it, and what is
+        wrong with the hop records the sender forwarded ("" if nothing). The sender's own record must be
+        signed by it and match the tensor and receiver; the verifier record before it must name the sender as
+        its receiver and hand on what the sender says it received; forward, every earlier link's verifier
+        record must be there. Backward, upstream senders are those this verifier saw forward (None)."""
+        link = link_of(direction, c)
+        hops = c.hops
+        own = hops[-1] if hops else None
+        if own is None or own.signer != sender or not self._matches(own, direction, c, link) or not own.valid():
+            return None, "unsigned"
+        if own.sent != m.tensor_digest(c.tensor) or (direction == FORWARD and receiver and own.to != receiver):
+            return None, "forged_hop"
+        before = self.links.get(link - 1 if direction == FORWARD else link + 1)
+        prev = hops[-2] if len(hops) >= 2 else None
+        if before is not None and (prev is None or prev.signer != before or prev.to != sender
+                                   or prev.sent != own.received or not self._verified(prev, direction, c)):
+            return None, "forged_hop"
+        if direction == BACKWARD:
+            return None, ""
+        upstream = {}
+        for earlier in range(1, link):
+            record = next((h for h in hops if h.signer == self.links.get(earlier) and h.link == earlier), None)
+            if record is None or not self._verified(record, direction, c):
+                return None, "forged_hop"
+            upstream[earlier] = record.sender
+        return upstream, ""
+
+    @staticmethod
+    def _matches(hop: m.Hop, direction: str, c: m.Carry, link: int) -> bool:
+        return hop.key == c.key and hop.it == c.it and hop.direction == direction and hop.link == link
+
+    def _verified(self, hop: m.Hop, direction: str, c: m.Carry) -> bool:
+        """A verifier's record of this microbatch attempt and direction, with a valid signature."""
+        return hop.key == c.key and hop.it == c.it and hop.direction == direction and hop.valid()
+
+    def signed_on(self, direction: str, c: m.Carry, sender: str, receiver: str, passed: torch.Tensor) -> m.Carry:
+        """The carry to deliver: the tensor passed on, with this verifier's signed hop record appended."""
+        if not self.signs:
+            return dataclasses.replace(c, tensor=passed)
+        hop = m.Hop.signed(self.transport.identity, c.key, c.it, direction, link_of(direction, c), sender,
+                           m.tensor_digest(c.tensor), m.tensor_digest(passed), receiver)
+        return dataclasses.replace(c, tensor=passed, hops=c.hops + (hop,))
 
     def _share(self, note: dict, key: m.Key) -> None:
         """Tell the other verifiers (they judge the microbatch's other links) what this one did to it."""
@@ -304,7 +366,7 @@ class VerifierHop:
         if tensor is None:
             return m.answer(m.STALE if c.key in self.dropped else m.DENIED)
         await self.transport.charge_compute(self.cost(c.tensor))
-        c = dataclasses.replace(c, tensor=tensor)
+        c = self.signed_on(direction, c, sender, to, tensor)
         topic = m.FORWARD if direction == FORWARD else m.BACKWARD
         if to:
             return m.answer(await self.deliver(to, topic, c))
