@@ -108,7 +108,11 @@ def test_a_framing_relay_is_banned_and_the_framed_relay_is_not():
     victim = make_link_attack("framing", seed=config.seed, worker=framer).victim([relays[0], relays[2], relays[4]])
     assert summary["banned"] == [framer] and summary["bans"][0]["step"] == START
     assert any(v["reason"] == "forged_hop" and v["peer"] == framer for v in summary["verdicts"])
-    assert not any(victim in v["suspects"] for v in summary["verdicts"])
+    assert victim not in summary["banned"]
+    # the victim is blamed only for microbatches it really computed (as any upstream worker of a flagged tensor)
+    computed = {(e["src"], e["seq"], e["att"]) for e in summary["events"] if e["kind"] == "fwd" and e["peer"] == victim}
+    blamed = {(v["src"], v["seq"], v["att"]) for v in summary["verdicts"] if victim in v["suspects"]}
+    assert blamed <= computed
     assert all(m["completed"] == 8 for m in summary["metrics"])
 
 
