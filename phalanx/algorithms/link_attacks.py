@@ -19,7 +19,9 @@ mixed: one of several attacks per microbatch; framing: `base`'s tampering plus
 an honest upstream peer written into the forwarded path and hop record; adaptive: the largest step from
 the honest tensor towards a harmful one (default: its negation) that the
 verifier's current fences still accept, times a safety `margin`. The adaptive
-attacker is white-box: the experiment lends it the verifier's `probe`.
+attacker is white-box: the experiment lends it the verifier's `probe`. mimic
+(the paper's adaptive attack, black-box): its own EMA of the per-feature
+mean plus honest-shaped noise (its honest deviations, token vectors shuffled).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class LinkView:
     """What a relay sees when it sends one tensor.
 
     `probe(tensor)` (white-box experiments only) says whether the verifier on
-    this link would accept `tensor` right now; None when there is no verifier.
+    this link would accept `tensor` for this microbatch right now; None when
+    there is no verifier.
     """
 
     kind: str  # ACTIVATION or GRADIENT
@@ -255,6 +258,41 @@ class Adaptive(LinkAttack):
 
 
 @dataclass(kw_only=True)
+class MimicEMA(LinkAttack):
+    """The paper's adaptive attack: send the EMA plus noise shaped like honest noise.
+
+    The relay keeps its own EMA (factor `beta`) of the per-feature mean of the
+    tensors it computes, of each kind, the same statistic a verifier keeps (it
+    cannot read the verifier's, but it sees what it sends). It sends that EMA
+    plus honest-shaped noise: the deviations of its honest tensor from its
+    per-feature mean, with the token vectors shuffled (same distribution per
+    feature, no relation left to the microbatch's tokens). The per-feature mean
+    and the projected quantiles of what it sends are then those of honest
+    traffic; what the downstream stage gets carries nothing of its input.
+    """
+
+    name: ClassVar[str] = "mimic"
+    beta: float = 0.9
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.beta < 1.0:
+            raise ConfigError(f"mimic beta={self.beta} must be in [0, 1)")
+        self._ema: dict[str, Tensor] = {}
+
+    def observe(self, view: LinkView) -> None:
+        mean = view.tensor.detach().reshape(-1, view.tensor.shape[-1]).float().mean(dim=0)
+        old = self._ema.get(view.kind)
+        self._ema[view.kind] = mean if old is None or old.shape != mean.shape else self.beta * old + (1 - self.beta) * mean
+
+    def forge(self, view: LinkView, gen: torch.Generator) -> Tensor:
+        x = view.tensor
+        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        noise = (rows - rows.mean(dim=0))[torch.randperm(rows.shape[0], generator=gen)]
+        return (self._ema[view.kind] + noise).reshape(x.shape).to(x.dtype)
+
+
+@dataclass(kw_only=True)
 class Framing(LinkAttack):
     """Tamper like `base`, and write an honest upstream peer into what is forwarded, to share the blame.
 
@@ -291,7 +329,7 @@ class Framing(LinkAttack):
 LINK_ATTACKS: dict[str, type[LinkAttack]] = {
     cls.name: cls
     for cls in (LinkAttack, Constant, RandomValues, Scaling, SignFlip, Delay, Bias, InvisibleNoise, Mixed, Adaptive,
-                Framing)
+                MimicEMA, Framing)
 }
 
 

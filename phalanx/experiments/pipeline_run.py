@@ -320,12 +320,12 @@ def simulate_pipeline(
             hops[link] = node.hop
             network.spawn(vid, node.serve)
 
-        def probe(kind: str, link: int, tensor: torch.Tensor) -> bool:
+        def probe(kind: str, link: int, tensor: torch.Tensor, key=None) -> bool:
             """The white-box view lent to an adaptive attacker: would the verifier of `link` accept it?
             (Client-routed: the first data node's verifier.)"""
             hop = hops.get(link) or getattr(nodes.get(ids[0]), "verifier", None)
             direction = FORWARD if kind == "activation" else BACKWARD
-            return True if hop is None else hop.sentinel.would_accept(link, direction, tensor)
+            return True if hop is None else hop.sentinel.would_accept(link, direction, tensor, key)
 
         for index, pid in enumerate(ids):
             network.spawn(pid, factory(index))

@@ -49,7 +49,8 @@ from ..core.rng import py_stream
 from ..training.task import CharGPTTask
 
 VOTE_TOKENS = {"any": "any", "majority": "majority", "unanimous": "all"}
-TABLE_ATTACKS = ("zeros", "random", "scaling", "sign_flip", "delay", "bias", "invisible_noise", "mixed", "adaptive")
+TABLE_ATTACKS = ("zeros", "random", "scaling", "sign_flip", "delay", "bias", "invisible_noise", "mixed", "adaptive",
+                 "mimic")
 ABLATIONS = ("beta0", "l1", "l2", "sign", "swd", "all")
 DATA_NODE = "data"
 
@@ -240,7 +241,7 @@ def _microbatch(stages, x, y, it, mb, path, policies, verifier, records, microba
             verifier.record_input(mb, s, FORWARD, verifier.sketch(received))
         inp = received.requires_grad_(True)
         out = stages[s](inp)
-        probe = (lambda t, s=s: verifier.would_accept(s, FORWARD, t)) if verifier else None
+        probe = (lambda t, s=s: verifier.would_accept(s, FORWARD, t, mb)) if verifier else None
         sent = policies[worker].relay(LinkView(ACTIVATION, it, mb, out.detach(), probe))
         if verifier:
             verdict = verifier.check_forward(s, worker, mb, sent.tensor)
@@ -258,7 +259,7 @@ def _microbatch(stages, x, y, it, mb, path, policies, verifier, records, microba
         if verifier and verifier.binds:
             verifier.record_input(mb, s, BACKWARD, verifier.sketch(grad))
         out.backward(grad)
-        probe = (lambda t, s=s: verifier.would_accept(s - 1, BACKWARD, t)) if verifier else None
+        probe = (lambda t, s=s: verifier.would_accept(s - 1, BACKWARD, t, mb)) if verifier else None
         sent = policies[worker].relay(LinkView(GRADIENT, it, mb, inp.grad.detach(), probe))
         grad = sent.tensor
         if verifier:

@@ -4,7 +4,7 @@ Each outgoing activation and input gradient goes through a
 `algorithms.link_attacks.LinkAttack` policy before it is sent; `log` receives
 one record per tensor (the attack log, the experiment's ground truth; no
 verifier reads it). `probe(kind, link, tensor)` is the white-box view an
-adaptive attacker may be lent in experiments (None: no view). A framing
+adaptive attacker may be lent in experiments (None: no view); `probe(kind, link, tensor, key)`. A framing
 policy (`attack.frames`) also rewrites its forward carries: the previous
 stage's peer in the path, and the sender named by that link's verifier record,
 become a victim of its choice (the record's signature then no longer holds).
@@ -21,7 +21,7 @@ from ...algorithms.link_attacks import ACTIVATION, LinkAttack, LinkView
 from . import messages as m
 from .relay import Relay
 
-Probe = Callable[[str, int, torch.Tensor], bool]
+Probe = Callable[[str, int, torch.Tensor, m.Key], bool]
 
 
 class AttackingRelay(Relay):
@@ -36,7 +36,7 @@ class AttackingRelay(Relay):
 
     def tamper(self, kind: str, it: int, key: m.Key, tensor: torch.Tensor) -> torch.Tensor:
         link = self.stage if kind == ACTIVATION else self.stage - 1
-        probe = None if self.probe is None else (lambda t: self.probe(kind, link, t))
+        probe = None if self.probe is None else (lambda t: self.probe(kind, link, t, key))
         sent = self.attack.relay(LinkView(kind, it, key, tensor, probe))
         self.log({"kind": "attack", "peer": self.me, "stage": self.stage, "link": link,
                   "direction": "forward" if kind == ACTIVATION else "backward", "mb": m.key_name(key),
