@@ -107,7 +107,7 @@ class SentinelConfig:
 
     beta_h: float = 0.9  # EMA factor of activations (paper's default; 0 = last accepted tensor)
     beta_g: float = 0.8  # EMA factor of activation gradients (paper's default)
-    distances: str = "l1,l2,sign,swd,bind"  # comma-separated subset of DISTANCES (the vote ablation: docs/notes/issue-16.md)
+    distances: str = "sign,swd,bind"  # comma-separated subset of DISTANCES (chosen by the vote ablation: docs/notes/issue-16.md)
     vote: str = "any"  # how many out-of-fence distances flag a tensor: any, majority or all
     k: float = 5.0  # Tukey multiplier; 3 ("far out") gave ~0.4% false flags on the GPT's traffic, 5 about 0.1%
     window: int = 64  # accepted distances kept per link, direction and distance
