@@ -96,7 +96,7 @@ def test_config_errors_name_the_key():
 
 
 def test_warmup_accepts_everything_then_fences_flag():
-    config = SentinelConfig(warmup=30, window=30)
+    config = SentinelConfig(warmup=30, window=30, distances="l1,l2,sign,swd")
     verifier = Sentinel(config)
     gen = torch.Generator().manual_seed(3)
     assert verifier.fences(1, FORWARD) is None
