@@ -40,6 +40,7 @@ from .swarm import peer_identity
 
 FINISHED = "pp.finished"
 RUN_TIMEOUT = 3600.0
+GONE_TIMEOUT = 5.0  # seconds the launcher waits for its killed process groups to be reaped
 
 
 async def run_pipeline_worker(
@@ -225,6 +226,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
         for p in procs + verifiers:
             _kill_group(p, signal.SIGKILL)  # the hivemind children of a worker that exited early
         kill_marked(f"{marker}/", prefix=True)  # anything a worker started that left its group
+        _wait_gone([p.pid for p in procs + verifiers], GONE_TIMEOUT)
     failed = [i for i, p in enumerate(procs) if p.returncode != 0 and i != victim]
     failed += [f"verifier {link}" for link, p in zip(sorted(verifier_ids(config)), verifiers) if p.returncode != 0]
     if failed:
@@ -248,6 +250,19 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
              "killed": ids[victim] if killed and victim is not None else None,
              "process_groups": [p.pid for p in procs + verifiers]}
     return recorder.write(out, extra)
+
+
+def _wait_gone(pgids: list[int], timeout: float) -> None:
+    """Wait (at most `timeout` s) until the killed groups are reaped: a worker's watchdog, re-parented when the
+    worker dies, is reaped by init a moment after its SIGKILL."""
+    deadline = time.monotonic() + timeout
+    for pgid in pgids:
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.05)
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
