@@ -13,6 +13,10 @@ from banned senders, or tainted honest ones are not scored. Loss = held-out
 loss of the model made of one honest replica per stage after the last
 iteration. Overhead = mean simulated iteration time of the clean run with
 verifiers over the clean run without (and the same for wall time).
+Per worker, a relay is detected when a verifier banned it or, in detect-only
+runs (`detect=true`: flag and respond, never ban), convicted it (it reached the
+strike rule). Detect-only runs also replay other distance sets and votes over
+their own verdicts (`replay_votes`): the vote ablation.
 """
 
 from __future__ import annotations
