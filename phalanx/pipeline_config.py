@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .algorithms.link_attacks import LINK_ATTACKS, TARGETS, make_link_attack
+from .algorithms.link_attacks import LINK_ATTACKS, TARGETS, LinkAttack, make_link_attack
 from .config import _build, _check
 from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
@@ -96,7 +96,7 @@ class LinkAttackConfig:
     def indices(self) -> list[int]:
         return sorted({int(part) for part in str(self.relays).split(",") if part.strip()})
 
-    def policy(self, seed: int, worker: str):
+    def policy(self, seed: int, worker: str) -> LinkAttack:
         """The `LinkAttack` a malicious relay runs."""
         extra = {"delay": self.delay} if self.name == "delay" else {}
         return make_link_attack(self.name, target=self.target, start_step=self.start, fraction=self.fraction,

@@ -141,7 +141,7 @@ class RunSpec:
     variant: str = "all"  # ablation variant of the verifier config
 
 
-def apply_variant(verifier, variant: str):
+def apply_variant(verifier: SentinelConfig, variant: str) -> SentinelConfig:
     """The verifier config of an ablation variant: "all" (as configured) or "/"-joined tokens, each one of
     `detect` (detect-only: flag and respond, never ban), `beta0` (beta_h = beta_g = 0), a vote (`any`,
     `majority`, `unanimous`) or a "+"-joined set of distances (e.g. `sign+swd`)."""
