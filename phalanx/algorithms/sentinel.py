@@ -122,6 +122,7 @@ class SentinelConfig:
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
     seed: int = 0  # run seed of the projection streams
+    learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
 
     def __post_init__(self) -> None:
@@ -133,6 +134,8 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.distances={self.distances!r} must be distinct names from {', '.join(DISTANCES)}")
         if self.vote not in VOTES:
             raise ConfigError(f"sentinel.vote={self.vote!r} must be one of {', '.join(VOTES)}")
+        if not (math.isfinite(self.learn_k) and 0 <= self.learn_k):
+            raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
         if not (math.isfinite(self.k) and self.k > 0):
             raise ConfigError(f"sentinel.k={self.k} must be a positive number")
         if self.window < 4:
@@ -539,7 +542,7 @@ class Sentinel:
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
         flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
-        if learn and not flagged:
+        if learn and not flagged and self._inner(track, dist):
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         return self._strike(verdict, blame_upstream=learn)  # learn=False: the sender's own forward flag explains it
@@ -568,6 +571,16 @@ class Sentinel:
             if bound is not None:
                 dist["bind"] = bound
         return dist
+
+    def _inner(self, track: _Track, dist: dict[str, float]) -> bool:
+        """Whether an accepted tensor may update the baseline: with `learn_k`, only when every distance lies
+        inside the narrower fences (an attacker riding the edge of the k-fences cannot drag the baseline)."""
+        if self.config.learn_k <= 0:
+            return True
+        return all(tukey_fence(list(track.windows[n]), self.config.learn_k,
+                               1.0 / track.ref.mean.shape[0] if n == "sign" else self.config.min_spread
+                               ).contains(_scaled(n, dist[n], self.config))
+                   for n in dist if len(track.windows[n]) >= 4)
 
     def _voters(self, track: _Track, dist: dict[str, float]) -> int:
         """How many distances take part in the vote: those measured that have a fence."""
