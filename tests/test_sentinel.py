@@ -256,3 +256,15 @@ def test_reject_flags_the_sender_alone_and_substitutes_backward():
     assert verifier.taint_of("m") == (2, "forger")
     back = verifier.reject(0, BACKWARD, "forger", "n", "unsigned", torch.ones(4, 8, 16))
     assert back.substitute is not None and back.bans == ("forger",) and verifier.banned() == {"forger"}
+
+
+def test_learn_k_keeps_edge_riding_tensors_out_of_the_baseline():
+    gen = torch.Generator().manual_seed(10)
+    verifiers = {k: Sentinel(SentinelConfig(warmup=20, window=20, learn_k=k, distances="l2")) for k in (0.0, 0.5)}
+    for verifier in verifiers.values():
+        _warm(verifier, 0, 30, torch.Generator().manual_seed(10))
+    edge = _honest(gen, _center()) * 1.3  # passes the k=5 fence, outside the k=0.5 one
+    for k, verifier in verifiers.items():
+        before = verifier.reference(0, FORWARD).mean.clone()
+        assert not verifier.check_forward(0, "w", "edge", edge).flagged
+        assert torch.equal(verifier.reference(0, FORWARD).mean, before) == (k > 0)
