@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .algorithms.link_attacks import LINK_ATTACKS, TARGETS
+from .algorithms.link_attacks import LINK_ATTACKS, TARGETS, LinkAttack, make_link_attack
 from .config import _build, _check
 from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
@@ -78,8 +78,10 @@ class LinkAttackConfig:
     target: str = "both"  # activations, gradients or both
     start: int = 0  # first attacked iteration
     fraction: float = 1.0  # of the relay's microbatches attacked
+    delay: int = 20  # delay attack only: iterations by which the replayed tensors are stale
 
     def __post_init__(self) -> None:
+        _check(self.delay >= 1, "attack.delay", self.delay, "must be an iteration count >= 1")
         _check(self.name in LINK_ATTACKS, "attack.name", self.name, f"must be one of {', '.join(LINK_ATTACKS)}")
         _check(self.target in TARGETS, "attack.target", self.target, f"must be one of {', '.join(TARGETS)}")
         _check(self.start >= 0, "attack.start", self.start, "must be an iteration >= 0")
@@ -94,6 +96,12 @@ class LinkAttackConfig:
     @property
     def indices(self) -> list[int]:
         return sorted({int(part) for part in str(self.relays).split(",") if part.strip()})
+
+    def policy(self, seed: int, worker: str) -> LinkAttack:
+        """The `LinkAttack` a malicious relay runs."""
+        extra = {"delay": self.delay} if self.name == "delay" else {}
+        return make_link_attack(self.name, target=self.target, start_step=self.start, fraction=self.fraction,
+                                seed=seed, worker=worker, **extra)
 
 
 @dataclass(frozen=True)

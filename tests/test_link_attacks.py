@@ -94,3 +94,27 @@ def test_bad_parameters_are_config_errors():
         make_link_attack("mixed", attacks="zeros,mixed")
     with pytest.raises(ConfigError, match="delay"):
         make_link_attack("delay", delay=0)
+
+
+def test_mimic_sends_its_ema_plus_shuffled_honest_deviations():
+    attack = make_link_attack("mimic", start_step=3, beta=0.5)
+    first, second, third = _x(1), _x(2), _x(3)
+    assert not _send(attack, first, step=1).tampered and not _send(attack, second, step=2).tampered
+    out = _send(attack, third, step=3)
+    means = [t.reshape(-1, 16).mean(dim=0) for t in (first, second, third)]
+    ema = 0.25 * means[0] + 0.25 * means[1] + 0.5 * means[2]
+    assert out.tampered and torch.allclose(out.tensor.reshape(-1, 16).mean(dim=0), ema, atol=1e-5)
+    # per feature, the same deviations as the honest tensor, but not at the same tokens
+    sent = out.tensor.reshape(-1, 16) - ema
+    honest = third.reshape(-1, 16) - means[2]
+    assert torch.allclose(sent.sort(dim=0).values, honest.sort(dim=0).values, atol=1e-5)
+    assert not torch.allclose(sent, honest)
+
+
+def test_framing_tampers_like_its_base_and_picks_one_victim():
+    attack = make_link_attack("framing", base="zeros", seed=1, worker="w")
+    assert torch.equal(_send(attack, _x()).tensor, torch.zeros_like(_x()))
+    peers = ["c", "a", "b"]
+    assert attack.victim(peers) == attack.victim(list(reversed(peers))) in peers
+    with pytest.raises(ConfigError, match="framing base"):
+        make_link_attack("framing", base="framing")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from phalanx.algorithms.sentinel import (
-    BACKWARD, FORWARD, Sentinel, SentinelConfig, Summary, distances, ema, projections, summarize, tukey_fence, vote,
+    BACKWARD, FORWARD, Sentinel, SentinelConfig, Summary, bind_sketch, binding, distances, ema, projections, summarize,
+    tukey_fence, vote,
 )
 from phalanx.core.errors import ConfigError
 
@@ -96,7 +97,7 @@ def test_config_errors_name_the_key():
 
 
 def test_warmup_accepts_everything_then_fences_flag():
-    config = SentinelConfig(warmup=30, window=30)
+    config = SentinelConfig(warmup=30, window=30, distances="l1,l2,sign,swd")
     verifier = Sentinel(config)
     gen = torch.Generator().manual_seed(3)
     assert verifier.fences(1, FORWARD) is None
@@ -220,3 +221,50 @@ def test_odd_gradients_are_held_against_the_upstream_forward_sender_too():
         assert verdict.flagged and verdict.substitute is not None
     assert verifier.banned() == {"sneaky"}
     assert verdict.bans == ("sneaky",)
+
+
+def test_bind_separates_an_output_of_this_microbatch_from_a_replayed_one():
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    inp, other = torch.randn(4, 64, 16, generator=gen), torch.randn(4, 64, 16, generator=gen)  # 256 tokens
+    out = inp + torch.tanh(inp @ weight)  # a residual block of this microbatch
+    stale = other + torch.tanh(other @ weight)  # the same block's output for another microbatch
+    proj = projections(0, -1, "bind", 16, 8)
+    sketch = lambda t: bind_sketch(t, proj)  # noqa: E731
+    assert binding(sketch(inp), sketch(out)) < 0.3 < 0.8 < binding(sketch(inp), sketch(stale))
+    assert binding(sketch(inp), sketch(-3 * out)) == pytest.approx(binding(sketch(inp), sketch(out)), abs=1e-5)
+    assert binding(sketch(inp), sketch(inp[:2])) is None  # not comparable
+    # in the verifier: the input recorded for the microbatch binds the stage's output to it
+    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="bind", bind_projections=8))
+    assert verifier.binds
+    for i in range(12):
+        x = torch.randn(4, 64, 16, generator=gen)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        assert not verifier.check_forward(1, "w", i, x + torch.tanh(x @ weight)).flagged
+    verifier.record_input("late", 1, FORWARD, verifier.sketch(inp))
+    verdict = verifier.check_forward(1, "w", "late", stale)
+    assert verdict.flagged and verdict.outside == ("bind",)
+
+
+def test_reject_flags_the_sender_alone_and_substitutes_backward():
+    verifier = Sentinel(SentinelConfig(warmup=5, strikes=2, strike_window=4))
+    gen = torch.Generator().manual_seed(9)
+    _warm(verifier, 1, 8, gen)
+    verifier.check_forward(1, "up", "m", _honest(gen, _center()))
+    verdict = verifier.reject(2, FORWARD, "forger", "m", "forged_hop", _honest(gen, _center()))
+    assert verdict.flagged and verdict.reason == "forged_hop" and verdict.suspects == ("forger",)
+    assert verifier.taint_of("m") == (2, "forger")
+    back = verifier.reject(0, BACKWARD, "forger", "n", "unsigned", torch.ones(4, 8, 16))
+    assert back.substitute is not None and back.bans == ("forger",) and verifier.banned() == {"forger"}
+
+
+def test_learn_k_keeps_edge_riding_tensors_out_of_the_baseline():
+    gen = torch.Generator().manual_seed(10)
+    verifiers = {k: Sentinel(SentinelConfig(warmup=20, window=20, learn_k=k, distances="l2")) for k in (0.0, 0.5)}
+    for verifier in verifiers.values():
+        _warm(verifier, 0, 30, torch.Generator().manual_seed(10))
+    edge = _honest(gen, _center()) * 1.3  # passes the k=5 fence, outside the k=0.5 one
+    for k, verifier in verifiers.items():
+        before = verifier.reference(0, FORWARD).mean.clone()
+        assert not verifier.check_forward(0, "w", "edge", edge).flagged
+        assert torch.equal(verifier.reference(0, FORWARD).mean, before) == (k > 0)

@@ -1,7 +1,8 @@
 """Smoke test of `phalanx bench sentinel --preset quick` (in-process 4-stage pipeline)."""
 
 from phalanx.cli import main
-from phalanx.experiments.sentinel_bench import quick, run_grid
+from phalanx.algorithms.sentinel import SentinelConfig
+from phalanx.experiments.sentinel_bench import RunSpec, SentinelBenchConfig, quick, run_grid, run_one
 
 
 def test_quick_preset_bans_exactly_the_attackers_and_keeps_the_loss(tmp_path):
@@ -22,3 +23,14 @@ def test_quick_preset_bans_exactly_the_attackers_and_keeps_the_loss(tmp_path):
 def test_cli_rejects_unknown_sentinel_preset(capsys):
     assert main(["bench", "sentinel", "--preset", "huge"]) == 2
     assert "unknown sentinel preset" in capsys.readouterr().err
+
+
+def test_a_100_step_delay_attacker_is_flagged_and_banned():
+    """In-process pipeline: 1 of 4 relays per middle stage replays the tensors it sent 100 iterations earlier
+    (another microbatch, an older model). The bind distance (each stage's output against its input for the
+    same microbatch) flags them; both attackers and nobody else are banned within a few iterations."""
+    config = SentinelBenchConfig(iterations=112, attack_start=104, delay=100, microbatches=4, batch_size=4,
+                                 lr=1e-3, jobs=1, sentinel=SentinelConfig(warmup=120))
+    row = run_one(config, RunSpec("delay", True))
+    assert row["exact_bans"] and row["max_ban_iterations"] <= 6
+    assert row["tampered"] > 0 and row["recall"] >= 0.8

@@ -15,10 +15,13 @@ pattern with the magnitude of x, signSGD-style, so it differs from scaling);
 delay: the tensor this relay sent `delay` steps earlier (another microbatch,
 an older model); bias: x + bias * mean|x|; invisible_noise: a `portion` of the
 coordinates replaced by Gaussian noise with the tensor's own mean and std;
-mixed: one of several attacks per microbatch; adaptive: the largest step from
+mixed: one of several attacks per microbatch; framing: `base`'s tampering plus
+an honest upstream peer written into the forwarded path and hop record; adaptive: the largest step from
 the honest tensor towards a harmful one (default: its negation) that the
 verifier's current fences still accept, times a safety `margin`. The adaptive
-attacker is white-box: the experiment lends it the verifier's `probe`.
+attacker is white-box: the experiment lends it the verifier's `probe`. mimic
+(the paper's adaptive attack, black-box): its own EMA of the per-feature
+mean plus honest-shaped noise (its honest deviations, token vectors shuffled).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class LinkView:
     """What a relay sees when it sends one tensor.
 
     `probe(tensor)` (white-box experiments only) says whether the verifier on
-    this link would accept `tensor` right now; None when there is no verifier.
+    this link would accept `tensor` for this microbatch right now; None when
+    there is no verifier.
     """
 
     kind: str  # ACTIVATION or GRADIENT
@@ -253,9 +257,79 @@ class Adaptive(LinkAttack):
         return x + self.margin * lo * (harm - x)
 
 
+@dataclass(kw_only=True)
+class MimicEMA(LinkAttack):
+    """The paper's adaptive attack: send the EMA plus noise shaped like honest noise.
+
+    The relay keeps its own EMA (factor `beta`) of the per-feature mean of the
+    tensors it computes, of each kind, the same statistic a verifier keeps (it
+    cannot read the verifier's, but it sees what it sends). It sends that EMA
+    plus honest-shaped noise: the deviations of its honest tensor from its
+    per-feature mean, with the token vectors shuffled (same distribution per
+    feature, no relation left to the microbatch's tokens). The per-feature mean
+    and the projected quantiles of what it sends are then those of honest
+    traffic; what the downstream stage gets carries nothing of its input.
+    """
+
+    name: ClassVar[str] = "mimic"
+    beta: float = 0.9
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.beta < 1.0:
+            raise ConfigError(f"mimic beta={self.beta} must be in [0, 1)")
+        self._ema: dict[str, Tensor] = {}
+
+    def observe(self, view: LinkView) -> None:
+        mean = view.tensor.detach().reshape(-1, view.tensor.shape[-1]).float().mean(dim=0)
+        old = self._ema.get(view.kind)
+        self._ema[view.kind] = mean if old is None or old.shape != mean.shape else self.beta * old + (1 - self.beta) * mean
+
+    def forge(self, view: LinkView, gen: torch.Generator) -> Tensor:
+        x = view.tensor
+        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        noise = (rows - rows.mean(dim=0))[torch.randperm(rows.shape[0], generator=gen)]
+        return (self._ema[view.kind] + noise).reshape(x.shape).to(x.dtype)
+
+
+@dataclass(kw_only=True)
+class Framing(LinkAttack):
+    """Tamper like `base`, and write an honest upstream peer into what is forwarded, to share the blame.
+
+    The tensor part is `base`'s; the framing itself is protocol-level (the
+    relay rewrites the path and the upstream hop record of its forward carries,
+    naming `frames_victim` instead of the peer it got the microbatch from), so
+    the runtime relay does it when `frames` is set. The victim is drawn from a
+    seeded stream among the previous stage's peers.
+    """
+
+    name: ClassVar[str] = "framing"
+    frames: ClassVar[bool] = True
+    base: str = "scaling"
+    _part: LinkAttack = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.base not in LINK_ATTACKS or self.base in ("framing", "none"):
+            raise ConfigError(f"framing base={self.base!r} must name a link attack (not framing/none)")
+        self._part = LINK_ATTACKS[self.base](target=self.target, start_step=self.start_step, seed=self.seed,
+                                             worker=self.worker)
+
+    def observe(self, view: LinkView) -> None:
+        self._part.observe(view)
+
+    def forge(self, view: LinkView, gen: torch.Generator) -> Tensor | None:
+        return self._part.forge(view, gen)
+
+    def victim(self, candidates: list[str]) -> str | None:
+        """The honest-looking peer to frame (the same one all along: blame adds up on it)."""
+        return py_stream(self.seed, "framing-victim", self.worker).choice(sorted(candidates)) if candidates else None
+
+
 LINK_ATTACKS: dict[str, type[LinkAttack]] = {
     cls.name: cls
-    for cls in (LinkAttack, Constant, RandomValues, Scaling, SignFlip, Delay, Bias, InvisibleNoise, Mixed, Adaptive)
+    for cls in (LinkAttack, Constant, RandomValues, Scaling, SignFlip, Delay, Bias, InvisibleNoise, Mixed, Adaptive,
+                MimicEMA, Framing)
 }
 
 

@@ -30,6 +30,21 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   |Q_x - Q|, where Q is the EMA of the projected quantile functions (in 1-D the
   average of quantile functions is the Wasserstein barycentre, so Q is the
   EMA's distribution).
+* **Staleness: ``bind``.** The distances above compare a tensor with the
+  link's history, so a replayed tensor (delay: an honest tensor of another
+  microbatch, sent many steps earlier) passes them all. ``bind`` ties a
+  stage's output to its input for the same microbatch: the verifier records a
+  sketch of what it delivers to a stage (its input forward, the gradient of
+  its output backward: token vectors centred per position, projected on
+  `bind_projections` seeded directions) and compares the stage's own output
+  with it: 1 - linear CKA of the two sketches. A stage maps each token's input
+  to its output, so the token-by-token similarity structure carries over
+  (CKA 0.3-0.9 for honest tensors here); an output of another microbatch keeps
+  none of it (CKA 0.01-0.05, ``bind`` near 1), whatever the delay. Above its
+  fence, ``bind`` counts only beyond `bind_floor` (0.9): late in training an
+  honest stage's gradient can drift far from the window (CKA 0.1-0.5) while
+  still far from unrelated; below its lower fence (an output that copies its
+  input) it counts as usual.
 * **Fences.** Tukey fences over the last `window` accepted distances:
   [Q1 - k*IQR, Q3 + k*IQR] with k = 5 (wider than Tukey's "far out" 3, which
   flagged ~0.4% of honest GPT traffic; 5 flags ~0.1%). l1, l2 and swd are
@@ -43,6 +58,11 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
 * **Vote.** A tensor is flagged when `vote` of the distances (any, majority,
   all) are outside their fences. Malformed tensors (wrong feature size,
   non-finite values) are always flagged.
+* **Detect-only** (`detect_only`): everything above runs, but the strike rule
+  only *convicts* (reported in `Verdict.convicted`), nobody is banned, so F1
+  can be measured over every tampered tensor of a run.
+* **Protocol breaches** (`reject`): a tensor whose sender forged or dropped a
+  hop signature is flagged against the sender alone (no upstream blame).
 * **Strikes.** A worker is banned when `strikes` of the last `strike_window`
   microbatches it handled carry a flag against it (one strike per microbatch).
   A flag is held against the sender and against every worker the verifier saw
@@ -75,7 +95,8 @@ from torch import Tensor
 from ..core.errors import ConfigError
 from ..core.rng import torch_stream
 
-DISTANCES = ("l1", "l2", "sign", "swd")
+DISTANCES = ("l1", "l2", "sign", "swd", "bind")
+MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
 VOTES = ("any", "majority", "all")
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -86,7 +107,7 @@ class SentinelConfig:
 
     beta_h: float = 0.9  # EMA factor of activations (paper's default; 0 = last accepted tensor)
     beta_g: float = 0.8  # EMA factor of activation gradients (paper's default)
-    distances: str = "l1,l2,sign,swd"  # comma-separated subset of DISTANCES
+    distances: str = "sign,swd,bind"  # comma-separated subset of DISTANCES (chosen by the vote ablation: docs/notes/issue-16.md)
     vote: str = "any"  # how many out-of-fence distances flag a tensor: any, majority or all
     k: float = 5.0  # Tukey multiplier; 3 ("far out") gave ~0.4% false flags on the GPT's traffic, 5 about 0.1%
     window: int = 64  # accepted distances kept per link, direction and distance
@@ -95,10 +116,14 @@ class SentinelConfig:
     log_fences: bool = True  # fence log(l1), log(l2), log(swd): they are positive and right-skewed
     min_spread: float = 0.05  # IQR floor of the fenced values (log units: 5%); sign's floor is 1/C
     projections: int = 16  # random directions of the sliced Wasserstein distance
+    bind_projections: int = 32  # random directions of the input/output sketches of the ``bind`` distance
+    bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
     seed: int = 0  # run seed of the projection streams
+    learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
+    detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
 
     def __post_init__(self) -> None:
         for key in ("beta_h", "beta_g"):
@@ -109,15 +134,19 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.distances={self.distances!r} must be distinct names from {', '.join(DISTANCES)}")
         if self.vote not in VOTES:
             raise ConfigError(f"sentinel.vote={self.vote!r} must be one of {', '.join(VOTES)}")
+        if not (math.isfinite(self.learn_k) and 0 <= self.learn_k):
+            raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
         if not (math.isfinite(self.k) and self.k > 0):
             raise ConfigError(f"sentinel.k={self.k} must be a positive number")
         if self.window < 4:
             raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
         if self.warmup < 5:
             raise ConfigError(f"sentinel.warmup={self.warmup} must be >= 5 (fences need at least 4 distances)")
+        if not 0.0 <= self.bind_floor <= 1.0:
+            raise ConfigError(f"sentinel.bind_floor={self.bind_floor} must be in [0, 1]")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
-        for key in ("projections", "quantiles", "strikes", "strike_window"):
+        for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be >= 1")
         if self.strikes > self.strike_window:
@@ -164,6 +193,8 @@ class Verdict:
     distances: tuple[tuple[str, float], ...] = ()
     outside: tuple[str, ...] = ()  # distances outside their fences
     bans: tuple[str, ...] = ()  # workers this verdict's strikes banned
+    convicted: tuple[str, ...] = ()  # workers this verdict's strikes brought to the strike rule (banned unless detect-only)
+    suspects: tuple[str, ...] = ()  # workers a flag was held against (the sender and, if blamed, its upstream)
     substitute: Tensor | None = field(default=None, repr=False)
 
     def passed_on(self, tensor: Tensor) -> Tensor:
@@ -224,9 +255,42 @@ def distances(x: Summary, ref: Summary, names: tuple[str, ...] = DISTANCES) -> d
             out[name] = (torch.sign(x.mean) != torch.sign(ref.mean)).float().mean().item()
         elif name == "swd":
             out[name] = (x.quantiles - ref.quantiles).abs().mean().item()
+        elif name == "bind":
+            continue  # needs the stage's input for the same microbatch: see `binding`
         else:
             raise ValueError(f"unknown distance {name!r}; known: {', '.join(DISTANCES)}")
     return out
+
+
+def bind_sketch(tensor: Tensor, proj: Tensor) -> Tensor:
+    """The token vectors of a tensor [..., C] projected on `proj` [C, P], for the ``bind`` distance.
+
+    A tensor [B, T, C] with B > 1 is centred per position (the mean over the
+    batch at each position is taken off), so what remains is what the text of
+    this microbatch puts there, not what every microbatch shares (positions)."""
+    t = tensor.detach().float()
+    if t.dim() >= 3 and t.shape[0] > 1:
+        t = t - t.mean(dim=0, keepdim=True)
+    return t.reshape(-1, t.shape[-1]) @ proj
+
+
+def binding(inp: Tensor, out: Tensor) -> float | None:
+    """1 - linear CKA between a stage's input and output sketches of one microbatch (None: not comparable).
+
+    A stage maps each token's input to its output, so tokens that look alike
+    coming in look alike going out: the token-by-token similarity structure of
+    the output follows the input's (linear CKA is high, about 0.4-0.8 here).
+    An output replayed from another microbatch (a stale tensor) or made up
+    loses that structure: CKA falls near 0, so the distance rises near 1.
+    """
+    if inp.shape != out.shape or inp.shape[0] < 2:
+        return None
+    a = inp - inp.mean(dim=0, keepdim=True)
+    b = out - out.mean(dim=0, keepdim=True)
+    norm = (a.T @ a).norm() * (b.T @ b).norm()
+    if not torch.isfinite(norm) or norm.item() <= 1e-30:
+        return None
+    return 1.0 - ((b.T @ a).pow(2).sum() / norm).item()
 
 
 def ema(old: Summary, new: Summary, beta: float) -> Summary:
@@ -247,7 +311,7 @@ def vote(outside: int, total: int, rule: str) -> bool:
 
 def _scaled(name: str, value: float, config: SentinelConfig) -> float:
     """The scale the fences work on: log for the magnitudes (l1, l2, swd) when `log_fences`."""
-    if name == "sign" or not config.log_fences:
+    if name not in MAGNITUDES or not config.log_fences:
         return value
     return math.log(max(value, 1e-300))
 
@@ -283,11 +347,18 @@ class Sentinel:
         self._history: dict[str, deque[list]] = {}  # worker -> [microbatch, flagged, co-suspects] of its last microbatches
         self._paths: dict[Hashable, dict[int, str]] = {}  # microbatch -> forward sender per link
         self._banned: set[str] = set()
+        self._convicted: set[str] = set()  # reached the strike rule (banned, or only reported in detect-only mode)
         self._tainted: dict[Hashable, tuple[int, str]] = {}  # microbatch -> (link, worker) of its forward flag
         self._replaced: dict[Hashable, int] = {}  # microbatch -> backward link where a substitute was sent
+        self._inputs: dict[Hashable, dict[tuple[int, str], Tensor]] = {}  # microbatch -> (stage, direction) -> sketch
+        self._bind_proj: dict[int, Tensor] = {}  # features -> projection of the bind sketches
 
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
+
+    def convicted(self) -> frozenset[str]:
+        """Workers that reached the strike rule: the banned ones, or in detect-only mode those that would be."""
+        return frozenset(self._convicted)
 
     def check_forward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor,
                       upstream: Mapping[int, str] | None = None) -> Verdict:
@@ -337,12 +408,45 @@ class Sentinel:
         reason = "tainted" if verdict.reason in ("ok", "warmup") else verdict.reason
         return dataclasses.replace(verdict, reason=reason, substitute=self.momentum(link, tensor))
 
+    def reject(self, link: int, direction: str, worker: str, microbatch: Hashable, reason: str, like: Tensor) -> Verdict:
+        """Flag a tensor whose sender broke the protocol around it (a forged or missing hop signature), held
+        against the sender alone, with the usual response: forward, the microbatch is tainted; backward, the
+        gradient momentum is sent instead."""
+        if worker in self._banned:
+            return Verdict(link, direction, worker, microbatch, True, "banned")
+        verdict = self._strike(Verdict(link, direction, worker, microbatch, True, reason), blame_upstream=False)
+        if direction == FORWARD:
+            self._tainted.setdefault(microbatch, (link, worker))
+            return verdict
+        if link > 0:
+            self._replaced[microbatch] = link
+        return dataclasses.replace(verdict, substitute=self.momentum(link, like))
+
     def forget(self, microbatch: Hashable) -> None:
         """Drop what is remembered of a microbatch (done at its link-0 backward check; call it
         when a microbatch's backward will not come: crash, reroute)."""
         self._tainted.pop(microbatch, None)
         self._replaced.pop(microbatch, None)
         self._paths.pop(microbatch, None)
+        self._inputs.pop(microbatch, None)
+
+    @property
+    def binds(self) -> bool:
+        """Whether the ``bind`` distance is used (then verifiers record what they deliver to each stage)."""
+        return "bind" in self._names
+
+    def sketch(self, tensor: Tensor) -> Tensor:
+        """The bind sketch of a tensor (directions seeded by the run and the feature count, shared by every link)."""
+        features = tensor.shape[-1]
+        if features not in self._bind_proj:
+            self._bind_proj[features] = projections(self.config.seed, -1, "bind", features, self.config.bind_projections)
+        return bind_sketch(tensor, self._bind_proj[features])
+
+    def record_input(self, microbatch: Hashable, stage: int, direction: str, sketch: Tensor) -> None:
+        """What was delivered to `stage` for `microbatch` in `direction` (its forward input, or the gradient of
+        its output); the stage's own output in that direction is then bound to it. A boundary verifier
+        records what it delivers and passes the sketch to the verifier of the stage's outgoing link."""
+        self._inputs.setdefault(microbatch, {})[(stage, direction)] = sketch
 
     def mark_tainted(self, microbatch: Hashable, link: int, worker: str) -> None:
         """Another verifier flagged `worker`'s activation of `microbatch` on `link` (as `check_forward` would here)."""
@@ -360,7 +464,8 @@ class Sentinel:
     def ban(self, worker: str) -> None:
         """Ban `worker` on another verifier's word (its traffic is refused from now on)."""
         if worker not in self._banned:
-            self._ban(worker)
+            self._convict(worker)
+            self._banned.add(worker)
 
     def momentum(self, link: int, like: Tensor, direction: str = BACKWARD) -> Tensor:
         """The momentum of a link and direction (default: the gradient momentum), broadcast to `like`'s
@@ -380,24 +485,32 @@ class Sentinel:
         track = self._tracks.get((link, direction))
         if track is None or track.accepted < self.config.warmup:
             return None
-        return {n: self._fence(track, n) for n in self._names}
+        return {n: self._fence(track, n) for n in self._names if len(track.windows[n]) >= 4}
 
-    def probe(self, link: int, direction: str, tensor: Tensor) -> tuple[str, ...] | None:
+    def probe(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> tuple[str, ...] | None:
         """The distances a tensor would have outside the fences, without any state change.
 
-        None while warming up (anything passes). This is the white-box view an
-        adaptive attacker is granted in experiments; the verifier never needs it.
+        None while warming up (anything passes). With `microbatch`, ``bind`` is
+        measured against that microbatch's recorded input. This is the white-box
+        view an adaptive attacker is granted in experiments; the verifier never needs it.
         """
         track = self._tracks.get((link, direction))
         fences = self.fences(link, direction)
         if fences is None or track is None or not self._well_formed(track, tensor):
             return None if fences is None else tuple(self._names)
-        return self._outside(track, distances(summarize(tensor, track.proj, self.config.quantiles), track.ref, self._names))
+        summary = summarize(tensor, track.proj, self.config.quantiles)
+        return self._outside(track, self._distances(track, link, direction, microbatch, tensor, summary))
 
-    def would_accept(self, link: int, direction: str, tensor: Tensor) -> bool:
+    def would_accept(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> bool:
         """Whether `tensor` would pass the vote right now (no state change; True while warming up)."""
-        outside = self.probe(link, direction, tensor)
-        return outside is None or not vote(len(outside), len(self._names), self.config.vote)
+        track = self._tracks.get((link, direction))
+        if self.fences(link, direction) is None or track is None:
+            return True
+        if not self._well_formed(track, tensor):
+            return False
+        summary = summarize(tensor, track.proj, self.config.quantiles)
+        dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        return not vote(len(self._outside(track, dist)), self._voters(track, dist), self.config.vote)
 
     # -- internals ---------------------------------------------------------
 
@@ -421,15 +534,15 @@ class Sentinel:
             if learn:
                 track.ref, track.accepted = summary, 1
             return Verdict(link, direction, worker, microbatch, False, "warmup")
-        dist = distances(summary, track.ref, self._names)
+        dist = self._distances(track, link, direction, microbatch, tensor, summary)
         named = tuple(dist.items())
         if track.accepted < self.config.warmup:
             if learn:
                 self._accept(track, direction, summary, dist)
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
-        flagged = vote(len(outside), len(self._names), self.config.vote)
-        if learn and not flagged:
+        flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
+        if learn and not flagged and self._inner(track, dist):
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         return self._strike(verdict, blame_upstream=learn)  # learn=False: the sender's own forward flag explains it
@@ -448,8 +561,37 @@ class Sentinel:
         for name, value in dist.items():
             track.windows[name].append(_scaled(name, value, self.config))
 
+    def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
+                   summary: Summary) -> dict[str, float]:
+        dist = distances(summary, track.ref, self._names)
+        if self.binds:
+            stage = link if direction == FORWARD else link + 1
+            inp = self._inputs.get(microbatch, {}).get((stage, direction))
+            bound = None if inp is None else binding(inp, self.sketch(tensor))
+            if bound is not None:
+                dist["bind"] = bound
+        return dist
+
+    def _inner(self, track: _Track, dist: dict[str, float]) -> bool:
+        """Whether an accepted tensor may update the baseline: with `learn_k`, only when every distance lies
+        inside the narrower fences (an attacker riding the edge of the k-fences cannot drag the baseline)."""
+        if self.config.learn_k <= 0:
+            return True
+        return all(tukey_fence(list(track.windows[n]), self.config.learn_k,
+                               1.0 / track.ref.mean.shape[0] if n == "sign" else self.config.min_spread
+                               ).contains(_scaled(n, dist[n], self.config))
+                   for n in dist if len(track.windows[n]) >= 4)
+
+    def _voters(self, track: _Track, dist: dict[str, float]) -> int:
+        """How many distances take part in the vote: those measured that have a fence."""
+        return sum(1 for n in dist if len(track.windows[n]) >= 4)
+
     def _outside(self, track: _Track, dist: dict[str, float]) -> tuple[str, ...]:
-        return tuple(n for n in self._names if not self._fence(track, n).contains(_scaled(n, dist[n], self.config)))
+        """Distances outside their fences (a distance without enough history, e.g. ``bind`` whose input
+        sketch was missing for most tensors, is not fenced yet)."""
+        return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
+                     and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
+                     and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high))
 
     def _fence(self, track: _Track, name: str) -> Fence:
         if name == "sign":
@@ -460,16 +602,20 @@ class Sentinel:
         mb = verdict.microbatch
         if verdict.direction == FORWARD:
             self._paths.setdefault(mb, {})[verdict.link] = verdict.worker
-        suspects = {verdict.worker}
-        if verdict.flagged and blame_upstream:  # the tensor may be odd because of what flowed into its sender
+        # everyone upstream of the sender handled this microbatch: a flag may be explained by what flowed into
+        # the sender (it is then held against them too), and a clean tensor counts in their histories as well,
+        # so that a verifier several links downstream does not see only their flagged microbatches
+        handlers = {verdict.worker}
+        if blame_upstream:
             bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
-            suspects |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
-        bans = []
-        for worker in [verdict.worker, *sorted(suspects - {verdict.worker})]:
-            if worker in self._banned:
+            handlers |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
+        suspects = handlers if verdict.flagged else {verdict.worker}
+        convicted = []
+        for worker in [verdict.worker, *sorted(handlers - {verdict.worker})]:
+            if worker in self._convicted:
                 continue
             others = suspects - {worker} if verdict.flagged else set()
-            flagged = verdict.flagged and not others & self._banned  # explained by a worker banned just now
+            flagged = verdict.flagged and not others & self._convicted  # explained by a worker convicted just now
             history = self._history.setdefault(worker, deque(maxlen=self.config.strike_window))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
             if entry is None:
@@ -478,13 +624,19 @@ class Sentinel:
                 entry[1] = True
                 entry[2] |= others
             if sum(e[1] for e in history) >= self.config.strikes:
-                self._ban(worker)
-                bans.append(worker)
-        return dataclasses.replace(verdict, bans=tuple(bans)) if bans else verdict
+                self._convict(worker)
+                convicted.append(worker)
+        if not self.config.detect_only:
+            self._banned.update(convicted)
+        blamed = tuple(sorted(suspects)) if verdict.flagged else ()
+        if not (convicted or blamed):
+            return verdict
+        bans = () if self.config.detect_only else tuple(convicted)
+        return dataclasses.replace(verdict, bans=bans, convicted=tuple(convicted), suspects=blamed)
 
-    def _ban(self, worker: str) -> None:
-        """Ban `worker`; strikes it shared with others are explained by it and taken off them."""
-        self._banned.add(worker)
+    def _convict(self, worker: str) -> None:
+        """`worker` reached the strike rule; strikes it shared with others are explained by it and taken off them."""
+        self._convicted.add(worker)
         for history in self._history.values():
             for entry in history:
                 if worker in entry[2]:

@@ -5,6 +5,12 @@ daemon with it), so a relay can be killed mid-iteration as a whole
 (`faults.crash_relay`, `faults.crash_iteration`, `faults.crash_at`) and no
 daemon outlives the run. Workers write their iteration records and events to
 peers/INDEX.jsonl; the launcher merges them into the files `simulate` writes.
+With SENTINEL's boundary placement the launcher also starts one verifier
+process per stage boundary (`--verifier LINK`, records in peers/vLINK.jsonl).
+Process hygiene as in the data-parallel launcher (`processes.py`): every
+worker carries the run's marker in its environment, arms a parent-death
+signal, and has a watchdog that kills what it started if it dies; the
+launcher sweeps each group and the marker at the end.
 """
 
 from __future__ import annotations
@@ -22,16 +28,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..core.errors import ConfigError, LocalError
+from ..core.errors import LocalError
 from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode
 from ..runtime.pipeline.relay import ask_for_stage
+from ..runtime.pipeline.verifier import VerifierNode
 from .launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
-from .pipeline_run import PipelineRecorder, build_node, pipeline_task
+from .pipeline_run import PipelineRecorder, build_node, pipeline_task, verifier_identity, verifier_ids
+from .processes import MARKER_ENV, guard_worker, kill_marked, new_marker
 from .swarm import peer_identity
 
 FINISHED = "pp.finished"
 RUN_TIMEOUT = 3600.0
+GONE_TIMEOUT = 5.0  # seconds the launcher waits for its killed process groups to be reaped
 
 
 async def run_pipeline_worker(
@@ -58,6 +67,7 @@ async def run_pipeline_worker(
             tmp.rename(address_file)
         ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
         directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
+        members = config.peers + len(verifier_ids(config))
         with open(records_path, "w") as sink:
 
             def write(kind: str, row: dict) -> None:
@@ -69,9 +79,9 @@ async def run_pipeline_worker(
                 return
             node = build_node(config, transport, index, directory, pipeline_task(config), lambda e: write("event", e))
             try:
-                peers = await transport.wait_for_members(config.peers, JOIN_TIMEOUT)
+                peers = await transport.wait_for_members(members, JOIN_TIMEOUT)
             except TimeoutError:
-                raise LocalError(f"only {len(transport.members())} of {config.peers} peers joined within {JOIN_TIMEOUT:.0f} s") from None
+                raise LocalError(f"only {len(transport.members())} of {members} peers joined within {JOIN_TIMEOUT:.0f} s") from None
             await _barrier(transport, "start", peers)
             data_nodes = ids[: config.data_nodes]
             if isinstance(node, DataNode):
@@ -84,6 +94,44 @@ async def run_pipeline_worker(
                 await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
                 node.stop()
                 await serving
+            await node.close()
+    finally:
+        await transport.stop()
+
+
+async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peers: list[str], records_path: Path) -> None:
+    """One boundary verifier process (SENTINEL, placement=boundary): the VIA hop of `link` until the data
+    nodes finish. Its verdicts and bans go to `records_path` as events."""
+    from ..transport.p2p import HivemindTransport
+
+    torch.set_num_threads(1)
+    run_id = f"{config.preset}-pipeline-seed{config.seed}"
+    transport = HivemindTransport(verifier_identity(config.seed, link), run_id=run_id, initial_peers=initial_peers,
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    await transport.start()
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
+        directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
+        verifiers = verifier_ids(config)
+        with open(records_path, "w") as sink:
+
+            def write(event: dict) -> None:
+                sink.write(json.dumps({"type": "event", **event}, sort_keys=True) + "\n")
+                sink.flush()
+
+            node = VerifierNode(transport, config.sentinel, config.pipeline, config.seed, directory, write, verifiers)
+            members = config.peers + len(verifiers)
+            try:
+                peers = await transport.wait_for_members(members, JOIN_TIMEOUT)
+            except TimeoutError:
+                raise LocalError(f"only {len(transport.members())} of {members} peers joined within {JOIN_TIMEOUT:.0f} s") from None
+            await _barrier(transport, "start", peers)
+            serving = asyncio.create_task(node.serve())
+            await transport.board.wait(FINISHED, 0, ids[: config.data_nodes], RUN_TIMEOUT)
+            await asyncio.sleep(1.0)  # let the last bans leave
+            node.stop()
+            await serving
             await node.close()
     finally:
         await transport.stop()
@@ -114,13 +162,18 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
 
 def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
     """Run a pipeline config as config.peers processes on loopback; write the run's files to `out`."""
-    if config.sentinel.enabled and config.sentinel.placement == "boundary":
-        raise ConfigError("sentinel.placement=boundary runs in the simulator only (no verifier processes are "
-                          "launched yet): use `phalanx simulate`, or sentinel.placement=data_node")
     wall_start = time.perf_counter()
     config_path, peer_dir, address_file = prepare_run_dir(config, out)
     base = [sys.executable, "-m", "phalanx.experiments.pipeline_launch", "--config", str(config_path), "--out", str(peer_dir)]
-    procs = [subprocess.Popen([*base, "--index", "0", "--address-file", str(address_file)], start_new_session=True)]
+    marker = os.environ.get(MARKER_ENV) or new_marker()
+
+    def start(*args: str) -> subprocess.Popen:
+        env = {**os.environ, MARKER_ENV: f"{marker}/{len(procs)}"}
+        return subprocess.Popen([*base, *args, "--die-with-parent"], start_new_session=True, env=env)
+
+    procs: list[subprocess.Popen] = []
+    verifiers: list[subprocess.Popen] = []
+    procs.append(start("--index", "0", "--address-file", str(address_file)))
     victim = config.data_nodes + config.faults.crash_relay if config.faults.crash_relay >= 0 else None
     killed = False
     try:
@@ -131,7 +184,9 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
             time.sleep(0.1)
         addrs = address_file.read_text().split()
         for index in range(1, config.peers):
-            procs.append(subprocess.Popen([*base, "--index", str(index), "--initial-peers", *addrs], start_new_session=True))
+            procs.append(start("--index", str(index), "--initial-peers", *addrs))
+        verifiers += [start("--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
+                      for link in sorted(verifier_ids(config))]
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
         opened_at = None
         data = procs[: config.data_nodes]
@@ -145,8 +200,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                     killed = True
             rejoin = config.faults.rejoin_after
             if killed and rejoin and len(procs) == config.peers and done >= config.faults.crash_iteration + rejoin:
-                procs.append(subprocess.Popen([*base, "--index", str(config.peers), "--join", "--initial-peers", *addrs],
-                                              start_new_session=True))
+                procs.append(start("--index", str(config.peers), "--join", "--initial-peers", *addrs))
             time.sleep(0.02)
         bar.close()
         for index, p in enumerate(procs):
@@ -155,24 +209,33 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     pass
+        for p in verifiers:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
     finally:
-        for p in procs:
+        for p in procs + verifiers:
             _kill_group(p, signal.SIGTERM)
-        for p in procs:
+        for p in procs + verifiers:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 _kill_group(p, signal.SIGKILL)
                 p.wait()
-        for p in procs:
+        for p in procs + verifiers:
             _kill_group(p, signal.SIGKILL)  # the hivemind children of a worker that exited early
+        kill_marked(f"{marker}/", prefix=True)  # anything a worker started that left its group
+        _wait_gone([p.pid for p in procs + verifiers], GONE_TIMEOUT)
     failed = [i for i, p in enumerate(procs) if p.returncode != 0 and i != victim]
+    failed += [f"verifier {link}" for link, p in zip(sorted(verifier_ids(config)), verifiers) if p.returncode != 0]
     if failed:
         raise LocalError(f"peers {failed} exited with errors; see their output above")
     ids = [peer_identity(config.seed, i).peer_id for i in range(len(procs))]
     recorder = PipelineRecorder(config, ids)
-    for index in range(len(procs)):
-        path = peer_dir / f"{index}.jsonl"
+    names = [str(i) for i in range(len(procs))] + [f"v{link}" for link in sorted(verifier_ids(config))]
+    for name in names:
+        path = peer_dir / f"{name}.jsonl"
         if not path.exists():
             continue
         for line in path.read_text().splitlines():
@@ -183,10 +246,23 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
             else:
                 recorder.on_event(row)
     _to_relative_time(recorder)
-    extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start,
+    extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, "verifier_ids": verifier_ids(config),
              "killed": ids[victim] if killed and victim is not None else None,
-             "process_groups": [p.pid for p in procs]}
+             "process_groups": [p.pid for p in procs + verifiers]}
     return recorder.write(out, extra)
+
+
+def _wait_gone(pgids: list[int], timeout: float) -> None:
+    """Wait (at most `timeout` s) until the killed groups are reaped: a worker's watchdog, re-parented when the
+    worker dies, is reaped by init a moment after its SIGKILL."""
+    deadline = time.monotonic() + timeout
+    for pgid in pgids:
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.05)
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -230,8 +306,14 @@ def _worker_main() -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
     parser.add_argument("--join", action="store_true", help="join a running pipeline as a fresh relay")
+    parser.add_argument("--verifier", type=int, help="run the SENTINEL boundary verifier of this link instead")
+    parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     args = parser.parse_args()
+    guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = PipelineRunConfig.from_dict(json.loads(Path(args.config).read_text()))
+    if args.verifier is not None:
+        asyncio.run(run_verifier_worker(config, args.verifier, args.initial_peers, Path(args.out) / f"v{args.verifier}.jsonl"))
+        return
     address_file = Path(args.address_file) if args.address_file else None
     asyncio.run(run_pipeline_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
                                     address_file, args.join))

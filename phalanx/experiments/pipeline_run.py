@@ -27,7 +27,6 @@ from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
 from ..algorithms.flow import FlowConfig
 from ..runtime.pipeline.gwtf import FlowDriver, FlowRouter
-from ..algorithms.link_attacks import make_link_attack
 from ..algorithms.sentinel import BACKWARD, FORWARD
 from ..runtime.pipeline.attacker import AttackingRelay
 from ..runtime.pipeline.relay import ask_for_stage
@@ -115,10 +114,7 @@ def build_node(
         extra["sentinel"] = config.sentinel if client else None
     elif index - config.data_nodes in config.attack.indices and config.attack.name != "none":
         cls = AttackingRelay
-        a = config.attack
-        extra.update(attack=make_link_attack(a.name, target=a.target, start_step=a.start, fraction=a.fraction,
-                                             seed=config.seed, worker=transport.peer_id),
-                     log=on_event, probe=probe)
+        extra.update(attack=config.attack.policy(config.seed, transport.peer_id), log=on_event, probe=probe)
     else:
         cls = Relay
     return cls(
@@ -341,17 +337,16 @@ def simulate_pipeline(
         hops = {}
         for link, vid in verifiers.items():
             vt = network.add_peer(verifier_identity(config.seed, link), flops=config.sentinel.verifier_flops)
-            node = VerifierNode(vt, config.sentinel, config.pipeline, config.seed, directory, on_event,
-                                set(verifiers.values()))
+            node = VerifierNode(vt, config.sentinel, config.pipeline, config.seed, directory, on_event, verifiers)
             hops[link] = node.hop
             network.spawn(vid, node.serve)
 
-        def probe(kind: str, link: int, tensor: torch.Tensor) -> bool:
+        def probe(kind: str, link: int, tensor: torch.Tensor, key=None) -> bool:
             """The white-box view lent to an adaptive attacker: would the verifier of `link` accept it?
             (Client-routed: the first data node's verifier.)"""
             hop = hops.get(link) or getattr(nodes.get(ids[0]), "verifier", None)
             direction = FORWARD if kind == "activation" else BACKWARD
-            return True if hop is None else hop.sentinel.would_accept(link, direction, tensor)
+            return True if hop is None else hop.sentinel.would_accept(link, direction, tensor, key)
 
         for index, pid in enumerate(ids):
             network.spawn(pid, factory(index))

@@ -48,7 +48,9 @@ from ..core.errors import ConfigError
 from ..core.rng import py_stream
 from ..training.task import CharGPTTask
 
-TABLE_ATTACKS = ("zeros", "random", "scaling", "sign_flip", "delay", "bias", "invisible_noise", "mixed", "adaptive")
+VOTE_TOKENS = {"any": "any", "majority": "majority", "unanimous": "all"}
+TABLE_ATTACKS = ("zeros", "random", "scaling", "sign_flip", "delay", "bias", "invisible_noise", "mixed", "adaptive",
+                 "mimic")
 ABLATIONS = ("beta0", "l1", "l2", "sign", "swd", "all")
 DATA_NODE = "data"
 
@@ -69,6 +71,7 @@ class SentinelBenchConfig:
     attacks: str = ",".join(TABLE_ATTACKS)
     target: str = "both"  # activations, gradients or both
     fraction: float = 1.0  # of a malicious relay's microbatches that it attacks
+    delay: int = 20  # iterations by which the delay attack's tensors are stale
     ablation: str = ",".join(ABLATIONS)  # variants run with SENTINEL on `ablation_attacks` ("" for none)
     ablation_attacks: str = "zeros,random,scaling,sign_flip,invisible_noise,mixed"
     jobs: int = 0  # parallel processes (0: one per core)
@@ -78,6 +81,7 @@ class SentinelBenchConfig:
     routing: str = "swarm"  # simulator: swarm or gwtf (data_node placement needs swarm)
     forward_response: str = "pass"  # simulator: pass a flagged activation on, or substitute the activation momentum
     undefended: bool = True  # also run every attack without verification (the "loss none" column)
+    detect: bool = False  # simulator: also run every attack (and the clean run) detect-only (flag, never ban)
     flops_scale: float = 200.0  # simulator: compute charged x this (a GPT block then costs ~0.1 s per microbatch: compute-bound)
 
     def __post_init__(self) -> None:
@@ -100,8 +104,7 @@ class SentinelBenchConfig:
             if name not in LINK_ATTACKS or name == "none":
                 raise ConfigError(f"unknown attack {name!r} in attacks; allowed: {', '.join(TABLE_ATTACKS)}")
         for name in _names(self.ablation):
-            if name not in ABLATIONS:
-                raise ConfigError(f"unknown ablation {name!r}; allowed: {', '.join(ABLATIONS)}")
+            apply_variant(self.sentinel, name)
 
 
 def _names(text: str) -> list[str]:
@@ -138,13 +141,29 @@ class RunSpec:
     variant: str = "all"  # ablation variant of the verifier config
 
 
+def apply_variant(verifier: SentinelConfig, variant: str) -> SentinelConfig:
+    """The verifier config of an ablation variant: "all" (as configured) or "/"-joined tokens, each one of
+    `detect` (detect-only: flag and respond, never ban), `beta0` (beta_h = beta_g = 0), a vote (`any`,
+    `majority`, `unanimous`) or a "+"-joined set of distances (e.g. `sign+swd`)."""
+    for token in variant.split("/"):
+        if token == "all":
+            continue
+        if token == "detect":
+            verifier = dataclasses.replace(verifier, detect_only=True)
+        elif token == "beta0":
+            verifier = dataclasses.replace(verifier, beta_h=0.0, beta_g=0.0)
+        elif token in VOTE_TOKENS:
+            verifier = dataclasses.replace(verifier, vote=VOTE_TOKENS[token])
+        elif token in ("l1", "l2", "sign", "swd", "bind") or "+" in token:
+            verifier = dataclasses.replace(verifier, distances=token.replace("+", ","))
+        else:
+            raise ConfigError(f"unknown ablation variant token {token!r} in {variant!r}; allowed: detect, beta0, "
+                              f"{', '.join(VOTE_TOKENS)}, or distances joined by '+' (e.g. sign+swd)")
+    return verifier
+
+
 def _verifier_config(config: SentinelBenchConfig, variant: str) -> SentinelConfig:
-    base = dataclasses.replace(config.sentinel, seed=config.seed)
-    if variant == "beta0":
-        return dataclasses.replace(base, beta_h=0.0, beta_g=0.0)
-    if variant in ("l1", "l2", "sign", "swd"):
-        return dataclasses.replace(base, distances=variant)
-    return base
+    return apply_variant(dataclasses.replace(config.sentinel, seed=config.seed), variant)
 
 
 def malicious_relays(config: SentinelBenchConfig) -> dict[int, list[str]]:
@@ -169,8 +188,9 @@ def run_one(config: SentinelBenchConfig, spec: RunSpec) -> dict:
     for s in (1, 2):
         for name in relays[s]:
             if spec.attack != "none" and name in bad[s]:
+                extra = {"delay": config.delay} if spec.attack == "delay" else {}
                 policies[name] = make_link_attack(spec.attack, target=config.target, start_step=config.attack_start,
-                                                  fraction=config.fraction, seed=config.seed, worker=name)
+                                                  fraction=config.fraction, seed=config.seed, worker=name, **extra)
             else:
                 policies[name] = LinkAttack(worker=name)
     verifier = Sentinel(_verifier_config(config, spec.variant)) if spec.defended else None
@@ -217,9 +237,11 @@ def _microbatch(stages, x, y, it, mb, path, policies, verifier, records, microba
     kept = {}
     for s in (1, 2):
         worker = path[s]
+        if verifier and verifier.binds:
+            verifier.record_input(mb, s, FORWARD, verifier.sketch(received))
         inp = received.requires_grad_(True)
         out = stages[s](inp)
-        probe = (lambda t, s=s: verifier.would_accept(s, FORWARD, t)) if verifier else None
+        probe = (lambda t, s=s: verifier.would_accept(s, FORWARD, t, mb)) if verifier else None
         sent = policies[worker].relay(LinkView(ACTIVATION, it, mb, out.detach(), probe))
         if verifier:
             verdict = verifier.check_forward(s, worker, mb, sent.tensor)
@@ -234,8 +256,10 @@ def _microbatch(stages, x, y, it, mb, path, policies, verifier, records, microba
     for s in (2, 1):
         worker = path[s]
         inp, out = kept[s]
+        if verifier and verifier.binds:
+            verifier.record_input(mb, s, BACKWARD, verifier.sketch(grad))
         out.backward(grad)
-        probe = (lambda t, s=s: verifier.would_accept(s - 1, BACKWARD, t)) if verifier else None
+        probe = (lambda t, s=s: verifier.would_accept(s - 1, BACKWARD, t, mb)) if verifier else None
         sent = policies[worker].relay(LinkView(GRADIENT, it, mb, inp.grad.detach(), probe))
         grad = sent.tensor
         if verifier:
@@ -278,6 +302,8 @@ def specs(config: SentinelBenchConfig) -> list[RunSpec]:
     out = [RunSpec("none", False), RunSpec("none", True)]
     for attack in _names(config.attacks):
         out += [RunSpec(attack, True)] + ([RunSpec(attack, False)] if config.undefended else [])
+    if config.detect:
+        out += [RunSpec(attack, True, "detect") for attack in ["none", *_names(config.attacks)]]
     for variant in _names(config.ablation):
         for attack in _names(config.ablation_attacks):
             if variant != "all" or attack not in _names(config.attacks):  # else: the main table's run
@@ -307,7 +333,7 @@ def _write(rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
 

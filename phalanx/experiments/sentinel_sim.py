@@ -13,6 +13,10 @@ from banned senders, or tainted honest ones are not scored. Loss = held-out
 loss of the model made of one honest replica per stage after the last
 iteration. Overhead = mean simulated iteration time of the clean run with
 verifiers over the clean run without (and the same for wall time).
+Per worker, a relay is detected when a verifier banned it or, in detect-only
+runs (`detect=true`: flag and respond, never ban), convicted it (it reached the
+strike rule). Detect-only runs also replay other distance sets and votes over
+their own verdicts (`replay_votes`): the vote ablation.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from ..algorithms.sentinel import vote
 from ..core.rng import py_stream
 from ..pipeline_config import LinkAttackConfig, PipelineNetworkConfig, PipelineRunConfig
 from ..runtime.dp_peer import TrainConfig
 from ..runtime.pipeline.config import PipelineConfig
 from ..runtime.pipeline.verifier import VerifierConfig
 from .pipeline_run import simulate_pipeline
-from .sentinel_bench import format_cell
+from .sentinel_bench import VOTE_TOKENS, apply_variant, format_cell
 from .swarm import peer_identity
 
 STAGES = 3  # relay stages: block 0 | block 1 | head (the head stage is honest)
@@ -48,10 +53,7 @@ def run_config(config, attack: str, defended: bool, variant: str = "all") -> Pip
     """The pipeline run of one cell of the grid."""
     verifier = VerifierConfig(**{**dataclasses.asdict(config.sentinel), "enabled": defended,
                                  "placement": config.placement, "forward_response": config.forward_response})
-    if variant == "beta0":
-        verifier = dataclasses.replace(verifier, beta_h=0.0, beta_g=0.0)
-    elif variant in ("l1", "l2", "sign", "swd"):
-        verifier = dataclasses.replace(verifier, distances=variant)
+    verifier = apply_variant(verifier, variant)
     relays = ",".join(map(str, malicious_indices(config))) if attack != "none" else ""
     return PipelineRunConfig(
         preset=f"sentinel-{attack}-{'sentinel' if defended else 'none'}", peers=1 + STAGES * config.relays,
@@ -62,37 +64,63 @@ def run_config(config, attack: str, defended: bool, variant: str = "all") -> Pip
         network=PipelineNetworkConfig(),
         sentinel=verifier,
         attack=LinkAttackConfig(name=attack, relays=relays, target=config.target, start=config.attack_start,
-                                fraction=config.fraction),
+                                fraction=config.fraction, delay=config.delay),
     )
 
 
-def score(summary: dict, malicious: list[str], attack_start: int) -> dict:
-    """Per-tensor detection against the attack log, bans, loss and timing of one run."""
+def _f1(tp: int, fp: int, fn: int) -> tuple[float, float, float]:
+    precision = tp / (tp + fp) if tp + fp else float("nan")
+    recall = tp / (tp + fn) if tp + fn else float("nan")
+    f1 = 2 * precision * recall / (precision + recall) if tp else (0.0 if fn else float("nan"))
+    return precision, recall, f1
+
+
+def scored_verdicts(summary: dict) -> list[tuple[dict, bool]]:
+    """(verdict, tampered) of every verdict that counts for per-tensor detection: warm-up verdicts, refused
+    traffic of banned senders and tainted honest tensors are left out."""
     log = {(a["peer"], a["direction"], a["src"], a["seq"], a["att"]): a["tampered"] for a in summary["attacks"]}
-    tp = fp = fn = honest = 0
+    out = []
     for v in summary["verdicts"]:
         if v["reason"] in ("warmup", "banned"):
             continue
         tampered = log.get((v["peer"], v["direction"], v["src"], v["seq"], v["att"]), False)
         if v["reason"] == "tainted" and not tampered:
             continue
+        out.append((v, tampered))
+    return out
+
+
+def score(summary: dict, malicious: list[str], attack_start: int, relays: list[str] | None = None) -> dict:
+    """Per-tensor and per-worker detection against the attack log, bans, loss and timing of one run.
+
+    Per worker, a relay counts as detected when a verifier banned it or (detect-only) convicted it."""
+    tp = fp = fn = honest = 0
+    for v, tampered in scored_verdicts(summary):
         caught = v["flagged"] or (tampered and v["substituted"])
         tp += tampered and caught
         fn += tampered and not caught
         fp += caught and not tampered
         honest += not tampered
-    precision = tp / (tp + fp) if tp + fp else float("nan")
-    recall = tp / (tp + fn) if tp + fn else float("nan")
-    f1 = 2 * precision * recall / (precision + recall) if tp else (0.0 if fn else float("nan"))
+    precision, recall, f1 = _f1(tp, fp, fn)
     first_ban = {}
     for b in summary["bans"]:
         first_ban.setdefault(b["peer"], b["step"])
-    delays = [first_ban[w] - attack_start + 1 for w in malicious if w in first_ban]
+    detected = dict(first_ban)
+    for v in summary["verdicts"]:
+        for w in v.get("convicted", ()):
+            detected.setdefault(w, v["it"])
+    relays = relays if relays is not None else sorted(set(detected) | set(malicious))
+    w_tp = sum(1 for w in relays if w in detected and w in malicious)
+    w_fp = sum(1 for w in relays if w in detected and w not in malicious)
+    w_fn = sum(1 for w in malicious if w not in detected)
+    _, _, worker_f1 = _f1(w_tp, w_fp, w_fn)
+    delays = [detected[w] - attack_start + 1 for w in malicious if w in detected]
     durations = [m["duration"] for m in summary["metrics"]]
     losses = [m["loss"] for m in summary["metrics"][-5:] if m["loss"] is not None]
     return {
         "tampered": tp + fn, "tp": tp, "fp": fp, "fn": fn, "precision": precision, "recall": recall, "f1": f1,
-        "fp_rate": fp / honest if honest else float("nan"),
+        "fp_rate": fp / honest if honest else float("nan"), "honest_checked": honest,
+        "worker_f1": worker_f1, "detected": sorted(detected), "honest_detected": w_fp,
         "banned": sorted(first_ban), "malicious": sorted(malicious), "exact_bans": sorted(first_ban) == sorted(malicious),
         "honest_banned": len(set(first_ban) - set(malicious)), "ban_iterations": delays,
         "max_ban_iterations": max(delays) if malicious and len(delays) == len(malicious) else None,
@@ -102,11 +130,46 @@ def score(summary: dict, malicious: list[str], attack_start: int) -> dict:
     }
 
 
+def replay_votes(summary: dict, rules: list[str]) -> dict[str, dict]:
+    """Per-tensor detection of other distance sets and votes, replayed from a run's verdicts.
+
+    Each judged tensor records which distances were outside their fences; a rule "d1+d2:vote" flags it
+    when `vote` of those distances are outside. Only tensors the run judged by the fences count (not those
+    its own flags tainted). Approximate: the EMA and the windows were those of the run's own rule (a tensor
+    this rule would accept but the run flagged did not update them)."""
+    out = {}
+    scored = [(v, t) for v, t in scored_verdicts(summary) if v["reason"] in ("fence", "ok")]
+    for rule in rules:
+        names, rule_vote = rule.split(":")
+        subset = set(names.split("+"))
+        tp = fp = fn = honest = 0
+        for v, tampered in scored:
+            present = subset & set(v["distances"])  # bind is missing where no input sketch was recorded
+            caught = bool(present) and vote(len(present & set(v["outside"])), len(present), VOTE_TOKENS[rule_vote])
+            tp += tampered and caught
+            fn += tampered and not caught
+            fp += caught and not tampered
+            honest += not tampered
+        precision, recall, f1 = _f1(tp, fp, fn)
+        out[rule] = {"f1": f1, "precision": precision, "recall": recall, "fp_rate": fp / honest if honest else float("nan"),
+                     "tampered": tp + fn}
+    return out
+
+
+REPLAY_RULES = ["l1+l2+sign+swd:any", "l1+l2+sign+swd:majority", "l1+l2+sign+swd:unanimous", "l1:any", "l2:any",
+                "sign:any", "swd:any", "sign+swd:any", "sign+swd:unanimous", "bind:any", "sign+bind:any",
+                "sign+swd+bind:any", "l1+l2+sign+swd+bind:any", "l1+l2+sign+swd+bind:majority"]
+
+
 def run_one(config, attack: str, defended: bool, variant: str = "all") -> dict:
     run = run_config(config, attack, defended, variant)
     summary = simulate_pipeline(run, progress=False, evaluate=True)
     ids = [peer_identity(run.seed, run.data_nodes + i).peer_id for i in run.attack.indices]
-    return {"attack": attack, "defended": defended, "variant": variant, **score(summary, ids, config.attack_start)}
+    row = {"attack": attack, "defended": defended, "variant": variant,
+           **score(summary, ids, config.attack_start, summary["peer_ids"][run.data_nodes:])}
+    if defended and "detect" in variant.split("/"):
+        row["replay"] = replay_votes(summary, REPLAY_RULES)
+    return row
 
 
 def _packed(args: tuple) -> dict:
@@ -150,7 +213,8 @@ def format_table(config, rows: list[dict], attacks: list[str], ablation: list[st
         f"in stages 1 and 2 from iteration {config.attack_start}; target={config.target}, fraction={config.fraction}; "
         f"warm-up {config.sentinel.warmup} tensors per link and direction",
         "",
-        f"{'attack':16s} {'F1':>6s} {'prec':>6s} {'recall':>6s} {'tamp':>5s} {'bans(it)':>10s} {'exact':>5s} "
+        "with bans (F1 per tensor, and per worker: banned relays against the malicious ones)",
+        f"{'attack':16s} {'F1':>6s} {'prec':>6s} {'recall':>6s} {'tamp':>5s} {'F1 wkr':>6s} {'bans(it)':>10s} {'exact':>5s} "
         f"{'honest':>6s} {'loss SENT':>9s} {'loss none':>9s} {'clean':>7s} {'gap%':>6s}",
     ]
     for attack in attacks:
@@ -159,7 +223,7 @@ def format_table(config, rows: list[dict], attacks: list[str], ablation: list[st
         bans = ",".join(map(str, d["ban_iterations"])) or "-"
         lines.append(
             f"{attack:16s} {format_cell(d['f1']):>6s} {format_cell(d['precision']):>6s} {format_cell(d['recall']):>6s} {d['tampered']:5d} "
-            f"{bans:>10s} {str(d['exact_bans']):>5s} {d['honest_banned']:6d} {format_cell(d['val_loss'], '9.4f')} "
+            f"{format_cell(d.get('worker_f1')):>6s} {bans:>10s} {str(d['exact_bans']):>5s} {d['honest_banned']:6d} {format_cell(d['val_loss'], '9.4f')} "
             f"{format_cell(u['val_loss'], '9.4f')} {format_cell(clean['val_loss'], '7.4f')} {format_cell(gap, '+6.2f')}")
     lines += [
         "",
@@ -171,6 +235,8 @@ def format_table(config, rows: list[dict], attacks: list[str], ablation: list[st
         f"{clean['iteration_seconds']:.3f} s); wall with / without = {clean_def['wall_s'] / clean['wall_s']:.3f} "
         f"({clean_def['wall_s']:.1f} s / {clean['wall_s']:.1f} s)",
     ]
+    if ("none", True, "detect") in by:
+        lines += detect_section(by, attacks)
     if ablation:
         lines += ["", "ablation: F1 per verifier variant (beta0: beta_h = beta_g = 0; l1/l2/sign/swd: that distance alone; "
                   "all: combined)", f"{'variant':8s} " + " ".join(f"{a[:10]:>10s}" for a in ablation_attacks) + f" {'mean':>6s}"]
@@ -180,3 +246,36 @@ def format_table(config, rows: list[dict], attacks: list[str], ablation: list[st
             mean = sum(good) / len(good) if good else float("nan")
             lines.append(f"{variant:8s} " + " ".join(f"{format_cell(v):>10s}" for v in f1s) + f" {format_cell(mean):>6s}")
     return "\n".join(lines)
+
+
+def detect_section(by: dict, attacks: list[str]) -> list[str]:
+    """Detect-only runs (nobody banned): F1 per tensor and per worker (convicted = reached the strike rule),
+    then the replayed vote ablation over the same verdicts."""
+    clean = by[("none", True, "detect")]
+    lines = ["", "detect-only (verifiers flag and respond, nobody is banned; per worker: relays that reached the strike rule)",
+             f"{'attack':16s} {'F1':>6s} {'prec':>6s} {'recall':>6s} {'tamp':>5s} {'F1 wkr':>6s} {'convicted(it)':>13s} "
+             f"{'honest':>6s} {'loss':>7s}"]
+    for attack in attacks:
+        d = by.get((attack, True, "detect"))
+        if d is None:
+            continue
+        lines.append(
+            f"{attack:16s} {format_cell(d['f1']):>6s} {format_cell(d['precision']):>6s} {format_cell(d['recall']):>6s} "
+            f"{d['tampered']:5d} {format_cell(d['worker_f1']):>6s} {','.join(map(str, d['ban_iterations'])) or '-':>13s} "
+            f"{d['honest_detected']:6d} {format_cell(d['val_loss'], '7.4f')}")
+    lines.append(f"clean detect-only run: false-positive rate {100 * clean['fp_rate']:.3f}% ({clean['fp']} of "
+                 f"{clean['honest_checked']} honest tensors), convicted {clean['detected'] or 'none'}")
+    rules = list(clean.get("replay", {}))
+    if rules:
+        shown = [a for a in attacks if (a, True, "detect") in by]
+        lines += ["", "vote ablation, replayed from the detect-only verdicts (per-tensor F1; clean FP%: false flags "
+                  "of the clean run)", f"{'rule':26s} " + " ".join(f"{a[:9]:>9s}" for a in shown) +
+                  f" {'mean':>6s} {'min':>6s} {'clean FP%':>9s}"]
+        for rule in rules:
+            f1s = [by[(a, True, "detect")]["replay"][rule]["f1"] for a in shown]
+            good = [v for v in f1s if v == v]
+            lines.append(f"{rule:26s} " + " ".join(f"{format_cell(v):>9s}" for v in f1s) +
+                         f" {format_cell(sum(good) / len(good) if good else float('nan')):>6s} "
+                         f"{format_cell(min(good) if good else float('nan')):>6s} "
+                         f"{100 * clean['replay'][rule]['fp_rate']:9.3f}")
+    return lines

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ...core.errors import Evidence, RemoteError
-from ...core.serialization import Limits, decode, encode
+from ...core.identity import Identity, peer_id_of, verify_signature
+from ...core.serialization import Limits, decode, digest, encode, tensor_bytes
 
 FORWARD = "pp.fwd"  # request: activation for stage s; answered COMPLETE (ok), DENY (full) or STALE
 BACKWARD = "pp.bwd"  # request: gradient of stage s's output; answered COMPLETE (ok) or UNKNOWN
@@ -52,13 +53,80 @@ class Carry:
     repair: int = -1  # forward only: recompute up to this stage, then resume the holder's gradient (-1: normal)
     holder: str = ""  # forward repair only: who holds the gradient to resume
     recomputed: tuple[int, ...] = ()
+    hops: tuple[Hop, ...] = ()  # signed hop records of this direction's journey so far (boundary verifiers)
 
     def to_bytes(self) -> bytes:
         return encode({
             "src": self.key[0], "seq": self.key[1], "att": self.key[2], "it": self.it, "stage": self.stage,
             "path": list(self.path), "t": self.tensor, "repair": self.repair, "holder": self.holder,
-            "rec": list(self.recomputed),
+            "rec": list(self.recomputed), "hops": [h.to_obj() for h in self.hops],
         })
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """What a hop record says about a tensor: sha256 of its canonical bytes."""
+    t = tensor.detach().to(torch.float32).contiguous()
+    return digest(encode(list(t.shape)) + tensor_bytes(t))
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One hop's signed account of a microbatch's tensor in one direction (SENTINEL's no-framing rule).
+
+    A relay signs what it received and what it sent on, and to whom; a
+    boundary verifier signs the same for the link it verifies, naming the
+    worker that sent the tensor over it (`sender`). The records travel with
+    the carry, so a verifier further on learns who sent the microbatch over
+    earlier links from verifiers' signatures, not from the path list a relay
+    forwards. `link`: the link the tensor crosses (a relay: its output's link).
+    """
+
+    key: Key
+    it: int
+    direction: str  # "forward" | "backward"
+    link: int
+    signer: str
+    sender: str  # a verifier's record: who sent the tensor over its link; a relay's: ""
+    received: bytes  # tensor_digest of what the signer received
+    sent: bytes  # tensor_digest of what it sent on
+    to: str  # the next hop
+    public_key: bytes = b""
+    signature: bytes = b""
+
+    def digest(self) -> bytes:
+        return digest(encode(["pp.hop", list(self.key), self.it, self.direction, self.link, self.signer, self.sender,
+                              self.received, self.sent, self.to]))
+
+    @classmethod
+    def signed(cls, identity: Identity, key: Key, it: int, direction: str, link: int, sender: str, received: bytes,
+               sent: bytes, to: str) -> "Hop":
+        unsigned = cls(key, it, direction, link, identity.peer_id, sender, received, sent, to, identity.public_key)
+        return cls(key, it, direction, link, identity.peer_id, sender, received, sent, to, identity.public_key,
+                   identity.sign(unsigned.digest()))
+
+    def valid(self) -> bool:
+        """The signature is the signer's (its public key hashes to its id) over these fields."""
+        return peer_id_of(self.public_key) == self.signer and verify_signature(self.public_key, self.digest(), self.signature)
+
+    def to_obj(self) -> dict:
+        return {"src": self.key[0], "seq": self.key[1], "att": self.key[2], "it": self.it, "dir": self.direction,
+                "link": self.link, "by": self.signer, "from": self.sender, "in": self.received, "out": self.sent,
+                "to": self.to, "pk": self.public_key, "sig": self.signature}
+
+
+def parse_hop(obj: object, sender: str) -> Hop:
+    """A hop record, checked for types only (`Hop.valid` checks the signature)."""
+    if not isinstance(obj, dict):
+        raise _bad(sender, "hop record is not a mapping")
+    key = parse_key(obj, sender)
+    it, direction, link = obj.get("it"), obj.get("dir"), obj.get("link")
+    texts = [obj.get(k) for k in ("by", "from", "to")]
+    blobs = [obj.get(k) for k in ("in", "out", "pk", "sig")]
+    if not (_is_int(it) and direction in ("forward", "backward") and _is_int(link)
+            and all(isinstance(t, str) and len(t) <= 256 for t in texts)
+            and all(isinstance(b, bytes) and len(b) <= 128 for b in blobs)):
+        raise _bad(sender, "bad hop record")
+    return Hop(key, it, direction, link, texts[0], texts[1], blobs[0], blobs[1], texts[2], blobs[2], blobs[3])
 
 
 def _bad(sender: str, detail: str, it: int | None = None, kind: str = "malformed") -> RemoteError:
@@ -88,7 +156,7 @@ def parse_carry(payload: bytes, sender: str, limits: Limits, max_stage: int) -> 
     obj = parse_mapping(payload, sender, limits, "pipeline message")
     key = parse_key(obj, sender)
     it, stage, path, tensor = obj.get("it"), obj.get("stage"), obj.get("path"), obj.get("t")
-    repair, holder, rec = obj.get("repair", -1), obj.get("holder", ""), obj.get("rec", [])
+    repair, holder, rec, hops = obj.get("repair", -1), obj.get("holder", ""), obj.get("rec", []), obj.get("hops", [])
     if not (_is_int(it) and _is_int(stage) and stage <= max_stage):
         raise _bad(sender, f"iteration and stage must be ints (stage <= {max_stage})")
     if not (isinstance(path, list) and 1 <= len(path) <= max_stage + 1 and all(isinstance(p, str) for p in path)):
@@ -99,7 +167,9 @@ def parse_carry(payload: bytes, sender: str, limits: Limits, max_stage: int) -> 
         raise _bad(sender, "bad repair fields", it)
     if not (isinstance(rec, list) and len(rec) <= 4 * (max_stage + 1) and all(_is_int(s) for s in rec)):
         raise _bad(sender, "bad recomputation list", it)
-    return Carry(key, it, stage, tuple(path), tensor, repair, holder, tuple(rec))
+    if not (isinstance(hops, list) and len(hops) <= 4 * (max_stage + 1)):
+        raise _bad(sender, "bad hop records", it)
+    return Carry(key, it, stage, tuple(path), tensor, repair, holder, tuple(rec), tuple(parse_hop(h, sender) for h in hops))
 
 
 def answer(word: str) -> bytes:

@@ -21,6 +21,7 @@ flows back to front and opens the next iteration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -308,6 +309,7 @@ class PipelineNode:
                 return
             tensor = h.sent if h.sent is not None else h.out.detach()
             carry = m.Carry(key, h.carry.it, nxt, path, tensor, h.carry.repair, h.carry.holder, h.recomputed)
+            carry = self.signed(CHECK_FORWARD, carry, h.carry, peer)
             t0 = self.now()
             word = await self.deliver("" if client else peer, CHECK_FORWARD, carry)
             if client and word == m.DENIED:  # the data node found no next peer: it restarts the microbatch
@@ -351,6 +353,16 @@ class PipelineNode:
         if via is None:
             return await self._ask(to, topic, c.to_bytes())
         return await self._ask(via, VIA_TOPIC, via_bytes(direction, to, c), 3 * self.config.complete_timeout)
+
+    def signed(self, direction: str, out: m.Carry, received: m.Carry, to: str) -> m.Carry:
+        """`out` with this node's signed hop record appended to the records that came with `received`
+        (through boundary verifiers only; SENTINEL blames upstream workers along these signatures)."""
+        if not self.verifiers:
+            return out
+        link = out.stage - 1 if direction == CHECK_FORWARD else out.stage
+        hop = m.Hop.signed(self.transport.identity, out.key, out.it, direction, link, "",
+                           m.tensor_digest(received.tensor), m.tensor_digest(out.tensor), to)
+        return dataclasses.replace(out, hops=received.hops + (hop,))
 
     def tamper(self, kind: str, it: int, key: m.Key, tensor: torch.Tensor) -> torch.Tensor:
         """What this node sends for an outgoing activation or input gradient; honest nodes send it as it is."""
@@ -478,6 +490,7 @@ class PipelineNode:
         else:
             sent = self.tamper(GRADIENT, c.it, c.key, gx.detach())
             back = m.Carry(c.key, c.it, self.stage - 1, c.path, sent, recomputed=recomputed)
+            back = self.signed(CHECK_BACKWARD, back, c, c.path[self.stage - 1])
             self.spawn(self.send_backward(back))
         return m.answer(m.OK)
 
@@ -524,7 +537,7 @@ class PipelineNode:
             return False
         dead = h.next_peer
         c = h.carry
-        h.carry = m.Carry(c.key, c.it, c.stage, c.path, c.tensor, upto, holder, c.recomputed)
+        h.carry = dataclasses.replace(c, repair=upto, holder=holder)
         if dead is not None:
             h.excluded.add(dead)
         h.next_peer = None
@@ -560,7 +573,7 @@ class PipelineNode:
         del self.pending[key]
         path = tuple(prefix) + carry.path[carry.stage + 1:]
         recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
-        self.spawn(self.send_backward(m.Carry(key, carry.it, carry.stage, path, carry.tensor, recomputed=recomputed)))
+        self.spawn(self.send_backward(dataclasses.replace(carry, path=path, recomputed=recomputed)))
         return m.answer(m.OK)
 
     # --- aggregation (GWTF V-E) ---------------------------------------------------

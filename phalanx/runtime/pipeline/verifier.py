@@ -71,11 +71,13 @@ class VerifierConfig(SentinelConfig):
     placement: str = "boundary"  # boundary | data_node
     forward_response: str = "pass"  # pass | substitute
     verifier_flops: float = 50e9
+    signed_hops: bool = True  # boundary placement: blame upstream only along verifiers' signed hop records
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"sentinel.enabled={self.enabled!r} must be true or false")
+        if not isinstance(self.enabled, bool) or not isinstance(self.signed_hops, bool):
+            raise ConfigError(f"sentinel.enabled={self.enabled!r} and sentinel.signed_hops={self.signed_hops!r} "
+                              "must be true or false")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"sentinel.placement={self.placement!r} must be one of {', '.join(PLACEMENTS)}")
         if self.forward_response not in FORWARD_RESPONSES:
@@ -139,6 +141,7 @@ class VerifierHop:
         self.on_event = on_event
         self.choose = choose
         self.peers: list[str] = []  # the other verifiers of the run (boundary placement): taint is shared with them
+        self.links: dict[int, str] = {}  # boundary placement: link -> its verifier (input sketches go there)
         self.on_ban = on_ban or (lambda peer, it, keys: None)
         self.seen: dict[m.Key, tuple[int, set[str]]] = {}  # microbatch -> (iteration, nodes it passed)
         self.dropped: dict[m.Key, int] = {}  # microbatch attempts being rerouted -> iteration: their traffic is refused
@@ -155,17 +158,48 @@ class VerifierHop:
             return None
         self._remember(c, receiver)
         sender = sender_of(direction, c, self.last)
-        if self.trusted(sender):
-            return c.tensor
+        passed = c.tensor if self.trusted(sender) else self._judged(direction, c, sender, receiver)
+        if passed is not None and self.sentinel.binds:
+            self._bind_input(direction, c, passed)
+        return passed
+
+    def _bind_input(self, direction: str, c: m.Carry, passed: torch.Tensor) -> None:
+        """Record what is delivered to the next stage (forward) or the previous one (backward), so that the
+        stage's own output for this microbatch is bound to it (`sentinel.bind`); boundary verifiers pass the
+        sketch to the verifier of that stage's outgoing link."""
         link = link_of(direction, c)
-        if direction == FORWARD:
-            upstream = {s: c.path[s] for s in range(1, len(c.path) - 1)}
+        stage, out_link = (link + 1, link + 1) if direction == FORWARD else (link, link - 1)
+        if not 1 <= stage <= self.last or out_link < 0:
+            return
+        sketch = self.sentinel.sketch(passed)
+        peer = self.links.get(out_link)
+        if not self.links or peer == self.me:
+            self.sentinel.record_input(c.key, stage, direction, sketch)
+        elif peer is not None:
+            body = encode({"input": [stage, direction, sketch], "key": list(c.key)})
+            self.spawn(self.transport.send(peer, TAINT, body))
+
+    def _judged(self, direction: str, c: m.Carry, sender: str, receiver: str) -> torch.Tensor | None:
+        link = link_of(direction, c)
+        signed = self.signs
+        upstream, problem = self._signed_upstream(direction, c, sender, receiver) if signed else (None, "")
+        if problem:
+            tainted = self.sentinel.taint_of(c.key)
+            verdict = self.sentinel.reject(link, direction, sender, c.key, problem, c.tensor)
+            if direction == FORWARD and tainted is None and self.sentinel.taint_of(c.key) is not None:
+                self._share({"tainted": [link, sender]}, c.key)
+            elif verdict.substitute is not None:
+                self._share({"replaced": link}, c.key)
+        elif direction == FORWARD:
+            if not signed:  # the path the carry claims (a relay can write anyone into it)
+                upstream = {s: c.path[s] for s in range(1, len(c.path) - 1)}
             tainted = self.sentinel.taint_of(c.key)
             verdict = self.sentinel.check_forward(link, sender, c.key, c.tensor, upstream=upstream)
             if tainted is None and self.sentinel.taint_of(c.key) is not None:
                 self._share({"tainted": [link, sender]}, c.key)
         else:
-            upstream = {s: c.path[s] for s in range(1, c.stage + 1)}
+            if not signed:
+                upstream = {s: c.path[s] for s in range(1, c.stage + 1)}
             verdict = self.sentinel.check_backward(link, sender, c.key, c.tensor, upstream=upstream)
             if verdict.substitute is not None:
                 self._share({"replaced": link}, c.key)
@@ -177,6 +211,55 @@ class VerifierHop:
             return self.sentinel.momentum(link, c.tensor, FORWARD)
         return verdict.passed_on(c.tensor)
 
+    @property
+    def signs(self) -> bool:
+        """Boundary verifiers with `signed_hops`: hops sign what they pass on, and blame follows signatures."""
+        return bool(self.links) and self.config.signed_hops
+
+    def _signed_upstream(self, direction: str, c: m.Carry, sender: str, receiver: str) -> tuple[dict[int, str] | None, str]:
+        """Who sent this microbatch forward over earlier links, as the earlier verifiers signed it, and what is
+        wrong with the hop records the sender forwarded ("" if nothing). The sender's own record must be
+        signed by it and match the tensor and receiver; the verifier record before it must name the sender as
+        its receiver and hand on what the sender says it received; forward, every earlier link's verifier
+        record must be there. Backward, upstream senders are those this verifier saw forward (None)."""
+        link = link_of(direction, c)
+        hops = c.hops
+        own = hops[-1] if hops else None
+        if own is None or own.signer != sender or not self._matches(own, direction, c, link) or not own.valid():
+            return None, "unsigned"
+        if own.sent != m.tensor_digest(c.tensor) or (direction == FORWARD and receiver and own.to != receiver):
+            return None, "forged_hop"
+        before = self.links.get(link - 1 if direction == FORWARD else link + 1)
+        prev = hops[-2] if len(hops) >= 2 else None
+        if before is not None and (prev is None or prev.signer != before or prev.to != sender
+                                   or prev.sent != own.received or not self._verified(prev, direction, c)):
+            return None, "forged_hop"
+        if direction == BACKWARD:
+            return None, ""
+        upstream = {}
+        for earlier in range(1, link):
+            record = next((h for h in hops if h.signer == self.links.get(earlier) and h.link == earlier), None)
+            if record is None or not self._verified(record, direction, c):
+                return None, "forged_hop"
+            upstream[earlier] = record.sender
+        return upstream, ""
+
+    @staticmethod
+    def _matches(hop: m.Hop, direction: str, c: m.Carry, link: int) -> bool:
+        return hop.key == c.key and hop.it == c.it and hop.direction == direction and hop.link == link
+
+    def _verified(self, hop: m.Hop, direction: str, c: m.Carry) -> bool:
+        """A verifier's record of this microbatch attempt and direction, with a valid signature."""
+        return hop.key == c.key and hop.it == c.it and hop.direction == direction and hop.valid()
+
+    def signed_on(self, direction: str, c: m.Carry, sender: str, receiver: str, passed: torch.Tensor) -> m.Carry:
+        """The carry to deliver: the tensor passed on, with this verifier's signed hop record appended."""
+        if not self.signs:
+            return dataclasses.replace(c, tensor=passed)
+        hop = m.Hop.signed(self.transport.identity, c.key, c.it, direction, link_of(direction, c), sender,
+                           m.tensor_digest(c.tensor), m.tensor_digest(passed), receiver)
+        return dataclasses.replace(c, tensor=passed, hops=c.hops + (hop,))
+
     def _share(self, note: dict, key: m.Key) -> None:
         """Tell the other verifiers (they judge the microbatch's other links) what this one did to it."""
         body = encode({**note, "key": list(key)})
@@ -186,8 +269,11 @@ class VerifierHop:
     def on_taint(self, sender: str, payload: bytes) -> None:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "taint note")
         key = m.parse_key(dict(zip(("src", "seq", "att"), obj.get("key") or [])), sender)
-        tainted, replaced = obj.get("tainted"), obj.get("replaced")
-        if isinstance(tainted, list) and len(tainted) == 2 and type(tainted[0]) is int and isinstance(tainted[1], str):
+        tainted, replaced, bound = obj.get("tainted"), obj.get("replaced"), obj.get("input")
+        if isinstance(bound, list) and len(bound) == 3 and type(bound[0]) is int and bound[1] in (FORWARD, BACKWARD) \
+                and isinstance(bound[2], torch.Tensor) and bound[2].dim() == 2 and bound[2].is_floating_point():
+            self.sentinel.record_input(key, bound[0], bound[1], bound[2].float())
+        elif isinstance(tainted, list) and len(tainted) == 2 and type(tainted[0]) is int and isinstance(tainted[1], str):
             self.sentinel.mark_tainted(key, tainted[0], tainted[1])
         elif type(replaced) is int:
             self.sentinel.mark_replaced(key, replaced)
@@ -226,8 +312,8 @@ class VerifierHop:
             "direction": verdict.direction, "mb": m.key_name(c.key), "src": c.key[0], "seq": c.key[1],
             "att": c.key[2], "it": c.it, "flagged": verdict.flagged, "reason": verdict.reason,
             "substituted": verdict.substitute is not None, "outside": list(verdict.outside),
-            "distances": dict(verdict.distances),
-            "t": self.transport.clock.now(),
+            "distances": dict(verdict.distances), "convicted": list(verdict.convicted),
+            "suspects": list(verdict.suspects), "t": self.transport.clock.now(),
         })
         for peer in verdict.bans:
             self.spawn(self.announce(peer, c.it, verdict.link))
@@ -280,7 +366,7 @@ class VerifierHop:
         if tensor is None:
             return m.answer(m.STALE if c.key in self.dropped else m.DENIED)
         await self.transport.charge_compute(self.cost(c.tensor))
-        c = dataclasses.replace(c, tensor=tensor)
+        c = self.signed_on(direction, c, sender, to, tensor)
         topic = m.FORWARD if direction == FORWARD else m.BACKWARD
         if to:
             return m.answer(await self.deliver(to, topic, c))
@@ -340,12 +426,13 @@ class VerifierNode:
     """A trusted boundary verifier (organiser-deployed): a VIA hop for one link, and nothing else."""
 
     def __init__(self, transport: Transport, config: VerifierConfig, pipeline: PipelineConfig, seed: int,
-                 directory: dict[str, int], on_event: EventSink, verifiers: set[str]) -> None:
+                 directory: dict[str, int], on_event: EventSink, verifiers: dict[int, str]) -> None:
         self.transport = transport
         self.directory = directory
         self.hop = VerifierHop(transport, config, pipeline, seed, lambda p: self.directory.get(p) == 0, on_event)
-        self.verifiers = verifiers  # the run's verifiers: their bans and taint notes are applied here too
-        self.hop.peers = sorted(verifiers - {transport.peer_id})
+        self.verifiers = set(verifiers.values())  # the run's verifiers: their bans and notes are applied here too
+        self.hop.peers = sorted(self.verifiers - {transport.peer_id})
+        self.hop.links = dict(verifiers)
         self._stopped = asyncio.Event()
         transport.add_message_handler(BAN, self._on_ban)
         transport.add_message_handler(TAINT, self._on_taint)
