@@ -268,3 +268,36 @@ def test_admission_limits_untrusted_peers_and_trusts_after_t_approvals():
     assert admission.join("f") == [Queued("f", 0)]
     with pytest.raises(ConfigError, match="admission.approvals"):
         AdmissionConfig(approvals=0)
+
+
+# --- the owner's declaration against the agreed set (issue 14) ----------------------
+
+
+@pytest.mark.parametrize(
+    "attack, reason",
+    [
+        ("scaled_aggregate", "declaration"),  # -10 x the aggregate, nobody listed: never banned while checks trusted the list
+        ("trimmed_declaration", "declaration"),
+        ("list_nobody", "declaration"),
+        ("list_other", "declaration"),
+        ("hide_contributors", "v2_sum"),  # lists everyone, aggregates only itself: the sum over the agreed set fails
+        ("list_extra", "bad_commit"),
+        ("split_declaration", "equivocation"),
+    ],
+)
+def test_an_owner_declaration_that_differs_from_the_agreed_set_is_banned_alone(tmp_path, attack, reason):
+    summary, honest, views = _btard_run(tmp_path, attack, "byzantine.start_step=1", peers=4, steps=3)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["step"]) for r in rows] == [(reason, 1)]  # caught on the first step it lies
+    digests = summary["final_digests"]
+    assert len({digests[p] for p in honest}) == 1  # honest models, optimizers and ledgers identical
+
+
+def test_an_owner_that_drops_honest_parts_pays_with_an_eliminate(tmp_path):
+    # The one declaration no check can disprove ("their part never came") is an ELIMINATE: the
+    # owner goes, and with it the first victim in canonical order (App. D.3), nobody else.
+    summary, honest, views = _btard_run(tmp_path, "drop_honest", peers=4, steps=3)
+    assert all(view == {summary["byzantine"][0], min(honest)} for view in views.values())
+    digests = summary["final_digests"]
+    assert len({digests[p] for p in honest if p != min(honest)}) == 1

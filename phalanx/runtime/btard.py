@@ -111,7 +111,9 @@ log = logging.getLogger(__name__)
 META_REASONS = ("v1_norm", "v2_s", "no_meta")
 HANDLED_EVIDENCE = ("wrong_shape", "wrong_dtype", "non_finite", "equivocation", "no_reveal", "bad_reveal")
 SECURE_REDUCERS = ("centered_clip", "mean")
-DERIVED_REASONS = ("equivocation", "not_validating", "v2_sum", "averaging", "no_reveal", "bad_reveal")  # accuser "" only
+DERIVED_REASONS = ("equivocation", "not_validating", "v2_sum", "averaging", "no_reveal", "bad_reveal", "declaration")  # accuser "" only
+SEEN_TOPICS = ("bt.commit", "bt.rcommit", "bt.meta")  # what honest peers exchange seen-set digests of before deciding
+DROP_REASONS = ("missing_part", "part_hash", "bad_part", "late_commit")  # why an owner left a committed part out
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,7 @@ class _Step:
     members: list[str] = field(default_factory=list)  # the whole group
     committers: list[str] = field(default_factory=list)  # owners and untrusted members
     commits: dict[str, tuple[list[bytes], bytes]] = field(default_factory=dict)
-    commit_seen: dict[str, bytes] = field(default_factory=dict)
-    rcommits: dict[str, tuple[bytes, list[str]]] = field(default_factory=dict)
+    rcommits: dict[str, tuple[bytes, list[str], dict[str, str]]] = field(default_factory=dict)  # owner -> (hash, from, drop)
     aggregates: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, tuple[dict, dict]] = field(default_factory=dict)
     z: torch.Tensor | None = None
@@ -177,6 +178,7 @@ class _Step:
     pairs: list[tuple[str, str]] = field(default_factory=list)
     reports: dict[str, dict] = field(default_factory=dict)
     sum_failed: set[str] = field(default_factory=set)
+    declaration_failed: set[str] = field(default_factory=set)
     averaging: dict[str, bool] = field(default_factory=dict)
     claims: list[Claim] = field(default_factory=list)  # this peer's own claims, reported in step 6
 
@@ -267,7 +269,7 @@ class SecureRound(ButterflyAllReduce):
         payload = encode({"g": g, "parts": hashes, "whole": gradient_hash(hashes)})
         if me in committers and self.policy.equivocate(step):
             negated = [tensor_hash(-p) for p in parts]
-            await self._split_commit(step, payload, encode({"g": g, "parts": negated, "whole": gradient_hash(negated)}))
+            await self._split_broadcast("bt.commit", step, payload, encode({"g": g, "parts": negated, "whole": gradient_hash(negated)}))
         elif me in committers:
             await tr.broadcast("bt.commit", step, payload)
 
@@ -295,10 +297,11 @@ class SecureRound(ButterflyAllReduce):
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
                 st.commits[peer] = parsed
-                st.commit_seen[peer] = digest(env.payload)
         contributors_all = [p for p in committers if p in st.commits]
         trusted = [p for p in contributors_all if p in owners]  # contributors whose parts are aggregated
         rows, used = [], []
+        dropped: dict[str, str] = {}
+        received: dict[str, torch.Tensor] = {}
         mine = None
         if index is not None:
             box = self._inbox.get((step, PART), {})
@@ -311,25 +314,40 @@ class SecureRound(ButterflyAllReduce):
                 held = box.get(peer)
                 raw = held[0] if held is not None and held[1] == g else None
                 if raw is None:
-                    claims.append(Claim(ELIMINATE, me, peer, "missing_part"))
+                    dropped[peer] = "missing_part"
                 elif tensor_hash(raw) != st.commits[peer][0][index]:
-                    claims.append(Claim(ELIMINATE, me, peer, "part_hash"))
+                    dropped[peer] = "part_hash"
                 elif peer not in valid:
+                    dropped[peer] = "bad_part"
                     claims.append(Claim(ACCUSE, me, peer, "bad_part", (index, raw)))
                 else:
                     rows.append(valid[peer])
                     used.append(peer)
+            claims += [Claim(ELIMINATE, me, peer, reason) for peer, reason in dropped.items() if reason != "bad_part"]
+            # An owner whose commitment did not reach me in time: its part is not mine to use. If any
+            # honest peer holds that commitment, my drop becomes an ELIMINATE (see `_agreed_claims`).
+            dropped.update({peer: "late_commit" for peer in owners if peer not in used and peer not in dropped})
 
-            # 3. reduce, commit the aggregate, send it (to every member, untrusted and queued too)
+            # 3. reduce, commit the aggregate with what the protocol fixes (the parts it used, and
+            # the owners it drops, each drop a claim), send it (to every member, untrusted and queued too)
+            received = dict(zip(used, rows))
+            kept = self.policy.aggregated(step, used)
+            rows = [received[peer] for peer in used if peer in kept]
             aggregate = self.reducer(torch.stack(rows)).to(torch.float32) if rows else torch.zeros(hi - lo)
             mine, sent_aggregate = self.policy.aggregate(step, aggregate)
-            await tr.broadcast("bt.rcommit", step, encode({"g": g, "h": tensor_hash(mine), "from": used}))
+            declared, drop = self.policy.declare(step, used, dropped, owners)
+            payload = encode({"g": g, "h": tensor_hash(mine), "from": declared, "drop": drop})
+            other = self.policy.other_declaration(step, used, dropped, owners)
+            if other is not None:
+                await self._split_broadcast("bt.rcommit", step, payload, encode({"g": g, "h": tensor_hash(mine), "from": other[0], "drop": other[1]}))
+            else:
+                await tr.broadcast("bt.rcommit", step, payload)
             self._publish(step, REDUCED, {peer: sent_aggregate for peer in group})
             message = encode({"step": step, "g": g, "t": sent_aggregate})
             for peer in group:
                 if peer != me:
                     await tr.send(peer, "ar.reduced", message)
-        self._used[step] = dict(zip(used, rows))
+        self._used[step] = received
 
         # 4. gather the aggregates while their commitments arrive; once they are in, MPRNG may reveal.
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
@@ -469,7 +487,6 @@ class SecureRound(ButterflyAllReduce):
                 if parsed is not None:
                     st.meta[peer] = parsed
             claims += self._owner_checks(st, me)
-            self._sum_checks(st)
             await self._v3(st)
             for validator, target in st.pairs:
                 if validator == me:
@@ -492,7 +509,7 @@ class SecureRound(ButterflyAllReduce):
             "g": g,
             "claims": [{"kind": c.kind, "target": c.target, "reason": c.reason, "ev": list(c.evidence)} for c in claims],
             "approve": approvals,
-            "seen": st.commit_seen,
+            "seen": self._seen(st),
         }))
         # A validator may have waited one timeout for a silent target and one for CHECKAVERAGING.
         envelopes = await tr.collect_broadcasts("bt.report", step, group, 3 * self.btard.timeout, relays=len(group))
@@ -512,12 +529,22 @@ class SecureRound(ButterflyAllReduce):
                 if c["kind"] != ELIMINATE or peer in st.group  # an untrusted peer cannot eliminate
             ]
         await self._compare_views(st)
-        for proof in tr.board.proofs:
-            if proof.first.topic == "bt.commit" and proof.first.step == step and proof.first.sender in group:
-                everyone.append(Claim(ACCUSE, "", proof.first.sender, "equivocation"))
+        equivocators = {
+            proof.first.sender for proof in tr.board.proofs
+            if proof.first.topic in SEEN_TOPICS and proof.first.step == step and proof.first.sender in group
+        }
+        everyone += [Claim(ACCUSE, "", peer, "equivocation") for peer in sorted(equivocators)]
+        self._absorb(st)
+        if st.z is not None:
+            self._agreed_checks(st, equivocators)
         # Failures every honest peer derives from the same broadcasts are claimed by nobody in
         # particular (accuser ""), so that agreeing peers are never banned as slanderers.
+        everyone += [Claim(ACCUSE, "", o, "declaration") for o in sorted(st.declaration_failed)]
         everyone += [Claim(ACCUSE, "", o, "v2_sum") for o in st.sum_failed]
+        # A committed owner's part left out: the owner's signed drop is its ELIMINATE of that owner.
+        for owner, (_, _, drop) in st.rcommits.items():
+            if owner not in equivocators:
+                everyone += [Claim(ELIMINATE, owner, p, reason) for p, reason in drop.items() if p in st.commits and p != owner]
         everyone += [Claim(ACCUSE, "", o, "averaging") for o, ok in st.averaging.items() if not ok]
         for validator, target in st.pairs:
             report = st.reports.get(validator)
@@ -548,10 +575,11 @@ class SecureRound(ButterflyAllReduce):
             value = None
         return value, [Claim(ACCUSE, "", rec.peer, rec.reason) for rec in shadow.records if rec.peer not in before]
 
-    async def _split_commit(self, step: int, first: bytes, second: bytes) -> None:
+    async def _split_broadcast(self, topic: str, step: int, first: bytes, second: bytes) -> None:
+        """An equivocating peer's broadcast: `first` to itself and half of the others, `second` to the rest."""
         tr = self.transport
-        a = SignedEnvelope.create(tr.identity, "bt.commit", step, first)
-        b = SignedEnvelope.create(tr.identity, "bt.commit", step, second)
+        a = SignedEnvelope.create(tr.identity, topic, step, first)
+        b = SignedEnvelope.create(tr.identity, topic, step, second)
         tr.board.add(a)
         others = [p for p in tr.members() if p != tr.peer_id]
         for i, peer in enumerate(others):
@@ -567,9 +595,10 @@ class SecureRound(ButterflyAllReduce):
         await self.transport.broadcast("bt.meta", st.step, encode({"norm": norms, "s": s}))
 
     def _contributors(self, st: _Step, owner: str) -> list[str]:
-        if owner == self.transport.peer_id:
-            return list(self._used.get(st.step, {}))
-        return st.rcommits[owner][1] if owner in st.rcommits else []
+        """The parts partition `owner` must aggregate: every owner whose commitment is held, less the
+        owners it dropped (each drop an ELIMINATE). Never the owner's own list of what it used."""
+        drop = st.rcommits[owner][2] if owner in st.rcommits else {}
+        return [p for p in st.group if p in st.commits and p not in drop]
 
     def _meta_lie(self, st: _Step, peer: str, owner: str, part: torch.Tensor) -> str | None:
         """Which of peer's reports about partition `owner` is false, given its part; None if both hold."""
@@ -589,17 +618,62 @@ class SecureRound(ButterflyAllReduce):
             return []
         index = st.group.index(me)
         claims = []
+        contributors = self._contributors(st, me)
         for peer, part in self._used.get(st.step, {}).items():
-            if peer != me and (lie := self._meta_lie(st, peer, me, part)) is not None:
+            if peer != me and peer in contributors and (lie := self._meta_lie(st, peer, me, part)) is not None:
                 claims.append(Claim(ACCUSE, me, peer, lie, (index, part)))
         return claims
 
-    def _sum_checks(self, st: _Step) -> None:
-        """Owners whose partition fails Σ_i s_i^j = 0 (everyone checks every partition)."""
+    def _seen(self, st: _Step) -> dict[str, dict[str, bytes]]:
+        """Digests of the step's commitments, aggregate commitments and metadata this peer holds, by topic."""
+        members = set(st.members)
+        return {
+            topic: {peer: digest(env.payload) for peer, env in sorted(self.transport.board.get(topic, st.step).items()) if peer in members}
+            for topic in SEEN_TOPICS
+        }
+
+    def _absorb(self, st: _Step) -> None:
+        """Take in the signed commitments, aggregate commitments and metadata the seen-set exchange brought.
+
+        The step's agreed contributors are every committer whose commitment (naming this step's
+        group) some honest peer holds: honest peers report what they hold, so after the exchange
+        each holds the union. A malformed one found this way was already claimed by whoever got it.
+        """
+        board, g = self.transport.board, st.g
+        for peer, env in board.get("bt.commit", st.step).items():
+            obj = _decoded(env.payload, peer, self.transport)
+            if peer in st.committers and peer not in st.commits and _group_in(obj) == g and (parsed := _commit_in(obj, len(st.group))):
+                st.commits[peer] = parsed
+        for peer, env in board.get("bt.rcommit", st.step).items():
+            obj = _decoded(env.payload, peer, self.transport)
+            if peer in st.group and peer not in st.rcommits and _group_in(obj) == g and (parsed := _rcommit_in(obj, st.group)):
+                st.rcommits[peer] = parsed
+        for peer, env in board.get("bt.meta", st.step).items():
+            if peer in st.committers and peer not in st.meta and (parsed := _meta_of(env.payload, peer, self.transport)) is not None:
+                st.meta[peer] = parsed
+
+    def _agreed_checks(self, st: _Step, equivocators: set[str]) -> None:
+        """Declaration and Σ_i s_i^j = 0 over every agreed contributor of every partition.
+
+        An owner's declaration (the parts it used) must be exactly the agreed contributors less the
+        owners it dropped; anything else is a claim against it that every honest peer derives.
+        An owner that signed two declarations is left to its equivocation proof.
+        """
+        for owner, (_, declared, _) in st.rcommits.items():
+            if owner not in equivocators and set(declared) != set(self._contributors(st, owner)):
+                st.declaration_failed.add(owner)
+        self._sum_checks(st, equivocators | st.declaration_failed)
+
+    def _sum_checks(self, st: _Step, skip: set[str]) -> None:
+        """Owners whose partition fails Σ_i s_i^j = 0 (everyone checks every partition it holds)."""
         failed = []
         for owner, aggregate in st.aggregates.items():
+            if owner in skip:
+                continue
             contributors = self._contributors(st, owner)
-            if not contributors:
+            if not contributors:  # nothing to aggregate: the only honest aggregate is zero
+                if bool(aggregate.any()):
+                    failed.append(owner)
                 continue
             s_values, deltas = [], []
             for peer in contributors:
@@ -700,12 +774,17 @@ class SecureRound(ButterflyAllReduce):
         ]
 
     async def _compare_views(self, st: _Step) -> None:
-        """Fetch commitments a reporter saw differently: a split view becomes an equivocation proof."""
-        mine = st.commit_seen
-        for reporter, report in st.reports.items():
-            differing = [p for p, d in report["seen"].items() if p in mine and mine[p] != d]
-            if differing:
-                await self.transport.fetch_broadcasts("bt.commit", st.step, differing, [reporter], self.btard.timeout / 2)
+        """Fetch what a reporter holds and I lack or hold otherwise: I decide on the union, and a
+        split view becomes an equivocation proof."""
+        members = set(st.members)
+        mine = self._seen(st)
+        fetches = []
+        for topic in SEEN_TOPICS:
+            for reporter, report in sorted(st.reports.items()):
+                wanted = [p for p, d in sorted(report["seen"].get(topic, {}).items()) if p in members and mine[topic].get(p) != d]
+                if wanted and reporter != self.transport.peer_id:
+                    fetches.append(self.transport.fetch_broadcasts(topic, st.step, wanted, [reporter], self.btard.timeout / 2))
+        await asyncio.gather(*fetches)
 
     # --- verdicts (the same inputs on every honest peer) ---------------------------
 
@@ -741,12 +820,15 @@ class SecureRound(ButterflyAllReduce):
             j, part = ev
             owner = claim.accuser
             ok = j == st.group.index(owner) and target in st.commits and tensor_hash(part) == st.commits[target][0][j]
+            ok = ok and target in self._contributors(st, owner)  # nobody owes metadata for a partition that dropped it
             return Verdict(ok and st.z is not None and owner in st.aggregates and self._meta_lie(st, target, owner, part) is not None)
         if claim.reason in ("equivocation", "not_validating", "no_reveal", "bad_reveal"):
             return Verdict(True)
         if claim.reason == "v2_sum":
             excused = any(c["reason"] in META_REASONS for c in st.reports.get(target, {}).get("claims", []))
             return Verdict(target in st.sum_failed and not excused)
+        if claim.reason == "declaration":
+            return Verdict(target in st.declaration_failed)
         if claim.reason == "averaging":
             return Verdict(st.averaging.get(target, True) is False)
         if claim.reason == "gradient":
@@ -817,13 +899,16 @@ def _commit_in(obj, n: int) -> tuple[list[bytes], bytes] | None:
     return (parts, whole) if isinstance(whole, bytes) and len(whole) == 32 else None
 
 
-def _rcommit_in(obj, group: list[str]) -> tuple[bytes, list[str]] | None:
-    if not isinstance(obj, dict) or set(obj) != {"g", "h", "from"}:
+def _rcommit_in(obj, group: list[str]) -> tuple[bytes, list[str], dict[str, str]] | None:
+    """(aggregate hash, the owners whose parts it used, {dropped owner: reason}); None: malformed."""
+    if not isinstance(obj, dict) or set(obj) != {"g", "h", "from", "drop"}:
         return None
-    h, used = obj["h"], obj["from"]
+    h, used, drop = obj["h"], obj["from"], obj["drop"]
     if not isinstance(h, bytes) or len(h) != 32 or not isinstance(used, list) or not all(p in group for p in used):
         return None
-    return (h, used) if len(set(used)) == len(used) else None
+    if not isinstance(drop, dict) or not all(p in group and isinstance(r, str) and r in DROP_REASONS for p, r in drop.items()):
+        return None
+    return (h, used, drop) if len(set(used)) == len(used) and not set(used) & set(drop) else None
 
 
 def _meta_of(payload: bytes, sender: str, transport) -> tuple[dict, dict] | None:
@@ -838,7 +923,10 @@ def _meta_of(payload: bytes, sender: str, transport) -> tuple[dict, dict] | None
 def _report_in(obj) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("claims"), list) or not isinstance(obj.get("approve"), list):
         return None
-    if not isinstance(obj.get("seen"), dict) or not all(isinstance(v, bytes) for v in obj["seen"].values()):
+    seen = obj.get("seen")
+    if not isinstance(seen, dict) or not all(isinstance(t, str) and isinstance(m, dict) for t, m in seen.items()):
+        return None
+    if not all(isinstance(p, str) and isinstance(d, bytes) for m in seen.values() for p, d in m.items()):
         return None
     for c in obj["claims"]:
         if not isinstance(c, dict) or c.get("kind") not in (ACCUSE, ELIMINATE) or not isinstance(c.get("target"), str):
