@@ -301,3 +301,12 @@ def test_an_owner_that_drops_honest_parts_pays_with_an_eliminate(tmp_path):
     assert all(view == {summary["byzantine"][0], min(honest)} for view in views.values())
     digests = summary["final_digests"]
     assert len({digests[p] for p in honest if p != min(honest)}) == 1
+
+
+def test_a_forger_that_will_not_send_its_gradient_is_convicted_from_its_owners_parts(tmp_path):
+    # The validator's recomputation differs from the commitment and the target refuses bt.grad:
+    # the parts its owners aggregated are the evidence, and no honest validator is spent on it.
+    summary, honest, views = _btard_run(tmp_path, "withhold_gradient", "btard.validators=2", steps=8)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in rows] == ["gradient"] and rows[0]["accuser"] in honest

@@ -72,6 +72,14 @@ class ProtocolPolicy:
         """The norms and inner products this peer broadcasts."""
         return norms, s
 
+    def serve_gradient(self, step: int) -> bool:
+        """Whether to answer a validator's request for this peer's committed gradient."""
+        return True
+
+    def serve_parts(self, step: int) -> bool:
+        """Whether to answer a validator's request for a part this owner aggregated."""
+        return True
+
     def validate(self, step: int, target: str) -> str:
         """'check' (really validate), 'approve' (without checking) or 'skip' (send no verdict)."""
         return "check"
@@ -133,6 +141,17 @@ class Cover(ApproveAll):
     """Sign flip, and as validator of a colluder approve it; honest targets are really checked."""
 
     only_colluders: ClassVar[bool] = True
+
+
+@dataclass(kw_only=True)
+class WithholdGradient(ApproveAll):
+    """Sign flip by `scale`, and never send the committed gradient to a validator: the forged
+    parts must be fetched from the owners that aggregated them."""
+
+    only_colluders: ClassVar[bool] = True
+
+    def serve_gradient(self, step: int) -> bool:
+        return False
 
 
 @dataclass(kw_only=True)
@@ -294,6 +313,7 @@ PROTOCOL_ATTACKS: dict[str, type[ProtocolPolicy]] = {
     "slander": Slander,
     "approve_all": ApproveAll,
     "cover": Cover,
+    "withhold_gradient": WithholdGradient,
     "wrong_hash": WrongHash,
     "silent_to_one": SilentToOne,
     "equivocate": Equivocate,

@@ -222,6 +222,7 @@ class SecureRound(ButterflyAllReduce):
         self.admission: AdmissionHook | None = None  # App. F; None: every member is trusted
         transport.add_request_handler("bt.grad", self._on_grad)
         transport.add_request_handler("bt.parts", self._on_parts)
+        transport.add_request_handler("bt.part", self._on_part_request)
         transport.on_evidence(lambda ev: self._evidence.append(ev))
 
     # --- the round -------------------------------------------------------------
@@ -473,6 +474,7 @@ class SecureRound(ButterflyAllReduce):
         trusted = [p for p in contributors_all if p in st.group]  # validators are drawn among these (App. F)
         claims = st.claims
         approvals: list[str] = []
+        unverified: list[str] = []  # targets whose parts at hand are honest, the rest held by nobody but them
         r, mprng_claims = await draw
         if r is not None:
             st.z = direction(r, self.dim)
@@ -493,11 +495,13 @@ class SecureRound(ButterflyAllReduce):
                     claim = await self._validate(st, target)
                     if claim is None:
                         approvals.append(target)
+                    elif claim == "unverified":
+                        unverified.append(target)
                     elif claim != "skip":
                         claims.append(claim)
             for target in self.policy.slander(step, [p for p in contributors_all if p != me]):
-                gradient = await self._fetch_gradient(st, target)
-                claims.append(Claim(ACCUSE, me, target, "gradient", (gradient if gradient is not None else torch.zeros(self.dim),)))
+                parts = await self._fetch_gradient(st, target)
+                claims.append(Claim(ACCUSE, me, target, "gradient", tuple(sorted(parts.items(), key=lambda item: item[0]))))
         mine = [ev for ev in self._evidence if ev.step is None or ev.step <= step]
         self._evidence = [ev for ev in self._evidence if not (ev.step is None or ev.step <= step)]
         for ev in mine:
@@ -509,6 +513,7 @@ class SecureRound(ButterflyAllReduce):
             "g": g,
             "claims": [{"kind": c.kind, "target": c.target, "reason": c.reason, "ev": list(c.evidence)} for c in claims],
             "approve": approvals,
+            "unverified": unverified,
             "seen": self._seen(st),
         }))
         # A validator may have waited one timeout for a silent target and one for CHECKAVERAGING.
@@ -548,7 +553,9 @@ class SecureRound(ButterflyAllReduce):
         everyone += [Claim(ACCUSE, "", o, "averaging") for o, ok in st.averaging.items() if not ok]
         for validator, target in st.pairs:
             report = st.reports.get(validator)
-            judged = report is not None and (target in report["approve"] or any(c["target"] == target for c in report["claims"]))
+            judged = report is not None and (
+                target in report["approve"] or target in report["unverified"] or any(c["target"] == target for c in report["claims"])
+            )
             if not judged:
                 everyone.append(Claim(ACCUSE, "", validator, "not_validating"))
         return everyone
@@ -717,19 +724,55 @@ class SecureRound(ButterflyAllReduce):
         recomputed = self.reducer(torch.stack(rows)).to(torch.float32)
         return averaging_matches(st.aggregates[owner], recomputed, self.eps)
 
-    async def _fetch_gradient(self, st: _Step, target: str) -> torch.Tensor | None:
-        """The target's committed gradient, checked against its whole and part hashes."""
+    async def _ask(self, peer: str, topic: str, query: dict) -> dict | None:
+        """One verification request; a peer that answers badly is reported, one that does not is None."""
         try:
-            answer = decode(await self.transport.request(target, "bt.grad", encode({"step": st.step}), self.btard.timeout), target, self.transport.limits)
+            answer = decode(await self.transport.request(peer, topic, encode(query), self.btard.timeout), peer, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
             return None
         except PhalanxError:
             return None
-        gradient = answer.get("t") if isinstance(answer, dict) else None
-        if not isinstance(gradient, torch.Tensor) or target not in st.commits:
-            return None
-        return gradient if self._matches_commit(st, target, gradient) else None
+        return answer if isinstance(answer, dict) else None
+
+    async def _committed_parts(self, st: _Step, target: str) -> dict[int, torch.Tensor]:
+        """The target's committed parts that can be had, each checked against its part hash.
+
+        From the owners that aggregated them (this peer first), so that a target that will not send
+        its gradient still leaves the evidence its owners hold; the target is asked only for the
+        parts nobody else holds (its own partition, or every part of an untrusted target).
+        """
+        me = self.transport.peer_id
+        if target not in st.commits:
+            return {}
+        hashes = st.commits[target][0]
+        found: dict[int, torch.Tensor] = {}
+
+        def take(j: int, part) -> None:
+            a, b = st.bounds[j]
+            if isinstance(part, torch.Tensor) and part.dtype == torch.float32 and tuple(part.shape) == (b - a,) and tensor_hash(part) == hashes[j]:
+                found[j] = part
+
+        holders = [(j, o) for j, o in enumerate(st.group) if o != target and target in self._contributors(st, o)]
+        for j, owner in holders:
+            if owner == me:
+                take(j, self._used.get(st.step, {}).get(target))
+        remote = [(j, o) for j, o in holders if o != me]
+        answers = await asyncio.gather(*(self._ask(o, "bt.part", {"step": st.step, "peer": target}) for _, o in remote))
+        for (j, _), answer in zip(remote, answers):
+            take(j, answer.get("t") if answer is not None else None)
+        if len(found) < len(st.bounds):
+            answer = await self._ask(target, "bt.grad", {"step": st.step})
+            gradient = answer.get("t") if answer is not None else None
+            if isinstance(gradient, torch.Tensor) and gradient.dim() == 1 and gradient.numel() == self.dim:
+                for j, (a, b) in enumerate(st.bounds):
+                    if j not in found:
+                        take(j, gradient[a:b].clone())
+        return found
+
+    async def _fetch_gradient(self, st: _Step, target: str) -> dict[int, torch.Tensor]:
+        """The target's committed parts (the slanderer's evidence; honest validators use `_committed_parts`)."""
+        return await self._committed_parts(st, target)
 
     def _matches_commit(self, st: _Step, target: str, gradient) -> bool:
         """Whether `gradient` is exactly what `target` committed to (its part hashes and whole hash)."""
@@ -749,28 +792,39 @@ class SecureRound(ButterflyAllReduce):
             return "skip"
         recomputed = self.recompute(target, st.step).reshape(-1)
         if recomputed.dtype == torch.float32 and self._matches_commit(st, target, recomputed):
-            gradient = recomputed  # bit-identical to the commitment (same build): nothing to fetch
+            # bit-identical to the commitment (same build): nothing to fetch
+            parts = {j: recomputed[a:b] for j, (a, b) in enumerate(st.bounds)}
         else:
-            gradient = await self._fetch_gradient(st, target)
-            if gradient is None:
-                return Claim(ELIMINATE, me, target, "no_gradient")
-        if self._gradient_guilty(st, target, gradient, recomputed):
-            return Claim(ACCUSE, me, target, "gradient", (gradient,))
+            parts = await self._committed_parts(st, target)
+        if self._parts_guilty(st, target, parts, recomputed):
+            return Claim(ACCUSE, me, target, "gradient", tuple(sorted(parts.items(), key=lambda item: item[0])))
+        if len(parts) < len(st.bounds):
+            return "unverified"  # what could be had is honest; the rest was aggregated by nobody else
         return None
 
-    def _gradient_guilty(self, st: _Step, target: str, gradient: torch.Tensor, recomputed: torch.Tensor | None = None) -> bool:
-        if recomputed is None:
-            recomputed = self.recompute(target, st.step)
-        if gradient is not recomputed and not gradient_matches(gradient, recomputed):
-            return True
-        return bool(self._lied_about(st, target, gradient))
+    def _parts_guilty(self, st: _Step, target: str, parts: dict[int, torch.Tensor], recomputed: torch.Tensor | None = None) -> bool:
+        """Whether the committed parts differ from the recomputation, or show a metadata lie.
 
-    def _lied_about(self, st: _Step, target: str, gradient: torch.Tensor) -> list[str]:
-        """Owners whose partition the target reported false metadata about."""
+        The tolerance is the whole gradient's (GRAD_RTOL of its norm): an honest gradient is within
+        it, so is any subset of its parts, and a forgery that shows in the parts at hand is caught.
+        """
+        if not parts:
+            return False
+        if recomputed is None:
+            recomputed = self.recompute(target, st.step).reshape(-1)
+        index = torch.cat([torch.arange(*st.bounds[j]) for j in sorted(parts)])
+        committed = torch.cat([parts[j] for j in sorted(parts)])
+        if not gradient_matches(committed, recomputed[index], scale=recomputed):
+            return True
+        return bool(self._lied_about(st, target, parts))
+
+    def _lied_about(self, st: _Step, target: str, parts: dict[int, torch.Tensor]) -> list[str]:
+        """Owners whose partition the target reported false metadata about (among the parts at hand)."""
         return [
             owner
-            for owner in st.aggregates
-            if target in self._contributors(st, owner) and self._meta_lie(st, target, owner, gradient[st.slice(owner)]) is not None
+            for j, owner in enumerate(st.group)
+            if j in parts and owner in st.aggregates and target in self._contributors(st, owner)
+            and self._meta_lie(st, target, owner, parts[j]) is not None
         ]
 
     async def _compare_views(self, st: _Step) -> None:
@@ -832,14 +886,12 @@ class SecureRound(ButterflyAllReduce):
         if claim.reason == "averaging":
             return Verdict(st.averaging.get(target, True) is False)
         if claim.reason == "gradient":
-            (gradient,) = ev
-            if not self._matches_commit(st, target, gradient):
-                return Verdict(False)
-            if st.z is None or not self._gradient_guilty(st, target, gradient):
+            parts = _parts_in(ev, st, target)
+            if parts is None or st.z is None or not self._parts_guilty(st, target, parts):
                 return Verdict(False)
             approvers = [v for v, t in st.pairs if t == target and target in st.reports.get(v, {}).get("approve", [])]
             silent_owners = [
-                o for o in self._lied_about(st, target, gradient)
+                o for o in self._lied_about(st, target, parts)
                 if o != claim.accuser and not any(c["target"] == target for c in st.reports.get(o, {}).get("claims", []))
             ]
             return Verdict(True, tuple(p for p in dict.fromkeys(approvers + silent_owners) if p != claim.accuser))
@@ -852,7 +904,15 @@ class SecureRound(ButterflyAllReduce):
         step = obj.get("step") if isinstance(obj, dict) else None
         if type(step) is not int:
             raise RemoteError(Evidence(sender, "malformed", "bad gradient request"))
-        return encode({"step": step, "t": self._grads.get(step)})
+        return encode({"step": step, "t": self._grads.get(step) if self.policy.serve_gradient(step) else None})
+
+    async def _on_part_request(self, sender: str, payload: bytes) -> bytes:
+        """One contributor's part that this owner aggregated (a validator's evidence)."""
+        obj = decode(payload, sender, self.transport.limits)
+        step, peer = (obj.get("step"), obj.get("peer")) if isinstance(obj, dict) else (None, None)
+        if type(step) is not int or not isinstance(peer, str):
+            raise RemoteError(Evidence(sender, "malformed", "bad part request"))
+        return encode({"step": step, "t": self._used.get(step, {}).get(peer) if self.policy.serve_parts(step) else None})
 
     async def _on_parts(self, sender: str, payload: bytes) -> bytes:
         obj = decode(payload, sender, self.transport.limits)
@@ -923,6 +983,8 @@ def _meta_of(payload: bytes, sender: str, transport) -> tuple[dict, dict] | None
 def _report_in(obj) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("claims"), list) or not isinstance(obj.get("approve"), list):
         return None
+    if not isinstance(obj.get("unverified"), list):
+        return None
     seen = obj.get("seen")
     if not isinstance(seen, dict) or not all(isinstance(t, str) and isinstance(m, dict) for t, m in seen.items()):
         return None
@@ -934,6 +996,25 @@ def _report_in(obj) -> dict | None:
         if not isinstance(c.get("reason"), str) or not isinstance(c.get("ev"), list):
             return None
     return obj
+
+
+def _parts_in(evidence, st: _Step, target: str) -> dict[int, torch.Tensor] | None:
+    """A gradient accusation's evidence, {partition: committed part}; None unless every part matches
+    the target's commitment."""
+    if target not in st.commits or not evidence:
+        return None
+    parts: dict[int, torch.Tensor] = {}
+    for item in evidence:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            return None
+        j, part = item
+        if type(j) is not int or not 0 <= j < len(st.bounds) or j in parts or not isinstance(part, torch.Tensor):
+            return None
+        a, b = st.bounds[j]
+        if part.dtype != torch.float32 or tuple(part.shape) != (b - a,) or tensor_hash(part) != st.commits[target][0][j]:
+            return None
+        parts[j] = part
+    return parts
 
 
 def _malformed(part, size: int) -> bool:
