@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..algorithms.admission import Admission, AdmissionConfig, Admitted, Banned, Event, Queued, Roles, Trusted
+from ..algorithms.admission import Admission, AdmissionConfig, Admitted, Banned, Departed, Event, Queued, Roles, Trusted
 from ..algorithms.catchup import agreed
 from ..core.errors import Evidence, PhalanxError, RemoteError
 from ..core.serialization import decode, digest, encode
@@ -60,7 +60,8 @@ class AdmissionService:
         self.state: Admission | None = None
         self._history: dict[int, dict] = {}  # step -> state at the start of that step, before its entries
         self._entered: set[tuple[str, int]] = set()
-        self._absent: dict[int, list[str]] = {}
+        self._absent: dict[int, list[str]] = {}  # untrusted members missing from a step's group (chain broken)
+        self._away: dict[int, list[str]] = {}  # trusted members missing from a step's group (departed)
         self._records: dict[int, dict] = {}
         self._current = -1  # the step whose round ran last: what settles during it is recorded there
         self._emitted = -1  # the last step whose record was taken: what settles after it goes to the next one
@@ -101,9 +102,13 @@ class AdmissionService:
         for s, p in entries:
             self._entered.add((p, s))
             events += state.join(p)
+        for p in group:  # a member that departed (or was never known) and is back: it queues like a joiner
+            if state.status(p) == "unknown":
+                events += state.join(p)
         roles = state.roles(group)
         self._current = step
         self._absent[step] = sorted(p for p in state.untrusted if p not in group)
+        self._away[step] = sorted(p for p in state.trusted if p not in group)
         settled = self._records.get(step, {}).get("admission_events", [])  # settled between rounds, before this one
         self._records[step] = {
             "admission": {"trusted": sorted(state.trusted), "untrusted": dict(sorted(state.untrusted.items())), "queued": list(state.queue)},
@@ -111,8 +116,11 @@ class AdmissionService:
         }
         return roles
 
-    async def settle(self, step: int, approved: tuple[str, ...]) -> None:
-        """Apply step `step`'s agreed outcome: bans, chain breaks, approvals (in that order).
+    async def settle(self, step: int, approved: tuple[str, ...], departed: tuple[str, ...] = ()) -> None:
+        """Apply step `step`'s agreed outcome: bans, chain breaks, departures, approvals (in that order).
+
+        Departed: trusted members absent from the step's group, and the members the round found
+        without a commitment or silent through the verification (not banned: they lose their place).
 
         It takes effect from the next round on and is recorded with the round
         it settles in (a one-step delay: during step `step` + 1's round), or
@@ -125,6 +133,11 @@ class AdmissionService:
                 events += state.ban(record.peer, record.reason)
         for peer in self._absent.pop(step, []):
             events += state.ban(peer, "missed_step")
+        for peer in sorted(set(self._away.pop(step, [])) | set(departed)):
+            if state.status(peer) == "trusted":
+                events += state.depart(peer)
+            elif state.status(peer) == "untrusted":  # its chain of gradients broke (App. F)
+                events += state.ban(peer, "missed_step")
         described = _describe(events)
         for peer in approved:
             if peer in state.untrusted:
@@ -222,6 +235,8 @@ def _describe(events: list[Event]) -> list[list[str]]:
             out.append([event.peer, "trusted"])
         elif isinstance(event, Banned):
             out.append([event.peer, f"banned:{event.reason}"])
+        elif isinstance(event, Departed):
+            out.append([event.peer, "departed"])
     return out
 
 

@@ -113,6 +113,10 @@ HANDLED_EVIDENCE = ("wrong_shape", "wrong_dtype", "non_finite", "equivocation", 
 SECURE_REDUCERS = ("centered_clip", "mean")
 DERIVED_REASONS = ("equivocation", "not_validating", "v2_sum", "averaging", "no_reveal", "bad_reveal", "declaration")  # accuser "" only
 SEEN_TOPICS = ("bt.commit", "bt.rcommit", "bt.meta")  # what honest peers exchange seen-set digests of before deciding
+# Faults that are only an absence. With admission (App. F) a member that is silent through the step's
+# verification (no report reached anyone) departs instead of being banned for them: a crash is not a
+# lie, and the identity loses its trust (it comes back through admission); nobody who eliminated it pays.
+OMISSION_REASONS = ("no_reveal", "not_validating", "no_meta", "missing_part", "missing_aggregate", "late_commit")
 DROP_REASONS = ("missing_part", "part_hash", "bad_part", "late_commit")  # why an owner left a committed part out
 
 
@@ -152,7 +156,7 @@ class AdmissionHook(Protocol):
 
     async def roles(self, step: int, group: list[str]) -> Roles: ...
 
-    async def settle(self, step: int, approved: tuple[str, ...]) -> None: ...
+    async def settle(self, step: int, approved: tuple[str, ...], departed: tuple[str, ...] = ()) -> None: ...
 
     def checkpoint_state(self) -> dict: ...
 
@@ -179,6 +183,8 @@ class _Step:
     reports: dict[str, dict] = field(default_factory=dict)
     sum_failed: set[str] = field(default_factory=set)
     declaration_failed: set[str] = field(default_factory=set)
+    silent: set[str] = field(default_factory=set)
+    filled: dict[str, tuple[dict, dict]] = field(default_factory=dict)  # metadata recomputed for contributors that sent none  # members whose report for the step nobody holds
     averaging: dict[str, bool] = field(default_factory=dict)
     claims: list[Claim] = field(default_factory=list)  # this peer's own claims, reported in step 6
 
@@ -248,7 +254,7 @@ class SecureRound(ButterflyAllReduce):
                 del table[key]
         roles = await self.admission.roles(step, group) if self.admission is not None else Roles(tuple(group), tuple(group))
         owners, committers = list(roles.owners), list(roles.committers)
-        st = _Step(step, owners, part_bounds(self.dim, len(owners)), g, list(group), committers)
+        st = _Step(step, owners, part_bounds(self.dim, len(owners)) if owners else [], g, list(group), committers)
         if not owners:  # nobody trusted in view: nothing can be aggregated this step
             return await self._unaggregated(st)
         index = owners.index(me) if me in owners else None
@@ -425,13 +431,18 @@ class SecureRound(ButterflyAllReduce):
         for k in sorted(k for k in self._pending if step is None or k < step):
             st, task = self._pending.pop(k)
             everyone = await task
+            departed: set[str] = set()
+            if self.admission is not None:
+                departed = {c.target for c in everyone if c.target in st.silent and c.reason in OMISSION_REASONS}
+                everyone = [c for c in everyone if c.target not in departed or c.reason not in OMISSION_REASONS]
+                departed |= st.silent | {p for p in st.group if p not in st.commits}  # a trusted member that missed its commitment
             bans = resolve(self.ledger, k, everyone, lambda c, st=st: self._verdict(st, c), apply=self.btard.bans)
             if self.btard.bans:  # would-be bans of a run without bans are not bans: the ledger stays empty
                 self._unreported += bans
             if self.admission is not None:
                 banned = self.ledger.is_banned
                 approved = {t for v, t in st.pairs if t in st.reports.get(v, {}).get("approve", []) and not banned(t) and not banned(v)}
-                await self.admission.settle(k, tuple(sorted(approved)))
+                await self.admission.settle(k, tuple(sorted(approved)), tuple(sorted(p for p in departed if not banned(p))))
 
     def take_bans(self) -> list[BanRecord]:
         """Bans applied by `settle` and not yet returned by a round."""
@@ -533,6 +544,7 @@ class SecureRound(ButterflyAllReduce):
                 for c in report["claims"]
                 if c["kind"] != ELIMINATE or peer in st.group  # an untrusted peer cannot eliminate
             ]
+        st.silent = {p for p in group if p not in st.reports and p != me}
         await self._compare_views(st)
         equivocators = {
             proof.first.sender for proof in tr.board.proofs
@@ -541,7 +553,7 @@ class SecureRound(ButterflyAllReduce):
         everyone += [Claim(ACCUSE, "", peer, "equivocation") for peer in sorted(equivocators)]
         self._absorb(st)
         if st.z is not None:
-            self._agreed_checks(st, equivocators)
+            await self._agreed_checks(st, equivocators)
         # Failures every honest peer derives from the same broadcasts are claimed by nobody in
         # particular (accuser ""), so that agreeing peers are never banned as slanderers.
         everyone += [Claim(ACCUSE, "", o, "declaration") for o in sorted(st.declaration_failed)]
@@ -659,7 +671,7 @@ class SecureRound(ButterflyAllReduce):
             if peer in st.committers and peer not in st.meta and (parsed := _meta_of(env.payload, peer, self.transport)) is not None:
                 st.meta[peer] = parsed
 
-    def _agreed_checks(self, st: _Step, equivocators: set[str]) -> None:
+    async def _agreed_checks(self, st: _Step, equivocators: set[str]) -> None:
         """Declaration and Σ_i s_i^j = 0 over every agreed contributor of every partition.
 
         An owner's declaration (the parts it used) must be exactly the agreed contributors less the
@@ -669,7 +681,32 @@ class SecureRound(ButterflyAllReduce):
         for owner, (_, declared, _) in st.rcommits.items():
             if owner not in equivocators and set(declared) != set(self._contributors(st, owner)):
                 st.declaration_failed.add(owner)
+        self._fill_missing_meta(st)
         self._sum_checks(st, equivocators | st.declaration_failed)
+        for owner in sorted(st.sum_failed):
+            # The owner blames a contributor's metadata (its report's V1/V2 claim): the sum cannot
+            # judge the partition, so everyone reruns the owner's rule on the committed parts instead.
+            if any(c["reason"] in META_REASONS for c in st.reports.get(owner, {}).get("claims", [])) and owner not in st.averaging:
+                st.averaging[owner] = await self._check_averaging(st, owner)
+
+    def _fill_missing_meta(self, st: _Step) -> None:
+        """Metadata a contributor never sent (it crashed, or withholds it), recomputed where possible.
+
+        Its minibatch is public: anyone can recompute its gradient, and a part whose hash equals the
+        commitment is the committed part itself, so its norm and s are exact. Used by the Σ check
+        only (the owner's V1/V2 claim about the missing report is judged on what was sent).
+        """
+        for peer in sorted(st.commits):
+            owners = [o for o in st.aggregates if peer in self._contributors(st, o) and o not in st.meta.get(peer, ({}, {}))[1]]
+            if not owners:
+                continue
+            recomputed = self.recompute(peer, st.step).reshape(-1).to(torch.float32)
+            for owner in owners:
+                j, sl = st.group.index(owner), st.slice(owner)
+                if tensor_hash(recomputed[sl].contiguous()) == st.commits[peer][0][j]:
+                    proj = project(recomputed[sl], st.aggregates[owner], st.z64[sl], self.tau)
+                    norms, s = st.filled.setdefault(peer, ({}, {}))
+                    norms[owner], s[owner] = proj.norm, proj.s
 
     def _sum_checks(self, st: _Step, skip: set[str]) -> None:
         """Owners whose partition fails Σ_i s_i^j = 0 (everyone checks every partition it holds)."""
@@ -685,6 +722,8 @@ class SecureRound(ButterflyAllReduce):
             s_values, deltas = [], []
             for peer in contributors:
                 meta = st.meta.get(peer)
+                if (meta is None or owner not in meta[1]) and owner in st.filled.get(peer, ({}, {}))[1]:
+                    meta = st.filled[peer]
                 s_values.append(meta[1].get(owner, math.nan) if meta else math.nan)
                 deltas.append(min(meta[0].get(owner, math.inf), self.tau) if meta else math.inf)
             z = st.z[st.slice(owner)]
@@ -824,7 +863,7 @@ class SecureRound(ButterflyAllReduce):
             owner
             for j, owner in enumerate(st.group)
             if j in parts and owner in st.aggregates and target in self._contributors(st, owner)
-            and self._meta_lie(st, target, owner, parts[j]) is not None
+            and self._meta_lie(st, target, owner, parts[j]) not in (None, "no_meta")  # an absence is the owner's claim to make
         ]
 
     async def _compare_views(self, st: _Step) -> None:
