@@ -310,3 +310,17 @@ def test_a_forger_that_will_not_send_its_gradient_is_convicted_from_its_owners_p
     assert all(view == set(summary["byzantine"]) for view in views.values())
     rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
     assert [r["reason"] for r in rows] == ["gradient"] and rows[0]["accuser"] in honest
+
+
+def test_a_joiner_that_catches_up_across_a_ban_takes_the_ban_with_the_replayed_updates(tmp_path):
+    # The joiner loads the step-10 snapshot and replays the updates since; the sign flipper is banned
+    # in between. Each replayed update carries the bans that took effect in its step (and its
+    # digest covers them), so the joiner's ledger, group and state equal the others'.
+    summary, honest, views = _btard_run(
+        tmp_path, "sign_flip", "byzantine.start_step=11", "btard.validators=2", "faults.join=1", "faults.join_after_step=12",
+        "btard.admission_after=0", peers=5, steps=19,
+    )
+    joiner = summary["peer_ids"][5]
+    assert joiner in honest and all(view == set(summary["byzantine"]) for view in views.values())
+    digests = summary["final_digests"]
+    assert joiner in digests and len({digests[p] for p in honest}) == 1
