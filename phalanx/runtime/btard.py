@@ -372,6 +372,12 @@ class SecureRound(ButterflyAllReduce):
             parsed = _rcommit_in(obj, owners)
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
+                h = obj.get("h") if isinstance(obj, dict) else None
+                if isinstance(h, bytes) and len(h) == 32:
+                    # The declaration is malformed, the hash is not: the aggregate it binds is applied
+                    # (and checked over every agreed contributor), so that whether a peer applies it
+                    # never depends on which of two signed declarations reached it.
+                    st.rcommits[peer] = (h, [], {})
             else:
                 st.rcommits[peer] = parsed
         rbox = self._inbox.get((step, REDUCED), {})
@@ -757,7 +763,7 @@ class SecureRound(ButterflyAllReduce):
         rows = []
         for peer in contributors:
             part = parts.get(peer)
-            if not isinstance(part, torch.Tensor) or peer not in st.commits or tensor_hash(part) != st.commits[peer][0][j]:
+            if not isinstance(part, torch.Tensor) or peer not in st.commits or not self._committed_part(st, peer, j, part):
                 return False
             rows.append(part)
         recomputed = self.reducer(torch.stack(rows)).to(torch.float32)
@@ -808,6 +814,22 @@ class SecureRound(ButterflyAllReduce):
                     if j not in found:
                         take(j, gradient[a:b].clone())
         return found
+
+    def _committed_part(self, st: _Step, peer: str, j: int, part: torch.Tensor) -> bool:
+        """Whether `part` is peer's committed part j: under the commitment I hold, or under another
+        one it signed for this step and group (an equivocator's parts match either version, so that
+        honest peers holding different versions judge its owners alike)."""
+        h = tensor_hash(part)
+        if h == st.commits[peer][0][j]:
+            return True
+        for proof in self.transport.board.proofs:
+            if proof.first.topic == "bt.commit" and proof.first.step == st.step and proof.first.sender == peer:
+                for env in (proof.first, proof.second):
+                    obj = _decoded(env.payload, peer, self.transport)
+                    version = _commit_in(obj, len(st.group)) if _group_in(obj) == st.g else None
+                    if version is not None and version[0][j] == h:
+                        return True
+        return False
 
     async def _fetch_gradient(self, st: _Step, target: str) -> dict[int, torch.Tensor]:
         """The target's committed parts (the slanderer's evidence; honest validators use `_committed_parts`)."""
