@@ -26,9 +26,11 @@ from phalanx.algorithms.btard_checks import (
 from phalanx.algorithms.reducers import make_reducer
 from phalanx.config import override
 from phalanx.core.errors import ConfigError
+from phalanx.experiments.btard_redteam import RedTeamConfig, run_trial
 from phalanx.experiments.simulate import simulate
 from phalanx.experiments.swarm import peer_identity
 from phalanx.presets import get_preset
+from phalanx.runtime.btard import SecureRound
 from phalanx.runtime.butterfly import AllReduceConfig
 from phalanx.runtime.dp_peer import DataParallelPeer, TrainConfig
 from phalanx.training.task import make_task
@@ -324,3 +326,21 @@ def test_a_joiner_that_catches_up_across_a_ban_takes_the_ban_with_the_replayed_u
     assert joiner in honest and all(view == set(summary["byzantine"]) for view in views.values())
     digests = summary["final_digests"]
     assert joiner in digests and len({digests[p] for p in honest}) == 1
+
+
+# --- red team (issue 14): random multi-point strategies, three invariants ---------------------
+
+
+@pytest.mark.parametrize("seed", [0, 6, 24])
+def test_red_team_slice_breaks_no_invariant(seed):
+    trial = run_trial(seed, RedTeamConfig(steps=5))
+    assert trial.moves and trial.bans  # the colluders lied and were caught
+    assert trial.violations == [], trial
+
+
+def test_red_team_finds_a_weakened_sum_check(monkeypatch):
+    # An owner that commits and sends a shifted aggregate, declaring every part: only Σ s = 0 sees it.
+    config = RedTeamConfig(steps=3, points="aggregate")
+    assert run_trial(14, config).violations == []
+    monkeypatch.setattr(SecureRound, "_sum_checks", lambda self, st, skip: None)
+    assert any("honest-only CenteredClip" in v for v in run_trial(14, config).violations)

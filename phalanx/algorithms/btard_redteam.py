@@ -29,13 +29,19 @@ from .btard_attacks import ProtocolPolicy, _unit
 @dataclass(kw_only=True)
 class RedTeam(ProtocolPolicy):
     rate: float = 0.3  # probability of deviating at each decision point of each step
+    points: frozenset[str] = frozenset()  # the decision points it may deviate at (empty: all of them)
     moves: list[tuple[int, str, str]] = field(default_factory=list)  # (step, point, choice) actually played
 
-    def _pick(self, step: int, point: str, choices: tuple[str, ...]) -> str | None:
-        """The deviation at (step, point), or None (honest); recorded when played."""
+    def _pick(self, step: int, point: str, choices: tuple[str, ...], weight: float = 1.0) -> str | None:
+        """The deviation at (step, point), or None (honest); recorded when played.
+
+        `weight` scales the rate at points whose lie ends every other one (an equivocation is
+        proven and banned at once, hiding what the rest of the strategy would have done)."""
+        if self.points and point.split("/")[0] not in self.points:
+            return None
         key = hashlib.sha256(f"{self.seed}/{step}/{point}".encode()).digest()
         rng = random.Random(int.from_bytes(key[:8], "little"))
-        if rng.random() >= self.rate:
+        if rng.random() >= self.rate * weight:
             return None
         choice = rng.choice(choices)
         self.moves.append((step, point, choice))
@@ -54,7 +60,7 @@ class RedTeam(ProtocolPolicy):
         return gradient
 
     def equivocate(self, step: int) -> bool:
-        return self._pick(step, "equivocate", ("split_commit",)) is not None
+        return self._pick(step, "equivocate", ("split_commit",), weight=0.2) is not None
 
     def part_for(self, step: int, owner: str, part: Tensor, group: list[str]) -> Tensor | None:
         if owner in self.colluders:
@@ -102,7 +108,7 @@ class RedTeam(ProtocolPolicy):
         return used, dropped
 
     def other_declaration(self, step: int, used: list[str], dropped: dict[str, str], owners: list[str]) -> tuple[list[str], dict[str, str]] | None:
-        if self._pick(step, "other_declaration", ("split",)):
+        if self._pick(step, "other_declaration", ("split",), weight=0.2):
             return [p for p in used if p in self.colluders], dropped
         return None
 

@@ -59,6 +59,7 @@ class RedTeamConfig:
     max_peers: int = 7
     k: int = 2  # a harmful step must be followed by a colluder's ban within k steps of claims
     minutes: float = 0.0  # > 0: keep drawing trials until this much wall time has passed (trials is then a floor)
+    points: str = ""  # comma-separated decision points the colluders may deviate at ("": all), e.g. "aggregate,declare"
 
     def __post_init__(self) -> None:
         if self.trials < 1 or self.steps < 2 or self.k < 1:
@@ -111,7 +112,8 @@ def run_trial(seed: int, config: RedTeamConfig) -> Trial:
     async def main() -> None:
         network = SimNetwork(SimConfig(seed=seed))
         for i, identity in enumerate(identities):
-            policy = RedTeam(seed=seed, colluders=colluders, rate=rate) if i in byzantine else None
+            points = frozenset(p for p in config.points.split(",") if p)
+            policy = RedTeam(seed=seed, colluders=colluders, rate=rate, points=points) if i in byzantine else None
             if policy is not None:
                 policies.append(policy)
             peer = DataParallelPeer(network.add_peer(identity), task, TrainConfig(), seed, allreduce=allreduce, btard=btard, policy=policy)
