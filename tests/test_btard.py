@@ -344,3 +344,10 @@ def test_red_team_finds_a_weakened_sum_check(monkeypatch):
     assert run_trial(14, config).violations == []
     monkeypatch.setattr(SecureRound, "_sum_checks", lambda self, st, skip: None)
     assert any("honest-only CenteredClip" in v for v in run_trial(14, config).violations)
+
+
+def test_red_team_regression_equivocator_parts_judged_alike_under_either_version():
+    # Found by the harness: a colluder splits its commitment and omits its metadata; the owners'
+    # excused sums go to CHECKAVERAGING, which once judged the owners by whichever version each
+    # honest peer held first and banned honest owners on half of the peers.
+    assert run_trial(5, RedTeamConfig(steps=3, points="equivocate,report")).violations == []
