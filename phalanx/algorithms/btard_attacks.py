@@ -48,6 +48,10 @@ class ProtocolPolicy:
         """Sign a second, different commitment and send it to half of the peers."""
         return False
 
+    def deadline_edge(self, step: int) -> bool:
+        """Sign the commitment just before the others' deadline: half get it in time, half just after."""
+        return False
+
     def part_for(self, step: int, owner: str, part: Tensor, group: list[str]) -> Tensor | None:
         """What to send to `owner` of `group` (None: nothing)."""
         return part
@@ -178,6 +182,14 @@ class Equivocate(ProtocolPolicy):
     """Sign two different commitments for one step and split them between peers."""
 
     def equivocate(self, step: int) -> bool:
+        return self.active(step)
+
+
+@dataclass(kw_only=True)
+class DeadlineEdge(ProtocolPolicy):
+    """Time the commitment at the deadline: early to half of the peers, late to the rest."""
+
+    def deadline_edge(self, step: int) -> bool:
         return self.active(step)
 
 
@@ -317,6 +329,7 @@ PROTOCOL_ATTACKS: dict[str, type[ProtocolPolicy]] = {
     "wrong_hash": WrongHash,
     "silent_to_one": SilentToOne,
     "equivocate": Equivocate,
+    "deadline_edge": DeadlineEdge,
     "lie_norms": LieNorms,
     "lie_inner_products": LieInnerProducts,
     "no_validate": NoValidate,

@@ -225,6 +225,7 @@ class SecureRound(ButterflyAllReduce):
         self._joined: set[int] = set()  # steps whose join this peer already broadcast
         self._pending: dict[int, tuple[_Step, asyncio.Future]] = {}  # step -> its verification, not yet resolved
         self._unreported: list[BanRecord] = []
+        self._edge: asyncio.Future | None = None  # a deadline_edge attacker's delayed broadcast (kept referenced)
         self.admission: AdmissionHook | None = None  # App. F; None: every member is trusted
         transport.add_request_handler("bt.grad", self._on_grad)
         transport.add_request_handler("bt.parts", self._on_parts)
@@ -277,6 +278,9 @@ class SecureRound(ButterflyAllReduce):
         if me in committers and self.policy.equivocate(step):
             negated = [tensor_hash(-p) for p in parts]
             await self._split_broadcast("bt.commit", step, payload, encode({"g": g, "parts": negated, "whole": gradient_hash(negated)}))
+        elif me in committers and self.policy.deadline_edge(step):
+            self._edge = asyncio.ensure_future(self._edge_broadcast("bt.commit", step, payload, self.btard.timeout))
+            st.commits[me] = (hashes, gradient_hash(hashes))  # it knows its own commitment: it goes on as a contributor
         elif me in committers:
             await tr.broadcast("bt.commit", step, payload)
 
@@ -488,7 +492,11 @@ class SecureRound(ButterflyAllReduce):
         tr, me = self.transport, self.transport.peer_id
         step, group, g = st.step, st.members, st.g
         contributors_all = [p for p in st.committers if p in st.commits]
-        trusted = [p for p in contributors_all if p in st.group]  # validators are drawn among these (App. F)
+        # Validator/target pairs are drawn from the step's roles (fixed by the group), not from the
+        # commitments that reached me by my deadline: a commitment timed at the deadline must not give
+        # honest peers different pairs (and each other's validators as not_validating).
+        drawn = list(st.committers)
+        trusted = [p for p in drawn if p in st.group]  # validators are drawn among these (App. F)
         claims = st.claims
         approvals: list[str] = []
         unverified: list[str] = []  # targets whose parts at hand are honest, the rest held by nobody but them
@@ -496,7 +504,7 @@ class SecureRound(ButterflyAllReduce):
         if r is not None:
             st.z = direction(r, self.dim)
             st.z64 = st.z.to(torch.float64)  # converted once: every projection of the step reads it
-            st.pairs = _pairs(r, trusted, contributors_all, min(self.btard.validators, len(trusted) // 2))
+            st.pairs = _pairs(r, trusted, drawn, min(self.btard.validators, len(trusted) // 2))
             await self._send_meta(st, parts, me)
             # A peer may have waited the whole gather timeout for a silent owner's aggregate.
             wait = self.config.timeout + self.btard.timeout
@@ -599,6 +607,19 @@ class SecureRound(ButterflyAllReduce):
             log.warning("BTARD step %d has no random value (%s): V2 and validation are skipped", step, exc)
             value = None
         return value, [Claim(ACCUSE, "", rec.peer, rec.reason) for rec in shadow.records if rec.peer not in before]
+
+    async def _edge_broadcast(self, topic: str, step: int, payload: bytes, deadline: float) -> None:
+        """A deadline_edge attacker's broadcast: signed just before the others' deadline, sent to
+        half of them then, and to the other half just after it."""
+        tr = self.transport
+        await asyncio.sleep(0.95 * deadline)
+        envelope = SignedEnvelope.create(tr.identity, topic, step, payload)
+        tr.board.add(envelope)
+        others = [p for p in tr.members() if p != tr.peer_id]
+        for i, peer in enumerate(others):
+            if i == len(others) // 2:
+                await asyncio.sleep(0.1 * deadline)
+            await tr.send(peer, BROADCAST_TOPIC, envelope.to_bytes())
 
     async def _split_broadcast(self, topic: str, step: int, first: bytes, second: bytes) -> None:
         """An equivocating peer's broadcast: `first` to itself and half of the others, `second` to the rest."""
@@ -851,6 +872,8 @@ class SecureRound(ButterflyAllReduce):
             return None
         if decision == "skip":
             return "skip"
+        if target not in st.commits:
+            return "unverified"  # no commitment reached me: it contributed nothing I could check
         recomputed = self.recompute(target, st.step).reshape(-1)
         if recomputed.dtype == torch.float32 and self._matches_commit(st, target, recomputed):
             # bit-identical to the commitment (same build): nothing to fetch
