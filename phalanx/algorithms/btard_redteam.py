@@ -5,14 +5,15 @@ and, at each decision point of each step, deviates with probability `rate`,
 picking one of the lies the catalogue knows there: what it commits, which
 parts go to whom, which parts it aggregates and what aggregate it commits
 and sends, what it declares (and to whom), its norms and inner products,
-its validation verdicts, its accusations, and whether it serves its
-gradient or the parts it aggregated. Every choice is a pure function of
+its validation verdicts, its accusations, whether it serves its gradient or
+the parts it aggregated, and when its commitment is delivered (signed at the
+others' deadline, early to half of them, late to the rest). Every choice is a pure function of
 (seed, step, decision point), shared by all colluders: they are one
 adversary and lie alike. `moves` lists what it did, so a violating run is
 reproduced by its seed alone and reported with its schedule.
 
-Delivery timing (sending one message early to some peers and late to
-others) is not among the deviations: the round has no hook for it yet.
+Delivery timing is played for the commitment only; the other broadcasts
+(aggregate commitments, metadata, reports) have no timing hook yet.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class RedTeam(ProtocolPolicy):
 
     def equivocate(self, step: int) -> bool:
         return self._pick(step, "equivocate", ("split_commit",), weight=0.2) is not None
+
+    def deadline_edge(self, step: int) -> bool:
+        return self._pick(step, "deadline_edge", ("commit",), weight=0.5) is not None
 
     def part_for(self, step: int, owner: str, part: Tensor, group: list[str]) -> Tensor | None:
         if owner in self.colluders:
