@@ -11,16 +11,19 @@ The critical path has one synchronisation before aggregation (App. B):
 1. commit: broadcast signed hashes of each part g_i(j) and of the whole g_i
    (the hash of the part hashes), immediately followed by the parts: an owner
    uses a part only once it holds the sender's commitment, so commitments need
-   no round of their own. The peers whose commitment I hold after the wait are
-   the step's contributors. A commitment that arrives later is ignored for
-   this step: its sender's parts are not aggregated, and it is not banned
-   (lateness proves nothing).
+   no round of their own. An owner aggregates the parts of the owners whose
+   commitment it holds by its deadline.
 2. scatter: the owner checks each part against its commitment: missing or
    mismatching -> ELIMINATE(owner, sender); matching but NaN/Inf, wrong shape
    or dtype -> ACCUSE with the part as proof.
 3. reduce: the owner runs the configured rule (CenteredClip), broadcasts the
-   hash of the result and the list of parts it used, then sends the result;
-   receivers check it the same way. The step's result (the SGD update) is
+   hash of the result with its declaration (the parts it used, and the owners
+   it dropped and why), then sends the result; receivers check it the same
+   way. What a partition must aggregate is never the owner's word: it is every
+   owner whose commitment is in the agreed set (step 6) less the owner's
+   drops, and each drop of a committed owner is the dropper's ELIMINATE (a
+   commitment that reached the owner late included: lateness is unprovable,
+   so it is priced like a missing part). The step's result (the SGD update) is
    returned as soon as the aggregates are gathered and hash-checked.
 
 Verification runs in the background while the next step computes and
@@ -29,16 +32,21 @@ all-reduces (App. B, the second synchronisation point):
 4. MPRNG commits during the scatter and reveals once every aggregate
    commitment is in (r must not be known before them); r gives the direction
    z (Verification 2) and m validator/target pairs.
-5. meta: each contributor broadcasts norm_ij and s_ij for every partition.
-   Owners run V1 and V2 on their contributors; everyone checks Σ_i s_i^j = 0;
-   V3 flags trigger CHECKAVERAGING. Validators recompute their target's
+5. meta: each contributor broadcasts norm_ij and s_ij for every partition
+   that did not drop it. Owners run V1 and V2 on their contributors; V3 flags trigger CHECKAVERAGING. Validators recompute their target's
    gradient from the public batch at that step's parameters; if its hashes
    equal the commitment (same build: bit-identical) nothing is fetched,
-   otherwise they fetch the committed gradient and compare within GRAD_RTOL;
-   then they check its norms and inner products (Alg. 7).
+   otherwise they fetch the committed parts from the owners that aggregated
+   them (the target only for parts nobody else holds) and compare within
+   GRAD_RTOL; then they check its norms and inner products (Alg. 7). The
+   validator/target pairs are drawn from the step's roles, not from the
+   commitments that reached each peer.
 6. report: each peer broadcasts its claims (ACCUSE with evidence, ELIMINATE),
-   approvals and a digest of the commitments it saw; the reports are
-   collected and split views are turned into equivocation proofs.
+   approvals and seen-set digests of the commitments, aggregate commitments
+   and metadata it holds; each peer fetches what others hold and it lacks
+   (split views become equivocation proofs) and only then runs the checks
+   that decide on sets: every declaration against the agreed contributors,
+   and Σ_i s_i^j = 0 over every agreed contributor of every partition.
 
 Step k's claims are resolved in one canonical order (`btard_checks.resolve`)
 at the end of step k + 1's all-reduce (`settle`), on every honest peer at the
@@ -60,7 +68,9 @@ members commit their gradient, may be drawn as validation targets (never as
 validators), and receive the aggregate; their ELIMINATE claims are ignored
 (a cheap identity must not be able to remove a trusted one with it); queued
 members only receive the aggregate. A step's approvals reach admission when
-its verification is settled (`AdmissionHook.settle`).
+its verification is settled (`AdmissionHook.settle`), with the members that
+departed: trusted ones without an agreed commitment, and those silent through
+the verification (no report anywhere), whose omission claims then ban nobody.
 
 Protocol messages a peer gets wrong never raise: they become claims.
 """
@@ -525,7 +535,7 @@ class SecureRound(ButterflyAllReduce):
                     elif claim != "skip":
                         claims.append(claim)
             for target in self.policy.slander(step, [p for p in contributors_all if p != me]):
-                parts = await self._fetch_gradient(st, target)
+                parts = await self._committed_parts(st, target)
                 claims.append(Claim(ACCUSE, me, target, "gradient", tuple(sorted(parts.items(), key=lambda item: item[0]))))
         mine = [ev for ev in self._evidence if ev.step is None or ev.step <= step]
         self._evidence = [ev for ev in self._evidence if not (ev.step is None or ev.step <= step)]
@@ -851,10 +861,6 @@ class SecureRound(ButterflyAllReduce):
                     if version is not None and version[0][j] == h:
                         return True
         return False
-
-    async def _fetch_gradient(self, st: _Step, target: str) -> dict[int, torch.Tensor]:
-        """The target's committed parts (the slanderer's evidence; honest validators use `_committed_parts`)."""
-        return await self._committed_parts(st, target)
 
     def _matches_commit(self, st: _Step, target: str, gradient) -> bool:
         """Whether `gradient` is exactly what `target` committed to (its part hashes and whole hash)."""
