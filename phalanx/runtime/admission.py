@@ -67,6 +67,7 @@ class AdmissionService:
         self._emitted = -1  # the last step whose record was taken: what settles after it goes to the next one
         self._resync: int | None = None  # a fetched state misses what settles in its first round: refetch at this step
         peer.allreduce.admission = self
+        catchup.voters = lambda: set(self.state.trusted) if self.state is not None else set()
         self.transport.add_request_handler(STATE, self._serve_state)
 
     async def start(self, step: int) -> None:
@@ -197,6 +198,10 @@ class AdmissionService:
             others = [p for p in self.peer.ledger.filter(self.transport.members()) if p != me]
             answers = await asyncio.gather(*(self._ask(p, step, config.request_timeout) for p in others))
             states = {p: a for p, a in zip(others, answers) if a is not None}
+            # A vote counts only from a peer that the state it vouches for lists as trusted: queued and
+            # untrusted identities never vote for the real state. (A state made up by Sybils that lists
+            # only themselves passes this too; telling it apart needs signed per-step state digests.)
+            states = {p: a for p, a in states.items() if p in a.trusted}
             found = agreed({p: digest(encode(s.to_dict())) for p, s in states.items()}, len(states), config.confirmations)
             if found is not None:
                 return Admission.from_dict(states[found[1][0]].to_dict())

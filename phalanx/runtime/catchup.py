@@ -28,6 +28,7 @@ A peer's bad answer (wrong hash, malformed state) is evidence against it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 import logging
 import math
 from collections import Counter
@@ -287,6 +288,9 @@ class CatchupService:
         self._check_at: int | None = None
         self._alone_since: float | None = None  # when a joiner last saw no other peer in its view
         self._rosters: list[dict] = []  # the roster views of the last offers
+        # Who votes at a sync-point digest check (None: the whole group). BTARD's admission sets it to the
+        # trusted peers: queued and untrusted identities are cheap and must not outvote the replicas.
+        self.voters: Callable[[], set[str]] | None = None
         self._sending: set[asyncio.Future] = set()
         peer.admit = self.roster.admit
         peer.on_update.append(self._record_update)
@@ -345,7 +349,10 @@ class CatchupService:
         mine = self._snapshots.get(sync)
         if mine is None:
             return
-        reports = {p: e.payload for p, e in self.transport.board.get(DIGEST, sync).items() if p in self.peer.group(step)}
+        group = set(self.peer.group(step))
+        if self.voters is not None:
+            group &= self.voters()
+        reports = {p: e.payload for p, e in self.transport.board.get(DIGEST, sync).items() if p in group}
         reports[self.transport.peer_id] = mine[2]
         # Our own group, whose aggregate we already trust: a strict majority of its digests
         # is enough (a crash mid-gather can leave 2 of 3 survivors on one state, 1 on another).
