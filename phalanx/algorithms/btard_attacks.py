@@ -302,11 +302,15 @@ class ListExtra(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class SplitDeclaration(ProtocolPolicy):
-    """Owner signs two declarations of one aggregate: the true one to half of the peers, one
-    without its honest contributors to the other half."""
+    """Owner signs two declarations of one aggregate: the true one to half of the peers, and to the
+    other half one that no honest owner signs (an honest contributor both used and dropped), hoping
+    that only the peers holding the true one apply its aggregate."""
 
     def other_declaration(self, step, used, dropped, owners):
-        return ([p for p in used if p in self.colluders], dropped) if self.active(step) else None
+        victim = next((p for p in used if p not in self.colluders), None)
+        if not self.active(step) or victim is None:
+            return None
+        return used, {**dropped, victim: "part_hash"}
 
 
 @dataclass(kw_only=True)
