@@ -435,13 +435,10 @@ class SecureRound(ButterflyAllReduce):
         A commitment signed at the deadline reaches some honest peers in time and others just after;
         their seen sets, sent right after their deadline, bring it to every owner, so an owner does
         not drop (and ELIMINATE) a part that others saw committed in time. A seen set that names a
-        commitment nobody can produce adds nothing. A peer that holds every committer's commitment
-        has nothing to learn and does not wait, so a step where all arrive pays no extra round.
+        commitment nobody can produce adds nothing.
         """
         tr, me = self.transport, self.transport.peer_id
         await tr.broadcast("bt.cseen", st.step, encode({"g": st.g, "seen": sorted(held)}))
-        if all(p in st.commits or p == me for p in st.committers):
-            return  # nothing anyone saw can be missing here: no wait on the critical path
         reports = await tr.collect_broadcasts("bt.cseen", st.step, st.committers, self.btard.timeout, relays=len(st.members))
         wanted: dict[str, list[str]] = {}
         for reporter, env in sorted(reports.items()):
