@@ -318,7 +318,6 @@ class SecureRound(ButterflyAllReduce):
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
                 st.commits[peer] = parsed
-        await self._agree_commitments(st, envelopes)
         contributors_all = [p for p in committers if p in st.commits]
         trusted = [p for p in contributors_all if p in owners]  # contributors whose parts are aggregated
         rows, used = [], []
@@ -427,34 +426,6 @@ class SecureRound(ButterflyAllReduce):
             tuple(o for o in owners if o not in st.aggregates),
             tuple(bans),
         )
-
-    async def _agree_commitments(self, st: _Step, held: dict[str, SignedEnvelope]) -> None:
-        """Before owners cut what they aggregate: exchange the seen set of commitments, fetch the ones
-        another peer held by its deadline, and decide on the union.
-
-        A commitment signed at the deadline reaches some honest peers in time and others just after;
-        their seen sets, sent right after their deadline, bring it to every owner, so an owner does
-        not drop (and ELIMINATE) a part that others saw committed in time. A seen set that names a
-        commitment nobody can produce adds nothing.
-        """
-        tr, me = self.transport, self.transport.peer_id
-        await tr.broadcast("bt.cseen", st.step, encode({"g": st.g, "seen": sorted(held)}))
-        reports = await tr.collect_broadcasts("bt.cseen", st.step, st.committers, self.btard.timeout, relays=len(st.members))
-        wanted: dict[str, list[str]] = {}
-        for reporter, env in sorted(reports.items()):
-            obj = _decoded(env.payload, reporter, tr)
-            seen = obj.get("seen") if isinstance(obj, dict) and _group_in(obj) == st.g else None
-            if isinstance(seen, list):
-                for peer in seen:
-                    if isinstance(peer, str) and peer in st.committers and peer not in st.commits and peer != me:
-                        wanted.setdefault(reporter, []).append(peer)
-        if not wanted:
-            return
-        await asyncio.gather(*(tr.fetch_broadcasts("bt.commit", st.step, peers, [reporter], self.btard.timeout / 2) for reporter, peers in wanted.items()))
-        for peer, env in tr.board.get("bt.commit", st.step).items():
-            obj = _decoded(env.payload, peer, tr)
-            if peer in st.committers and peer not in st.commits and _group_in(obj) == st.g and (parsed := _commit_in(obj, len(st.group))):
-                st.commits[peer] = parsed
 
     async def _unaggregated(self, st: _Step) -> SecureResult:
         """A step with no trusted member in view: no update; its (empty) verification settles like any other."""
