@@ -11,8 +11,8 @@ few steps, then checks three invariants on what the honest peers did:
    disproved, so both go);
 3. bounded effect: on a step where, on some partition, the update the honest
    peers applied is further from the honest-only CenteredClip than
-   CenteredClip's bound (tau · b / n for b colluders among n contributors,
-   plus float slack), some colluder's ban takes effect within K steps: for
+   CenteredClip's bound (tau · b / h for b colluders, h the honest parts within
+   tau of the honest-only result, plus float slack), some colluder's ban takes effect within K steps: for
    a claim of the step before (resolved after this step's update, App. B),
    of this step, or of the next K - 1 steps.
 
@@ -158,7 +158,10 @@ def run_trial(seed: int, config: RedTeamConfig) -> Trial:
         for a, z in part_bounds(applied.numel(), len(group)):
             honest_only = reduce(rows[:, a:z])
             gap = float((applied[a:z] - honest_only).norm())
-            bound = TAU * b / len(group) * (1 + SLACK) + SLACK * float(honest_only.norm())
+            # b clipped rows of norm <= tau move the fixed point by about tau·b over the number of honest
+            # rows that are not clipped themselves (each of those pulls back with weight 1)
+            inside = int(((rows[:, a:z] - honest_only).norm(dim=1) <= TAU).sum())
+            bound = TAU * b / max(1, inside) * (1 + SLACK) + SLACK * float(honest_only.norm())
             # step s's claims are resolved at the end of step s + 1's all-reduce (App. B): a ban for
             # the step before this one takes effect after this step's update, so it counts
             if gap > bound and not any(step - 1 <= s < step + config.k for s in banned_colluders):
