@@ -17,6 +17,7 @@ from .presets import describe
 BENCHES = {
     "robustness": "robustness",
     "btard": "btard_bench",
+    "btard-redteam": "btard_redteam",
     "gwtf": "gwtf_bench",
     "aspis": "aspis_bench",
     "sentinel": "sentinel_bench",

@@ -111,3 +111,16 @@ def test_admission_state_round_trips_and_gives_roles():
         override(get_preset("btard-digits"), ["btard.admission_after=-1"])
     with pytest.raises(ConfigError, match="byzantine.joiners"):
         override(get_preset("btard-digits"), ["byzantine.joiners=1"])
+
+
+def test_a_trusted_peer_that_crashes_mid_verification_departs_unbanned_and_leaves_t(tmp_path):
+    # It crashes while its step is verified (no reveal, no metadata, no report): App. F makes it
+    # departed, not banned; nobody pays as its eliminator; t (and so the untrusted slots) shrinks.
+    summary, metrics, admissions = _run(tmp_path, "peers=5", "steps=8", "faults.crash=1", "faults.crash_after_step=3", "faults.join=1", "faults.join_after_step=6")
+    assert summary["banned"] == [] and all(v == [] for v in summary["banned_by_peer"].values())
+    departed = [(a["peer"], a["step"]) for a in admissions if a["event"] == "departed"]
+    assert len(departed) == 1 and departed[0][1] == 4
+    assert [m["trusted"] for m in metrics] == [5] * 5 + [4] * 3  # out of t from the step after it departed
+    honest = [p for p in summary["final_digests"] if p != departed[0][0]]
+    assert len({summary["final_digests"][p] for p in honest}) == 1
+    _agree(summary, metrics)

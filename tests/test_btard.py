@@ -26,9 +26,11 @@ from phalanx.algorithms.btard_checks import (
 from phalanx.algorithms.reducers import make_reducer
 from phalanx.config import override
 from phalanx.core.errors import ConfigError
+from phalanx.experiments.btard_redteam import RedTeamConfig, run_trial
 from phalanx.experiments.simulate import simulate
 from phalanx.experiments.swarm import peer_identity
 from phalanx.presets import get_preset
+from phalanx.runtime.btard import SecureRound
 from phalanx.runtime.butterfly import AllReduceConfig
 from phalanx.runtime.dp_peer import DataParallelPeer, TrainConfig
 from phalanx.training.task import make_task
@@ -268,3 +270,101 @@ def test_admission_limits_untrusted_peers_and_trusts_after_t_approvals():
     assert admission.join("f") == [Queued("f", 0)]
     with pytest.raises(ConfigError, match="admission.approvals"):
         AdmissionConfig(approvals=0)
+
+
+# --- the owner's declaration against the agreed set (issue 14) ----------------------
+
+
+@pytest.mark.parametrize(
+    "attack, reason",
+    [
+        ("scaled_aggregate", "declaration"),  # -10 x the aggregate, nobody listed: never banned while checks trusted the list
+        ("trimmed_declaration", "declaration"),
+        ("list_nobody", "declaration"),
+        ("list_other", "declaration"),
+        ("hide_contributors", "v2_sum"),  # lists everyone, aggregates only itself: the sum over the agreed set fails
+        ("list_extra", "declaration"),  # malformed (a part both used and dropped): bad_commit too, resolved after
+        ("split_declaration", "equivocation"),
+    ],
+)
+def test_an_owner_declaration_that_differs_from_the_agreed_set_is_banned_alone(tmp_path, attack, reason):
+    summary, honest, views = _btard_run(tmp_path, attack, "byzantine.start_step=1", peers=4, steps=3)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["step"]) for r in rows] == [(reason, 1)]  # caught on the first step it lies
+    digests = summary["final_digests"]
+    assert len({digests[p] for p in honest}) == 1  # honest models, optimizers and ledgers identical
+
+
+def test_an_owner_that_drops_honest_parts_pays_with_an_eliminate(tmp_path):
+    # The one declaration no check can disprove ("their part never came") is an ELIMINATE: the
+    # owner goes, and with it the first victim in canonical order (App. D.3), nobody else.
+    summary, honest, views = _btard_run(tmp_path, "drop_honest", peers=4, steps=3)
+    assert all(view == {summary["byzantine"][0], min(honest)} for view in views.values())
+    digests = summary["final_digests"]
+    assert len({digests[p] for p in honest if p != min(honest)}) == 1
+
+
+def test_a_forger_that_will_not_send_its_gradient_is_convicted_from_its_owners_parts(tmp_path):
+    # The validator's recomputation differs from the commitment and the target refuses bt.grad:
+    # the parts its owners aggregated are the evidence, and no honest validator is spent on it.
+    summary, honest, views = _btard_run(tmp_path, "withhold_gradient", "btard.validators=2", steps=8)
+    assert all(view == set(summary["byzantine"]) for view in views.values())
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in rows] == ["gradient"] and rows[0]["accuser"] in honest
+
+
+def test_a_joiner_that_catches_up_across_a_ban_takes_the_ban_with_the_replayed_updates(tmp_path):
+    # The joiner loads the step-10 snapshot and replays the updates since; the sign flipper is banned
+    # in between. Each replayed update carries the bans that took effect in its step (and its
+    # digest covers them), so the joiner's ledger, group and state equal the others'.
+    summary, honest, views = _btard_run(
+        tmp_path, "sign_flip", "byzantine.start_step=11", "btard.validators=2", "faults.join=1", "faults.join_after_step=12",
+        "btard.admission_after=0", peers=5, steps=19,
+    )
+    joiner = summary["peer_ids"][5]
+    assert joiner in honest and all(view == set(summary["byzantine"]) for view in views.values())
+    digests = summary["final_digests"]
+    assert joiner in digests and len({digests[p] for p in honest}) == 1
+
+
+# --- red team (issue 14): random multi-point strategies, three invariants ---------------------
+
+
+@pytest.mark.parametrize("seed", [0, 6, 24])
+def test_red_team_slice_breaks_no_invariant(seed):
+    trial = run_trial(seed, RedTeamConfig(steps=5))
+    assert trial.moves and trial.bans  # the colluders lied and were caught
+    assert trial.violations == [], trial
+
+
+def test_red_team_finds_a_weakened_sum_check(monkeypatch):
+    # An owner that commits and sends a shifted aggregate, declaring every part: only Σ s = 0 sees it.
+    config = RedTeamConfig(steps=3, points="aggregate")
+    assert run_trial(14, config).violations == []
+    monkeypatch.setattr(SecureRound, "_sum_checks", lambda self, st, skip: None)
+    assert any("honest-only CenteredClip" in v for v in run_trial(14, config).violations)
+
+
+def test_red_team_regression_equivocator_parts_judged_alike_under_either_version():
+    # Found by the harness: a colluder splits its commitment and omits its metadata; the owners'
+    # excused sums go to CHECKAVERAGING, which once judged the owners by whichever version each
+    # honest peer held first and banned honest owners on half of the peers.
+    assert run_trial(5, RedTeamConfig(steps=3, points="equivocate,report")).violations == []
+
+
+def test_a_commitment_timed_at_the_deadline_splits_nobody(tmp_path):
+    # deadline_edge signs its commitment just before the others' deadline and sends it to half of
+    # them then, to the rest just after. Validator pairs come from the step's roles, not from the
+    # commitments each peer held by its deadline, so no honest validator is taken for a silent one.
+    # An owner that did not get the commitment in time drops that part: an ELIMINATE, the price of
+    # any "their part never came" (App. D.3), so the attacker goes with at most one honest owner.
+    summary, honest, views = _btard_run(tmp_path, "deadline_edge", peers=5, steps=3)
+    byzantine = summary["byzantine"][0]
+    assert len({frozenset(v) for v in views.values()}) == 1  # one ledger
+    (view,) = {frozenset(v) for v in views.values()}
+    assert byzantine in view and len(view - {byzantine}) <= 1
+    rows = [json.loads(line) for line in (tmp_path / "bans.jsonl").read_text().splitlines()]
+    assert all(r["reason"] in ("eliminator", "eliminated:late_commit") or r["peer"] == byzantine for r in rows)
+    digests = summary["final_digests"]
+    assert len({digests[p] for p in honest if p not in view}) == 1

@@ -5,8 +5,11 @@ validators may check it, but nobody aggregates it and it validates nobody.
 After T approved gradients it becomes trusted. At most floor(t/2) peers are
 untrusted at once (t = trusted peers); later joiners wait in a FIFO queue
 until an untrusted slot frees up (its holder became trusted or was banned).
-A peer, trusted or not, that misses a commitment or has one invalidated is
-banned: the chain of gradient records must not break.
+An untrusted peer that misses a commitment or has one invalidated is banned:
+the chain of gradient records must not break. A trusted peer that misses a
+step's commitment (it crashed, or went quiet) departs: it leaves the trusted
+set, no longer counts in t, and comes back only through admission, so an
+identity cannot bank trust and wake it later.
 
 The machine only decides; the runtime feeds it what happened in a step
 (entries, bans, validations) and acts on the events it returns. Fed the same
@@ -66,7 +69,12 @@ class Banned:
     reason: str
 
 
-Event = Admitted | Queued | Trusted | Banned
+@dataclass(frozen=True)
+class Departed:
+    peer: str  # left without a fault anyone can prove: not banned, no longer trusted
+
+
+Event = Admitted | Queued | Trusted | Banned | Departed
 
 
 class Admission:
@@ -155,6 +163,17 @@ class Admission:
     def broke_chain(self, peer: str, reason: str) -> list[Event]:
         """`peer` missed a commitment or had one invalidated (ACCUSE upheld): ban it."""
         return self.ban(peer, reason)
+
+    def depart(self, peer: str) -> list[Event]:
+        """`peer` missed a step (no commitment, or silent through its verification): it leaves
+        whatever set it was in without a ban, and may join again later like any new identity."""
+        if peer in self.banned or self.status(peer) == "unknown":
+            return []
+        self.trusted.discard(peer)
+        self.untrusted.pop(peer, None)
+        if peer in self.queue:
+            self.queue.remove(peer)
+        return [Departed(peer), *self._admit()]
 
     def ban(self, peer: str, reason: str) -> list[Event]:
         """Ban `peer` wherever it stands, and admit waiting peers into freed slots."""

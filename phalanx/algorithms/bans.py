@@ -53,6 +53,11 @@ class BanLedger:
         """Replace the ledger by `records`, in their order (a state fetched by catch-up)."""
         self._banned = {r.peer: r for r in records}
 
+    def extend(self, records: list[BanRecord]) -> None:
+        """Add bans that took effect elsewhere, in their order (a joiner replaying agreed updates)."""
+        for record in records:
+            self._banned.setdefault(record.peer, record)
+
     def filter(self, peers: list[str]) -> list[str]:
         """The peers that are not banned, in the given order."""
         return [p for p in peers if p not in self._banned]

@@ -48,6 +48,10 @@ class ProtocolPolicy:
         """Sign a second, different commitment and send it to half of the peers."""
         return False
 
+    def deadline_edge(self, step: int) -> bool:
+        """Sign the commitment just before the others' deadline: half get it in time, half just after."""
+        return False
+
     def part_for(self, step: int, owner: str, part: Tensor, group: list[str]) -> Tensor | None:
         """What to send to `owner` of `group` (None: nothing)."""
         return part
@@ -56,9 +60,29 @@ class ProtocolPolicy:
         """(committed aggregate, sent aggregate) of the partition this peer owns."""
         return aggregate, aggregate
 
+    def aggregated(self, step: int, used: list[str]) -> list[str]:
+        """Which of the parts this owner received intact it really aggregates."""
+        return used
+
+    def declare(self, step: int, used: list[str], dropped: dict[str, str], owners: list[str]) -> tuple[list[str], dict[str, str]]:
+        """What this owner's aggregate commitment names: the parts it used and the owners it dropped (why)."""
+        return used, dropped
+
+    def other_declaration(self, step: int, used: list[str], dropped: dict[str, str], owners: list[str]) -> tuple[list[str], dict[str, str]] | None:
+        """A second declaration, signed too and sent to half of the peers (None: one declaration)."""
+        return None
+
     def report(self, step: int, norms: dict[str, float], s: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
         """The norms and inner products this peer broadcasts."""
         return norms, s
+
+    def serve_gradient(self, step: int) -> bool:
+        """Whether to answer a validator's request for this peer's committed gradient."""
+        return True
+
+    def serve_parts(self, step: int) -> bool:
+        """Whether to answer a validator's request for a part this owner aggregated."""
+        return True
 
     def validate(self, step: int, target: str) -> str:
         """'check' (really validate), 'approve' (without checking) or 'skip' (send no verdict)."""
@@ -124,6 +148,17 @@ class Cover(ApproveAll):
 
 
 @dataclass(kw_only=True)
+class WithholdGradient(ApproveAll):
+    """Sign flip by `scale`, and never send the committed gradient to a validator: the forged
+    parts must be fetched from the owners that aggregated them."""
+
+    only_colluders: ClassVar[bool] = True
+
+    def serve_gradient(self, step: int) -> bool:
+        return False
+
+
+@dataclass(kw_only=True)
 class WrongHash(ProtocolPolicy):
     """Commit the honest gradient's hashes, then send parts scaled by -scale."""
 
@@ -147,6 +182,14 @@ class Equivocate(ProtocolPolicy):
     """Sign two different commitments for one step and split them between peers."""
 
     def equivocate(self, step: int) -> bool:
+        return self.active(step)
+
+
+@dataclass(kw_only=True)
+class DeadlineEdge(ProtocolPolicy):
+    """Time the commitment at the deadline: early to half of the peers, late to the rest."""
+
+    def deadline_edge(self, step: int) -> bool:
         return self.active(step)
 
 
@@ -182,17 +225,126 @@ class NoValidate(ProtocolPolicy):
         return "skip" if self.active(step) else "check"
 
 
+# --- the owner's declaration differs from the agreed set (issue 14) ---------------
+# An owner's aggregate commitment names the parts it used and the owners it dropped. What it must
+# aggregate follows from the agreed commitments less its drops (each an ELIMINATE), so every lie
+# below is a claim that honest peers derive from broadcasts they share.
+
+
+@dataclass(kw_only=True)
+class ScaledAggregate(ProtocolPolicy):
+    """Owner commits and sends `scale` x its honest aggregate and names nobody as a contributor
+    (the attack that was never banned when checks trusted the owner's list)."""
+
+    scale: float = -10.0
+
+    def aggregate(self, step, aggregate):
+        return (aggregate * self.scale,) * 2 if self.active(step) else (aggregate, aggregate)
+
+    def declare(self, step, used, dropped, owners):
+        return ([], {}) if self.active(step) else (used, dropped)
+
+
+@dataclass(kw_only=True)
+class HideContributors(ProtocolPolicy):
+    """Owner aggregates only its colluders' parts (honest ones left out) scaled by `scale`, and
+    declares every part as used."""
+
+    scale: float = 1.0
+
+    def aggregated(self, step, used):
+        return [p for p in used if p in self.colluders] if self.active(step) else used
+
+    def aggregate(self, step, aggregate):
+        return (aggregate * self.scale,) * 2 if self.active(step) else (aggregate, aggregate)
+
+
+@dataclass(kw_only=True)
+class TrimmedDeclaration(HideContributors):
+    """Owner aggregates its colluders' parts only, scaled by `scale` (-10 by default), and lists
+    only them: honest contributors vanish from the declaration."""
+
+    scale: float = -10.0
+
+    def declare(self, step, used, dropped, owners):
+        return ([p for p in used if p in self.colluders], dropped) if self.active(step) else (used, dropped)
+
+
+@dataclass(kw_only=True)
+class ListNobody(ProtocolPolicy):
+    """Owner aggregates honestly but declares that it used no part."""
+
+    def declare(self, step, used, dropped, owners):
+        return ([], dropped) if self.active(step) else (used, dropped)
+
+
+@dataclass(kw_only=True)
+class ListOther(ProtocolPolicy):
+    """Owner aggregates honestly but declares another set: its honest contributors replaced by
+    its colluders' (a non-contributor listed, a contributor hidden)."""
+
+    def declare(self, step, used, dropped, owners):
+        if not self.active(step):
+            return used, dropped
+        return [p for p in owners if p in self.colluders or p not in used], dropped
+
+
+@dataclass(kw_only=True)
+class ListExtra(ProtocolPolicy):
+    """Owner declares an honest contributor both used and dropped (a declaration no honest owner signs)."""
+
+    def declare(self, step, used, dropped, owners):
+        victim = next((p for p in used if p not in self.colluders), None)
+        if not self.active(step) or victim is None:
+            return used, dropped
+        return used, {**dropped, victim: "missing_part"}
+
+
+@dataclass(kw_only=True)
+class SplitDeclaration(ProtocolPolicy):
+    """Owner signs two declarations of one aggregate: the true one to half of the peers, and to the
+    other half one that no honest owner signs (an honest contributor both used and dropped), hoping
+    that only the peers holding the true one apply its aggregate."""
+
+    def other_declaration(self, step, used, dropped, owners):
+        victim = next((p for p in used if p not in self.colluders), None)
+        if not self.active(step) or victim is None:
+            return None
+        return used, {**dropped, victim: "part_hash"}
+
+
+@dataclass(kw_only=True)
+class DropHonest(HideContributors):
+    """Owner leaves its honest contributors out and declares them dropped (missing part): the one
+    lie the protocol cannot disprove, paid for as an ELIMINATE (the owner goes with one victim)."""
+
+    def declare(self, step, used, dropped, owners):
+        if not self.active(step):
+            return used, dropped
+        return [p for p in used if p in self.colluders], {**dropped, **{p: "missing_part" for p in used if p not in self.colluders}}
+
+
 PROTOCOL_ATTACKS: dict[str, type[ProtocolPolicy]] = {
     "agg_shift": AggregateShift,
     "slander": Slander,
     "approve_all": ApproveAll,
     "cover": Cover,
+    "withhold_gradient": WithholdGradient,
     "wrong_hash": WrongHash,
     "silent_to_one": SilentToOne,
     "equivocate": Equivocate,
+    "deadline_edge": DeadlineEdge,
     "lie_norms": LieNorms,
     "lie_inner_products": LieInnerProducts,
     "no_validate": NoValidate,
+    "scaled_aggregate": ScaledAggregate,
+    "hide_contributors": HideContributors,
+    "trimmed_declaration": TrimmedDeclaration,
+    "list_nobody": ListNobody,
+    "list_other": ListOther,
+    "list_extra": ListExtra,
+    "split_declaration": SplitDeclaration,
+    "drop_honest": DropHonest,
 }
 
 

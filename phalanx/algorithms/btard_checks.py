@@ -133,13 +133,18 @@ def sum_holds(s_values: list[float], tolerance: float) -> bool:
     return math.isfinite(total) and abs(total) <= tolerance
 
 
-def gradient_matches(committed: Tensor, recomputed: Tensor) -> bool:
-    """Validation: ||g_committed - g_recomputed|| <= GRAD_RTOL ||g_recomputed|| + GRAD_ATOL sqrt(d)."""
+def gradient_matches(committed: Tensor, recomputed: Tensor, scale: Tensor | None = None) -> bool:
+    """Validation: ||g_committed - g_recomputed|| <= GRAD_RTOL ||s|| + GRAD_ATOL sqrt(dim s).
+
+    s is the whole recomputed gradient (`scale`) when only some of its parts are compared: an
+    honest gradient's whole gap is within the bound, so the gap of any subset is too.
+    """
     if committed.shape != recomputed.shape or committed.dtype != recomputed.dtype:
         return False
+    whole = recomputed if scale is None else scale
     gap = float(torch.linalg.vector_norm(committed.to(torch.float64) - recomputed.to(torch.float64)))
-    scale = float(torch.linalg.vector_norm(recomputed.to(torch.float64)))
-    return math.isfinite(gap) and gap <= GRAD_RTOL * scale + GRAD_ATOL * math.sqrt(recomputed.numel())
+    size = float(torch.linalg.vector_norm(whole.to(torch.float64)))
+    return math.isfinite(gap) and gap <= GRAD_RTOL * size + GRAD_ATOL * math.sqrt(whole.numel())
 
 
 def averaging_matches(reported: Tensor, recomputed: Tensor, eps: float) -> bool:

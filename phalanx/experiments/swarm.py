@@ -16,11 +16,12 @@ from pathlib import Path
 
 from ..algorithms.attacks import ATTACKS, AttackSchedule, make_attack
 from ..algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
+from ..algorithms.catchup import manifest_digest, manifest_of
 from ..config import NetworkConfig, RunConfig
 from ..core.identity import Identity
 from ..core.rng import py_stream
 from ..runtime.admission import AdmissionService
-from ..runtime.catchup import CatchupService
+from ..runtime.catchup import CatchupService, state_bytes
 from ..runtime.checkpoint import PeerCheckpoints
 from ..runtime.dp_peer import DataParallelPeer, task_of
 from ..runtime.btard import SecureRound
@@ -149,8 +150,8 @@ async def run_peer(
                 record["mprng"] = None
             record["banned"] = list(peer.ledger.banned)
         peer.step = step + 1
-        if catchup is not None and peer.step == config.steps:
-            record["digest"] = catchup.state_digest().hex()
+        if peer.step == config.steps:  # model, optimizer and ban ledger: equal on replicas that agree
+            record["digest"] = manifest_digest(manifest_of(state_bytes(peer, peer.step), config.catchup.chunk_bytes)).hex()
         on_step(record)
     if checkpoints is not None and not peer.ledger.is_banned(me):
         await checkpoints.at_step(config.steps)

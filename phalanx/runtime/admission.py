@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..algorithms.admission import Admission, AdmissionConfig, Admitted, Banned, Event, Queued, Roles, Trusted
+from ..algorithms.admission import Admission, AdmissionConfig, Admitted, Banned, Departed, Event, Queued, Roles, Trusted
 from ..algorithms.catchup import agreed
 from ..core.errors import Evidence, PhalanxError, RemoteError
 from ..core.serialization import decode, digest, encode
@@ -60,12 +60,14 @@ class AdmissionService:
         self.state: Admission | None = None
         self._history: dict[int, dict] = {}  # step -> state at the start of that step, before its entries
         self._entered: set[tuple[str, int]] = set()
-        self._absent: dict[int, list[str]] = {}
+        self._absent: dict[int, list[str]] = {}  # untrusted members missing from a step's group (chain broken)
+        self._away: dict[int, list[str]] = {}  # trusted members missing from a step's group (departed)
         self._records: dict[int, dict] = {}
         self._current = -1  # the step whose round ran last: what settles during it is recorded there
         self._emitted = -1  # the last step whose record was taken: what settles after it goes to the next one
         self._resync: int | None = None  # a fetched state misses what settles in its first round: refetch at this step
         peer.allreduce.admission = self
+        catchup.voters = lambda: set(self.state.trusted) if self.state is not None else set()
         self.transport.add_request_handler(STATE, self._serve_state)
 
     async def start(self, step: int) -> None:
@@ -101,9 +103,13 @@ class AdmissionService:
         for s, p in entries:
             self._entered.add((p, s))
             events += state.join(p)
+        for p in group:  # a member that departed (or was never known) and is back: it queues like a joiner
+            if state.status(p) == "unknown":
+                events += state.join(p)
         roles = state.roles(group)
         self._current = step
         self._absent[step] = sorted(p for p in state.untrusted if p not in group)
+        self._away[step] = sorted(p for p in state.trusted if p not in group)
         settled = self._records.get(step, {}).get("admission_events", [])  # settled between rounds, before this one
         self._records[step] = {
             "admission": {"trusted": sorted(state.trusted), "untrusted": dict(sorted(state.untrusted.items())), "queued": list(state.queue)},
@@ -111,8 +117,11 @@ class AdmissionService:
         }
         return roles
 
-    async def settle(self, step: int, approved: tuple[str, ...]) -> None:
-        """Apply step `step`'s agreed outcome: bans, chain breaks, approvals (in that order).
+    async def settle(self, step: int, approved: tuple[str, ...], departed: tuple[str, ...] = ()) -> None:
+        """Apply step `step`'s agreed outcome: bans, chain breaks, departures, approvals (in that order).
+
+        Departed: trusted members absent from the step's group, and the members the round found
+        without a commitment or silent through the verification (not banned: they lose their place).
 
         It takes effect from the next round on and is recorded with the round
         it settles in (a one-step delay: during step `step` + 1's round), or
@@ -125,6 +134,11 @@ class AdmissionService:
                 events += state.ban(record.peer, record.reason)
         for peer in self._absent.pop(step, []):
             events += state.ban(peer, "missed_step")
+        for peer in sorted(set(self._away.pop(step, [])) | set(departed)):
+            if state.status(peer) == "trusted":
+                events += state.depart(peer)
+            elif state.status(peer) == "untrusted":  # its chain of gradients broke (App. F)
+                events += state.ban(peer, "missed_step")
         described = _describe(events)
         for peer in approved:
             if peer in state.untrusted:
@@ -184,6 +198,10 @@ class AdmissionService:
             others = [p for p in self.peer.ledger.filter(self.transport.members()) if p != me]
             answers = await asyncio.gather(*(self._ask(p, step, config.request_timeout) for p in others))
             states = {p: a for p, a in zip(others, answers) if a is not None}
+            # A vote counts only from a peer that the state it vouches for lists as trusted: queued and
+            # untrusted identities never vote for the real state. (A state made up by Sybils that lists
+            # only themselves passes this too; telling it apart needs signed per-step state digests.)
+            states = {p: a for p, a in states.items() if p in a.trusted}
             found = agreed({p: digest(encode(s.to_dict())) for p, s in states.items()}, len(states), config.confirmations)
             if found is not None:
                 return Admission.from_dict(states[found[1][0]].to_dict())
@@ -222,6 +240,8 @@ def _describe(events: list[Event]) -> list[list[str]]:
             out.append([event.peer, "trusted"])
         elif isinstance(event, Banned):
             out.append([event.peer, f"banned:{event.reason}"])
+        elif isinstance(event, Departed):
+            out.append([event.peer, "departed"])
     return out
 
 

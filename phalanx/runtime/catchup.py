@@ -28,6 +28,7 @@ A peer's bad answer (wrong hash, malformed state) is evidence against it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 import logging
 import math
 from collections import Counter
@@ -166,8 +167,10 @@ def apply_update(peer: DataParallelPeer, vector: torch.Tensor) -> None:
     peer.step += 1
 
 
-def update_digest(vector: torch.Tensor) -> bytes:
-    return digest(tensor_bytes(vector))
+def update_digest(vector: torch.Tensor, bans: list[list] = ()) -> bytes:
+    """The digest of one step's applied update and the bans that took effect in that step: a
+    joiner that replays updates across a ban takes the ban too (the votes on updates cover both)."""
+    return digest(tensor_bytes(vector) + (encode(list(bans)) if bans else b""))
 
 
 # --- who trains at a step -------------------------------------------------------
@@ -280,14 +283,19 @@ class CatchupService:
         self.training = False  # False while joining: we have nothing to offer yet
         self.resyncs = 0
         self._snapshots: dict[int, tuple[bytes, dict, bytes]] = {}  # step -> (data, manifest, digest)
-        self._updates: dict[int, tuple[torch.Tensor, bytes]] = {}
+        self._updates: dict[int, tuple[torch.Tensor, list[list], bytes]] = {}  # step -> (update, bans, digest)
+        self._step_bans: dict[int, list[list]] = {}  # bans the step's round returned, until its update is recorded
         self._check_at: int | None = None
         self._alone_since: float | None = None  # when a joiner last saw no other peer in its view
         self._rosters: list[dict] = []  # the roster views of the last offers
+        # Who votes at a sync-point digest check (None: the whole group). BTARD's admission sets it to the
+        # trusted peers: queued and untrusted identities are cheap and must not outvote the replicas.
+        self.voters: Callable[[], set[str]] | None = None
         self._sending: set[asyncio.Future] = set()
         peer.admit = self.roster.admit
         peer.on_update.append(self._record_update)
         peer.on_result.append(lambda step, result: self.roster.observe(step, result.group, result.dropped_senders))
+        peer.on_result.append(self._note_bans)
         t = peer.transport
         t.add_request_handler("catchup.offer", self._serve_offer)
         t.add_request_handler("catchup.manifest", self._serve_manifest)
@@ -326,9 +334,13 @@ class CatchupService:
         """The digest of this replica's current state (as a snapshot now would name it)."""
         return manifest_digest(manifest_of(state_bytes(self.peer, self.peer.step), self.config.chunk_bytes))
 
+    def _note_bans(self, step: int, result) -> None:
+        self._step_bans[step] = [[r.step, r.peer, r.reason, r.accuser] for r in getattr(result, "bans", ())]
+
     def _record_update(self, step: int, vector: torch.Tensor) -> None:
         vector = vector.detach().to(torch.float32).clone()
-        self._updates[step] = (vector, update_digest(vector))
+        bans = self._step_bans.pop(step, [])
+        self._updates[step] = (vector, bans, update_digest(vector, bans))
         for old in [s for s in self._updates if s <= step - self.config.keep_updates]:
             del self._updates[old]
 
@@ -337,7 +349,10 @@ class CatchupService:
         mine = self._snapshots.get(sync)
         if mine is None:
             return
-        reports = {p: e.payload for p, e in self.transport.board.get(DIGEST, sync).items() if p in self.peer.group(step)}
+        group = set(self.peer.group(step))
+        if self.voters is not None:
+            group &= self.voters()
+        reports = {p: e.payload for p, e in self.transport.board.get(DIGEST, sync).items() if p in group}
         reports[self.transport.peer_id] = mine[2]
         # Our own group, whose aggregate we already trust: a strict majority of its digests
         # is enough (a crash mid-gather can leave 2 of 3 survivors on one state, 1 on another).
@@ -439,14 +454,15 @@ class CatchupService:
         per_request = max(1, self.config.chunk_bytes // max(1, 4 * self.peer.dim))
         while agreed_list:
             batch = agreed_list[:per_request]
-            vectors = await self._fetch_updates(batch)
-            if vectors is None:
+            fetched = await self._fetch_updates(batch)
+            if fetched is None:
                 return
-            for vector in vectors:
+            for vector, bans in fetched:
                 apply_update(self.peer, vector)
+                self.peer.ledger.extend([BanRecord(*b) for b in bans])
             agreed_list = agreed_list[per_request:]
 
-    async def _fetch_updates(self, batch: list[Agreed]) -> list[torch.Tensor] | None:
+    async def _fetch_updates(self, batch: list[Agreed]) -> list[tuple[torch.Tensor, list[list]]] | None:
         holders = set(batch[0].holders)
         for a in batch[1:]:
             holders &= set(a.holders)
@@ -454,13 +470,17 @@ class CatchupService:
         for holder in sorted(holders):
             answer = await _request(self.transport, holder, "catchup.updates", request, self.config)
             vectors = answer.get("vectors") if answer else None
+            bans = answer.get("bans") if answer else None
             ok = (
                 isinstance(vectors, list)
                 and len(vectors) == len(batch)
                 and all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.shape == (self.peer.dim,) for v in vectors)
+                and isinstance(bans, list)
+                and len(bans) == len(batch)
+                and all(_ban_rows(b) for b in bans)
             )
-            if ok and all(update_digest(v) == a.digest for v, a in zip(vectors, batch)):
-                return vectors
+            if ok and all(update_digest(v, b) == a.digest for v, b, a in zip(vectors, bans, batch)):
+                return list(zip(vectors, bans))
             if answer is not None:
                 self.transport.report(Evidence(holder, "bad_update", f"updates from step {batch[0].step} do not match"))
         return None
@@ -479,7 +499,7 @@ class CatchupService:
             {
                 "latest": self.peer.step,
                 "snapshots": {str(s): d for s, (_, _, d) in self._snapshots.items()},
-                "updates": {str(s): d for s, (_, d) in self._updates.items()},
+                "updates": {str(s): d for s, (_, _, d) in self._updates.items()},
                 "roster": self.roster.to_dict(),
             }
         )
@@ -505,7 +525,15 @@ class CatchupService:
         steps = range(start, start + min(count, per_request))
         if not all(s in self._updates for s in steps):
             return encode({"vectors": None})
-        return encode({"vectors": [self._updates[s][0] for s in steps]})
+        return encode({"vectors": [self._updates[s][0] for s in steps], "bans": [self._updates[s][1] for s in steps]})
+
+
+def _ban_rows(rows) -> bool:
+    """Whether `rows` is a list of ban records as [step, peer, reason, accuser]."""
+    shape = (int, str, str, str)
+    return isinstance(rows, list) and all(
+        isinstance(r, list) and len(r) == 4 and all(type(v) is t for v, t in zip(r, shape)) for r in rows
+    )
 
 
 async def fetch_snapshot(transport: Transport, choice: Agreed, config: CatchupConfig = CatchupConfig()) -> bytes:
