@@ -44,7 +44,9 @@ from phalanx.training.task import compute_gradient
 pytestmark = pytest.mark.hivemind
 
 PEERS = 4
-STEPS = 300
+# The restarted worker is back in the groups ~10 s after the kill (measured at step 19-20 under load 13-18:
+# within the survivors' 10 s wait for the dead worker's part at step 16); the ~130 steps after that are margin.
+STEPS = 150
 KILL_AFTER = 15
 MORE = 4  # steps the resumed run adds, checkpointed every 2
 
