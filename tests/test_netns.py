@@ -1,10 +1,13 @@
 """The multi-host test bed: link specs, shaping plans, teardown, and a real swarm across 4 namespaces.
 
 The real tests need root and `ip netns` (they skip with the reason otherwise).
-The swarm test trains digits-dp for 30 steps across 4 namespaces (host 1's
-link at 10 Mbit; host 2 delayed and host 3 lossy where the kernel has netem)
-and asserts an accuracy in the loopback band: the same command on loopback
-gives 0.872 at step 30 (`phalanx launch digits-dp --peers 4 --steps 30`).
+The swarm test trains digits-dp for 10 steps across 4 namespaces (host 1's
+link at 10 Mbit; host 2 delayed and host 3 lossy, by netem or else the
+user-space tap link) and asserts an accuracy in the loopback band: the same
+command on loopback gives 0.533 at step 10 (`phalanx launch digits-dp --peers 4
+--steps 10`; the simulator gives the same). Ten steps, not more: each step
+over the shaped links takes ~0.6 s, and the accuracy at step 10 is as far from
+an untrained model's (0.1) as the check needs.
 """
 
 import json
@@ -34,7 +37,8 @@ from phalanx.experiments.processes import MARKER_ENV, kill_marked, marked_proces
 from phalanx.experiments.tap_link import forward
 
 ROOT = Path(__file__).resolve().parent.parent
-LOOPBACK_ACCURACY = 0.872  # digits-dp, 4 peers, 30 steps, seed 0, on loopback
+STEPS = 10
+LOOPBACK_ACCURACY = 0.533  # digits-dp, 4 peers, 10 steps, seed 0, on loopback
 BAND = 0.04
 
 
@@ -118,7 +122,7 @@ def test_swarm_trains_across_four_shaped_namespaces(tmp_path):
     before = set(namespaces())
     out = tmp_path / "run"
     env = {**os.environ, MARKER_ENV: token, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "phalanx.cli", "launch", "digits-dp", "--peers", "4", "--steps", "30",
+    cmd = [sys.executable, "-m", "phalanx.cli", "launch", "digits-dp", "--peers", "4", "--steps", str(STEPS),
            "--out", str(out), "--no-progress", "--netns", EXAMPLE_SPEC]
     log = tmp_path / "launch.log"  # a file, not a pipe: nothing the run leaves behind can hold the test up
     try:
@@ -136,7 +140,7 @@ def test_swarm_trains_across_four_shaped_namespaces(tmp_path):
         assert abs(summary["final_accuracy"] - LOOPBACK_ACCURACY) <= BAND
         assert summary["crashed"] == {} and summary["peers"] == 4
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == list(range(30)) and rows[-1]["peers"] == 4
+        assert [r["step"] for r in rows] == list(range(STEPS)) and rows[-1]["peers"] == 4
         # Every peer listened on its own namespace's address, not on loopback.
         assert (out / "peers" / "0.addr").read_text().startswith("/ip4/10.77.0.1/tcp/")
         shaping = summary["netns"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 
 import pytest
@@ -112,11 +112,12 @@ async def swarm(
 
     peers = [peer(0, [])]
     spawned: set[int] = set()
+    existing = _descendants()  # another swarm's (the module's shared one) are not ours to account for
     try:
         await peers[0].start()
         peers += [peer(i, peers[0].visible_maddrs()) for i in range(1, n)]
         await asyncio.gather(*(p.start() for p in peers[1:]))
-        spawned = _descendants()  # DHT processes and their daemons
+        spawned = _descendants() - existing  # DHT processes and their daemons
         for p in peers:
             await p.wait_for_members(n, JOIN_TIMEOUT)
         yield peers
@@ -124,78 +125,115 @@ async def swarm(
         for p in peers:
             await p.stop()
     # Orphans would no longer be our descendants: look the spawned pids up by number too.
-    leftovers = _descendants() | (spawned & set(_live_processes()))
+    leftovers = (_descendants() - existing) | (spawned & set(_live_processes()))
     assert not leftovers, f"stopped transports left processes behind: {leftovers}"
 
 
-@pytest.mark.hivemind
-def test_membership_converges() -> None:
-    async def body() -> None:
-        async with swarm(3) as peers:
-            everyone = sorted(p.peer_id for p in peers)
-            for p in peers:
-                assert p.members() == everyone
-                assert p.evidence == []
+class Shared:
+    """One default swarm(3) on one event loop, for the tests that leave its peers as they found them.
 
-    run(body)
+    They only add handlers (each on its own topic), send, request and read, so
+    they share the swarm instead of starting one each (saves ~1.5 s a test).
+    Evidence is per test: `new_evidence` gives what a peer gathered since the test began.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._swarm = swarm(3)
+        self.peers: list[HivemindTransport] = self.loop.run_until_complete(
+            asyncio.wait_for(self._swarm.__aenter__(), TEST_TIMEOUT)
+        )
+        self.evidence_at_join = [list(p.evidence) for p in self.peers]
+        self._marks = [0] * len(self.peers)
+
+    def run(self, body: Callable[[], Awaitable[None]], timeout: float = TEST_TIMEOUT) -> None:
+        self._marks = [len(p.evidence) for p in self.peers]
+        self.loop.run_until_complete(asyncio.wait_for(body(), timeout))
+
+    def new_evidence(self, peer: HivemindTransport) -> list[Evidence]:
+        return peer.evidence[self._marks[self.peers.index(peer)] :]
+
+    def close(self) -> None:
+        try:
+            self.loop.run_until_complete(self._swarm.__aexit__(None, None, None))  # checks no process is left
+        finally:
+            self.loop.close()
 
 
-@pytest.mark.hivemind
-def test_request_roundtrip_1mb() -> None:
-    async def body() -> None:
-        async with swarm(2) as (a, b):
-            seen: list[str] = []
-
-            async def reverse(sender: str, payload: bytes) -> bytes:
-                seen.append(sender)
-                return payload[::-1]
-
-            b.add_request_handler("reverse", reverse)
-            payload = os.urandom(2**20)
-            assert await a.request(b.peer_id, "reverse", payload, timeout=10) == payload[::-1]
-            assert seen == [a.peer_id]  # the authenticated stream is bound to a's phalanx id
-
-    run(body)
-
-
-@pytest.mark.hivemind
-def test_request_timeout() -> None:
-    async def body() -> None:
-        async with swarm(2) as (a, b):
-
-            async def stall(sender: str, payload: bytes) -> bytes:
-                await asyncio.sleep(5)
-                return b""
-
-            b.add_request_handler("stall", stall)
-            with pytest.raises(PeerTimeout):
-                await a.request(b.peer_id, "stall", b"", timeout=0.5)
-
-    run(body)
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Shared]:
+    started = Shared()
+    yield started
+    started.close()
 
 
 @pytest.mark.hivemind
-def test_one_way_send() -> None:
-    async def body() -> None:
-        async with swarm(2) as (a, b):
-            got: list[tuple[str, bytes]] = []
-            b.add_message_handler("note", lambda sender, payload: got.append((sender, payload)))
-            await a.send(b.peer_id, "note", b"hello")
-            assert got == [(a.peer_id, b"hello")]  # send returns once the peer has acknowledged
-
-    run(body)
+def test_membership_converges(shared: Shared) -> None:
+    everyone = sorted(p.peer_id for p in shared.peers)
+    for p in shared.peers:
+        assert p.members() == everyone
+    assert shared.evidence_at_join == [[], [], []]
 
 
 @pytest.mark.hivemind
-def test_broadcast_reaches_every_board() -> None:
-    async def body() -> None:
-        async with swarm(3) as (a, b, c):
-            envelope = await a.broadcast("grad", 7, b"commitment")
-            for p in (b, c):
-                got = await p.board.wait("grad", 7, [a.peer_id], timeout=5)
-                assert got == {a.peer_id: envelope}
+def test_request_roundtrip_1mb(shared: Shared) -> None:
+    a, b, _ = shared.peers
 
-    run(body)
+    async def body() -> None:
+        seen: list[str] = []
+
+        async def reverse(sender: str, payload: bytes) -> bytes:
+            seen.append(sender)
+            return payload[::-1]
+
+        b.add_request_handler("reverse", reverse)
+        payload = os.urandom(2**20)
+        assert await a.request(b.peer_id, "reverse", payload, timeout=10) == payload[::-1]
+        assert seen == [a.peer_id]  # the authenticated stream is bound to a's phalanx id
+
+    shared.run(body)
+
+
+@pytest.mark.hivemind
+def test_request_timeout(shared: Shared) -> None:
+    a, b, _ = shared.peers
+
+    async def body() -> None:
+        async def stall(sender: str, payload: bytes) -> bytes:
+            await asyncio.sleep(5)
+            return b""
+
+        b.add_request_handler("stall", stall)
+        with pytest.raises(PeerTimeout):
+            await a.request(b.peer_id, "stall", b"", timeout=0.5)
+
+    shared.run(body)
+
+
+@pytest.mark.hivemind
+def test_one_way_send(shared: Shared) -> None:
+    a, b, _ = shared.peers
+
+    async def body() -> None:
+        got: list[tuple[str, bytes]] = []
+        b.add_message_handler("memo", lambda sender, payload: got.append((sender, payload)))
+        await a.send(b.peer_id, "memo", b"hello")
+        assert got == [(a.peer_id, b"hello")]  # send returns once the peer has acknowledged
+
+    shared.run(body)
+
+
+@pytest.mark.hivemind
+def test_broadcast_reaches_every_board(shared: Shared) -> None:
+    a, b, c = shared.peers
+
+    async def body() -> None:
+        envelope = await a.broadcast("grad", 7, b"commitment")
+        for p in (b, c):
+            got = await p.board.wait("grad", 7, [a.peer_id], timeout=5)
+            assert got == {a.peer_id: envelope}
+
+    shared.run(body)
 
 
 @pytest.mark.hivemind
@@ -216,32 +254,33 @@ def test_broadcast_is_not_held_up_by_a_stalled_member() -> None:
 
 
 @pytest.mark.hivemind
-def test_remote_error_fails_request_and_is_evidence() -> None:
+def test_remote_error_fails_request_and_is_evidence(shared: Shared) -> None:
+    a, b, _ = shared.peers
+
     async def body() -> None:
-        async with swarm(2) as (a, b):
+        async def picky(sender: str, payload: bytes) -> bytes:
+            raise RemoteError(Evidence(sender, "wrong_shape", "expected 4 bytes", step=3))
 
-            async def picky(sender: str, payload: bytes) -> bytes:
-                raise RemoteError(Evidence(sender, "wrong_shape", "expected 4 bytes", step=3))
+        b.add_request_handler("picky", picky)
+        with pytest.raises(RequestFailed, match="expected 4 bytes"):
+            await a.request(b.peer_id, "picky", b"123", timeout=5)
+        assert [(e.peer, e.kind, e.step) for e in shared.new_evidence(b)] == [(a.peer_id, "wrong_shape", 3)]
+        assert shared.new_evidence(a) == []
 
-            b.add_request_handler("picky", picky)
-            with pytest.raises(RequestFailed, match="expected 4 bytes"):
-                await a.request(b.peer_id, "picky", b"123", timeout=5)
-            assert [(e.peer, e.kind, e.step) for e in b.evidence] == [(a.peer_id, "wrong_shape", 3)]
-            assert a.evidence == []
-
-    run(body)
+    shared.run(body)
 
 
 @pytest.mark.hivemind
-def test_unknown_peer_is_unreachable() -> None:
-    async def body() -> None:
-        async with swarm(2) as (a, b):
-            ghost = Identity.from_seed(b"ghost").peer_id
-            with pytest.raises(PeerUnreachable):
-                await a.request(ghost, "anything", b"", timeout=5)
-            await a.send(ghost, "anything", b"")  # best effort: never raises
+def test_unknown_peer_is_unreachable(shared: Shared) -> None:
+    a, _, _ = shared.peers
 
-    run(body)
+    async def body() -> None:
+        ghost = Identity.from_seed(b"ghost").peer_id
+        with pytest.raises(PeerUnreachable):
+            await a.request(ghost, "anything", b"", timeout=5)
+        await a.send(ghost, "anything", b"")  # best effort: never raises
+
+    shared.run(body)
 
 
 @pytest.mark.hivemind
@@ -280,50 +319,50 @@ def test_oversize_message_is_evidence() -> None:
 
 
 @pytest.mark.hivemind
-def test_stream_from_non_member_is_dropped() -> None:
-    async def body() -> None:
-        async with swarm(2) as (a, b):
-            got: list[bytes] = []
-            b.add_message_handler("note", lambda sender, payload: got.append(payload))
-            outsider = await P2P.create(initial_peers=b.visible_maddrs())  # a libp2p peer with no record
-            try:
-                libp2p_id = PeerID(libp2p_id_of(b.identity.public_key))
-                _, reader, writer = await outsider.call_binary_stream_handler(libp2p_id, b._protocol)
-                writer.write(_HEADER.pack(MESSAGE, 4, 2) + b"note" + b"hi")
-                await writer.drain()
-                assert await reader.read() == b""  # closed without an ack
-                writer.close()
-            finally:
-                await outsider.shutdown()
-            assert got == []
+def test_stream_from_non_member_is_dropped(shared: Shared) -> None:
+    _, b, _ = shared.peers
 
-    run(body)
+    async def body() -> None:
+        got: list[bytes] = []
+        b.add_message_handler("note", lambda sender, payload: got.append(payload))
+        outsider = await P2P.create(initial_peers=b.visible_maddrs())  # a libp2p peer with no record
+        try:
+            libp2p_id = PeerID(libp2p_id_of(b.identity.public_key))
+            _, reader, writer = await outsider.call_binary_stream_handler(libp2p_id, b._protocol)
+            writer.write(_HEADER.pack(MESSAGE, 4, 2) + b"note" + b"hi")
+            await writer.drain()
+            assert await reader.read() == b""  # closed without an ack
+            writer.close()
+        finally:
+            await outsider.shutdown()
+        assert got == []
+
+    shared.run(body)
 
 
 @pytest.mark.hivemind
-def test_dht_refuses_forged_and_replayed_records() -> None:
-    async def body() -> None:
-        async with swarm(2) as (a, b):
-            dht = a._dht
-            assert dht is not None
-            victim, forger = Identity.from_seed(b"victim"), Identity.from_seed(b"forger")
-            expiration = get_dht_time() + 10
-            genuine = MembershipRecord.create(victim, a.run_id, expiration)
-            forged = MembershipRecord(
-                victim.peer_id, victim.public_key, genuine.libp2p_id, expiration, forger.sign(b"\0" * 32)
-            )
-            key = membership_key(a.run_id)
-            attempts = [(forged, expiration), (genuine, expiration + 100)]  # bad signature; replay with longer life
-            for record, dht_expiration in attempts:
-                stored = await dht.store(
-                    key, record.to_bytes(), dht_expiration, subkey=victim.peer_id, return_future=True
-                )
-                assert stored is False
-            await asyncio.sleep(0.5)
-            assert victim.peer_id not in a.members() + b.members()
-            assert a.evidence == b.evidence == []
+def test_dht_refuses_forged_and_replayed_records(shared: Shared) -> None:
+    a, b, _ = shared.peers
 
-    run(body)
+    async def body() -> None:
+        dht = a._dht
+        assert dht is not None
+        victim, forger = Identity.from_seed(b"victim"), Identity.from_seed(b"forger")
+        expiration = get_dht_time() + 10
+        genuine = MembershipRecord.create(victim, a.run_id, expiration)
+        forged = MembershipRecord(
+            victim.peer_id, victim.public_key, genuine.libp2p_id, expiration, forger.sign(b"\0" * 32)
+        )
+        key = membership_key(a.run_id)
+        attempts = [(forged, expiration), (genuine, expiration + 100)]  # bad signature; replay with longer life
+        for record, dht_expiration in attempts:
+            stored = await dht.store(key, record.to_bytes(), dht_expiration, subkey=victim.peer_id, return_future=True)
+            assert stored is False
+        await asyncio.sleep(0.5)
+        assert victim.peer_id not in a.members() + b.members()
+        assert shared.new_evidence(a) == shared.new_evidence(b) == []
+
+    shared.run(body)
 
 
 def test_validator_checks_signature_binding_and_lifetime() -> None:
@@ -368,6 +407,7 @@ def test_misuse_is_a_clear_local_error() -> None:
         HivemindTransport(Identity.from_seed(b"me"), run_id="r", membership_ttl=3, refresh_interval=2)
 
     async def body() -> None:
+        existing = _descendants()
         transport = HivemindTransport(Identity.from_seed(b"me"), run_id="r")
         other = Identity.from_seed(b"other").peer_id
         with pytest.raises(LocalError, match="not started"):
@@ -382,6 +422,6 @@ def test_misuse_is_a_clear_local_error() -> None:
         nowhere = HivemindTransport(Identity.from_seed(b"lost"), run_id="r", initial_peers=[absent_peer])
         with pytest.raises(LocalError, match="initial_peers"):
             await nowhere.start()
-        assert not _descendants()
+        assert not _descendants() - existing
 
     run(body)
