@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir")
 
     sub.add_parser("presets", help="list presets")
+    sub.add_parser("attacks", help="list the attacks of every axis and the config keys that select them")
 
     p = sub.add_parser("bench", help="run an experiment benchmark")
     p.add_argument("name", choices=sorted(BENCHES))
@@ -121,6 +122,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "presets":
         for name, text in describe():
             print(f"{name:18s} {text}")
+        return 0
+    if args.command == "attacks":
+        from .attack_axes import describe as describe_attacks
+
+        for axis, name, text, keys in describe_attacks():
+            print(f"{axis:10s} {name:19s} {text}  [{keys}]")
         return 0
     if args.command == "watch":
         from .experiments.watch import serve

@@ -15,10 +15,12 @@ import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from .algorithms.attacks import ATTACKS, AttackSchedule, make_attack
+from .algorithms.attacks import AttackSchedule, make_attack
 from .algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
+from .attack_axes import check_name, check_params
 from .core.errors import ConfigError
 from .runtime.btard import SECURE_REDUCERS, BTARDConfig
 from .runtime.butterfly import AllReduceConfig
@@ -90,19 +92,14 @@ class ByzantineConfig:
 
     def __post_init__(self) -> None:
         _check(self.count >= 0, "byzantine.count", self.count, "must be >= 0")
-        allowed = ["none", *ATTACKS, *PROTOCOL_ATTACKS]
-        _check(self.attack in allowed, "byzantine.attack", self.attack, f"is not known; allowed: {', '.join(allowed)}")
+        axis = check_name("byzantine.attack", self.attack, ("gradient", "protocol"))
         _check(self.every >= 1, "byzantine.every", self.every, "must be >= 1")
         _check(self.start_step >= 0, "byzantine.start_step", self.start_step, "must be >= 0")
         _check(self.joiners >= 0, "byzantine.joiners", self.joiners, "must be >= 0")
-        try:
-            schedule = AttackSchedule(self.start_step, self.every)
-            if self.attack in ATTACKS:
-                make_attack(self.attack, schedule, **self.params)
-            else:
-                make_policy(self.attack, schedule, 0, frozenset(), **self.params)
-        except ValueError as exc:
-            raise ConfigError(f"byzantine.params={self.params!r} do not fit byzantine.attack={self.attack!r}: {exc}") from None
+        schedule = AttackSchedule(self.start_step, self.every)
+        build = (partial(make_attack, self.attack, schedule, **self.params) if axis == "gradient"
+                 else partial(make_policy, self.attack, schedule, 0, frozenset(), **self.params))
+        check_params("byzantine.params", self.params, "byzantine.attack", self.attack, build)
         _check(self.mprng in ("honest", "withhold", "wrong", "split"), "byzantine.mprng", self.mprng, "allowed: honest, withhold, wrong, split")
 
 

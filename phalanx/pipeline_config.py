@@ -11,8 +11,10 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
-from .algorithms.link_attacks import LINK_ATTACKS, TARGETS, LinkAttack, make_link_attack
+from .algorithms.link_attacks import TARGETS, LinkAttack, make_link_attack
+from .attack_axes import check_name, check_params
 from .config import _build, _check
 from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
@@ -82,7 +84,7 @@ class LinkAttackConfig:
 
     def __post_init__(self) -> None:
         _check(self.delay >= 1, "attack.delay", self.delay, "must be an iteration count >= 1")
-        _check(self.name in LINK_ATTACKS, "attack.name", self.name, f"must be one of {', '.join(LINK_ATTACKS)}")
+        check_name("attack.name", self.name, ("link",))
         _check(self.target in TARGETS, "attack.target", self.target, f"must be one of {', '.join(TARGETS)}")
         _check(self.start >= 0, "attack.start", self.start, "must be an iteration >= 0")
         _check(0 <= self.fraction <= 1, "attack.fraction", self.fraction, "must be in [0, 1]")
@@ -92,6 +94,8 @@ class LinkAttackConfig:
             indices = [-1]
         _check(all(i >= 0 for i in indices), "attack.relays", self.relays,
                "must be comma-separated relay indices >= 0, e.g. attack.relays=0,3")
+        check_params("attack", {"target": self.target, "start": self.start, "fraction": self.fraction, "delay": self.delay},
+                     "attack.name", self.name, partial(self.policy, 0, "config-check"))
 
     @property
     def indices(self) -> list[int]:

@@ -29,7 +29,15 @@ from torch import Tensor
 from ..core.rng import derive_seed
 from .aspis_designs import Assignment
 
-ORCHESTRATIONS = ("att1", "att2", "att3", "majority")
+# The coalition plans (redundancy axis), each with the one line `phalanx attacks` shows.
+ORCHESTRATIONS: dict[str, str] = {
+    "att1": "ATT-1: a fixed Byzantine set; each Byzantine distorts every file it computes.",
+    "att2": "ATT-2 (Theorem 1): a fixed set distorts the files lying wholly in it plus q chosen honest targets.",
+    "att3": "ATT-3: a random Byzantine set, redrawn every T_b iterations, distorts where it holds a majority.",
+    "majority": "A fixed set distorts the files where it holds a strict majority (against DETOX's groups).",
+}
+# The gradient attacks an Aspis Byzantine may send on a file it distorts (attack.distortion).
+DISTORTIONS = ("alie", "ipm", "reversed", "constant", "sign_flip", "random_direction")
 
 
 def theorem1_distorted(workers: int, r: int, q: int) -> float:

@@ -344,8 +344,9 @@ class _AgrAgnostic(Attack):
 
 @dataclass(kw_only=True)
 class MinMax(_AgrAgnostic):
-    """Min-Max (Shejwalkar & Houmansadr 2021): mean + gamma * p, gamma as large as keeps the
-    largest distance to any honest gradient <= the largest honest pairwise distance.
+    """Min-Max (Shejwalkar & Houmansadr 2021): send mean + gamma * p, gamma bounded by honest distances.
+
+    gamma is as large as keeps the largest distance to any honest gradient <= the largest honest pairwise distance.
 
     ``perturbation`` picks p: "std" (default), "unit_vector" or "sign". Omniscient.
     """
@@ -355,8 +356,9 @@ class MinMax(_AgrAgnostic):
 
 @dataclass(kw_only=True)
 class MinSum(_AgrAgnostic):
-    """Min-Sum (Shejwalkar & Houmansadr 2021): mean + gamma * p, gamma as large as keeps the
-    sum of squared distances to the honest gradients <= the largest such sum of an honest one.
+    """Min-Sum (Shejwalkar & Houmansadr 2021): send mean + gamma * p, gamma bounded by honest sums.
+
+    gamma is as large as keeps the sum of squared distances to the honest gradients <= the largest such sum of an honest one.
 
     ``perturbation`` picks p: "std" (default), "unit_vector" or "sign". Omniscient.
     """

@@ -125,8 +125,9 @@ class Slander(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class ApproveAll(ProtocolPolicy):
-    """As validator, approve the target without checking it; the peer also flips its
-    gradient by `scale` (a gradient attack that relies on lazy validators)."""
+    """Sign flip by `scale`, and as validator approve every target without checking it.
+
+    A gradient attack that relies on lazy validators."""
 
     scale: float = 1000.0
     only_colluders: ClassVar[bool] = False
@@ -149,8 +150,9 @@ class Cover(ApproveAll):
 
 @dataclass(kw_only=True)
 class WithholdGradient(ApproveAll):
-    """Sign flip by `scale`, and never send the committed gradient to a validator: the forged
-    parts must be fetched from the owners that aggregated them."""
+    """Sign flip by `scale`, and never send the committed gradient to a validator.
+
+    The forged parts must be fetched from the owners that aggregated them."""
 
     only_colluders: ClassVar[bool] = True
 
@@ -233,8 +235,9 @@ class NoValidate(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class ScaledAggregate(ProtocolPolicy):
-    """Owner commits and sends `scale` x its honest aggregate and names nobody as a contributor
-    (the attack that was never banned when checks trusted the owner's list)."""
+    """Owner commits and sends `scale` x its honest aggregate and names nobody as a contributor.
+
+    The attack that was never banned when checks trusted the owner's list)."""
 
     scale: float = -10.0
 
@@ -247,8 +250,7 @@ class ScaledAggregate(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class HideContributors(ProtocolPolicy):
-    """Owner aggregates only its colluders' parts (honest ones left out) scaled by `scale`, and
-    declares every part as used."""
+    """Owner aggregates only its colluders' parts, scaled by `scale`, and declares every part as used."""
 
     scale: float = 1.0
 
@@ -261,8 +263,9 @@ class HideContributors(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class TrimmedDeclaration(HideContributors):
-    """Owner aggregates its colluders' parts only, scaled by `scale` (-10 by default), and lists
-    only them: honest contributors vanish from the declaration."""
+    """Owner aggregates its colluders' parts only, scaled by `scale` (-10), and declares only them.
+
+    Honest contributors vanish from the declaration."""
 
     scale: float = -10.0
 
@@ -280,8 +283,9 @@ class ListNobody(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class ListOther(ProtocolPolicy):
-    """Owner aggregates honestly but declares another set: its honest contributors replaced by
-    its colluders' (a non-contributor listed, a contributor hidden)."""
+    """Owner aggregates honestly but declares its colluders in place of its honest contributors.
+
+    A non-contributor is listed and a contributor hidden."""
 
     def declare(self, step, used, dropped, owners):
         if not self.active(step):
@@ -302,8 +306,9 @@ class ListExtra(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class SplitDeclaration(ProtocolPolicy):
-    """Owner signs two declarations of one aggregate: the true one to half of the peers, and to the
-    other half one that no honest owner signs (an honest contributor both used and dropped), hoping
+    """Owner signs two declarations of one aggregate and splits them between the peers.
+
+    The true one goes to half of the peers, and to the other half one that no honest owner signs (an honest contributor both used and dropped), hoping
     that only the peers holding the true one apply its aggregate."""
 
     def other_declaration(self, step, used, dropped, owners):
@@ -315,8 +320,9 @@ class SplitDeclaration(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class DropHonest(HideContributors):
-    """Owner leaves its honest contributors out and declares them dropped (missing part): the one
-    lie the protocol cannot disprove, paid for as an ELIMINATE (the owner goes with one victim)."""
+    """Owner leaves its honest contributors out and declares them dropped (missing part).
+
+    The one lie the protocol cannot disprove, paid for as an ELIMINATE (the owner goes with one victim)."""
 
     def declare(self, step, used, dropped, owners):
         if not self.active(step):

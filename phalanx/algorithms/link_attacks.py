@@ -117,6 +117,8 @@ class LinkAttack:
 
 @dataclass(kw_only=True)
 class Constant(LinkAttack):
+    """Send a tensor whose entries all equal `value` (0: zeros)."""
+
     name: ClassVar[str] = "zeros"
     value: float = 0.0
 
@@ -126,6 +128,8 @@ class Constant(LinkAttack):
 
 @dataclass(kw_only=True)
 class RandomValues(LinkAttack):
+    """Send i.i.d. N(0, std^2) values in place of the tensor."""
+
     name: ClassVar[str] = "random"
     std: float = 1.0
 
@@ -136,6 +140,8 @@ class RandomValues(LinkAttack):
 
 @dataclass(kw_only=True)
 class Scaling(LinkAttack):
+    """Send factor * x (default -1: the negated tensor)."""
+
     name: ClassVar[str] = "scaling"
     factor: float = -1.0
 
@@ -145,6 +151,8 @@ class Scaling(LinkAttack):
 
 @dataclass(kw_only=True)
 class SignFlip(LinkAttack):
+    """Send -mean|x| * sign(x): the flipped sign pattern with the magnitude of x."""
+
     name: ClassVar[str] = "sign_flip"
 
     def forge(self, view: LinkView, gen: torch.Generator) -> Tensor:
@@ -180,6 +188,8 @@ class Delay(LinkAttack):
 
 @dataclass(kw_only=True)
 class Bias(LinkAttack):
+    """Send x + bias * mean|x|: every coordinate shifted by the same amount."""
+
     name: ClassVar[str] = "bias"
     bias: float = 1.0  # in units of the tensor's mean absolute value
 
@@ -189,6 +199,8 @@ class Bias(LinkAttack):
 
 @dataclass(kw_only=True)
 class InvisibleNoise(LinkAttack):
+    """Replace a `portion` of the coordinates by Gaussian noise with the tensor's own mean and std."""
+
     name: ClassVar[str] = "invisible_noise"
     portion: float = 0.99  # fraction of coordinates replaced
 
@@ -231,7 +243,7 @@ class Mixed(LinkAttack):
 
 @dataclass(kw_only=True)
 class Adaptive(LinkAttack):
-    """x + lam * (harm(x) - x) with the largest lam in [0, 1] the verifier accepts, times `margin`.
+    """Send x + lam * (harm(x) - x) with the largest lam in [0, 1] the verifier accepts, times `margin`.
 
     harm is `scale` * x (default -1: the negation). The search is a bisection
     of `steps` probes. Without a probe (no verifier) it sends harm(x) outright.

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..algorithms.aspis_attacks import ORCHESTRATIONS, Orchestration, detox_optimal_byzantine
+from ..algorithms.aspis_attacks import DISTORTIONS, Orchestration, detox_optimal_byzantine
 from ..algorithms.attacks import AttackSchedule, make_attack
+from ..attack_axes import check_name
 from ..config import NetworkConfig
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
@@ -33,9 +34,6 @@ from ..transport.sim import SimNetwork, run_simulation
 from .live import LiveLog
 from .swarm import peer_identity, sim_config
 
-DISTORTIONS = ("alie", "ipm", "reversed", "constant", "sign_flip", "random_direction")
-
-
 @dataclass(frozen=True)
 class AspisAttackConfig:
     """How the Byzantine workers are chosen and orchestrated, and how they distort."""
@@ -46,11 +44,8 @@ class AspisAttackConfig:
     redraw_every: int = 50  # att3: T_b, iterations between fresh random Byzantine sets
 
     def __post_init__(self) -> None:
-        allowed = ("none", *ORCHESTRATIONS)
-        if self.orchestration not in allowed:
-            raise ConfigError(f"attack.orchestration={self.orchestration!r} is not known; allowed: {', '.join(allowed)}")
-        if self.distortion not in DISTORTIONS:
-            raise ConfigError(f"attack.distortion={self.distortion!r} is not known; allowed: {', '.join(DISTORTIONS)}")
+        check_name("attack.orchestration", self.orchestration, ("redundancy",))
+        check_name("attack.distortion", self.distortion, ("gradient",), honest=False, only=DISTORTIONS)
         if self.count < -1 or self.redraw_every < 1:
             raise ConfigError("attack.count must be >= 0 (or -1 for aspis.q) and attack.redraw_every >= 1")
 

@@ -41,8 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..algorithms.link_attacks import ACTIVATION, GRADIENT, LINK_ATTACKS, TARGETS, LinkAttack, LinkView, make_link_attack
+from ..algorithms.link_attacks import ACTIVATION, GRADIENT, TARGETS, LinkAttack, LinkView, make_link_attack
 from ..algorithms.sentinel import BACKWARD, FORWARD, SentinelConfig, Sentinel
+from ..attack_axes import check_name
 from ..config import override
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
@@ -101,8 +102,7 @@ class SentinelBenchConfig:
         if self.jobs < 0 or self.lr <= 0 or self.clip < 0:
             raise ConfigError(f"jobs={self.jobs} and clip={self.clip} must be >= 0 and lr={self.lr} > 0")
         for name in _names(self.attacks) + _names(self.ablation_attacks):
-            if name not in LINK_ATTACKS or name == "none":
-                raise ConfigError(f"unknown attack {name!r} in attacks; allowed: {', '.join(TABLE_ATTACKS)}")
+            check_name("attacks", name, ("link",), honest=False)
         for name in _names(self.ablation):
             apply_variant(self.sentinel, name)
 

@@ -14,8 +14,8 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from ..algorithms.attacks import ATTACKS, AttackSchedule, make_attack
-from ..algorithms.btard_attacks import PROTOCOL_ATTACKS, make_policy
+from ..algorithms.attacks import ATTACKS, Attack, AttackSchedule, make_attack
+from ..algorithms.btard_attacks import PROTOCOL_ATTACKS, ProtocolPolicy, make_policy
 from ..algorithms.catchup import manifest_digest, manifest_of
 from ..config import NetworkConfig, RunConfig
 from ..core.identity import Identity
@@ -69,15 +69,20 @@ def crash_indices(config: RunConfig) -> list[int]:
     return sorted(py_stream(config.seed, "crash").sample(pool, min(config.faults.crash, len(pool))))
 
 
-def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParallelPeer:
-    byzantine = index in byzantine_indices(config)
+def byzantine_policies(config: RunConfig) -> tuple[Attack | None, ProtocolPolicy | None]:
+    """(gradient attack, protocol policy) a Byzantine peer of `config` runs; None where it has none."""
     attack = policy = None
     schedule = AttackSchedule(start_step=config.byzantine.start_step, every=config.byzantine.every)
-    if byzantine and config.byzantine.attack in ATTACKS:
+    if config.byzantine.attack in ATTACKS:
         attack = make_attack(config.byzantine.attack, schedule, **config.byzantine.params)
-    if byzantine and config.byzantine.attack in PROTOCOL_ATTACKS:
+    if config.byzantine.attack in PROTOCOL_ATTACKS:
         colluders = frozenset(peer_identity(config.seed, i).peer_id for i in byzantine_indices(config))
         policy = make_policy(config.byzantine.attack, schedule, config.seed, colluders, **config.byzantine.params)
+    return attack, policy
+
+
+def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParallelPeer:
+    attack, policy = byzantine_policies(config) if index in byzantine_indices(config) else (None, None)
     return DataParallelPeer(
         transport,
         task_of(config.train, config.task),
