@@ -48,8 +48,9 @@ class AttackingRelay(Relay):
     def contribute(self, it: int, vector: torch.Tensor) -> torch.Tensor:
         """Its part of the stage all-reduce, through the policy (only target `aggregation` tampers it)."""
         sent = self.attack.relay(LinkView(AGGREGATION, it, ("aggregate", it), vector))
-        self.log({"kind": "attack", "peer": self.me, "stage": self.stage, "link": None, "direction": AGGREGATION,
-                  "mb": None, "it": it, "tampered": sent.tampered, "attack": sent.attack})
+        if sent.tampered:  # one record per lie (link attacks log every tensor; SENTINEL scores those per microbatch)
+            self.log({"kind": "attack", "peer": self.me, "stage": self.stage, "link": None, "direction": AGGREGATION,
+                      "it": it, "tampered": True, "attack": sent.attack})
         return sent.tensor.detach().to(torch.float32).reshape(-1).contiguous()
 
     def signed(self, direction: str, out: m.Carry, received: m.Carry, to: str) -> m.Carry:
