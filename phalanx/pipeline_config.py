@@ -77,10 +77,11 @@ class LinkAttackConfig:
 
     name: str = "none"  # a link attack of algorithms.link_attacks (zeros, random, scaling, sign_flip, delay, ...)
     relays: str = ""  # comma-separated relay indices (relay r starts in stage 1 + r mod pipeline.stages)
-    target: str = "both"  # activations, gradients or both
+    target: str = "both"  # activations, gradients, both (the links) or aggregation (its stage all-reduce vector)
     start: int = 0  # first attacked iteration
     fraction: float = 1.0  # of the relay's microbatches attacked
     delay: int = 20  # delay attack only: iterations by which the replayed tensors are stale
+    factor: float = -1.0  # scaling attack only: what the relay multiplies its honest tensor by
 
     def __post_init__(self) -> None:
         _check(self.delay >= 1, "attack.delay", self.delay, "must be an iteration count >= 1")
@@ -88,6 +89,7 @@ class LinkAttackConfig:
         _check(self.target in TARGETS, "attack.target", self.target, f"must be one of {', '.join(TARGETS)}")
         _check(self.start >= 0, "attack.start", self.start, "must be an iteration >= 0")
         _check(0 <= self.fraction <= 1, "attack.fraction", self.fraction, "must be in [0, 1]")
+        _check(math.isfinite(self.factor), "attack.factor", self.factor, "must be a finite number")
         try:
             indices = self.indices
         except ValueError:
@@ -103,7 +105,7 @@ class LinkAttackConfig:
 
     def policy(self, seed: int, worker: str) -> LinkAttack:
         """The `LinkAttack` a malicious relay runs."""
-        extra = {"delay": self.delay} if self.name == "delay" else {}
+        extra = {"delay": self.delay} if self.name == "delay" else {"factor": self.factor} if self.name == "scaling" else {}
         return make_link_attack(self.name, target=self.target, start_step=self.start, fraction=self.fraction,
                                 seed=seed, worker=worker, **extra)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from phalanx.algorithms.link_attacks import ACTIVATION, GRADIENT, LinkView, make_link_attack
+from phalanx.algorithms.link_attacks import ACTIVATION, AGGREGATION, GRADIENT, LinkView, make_link_attack
 from phalanx.core.errors import ConfigError
 
 
@@ -118,3 +118,13 @@ def test_framing_tampers_like_its_base_and_picks_one_victim():
     assert attack.victim(peers) == attack.victim(list(reversed(peers))) in peers
     with pytest.raises(ConfigError, match="framing base"):
         make_link_attack("framing", base="framing")
+
+
+def test_aggregation_target_lies_only_in_the_all_reduce():
+    x = _x()
+    links = make_link_attack("scaling", target="both", factor=-30.0)
+    stage = make_link_attack("scaling", target="aggregation", factor=-30.0)
+    assert not links.relay(LinkView(AGGREGATION, 5, ("aggregate", 5), x)).tampered  # both: the two links only
+    assert links.relay(LinkView(GRADIENT, 5, 1, x)).tampered
+    assert not stage.relay(LinkView(ACTIVATION, 5, 1, x)).tampered
+    assert torch.equal(stage.relay(LinkView(AGGREGATION, 5, ("aggregate", 5), x)).tensor, -30.0 * x)

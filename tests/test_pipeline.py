@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from phalanx.experiments.pipeline_run import reference_losses, simulate_pipeline
-from phalanx.pipeline_config import ChurnConfig, PipelineRunConfig
+from phalanx.pipeline_config import ChurnConfig, LinkAttackConfig, PipelineRunConfig
+from phalanx.runtime.butterfly import AllReduceConfig
 from phalanx.runtime.dp_peer import TrainConfig
 from phalanx.core.errors import PhalanxError
 from phalanx.core.serialization import encode
@@ -290,6 +291,32 @@ def test_behind_replica_catches_up_before_serving():
     assert summary["replicas"][behind][:2] == [2, config.steps]
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
     assert summary["evidence"] == []
+
+
+def test_centered_clip_bounds_a_replica_lying_in_the_stage_all_reduce():
+    # one stage of 4 relays, each serving 2 of the 8 microbatches; relay 0 sends -30x its honest
+    # vector in the stage all-reduce. With the mean the stage steps up the gradient (update norms
+    # many times the clean run's, loss climbs); with CenteredClip (tau 0.1) the honest replicas'
+    # updates stay within the clean run's plus a few tau, and the loss near the clean run's
+    def run(reducer: str, liar: bool) -> tuple[list[float], float]:
+        config = _mlp_config(
+            peers=5, data_nodes=1, steps=6, pipeline=PipelineConfig(stages=1, microbatches=8, capacity=2),
+            allreduce=AllReduceConfig(reducer=reducer, tau=0.1),
+            attack=LinkAttackConfig(name="scaling", factor=-30.0, relays="0", target="aggregation") if liar else LinkAttackConfig(),
+        )
+        summary = simulate_pipeline(config, progress=False)
+        liar_id = summary["peer_ids"][1]
+        assert all(len(d) == 1 for stage, d in _replicas_agree(summary).items())
+        assert all(m["completed"] == 8 for m in summary["metrics"]) and summary["evidence"] == []
+        norms = [e["norm"] for e in summary["events"]
+                 if e["kind"] == "aggregate" and e["stage"] == 1 and e["peer"] != liar_id]
+        return [m["loss"] for m in summary["metrics"]], max(norms)
+
+    clean_loss, clean_norm = run("mean", liar=False)
+    mean_loss, mean_norm = run("mean", liar=True)
+    clip_loss, clip_norm = run("centered_clip", liar=True)
+    assert mean_norm > 5 * clean_norm and mean_loss[-1] > clean_loss[-1] + 0.2
+    assert clip_norm < clean_norm + 3 * 0.1 and abs(clip_loss[-1] - clean_loss[-1]) < 0.05
 
 
 def test_departed_relay_is_out_of_the_next_aggregation():

@@ -6,6 +6,8 @@ policy, which returns what is actually sent and whether it tampered (the
 attack log an experiment scores detection against; a verifier never reads
 it). A policy attacks from `start_step`, on the `target` direction(s), on a
 `fraction` of microbatches chosen from a seeded stream, so reruns repeat.
+Target `aggregation` turns the same policy on the relay's contribution to its
+stage's gradient all-reduce instead (one tensor per iteration, no link).
 Pure torch, no I/O.
 
 Formulas where the paper gives only names (each a parameter):
@@ -38,7 +40,8 @@ from ..core.errors import ConfigError
 from ..core.rng import py_stream, torch_stream
 
 ACTIVATION, GRADIENT = "activation", "gradient"
-TARGETS = ("activations", "gradients", "both")
+AGGREGATION = "aggregation"  # not a link: the relay's own vector in its stage's all-reduce
+TARGETS = ("activations", "gradients", "both", "aggregation")  # both: the two link directions
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class LinkView:
     there is no verifier.
     """
 
-    kind: str  # ACTIVATION or GRADIENT
+    kind: str  # ACTIVATION, GRADIENT or AGGREGATION
     step: int
     microbatch: Hashable
     tensor: Tensor
@@ -99,7 +102,8 @@ class LinkAttack:
         """Whether this view is attacked: step, direction and the seeded microbatch draw."""
         if view.step < self.start_step or self.name == "none":
             return False
-        if self.target != "both" and not self.target.startswith(view.kind):
+        both = self.target == "both" and view.kind != AGGREGATION
+        if not both and not self.target.startswith(view.kind):
             return False
         draw = py_stream(self.seed, "link-attack-select", self.worker, view.step, view.microbatch).random()
         return draw < self.fraction

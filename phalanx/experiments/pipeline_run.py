@@ -119,7 +119,8 @@ def build_node(
         cls = Relay
     return cls(
         transport, task, staged, stage, config.train, config.pipeline, directory, config.seed,
-        router, capacity=capacity, allreduce=config.allreduce, on_event=on_event, flow=flow, **extra,
+        router, capacity=capacity, allreduce=config.allreduce, reducer=config.allreduce.build_reducer(),
+        on_event=on_event, flow=flow, **extra,
     )
 
 

@@ -78,7 +78,8 @@ def _f1(tp: int, fp: int, fn: int) -> tuple[float, float, float]:
 def scored_verdicts(summary: dict) -> list[tuple[dict, bool]]:
     """(verdict, tampered) of every verdict that counts for per-tensor detection: warm-up verdicts, refused
     traffic of banned senders and tainted honest tensors are left out."""
-    log = {(a["peer"], a["direction"], a["src"], a["seq"], a["att"]): a["tampered"] for a in summary["attacks"]}
+    log = {(a["peer"], a["direction"], a["src"], a["seq"], a["att"]): a["tampered"] for a in summary["attacks"]
+           if "src" in a}  # lies in a stage all-reduce (target aggregation) pass no link
     out = []
     for v in summary["verdicts"]:
         if v["reason"] in ("warmup", "banned"):

@@ -1,4 +1,5 @@
-"""A malicious relay: it runs the pipeline protocol and computes its stage honestly, then lies on its links.
+"""A malicious relay: it runs the pipeline protocol and computes its stage honestly, then lies on its links
+(or, with target `aggregation`, in its stage's gradient all-reduce).
 
 Each outgoing activation and input gradient goes through a
 `algorithms.link_attacks.LinkAttack` policy before it is sent; `log` receives
@@ -17,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...algorithms.link_attacks import ACTIVATION, LinkAttack, LinkView
+from ...algorithms.link_attacks import ACTIVATION, AGGREGATION, LinkAttack, LinkView
 from . import messages as m
 from .relay import Relay
 
@@ -43,6 +44,14 @@ class AttackingRelay(Relay):
                   "src": key[0], "seq": key[1], "att": key[2], "it": it, "tampered": sent.tampered,
                   "attack": sent.attack})
         return sent.tensor.detach().to(torch.float32).contiguous()
+
+    def contribute(self, it: int, vector: torch.Tensor) -> torch.Tensor:
+        """Its part of the stage all-reduce, through the policy (only target `aggregation` tampers it)."""
+        sent = self.attack.relay(LinkView(AGGREGATION, it, ("aggregate", it), vector))
+        if sent.tampered:  # one record per lie (link attacks log every tensor; SENTINEL scores those per microbatch)
+            self.log({"kind": "attack", "peer": self.me, "stage": self.stage, "link": None, "direction": AGGREGATION,
+                      "it": it, "tampered": True, "attack": sent.attack})
+        return sent.tensor.detach().to(torch.float32).reshape(-1).contiguous()
 
     def signed(self, direction: str, out: m.Carry, received: m.Carry, to: str) -> m.Carry:
         carry = super().signed(direction, out, received, to)

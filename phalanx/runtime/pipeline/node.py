@@ -12,10 +12,13 @@ that fails, the node keeps the gradient and tells the data node (BROKEN).
 
 Aggregation (GWTF V-E): BEGIN AGGREGATION floods front to back with the list
 of finished microbatches and the replica group of every stage; each replica
-sums its gradients of the finished microbatches it served, all-reduces
-[sum, count] with butterfly all-reduce (pluggable reducer) and steps with
-sum/count, the mean gradient over all finished microbatches. CAN TAKE then
-flows back to front and opens the next iteration.
+contributes one gradient vector, its mean gradient over the finished
+microbatches it served times its share of the stage's work (`contribution`),
+the group reduces them with butterfly all-reduce and the configured reducer
+(`allreduce.reducer`: the mean gives exactly the mean gradient over all
+finished microbatches; a robust rule bounds a lying replica), and every
+replica steps with the result. CAN TAKE then flows back to front and opens
+the next iteration.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from ...core.errors import Evidence, PeerTimeout, PeerUnreachable, PhalanxError,
 from ...core.serialization import check_tensor, decode, digest, encode
 from ...training.task import Task, num_params
 from ...transport.base import Transport
-from ..butterfly import AllReduceConfig, ButterflyAllReduce, Reducer, mean_reducer
+from ..butterfly import AllReduceConfig, ButterflyAllReduce, Reducer
 from ..dp_peer import TrainConfig, make_optimizer
 from . import messages as m
 from .config import PipelineConfig
@@ -62,6 +65,20 @@ class Held:
     lost_reported: bool = False  # its next peer left the membership view and the data node was told
 
 
+def contribution(total: torch.Tensor, work: int, replicas: int) -> torch.Tensor:
+    """One replica's vector for the stage all-reduce: `replicas * total / work`.
+
+    `total` sums the replica's gradients of the c finished microbatches it served, so this is its
+    mean gradient times its share `replicas * c / work` of the `work` microbatches the group served.
+    The mean of the group's vectors is then the mean gradient over all `work` microbatches (what
+    [sum, count] gave before), and a replica that served nothing sends zeros; with balanced routing
+    every honest vector is about one mean gradient, which is what a robust rule compares.
+    """
+    if work == 0:
+        return torch.zeros_like(total)
+    return total * (replicas / work)
+
+
 class PipelineNode:
     """One node of the pipeline serving `stage`; subclasses add the data node's and relay's loops."""
 
@@ -79,7 +96,7 @@ class PipelineNode:
         *,
         capacity: int | None = None,
         allreduce: AllReduceConfig = AllReduceConfig(),
-        reducer: Reducer = mean_reducer,
+        reducer: Reducer | None = None,
         on_event: EventSink | None = None,
         flow: FlowDriver | None = None,
         verifiers: dict[int, str] | None = None,
@@ -106,7 +123,7 @@ class PipelineNode:
         self.part = staged.parts[stage]
         self.params = list(self.part.parameters())
         self.optimizer = make_optimizer(train, self.params)
-        self.allreduce = ButterflyAllReduce(transport, num_params(self.part) + 1, reducer, allreduce)
+        self.allreduce = ButterflyAllReduce(transport, num_params(self.part), reducer or allreduce.build_reducer(), allreduce)
         self.version = 0  # optimizer steps applied = the iteration this node accepts microbatches for
         self.entered = True  # a joiner is not until its download is done (`enter`)
         self._catching_up = False
@@ -613,20 +630,21 @@ class PipelineNode:
                 total += grad
                 count += 1
         version = it + 1
-        missing = 0
+        missing, norm = 0, 0.0  # norm: of the reduced vector this replica stepped with
         behind = self.version != it  # missed an aggregation (cut off, or a joiner): holds no gradients of `it`
+        work = sum(1 for path in finished.values() if len(path) > self.stage and path[self.stage] in group)
         if self.me in group:
-            # A behind replica still takes its part (zeros, count 0), so that the group neither waits
-            # out a timeout on it nor loses its slice of the sum; it then downloads the result.
-            vector = torch.zeros(num_params(self.part) + 1) if behind else torch.cat([total, torch.tensor([float(count)])])
+            # A behind replica (and one that served nothing) still takes its part with zeros, so that
+            # the group neither waits out a timeout on it nor loses its slice; a behind one then downloads.
+            vector = torch.zeros_like(total) if behind else contribution(total, work, len(group))
+            vector = self.contribute(it, vector)
             result = await self.allreduce(it, vector, group)
             missing = len(result.missing_parts)
-            mass = float(result.vector[-1])
-            if mass > 0 and not behind:
-                vector = result.vector[:-1] / mass
+            if work > 0 and not behind:
+                norm = float(result.vector.norm())
                 offset = 0
                 for p in self.params:
-                    p.grad = vector[offset: offset + p.numel()].view_as(p).to(p.device).clone()
+                    p.grad = result.vector[offset: offset + p.numel()].view_as(p).to(p.device).clone()
                     offset += p.numel()
                 async with self.compute_lock:  # no forward or backward runs across a step
                     self.optimizer.step()
@@ -640,7 +658,7 @@ class PipelineNode:
                 self.spawn(self.catch_up(it + 1))
         self.on_event({"kind": "aggregate", "peer": self.me, "stage": self.stage, "it": it, "t0": t0, "t1": self.now(),
                        "group": len(group), "count": count, "in_group": self.me in group, "version": version,
-                       "fetched": fetched, "missing": missing})
+                       "fetched": fetched, "missing": missing, "norm": norm})
         self.version = version
         self.last_served, self.served = self.served, 0
         self.held.clear()
@@ -660,6 +678,10 @@ class PipelineNode:
                 if peer != self.me:
                     await self.transport.send(peer, m.CAN_TAKE, encode(it))
         self.aggregated_event(it).set()
+
+    def contribute(self, it: int, vector: torch.Tensor) -> torch.Tensor:
+        """What this replica sends as its part of the stage all-reduce (an honest replica: its contribution)."""
+        return vector
 
     def aggregated_event(self, it: int) -> asyncio.Event:
         return self._aggregated.setdefault(it, asyncio.Event())
