@@ -28,17 +28,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..core.envelope import SignedEnvelope
 from ..core.errors import LocalError
 from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode
 from ..runtime.pipeline.relay import ask_for_stage
 from ..runtime.pipeline.verifier import VerifierNode
+from ..transport.base import BROADCAST_TOPIC
 from .launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
 from .pipeline_run import PipelineRecorder, build_node, pipeline_task, verifier_identity, verifier_ids
 from .processes import MARKER_ENV, guard_worker, kill_marked, new_marker
 from .swarm import peer_identity
 
-FINISHED = "pp.finished"
+FINISHED = "pp.finished"  # a data node has run its steps: everyone leaves
+LEFT = "pp.left"  # a relay or verifier saw every FINISHED and leaves: its data nodes need not wait for it
+FINISH_POLL = 1.0  # seconds between pulls of a FINISHED whose push has not arrived
 RUN_TIMEOUT = 3600.0
 GONE_TIMEOUT = 5.0  # seconds the launcher waits for its killed process groups to be reaped
 
@@ -88,10 +92,10 @@ async def run_pipeline_worker(
                 await node.run(config.steps, lambda r: write("iteration", r))
                 await transport.broadcast(FINISHED, 0, b"")
                 await transport.board.wait(FINISHED, 0, data_nodes, 30.0)
-                await asyncio.sleep(1.0)  # let the last CAN TAKE and FINISHED messages leave
+                await _linger_until_left(transport, [*ids[config.data_nodes:], *verifier_ids(config).values()], 30.0)
             else:
                 serving = asyncio.create_task(node.serve())
-                await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
+                await _wait_finished(transport, data_nodes)
                 node.stop()
                 await serving
             await node.close()
@@ -128,7 +132,7 @@ async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peer
                 raise LocalError(f"only {len(transport.members())} of {members} peers joined within {JOIN_TIMEOUT:.0f} s") from None
             await _barrier(transport, "start", peers)
             serving = asyncio.create_task(node.serve())
-            await transport.board.wait(FINISHED, 0, ids[: config.data_nodes], RUN_TIMEOUT)
+            await _wait_finished(transport, ids[: config.data_nodes])
             await asyncio.sleep(1.0)  # let the last bans leave
             node.stop()
             await serving
@@ -154,10 +158,42 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
     if not await node.enter(it):
         raise LocalError(f"could not download the weights of stage {stage}")
     serving = asyncio.create_task(node.serve())
-    await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
+    await _wait_finished(transport, data_nodes)
     node.stop()
     await serving
     await node.close()
+
+
+async def _wait_finished(transport, data_nodes: list[str]) -> None:
+    """Wait until every data node has announced FINISHED, then say we leave (LEFT).
+
+    FINISHED is pushed once, best effort: one lost under load would leave this process waiting for the
+    whole run timeout (and the launcher would kill it as failed), so what has not arrived is pulled from
+    the data nodes, which stay until the others have left."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RUN_TIMEOUT
+    while loop.time() < deadline:
+        got = await transport.board.wait(FINISHED, 0, data_nodes, FINISH_POLL)
+        missing = [p for p in data_nodes if p not in got]
+        if not missing:
+            left = SignedEnvelope.create(transport.identity, LEFT, 0, b"").to_bytes()  # to the data nodes only
+            await asyncio.gather(*(transport.send(p, BROADCAST_TOPIC, left) for p in data_nodes))
+            return
+        await transport.fetch_broadcasts(FINISHED, 0, missing, missing, 2 * FINISH_POLL)
+    raise LocalError(f"data nodes {[p[:8] for p in data_nodes]} did not finish within {RUN_TIMEOUT:.0f} s")
+
+
+async def _linger_until_left(transport, others: list[str], timeout: float) -> None:
+    """A data node's last duty: stay (answering pulls of its FINISHED) until the run's other processes still
+    in view have said LEFT, or `timeout` passes (a LEFT can be lost too; a crashed peer drops out of view)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        left = transport.board.get(LEFT, 0)
+        if all(p in left for p in others if p in transport.members()):
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # let the last CAN TAKE messages leave
 
 
 def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
@@ -167,25 +203,26 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     base = [sys.executable, "-m", "phalanx.experiments.pipeline_launch", "--config", str(config_path), "--out", str(peer_dir)]
     marker = os.environ.get(MARKER_ENV) or new_marker()
 
-    def start(*args: str) -> subprocess.Popen:
+    def start(name: str, *args: str) -> subprocess.Popen:
         env = {**os.environ, MARKER_ENV: f"{marker}/{len(procs)}"}
-        return subprocess.Popen([*base, *args, "--die-with-parent"], start_new_session=True, env=env)
+        with open(peer_dir / f"{name}.err", "wb") as err:  # kept: a failing child's last lines go into the error
+            return subprocess.Popen([*base, *args, "--die-with-parent"], start_new_session=True, env=env, stderr=err)
 
     procs: list[subprocess.Popen] = []
     verifiers: list[subprocess.Popen] = []
-    procs.append(start("--index", "0", "--address-file", str(address_file)))
+    procs.append(start("0", "--index", "0", "--address-file", str(address_file)))
     victim = config.data_nodes + config.faults.crash_relay if config.faults.crash_relay >= 0 else None
     killed = False
     try:
         deadline = time.monotonic() + JOIN_TIMEOUT
         while not address_file.exists():
             if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise LocalError(f"the first peer did not start (exit code {procs[0].poll()}); see its output above")
+                raise LocalError(f"the first peer did not start (exit code {procs[0].poll()}){_tail(peer_dir, '0')}")
             time.sleep(0.1)
         addrs = address_file.read_text().split()
         for index in range(1, config.peers):
-            procs.append(start("--index", str(index), "--initial-peers", *addrs))
-        verifiers += [start("--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
+            procs.append(start(str(index), "--index", str(index), "--initial-peers", *addrs))
+        verifiers += [start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
                       for link in sorted(verifier_ids(config))]
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
         opened_at = None
@@ -200,7 +237,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                     killed = True
             rejoin = config.faults.rejoin_after
             if killed and rejoin and len(procs) == config.peers and done >= config.faults.crash_iteration + rejoin:
-                procs.append(start("--index", str(config.peers), "--join", "--initial-peers", *addrs))
+                procs.append(start(str(config.peers), "--index", str(config.peers), "--join", "--initial-peers", *addrs))
             time.sleep(0.02)
         bar.close()
         for index, p in enumerate(procs):
@@ -227,10 +264,11 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
             _kill_group(p, signal.SIGKILL)  # the hivemind children of a worker that exited early
         kill_marked(f"{marker}/", prefix=True)  # anything a worker started that left its group
         _wait_gone([p.pid for p in procs + verifiers], GONE_TIMEOUT)
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0 and i != victim]
-    failed += [f"verifier {link}" for link, p in zip(sorted(verifier_ids(config)), verifiers) if p.returncode != 0]
+    failed = [(f"peer {i}", str(i), p.returncode) for i, p in enumerate(procs) if p.returncode != 0 and i != victim]
+    failed += [(f"verifier {link}", f"v{link}", p.returncode)
+               for link, p in zip(sorted(verifier_ids(config)), verifiers) if p.returncode != 0]
     if failed:
-        raise LocalError(f"peers {failed} exited with errors; see their output above")
+        raise LocalError("; ".join(f"{who} exited with code {code}{_tail(peer_dir, name)}" for who, name, code in failed))
     ids = [peer_identity(config.seed, i).peer_id for i in range(len(procs))]
     recorder = PipelineRecorder(config, ids)
     names = [str(i) for i in range(len(procs))] + [f"v{link}" for link in sorted(verifier_ids(config))]
@@ -250,6 +288,15 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
              "killed": ids[victim] if killed and victim is not None else None,
              "process_groups": [p.pid for p in procs + verifiers]}
     return recorder.write(out, extra)
+
+
+def _tail(peer_dir: Path, name: str, lines: int = 12) -> str:
+    """The last lines a child wrote to its stderr file, to quote in the launcher's error."""
+    path = peer_dir / f"{name}.err"
+    text = path.read_text(errors="replace").strip() if path.exists() else ""
+    if not text:
+        return " (no output)"
+    return f" ({path}), its last lines:\n" + "\n".join(text.splitlines()[-lines:])
 
 
 def _wait_gone(pgids: list[int], timeout: float) -> None:
