@@ -92,7 +92,7 @@ async def run_pipeline_worker(
                 await node.run(config.steps, lambda r: write("iteration", r))
                 await transport.broadcast(FINISHED, 0, b"")
                 await transport.board.wait(FINISHED, 0, data_nodes, 30.0)
-                await _linger_until_left(transport, [*ids[config.data_nodes:], *verifier_ids(config).values()], 30.0)
+                await _linger_until_left(transport, data_nodes, 30.0)
             else:
                 serving = asyncio.create_task(node.serve())
                 await _wait_finished(transport, data_nodes)
@@ -175,6 +175,8 @@ async def _wait_finished(transport, data_nodes: list[str]) -> None:
     while loop.time() < deadline:
         got = await transport.board.wait(FINISHED, 0, data_nodes, FINISH_POLL)
         missing = [p for p in data_nodes if p not in got]
+        if missing and not set(missing) & set(transport.members()):
+            return  # they left without our seeing FINISHED: the run is over (the launcher judges how it ended)
         if not missing:
             left = SignedEnvelope.create(transport.identity, LEFT, 0, b"").to_bytes()  # to the data nodes only
             await asyncio.gather(*(transport.send(p, BROADCAST_TOPIC, left) for p in data_nodes))
@@ -183,14 +185,14 @@ async def _wait_finished(transport, data_nodes: list[str]) -> None:
     raise LocalError(f"data nodes {[p[:8] for p in data_nodes]} did not finish within {RUN_TIMEOUT:.0f} s")
 
 
-async def _linger_until_left(transport, others: list[str], timeout: float) -> None:
-    """A data node's last duty: stay (answering pulls of its FINISHED) until the run's other processes still
-    in view have said LEFT, or `timeout` passes (a LEFT can be lost too; a crashed peer drops out of view)."""
+async def _linger_until_left(transport, data_nodes: list[str], timeout: float) -> None:
+    """A data node's last duty: stay (answering pulls of its FINISHED) until every other member in view has
+    said LEFT, or `timeout` passes (a LEFT can be lost too; a crashed peer drops out of view)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
         left = transport.board.get(LEFT, 0)
-        if all(p in left for p in others if p in transport.members()):
+        if all(p in left for p in transport.members() if p not in data_nodes):
             break
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.5)  # let the last CAN TAKE messages leave
