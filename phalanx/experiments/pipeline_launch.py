@@ -292,7 +292,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     return recorder.write(out, extra)
 
 
-def _tail(peer_dir: Path, name: str, lines: int = 12) -> str:
+def _tail(peer_dir: Path, name: str, lines: int = 40) -> str:
     """The last lines a child wrote to its stderr file, to quote in the launcher's error."""
     path = peer_dir / f"{name}.err"
     text = path.read_text(errors="replace").strip() if path.exists() else ""
@@ -347,6 +347,23 @@ def _to_relative_time(recorder: PipelineRecorder) -> None:
         e["t1"] -= origin
 
 
+def _say_where_stuck(signum, frame) -> None:
+    """The launcher gave up waiting for this worker (SIGTERM, then SIGKILL): say what it was waiting on."""
+    import traceback
+    lines = ["phalanx: stopped by the launcher while waiting in:"]
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:
+        tasks = set()
+    for task in tasks:
+        for f in task.get_stack(limit=8):
+            lines.append(f"  {task.get_name()}: {f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}")
+    lines += [line.rstrip() for line in traceback.format_stack(frame, limit=6)]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _worker_main() -> None:
     parser = argparse.ArgumentParser(description="one phalanx pipeline worker (started by `phalanx launch`)")
     parser.add_argument("--config", required=True)
@@ -360,6 +377,7 @@ def _worker_main() -> None:
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = PipelineRunConfig.from_dict(json.loads(Path(args.config).read_text()))
+    signal.signal(signal.SIGTERM, _say_where_stuck)  # then dies as before (the handler is installed before hivemind's)
     if args.verifier is not None:
         asyncio.run(run_verifier_worker(config, args.verifier, args.initial_peers, Path(args.out) / f"v{args.verifier}.jsonl"))
         return
