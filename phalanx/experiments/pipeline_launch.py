@@ -175,8 +175,6 @@ async def _wait_finished(transport, data_nodes: list[str]) -> None:
     while loop.time() < deadline:
         got = await transport.board.wait(FINISHED, 0, data_nodes, FINISH_POLL)
         missing = [p for p in data_nodes if p not in got]
-        if missing and not set(missing) & set(transport.members()):
-            return  # they left without our seeing FINISHED: the run is over (the launcher judges how it ended)
         if not missing:
             left = SignedEnvelope.create(transport.identity, LEFT, 0, b"").to_bytes()  # to the data nodes only
             await asyncio.gather(*(transport.send(p, BROADCAST_TOPIC, left) for p in data_nodes))
@@ -348,9 +346,9 @@ def _to_relative_time(recorder: PipelineRecorder) -> None:
 
 
 def _say_where_stuck(signum, frame) -> None:
-    """The launcher gave up waiting for this worker (SIGTERM, then SIGKILL): say what it was waiting on."""
+    """SIGTERM (the launcher gave up waiting, or died): print what this worker was waiting on, then die of it."""
     import traceback
-    lines = ["phalanx: stopped by the launcher while waiting in:"]
+    lines = ["phalanx: worker stopped (SIGTERM) while in:"]
     try:
         tasks = asyncio.all_tasks()
     except RuntimeError:
@@ -377,7 +375,7 @@ def _worker_main() -> None:
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = PipelineRunConfig.from_dict(json.loads(Path(args.config).read_text()))
-    signal.signal(signal.SIGTERM, _say_where_stuck)  # then dies as before (the handler is installed before hivemind's)
+    signal.signal(signal.SIGTERM, _say_where_stuck)
     if args.verifier is not None:
         asyncio.run(run_verifier_worker(config, args.verifier, args.initial_peers, Path(args.out) / f"v{args.verifier}.jsonl"))
         return
