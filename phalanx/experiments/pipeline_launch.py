@@ -92,7 +92,7 @@ async def run_pipeline_worker(
                 await node.run(config.steps, lambda r: write("iteration", r))
                 await transport.broadcast(FINISHED, 0, b"")
                 await transport.board.wait(FINISHED, 0, data_nodes, 30.0)
-                await _linger_until_left(transport, data_nodes, 30.0)
+                await _linger_until_left(transport, data_nodes, 10 * FINISH_POLL)
             else:
                 serving = asyncio.create_task(node.serve())
                 await _wait_finished(transport, data_nodes)
@@ -185,7 +185,8 @@ async def _wait_finished(transport, data_nodes: list[str]) -> None:
 
 async def _linger_until_left(transport, data_nodes: list[str], timeout: float) -> None:
     """A data node's last duty: stay (answering pulls of its FINISHED) until every other member in view has
-    said LEFT, or `timeout` passes (a LEFT can be lost too; a crashed peer drops out of view)."""
+    said LEFT, or `timeout` passes (a LEFT can be lost too; a crashed peer stays in view until its record
+    expires, which would hold the data node up to the membership ttl)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
