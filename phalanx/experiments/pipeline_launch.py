@@ -205,7 +205,9 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     marker = os.environ.get(MARKER_ENV) or new_marker()
 
     def start(name: str, *args: str) -> subprocess.Popen:
-        env = {**os.environ, MARKER_ENV: f"{marker}/{len(procs)}"}
+        # One marker per child: a worker's watchdog SIGKILLs everything carrying its marker when the worker
+        # exits, so children sharing one (the verifiers did) killed each other at the end of a run.
+        env = {**os.environ, MARKER_ENV: f"{marker}/{name}"}
         with open(peer_dir / f"{name}.err", "wb") as err:  # kept: a failing child's last lines go into the error
             return subprocess.Popen([*base, *args, "--die-with-parent"], start_new_session=True, env=env, stderr=err)
 
