@@ -28,21 +28,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..core.envelope import SignedEnvelope
 from ..core.errors import LocalError
 from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode
 from ..runtime.pipeline.relay import ask_for_stage
 from ..runtime.pipeline.verifier import VerifierNode
-from ..transport.base import BROADCAST_TOPIC
 from .launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
 from .pipeline_run import PipelineRecorder, build_node, pipeline_task, verifier_identity, verifier_ids
 from .processes import MARKER_ENV, guard_worker, kill_marked, new_marker
 from .swarm import peer_identity
 
-FINISHED = "pp.finished"  # a data node has run its steps: everyone leaves
-LEFT = "pp.left"  # a relay or verifier saw every FINISHED and leaves: its data nodes need not wait for it
-FINISH_POLL = 1.0  # seconds between pulls of a FINISHED whose push has not arrived
+FINISHED = "pp.finished"
 RUN_TIMEOUT = 3600.0
 GONE_TIMEOUT = 5.0  # seconds the launcher waits for its killed process groups to be reaped
 
@@ -92,10 +88,10 @@ async def run_pipeline_worker(
                 await node.run(config.steps, lambda r: write("iteration", r))
                 await transport.broadcast(FINISHED, 0, b"")
                 await transport.board.wait(FINISHED, 0, data_nodes, 30.0)
-                await _linger_until_left(transport, data_nodes, 10 * FINISH_POLL)
+                await asyncio.sleep(1.0)  # let the last CAN TAKE and FINISHED messages leave
             else:
                 serving = asyncio.create_task(node.serve())
-                await _wait_finished(transport, data_nodes)
+                await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
                 node.stop()
                 await serving
             await node.close()
@@ -132,7 +128,7 @@ async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peer
                 raise LocalError(f"only {len(transport.members())} of {members} peers joined within {JOIN_TIMEOUT:.0f} s") from None
             await _barrier(transport, "start", peers)
             serving = asyncio.create_task(node.serve())
-            await _wait_finished(transport, ids[: config.data_nodes])
+            await transport.board.wait(FINISHED, 0, ids[: config.data_nodes], RUN_TIMEOUT)
             await asyncio.sleep(1.0)  # let the last bans leave
             node.stop()
             await serving
@@ -158,43 +154,10 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
     if not await node.enter(it):
         raise LocalError(f"could not download the weights of stage {stage}")
     serving = asyncio.create_task(node.serve())
-    await _wait_finished(transport, data_nodes)
+    await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
     node.stop()
     await serving
     await node.close()
-
-
-async def _wait_finished(transport, data_nodes: list[str]) -> None:
-    """Wait until every data node has announced FINISHED, then say we leave (LEFT).
-
-    FINISHED is pushed once, best effort: one lost under load would leave this process waiting for the
-    whole run timeout (and the launcher would kill it as failed), so what has not arrived is pulled from
-    the data nodes, which stay until the others have left."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + RUN_TIMEOUT
-    while loop.time() < deadline:
-        got = await transport.board.wait(FINISHED, 0, data_nodes, FINISH_POLL)
-        missing = [p for p in data_nodes if p not in got]
-        if not missing:
-            left = SignedEnvelope.create(transport.identity, LEFT, 0, b"").to_bytes()  # to the data nodes only
-            await asyncio.gather(*(transport.send(p, BROADCAST_TOPIC, left) for p in data_nodes))
-            return
-        await transport.fetch_broadcasts(FINISHED, 0, missing, missing, 2 * FINISH_POLL)
-    raise LocalError(f"data nodes {[p[:8] for p in data_nodes]} did not finish within {RUN_TIMEOUT:.0f} s")
-
-
-async def _linger_until_left(transport, data_nodes: list[str], timeout: float) -> None:
-    """A data node's last duty: stay (answering pulls of its FINISHED) until every other member in view has
-    said LEFT, or `timeout` passes (a LEFT can be lost too; a crashed peer stays in view until its record
-    expires, which would hold the data node up to the membership ttl)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        left = transport.board.get(LEFT, 0)
-        if all(p in left for p in transport.members() if p not in data_nodes):
-            break
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(0.5)  # let the last CAN TAKE messages leave
 
 
 def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
@@ -206,7 +169,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
 
     def start(name: str, *args: str) -> subprocess.Popen:
         # One marker per child: a worker's watchdog SIGKILLs everything carrying its marker when the worker
-        # exits, so children sharing one (the verifiers did) killed each other at the end of a run.
+        # exits, so children sharing one (the three verifiers did) killed each other at the end of a run.
         env = {**os.environ, MARKER_ENV: f"{marker}/{name}"}
         with open(peer_dir / f"{name}.err", "wb") as err:  # kept: a failing child's last lines go into the error
             return subprocess.Popen([*base, *args, "--die-with-parent"], start_new_session=True, env=env, stderr=err)
@@ -354,7 +317,7 @@ def _say_where_stuck(signum, frame) -> None:
     lines = ["phalanx: worker stopped (SIGTERM) while in:"]
     try:
         tasks = asyncio.all_tasks()
-    except RuntimeError:
+    except RuntimeError:  # no running loop
         tasks = set()
     for task in tasks:
         for f in task.get_stack(limit=8):

@@ -223,7 +223,6 @@ class HivemindTransport(Transport):
         self._maddrs: list[str] = []
         self._view: dict[str, MembershipRecord] = {}
         self._by_libp2p: dict[bytes, str] = {}
-        self._known: dict[str, MembershipRecord] = {}  # every peer's latest record, expired ones too (addressing)
         self._reported_records: set[bytes] = set()
         self._refresh_task: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
@@ -293,7 +292,7 @@ class HivemindTransport(Transport):
         if self._dht is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._dht.shutdown)
             self._dht = None
-        self._view, self._by_libp2p, self._known, self._maddrs = {}, {}, {}, []
+        self._view, self._by_libp2p, self._maddrs = {}, {}, []
 
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs (with /p2p/<libp2p id>) that other peers can pass as `initial_peers`."""
@@ -395,10 +394,7 @@ class HivemindTransport(Transport):
             if record.expiration > now and subkey != self.peer_id and (subkey not in view or record.expiration > view[subkey].expiration):
                 view[subkey] = record
         self._view = view
-        # A signed record binds a libp2p id to a phalanx id for good; only liveness expires. Under load the
-        # DHT can fail to refresh a live peer's record for longer than its ttl: its streams are still served.
-        self._by_libp2p.update({r.libp2p_id: p for p, r in view.items()})
-        self._known.update(view)
+        self._by_libp2p = {r.libp2p_id: p for p, r in view.items()}
 
     async def _peer_of(self, remote: PeerID) -> str | None:
         """The phalanx id behind an authenticated libp2p id, refreshing the view once on a miss."""
@@ -409,14 +405,12 @@ class HivemindTransport(Transport):
         return peer
 
     async def _record_of(self, peer: str) -> MembershipRecord:
-        """The record of `peer`, refreshing the view once on a miss; PeerUnreachable if it never had one.
-        An expired record still gives the address (a dead peer then fails to answer): under load the DHT
-        can fail to refresh a live peer's record for longer than its ttl."""
+        """The live record of `peer`, refreshing the view once on a miss; PeerUnreachable if none."""
         record = self._view.get(peer)
         if record is None or record.expiration <= get_dht_time():
             await self._refresh_view()
-            record = self._view.get(peer) or self._known.get(peer)
-        if record is None:
+            record = self._view.get(peer)
+        if record is None or record.expiration <= get_dht_time():
             raise PeerUnreachable(peer, "not in the membership view")
         return record
 
@@ -460,8 +454,8 @@ class HivemindTransport(Transport):
         record = await self._record_of(peer)
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID(record.libp2p_id), self._protocol)
-        except (P2PDaemonError, OSError, asyncio.IncompleteReadError) as exc:  # the last: the daemon hung up
-            raise PeerUnreachable(peer, f"cannot open a stream: {exc!r}") from None
+        except (P2PDaemonError, OSError) as exc:
+            raise PeerUnreachable(peer, f"cannot open a stream: {exc}") from None
         try:
             await _write_frame(writer, kind, topic_bytes, payload)
             answer_kind, _, answer = await _read_frame(reader, peer, self.limits, {RESPONSE, ERROR})
