@@ -167,25 +167,28 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     base = [sys.executable, "-m", "phalanx.experiments.pipeline_launch", "--config", str(config_path), "--out", str(peer_dir)]
     marker = os.environ.get(MARKER_ENV) or new_marker()
 
-    def start(*args: str) -> subprocess.Popen:
-        env = {**os.environ, MARKER_ENV: f"{marker}/{len(procs)}"}
-        return subprocess.Popen([*base, *args, "--die-with-parent"], start_new_session=True, env=env)
+    def start(name: str, *args: str) -> subprocess.Popen:
+        # One marker per child: a worker's watchdog SIGKILLs everything carrying its marker when the worker
+        # exits, so children sharing one (the three verifiers did) killed each other at the end of a run.
+        env = {**os.environ, MARKER_ENV: f"{marker}/{name}"}
+        with open(peer_dir / f"{name}.err", "wb") as err:  # kept: a failing child's last lines go into the error
+            return subprocess.Popen([*base, *args, "--die-with-parent"], start_new_session=True, env=env, stderr=err)
 
     procs: list[subprocess.Popen] = []
     verifiers: list[subprocess.Popen] = []
-    procs.append(start("--index", "0", "--address-file", str(address_file)))
+    procs.append(start("0", "--index", "0", "--address-file", str(address_file)))
     victim = config.data_nodes + config.faults.crash_relay if config.faults.crash_relay >= 0 else None
     killed = False
     try:
         deadline = time.monotonic() + JOIN_TIMEOUT
         while not address_file.exists():
             if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise LocalError(f"the first peer did not start (exit code {procs[0].poll()}); see its output above")
+                raise LocalError(f"the first peer did not start (exit code {procs[0].poll()}){_tail(peer_dir, '0')}")
             time.sleep(0.1)
         addrs = address_file.read_text().split()
         for index in range(1, config.peers):
-            procs.append(start("--index", str(index), "--initial-peers", *addrs))
-        verifiers += [start("--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
+            procs.append(start(str(index), "--index", str(index), "--initial-peers", *addrs))
+        verifiers += [start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
                       for link in sorted(verifier_ids(config))]
         bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
         opened_at = None
@@ -200,7 +203,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                     killed = True
             rejoin = config.faults.rejoin_after
             if killed and rejoin and len(procs) == config.peers and done >= config.faults.crash_iteration + rejoin:
-                procs.append(start("--index", str(config.peers), "--join", "--initial-peers", *addrs))
+                procs.append(start(str(config.peers), "--index", str(config.peers), "--join", "--initial-peers", *addrs))
             time.sleep(0.02)
         bar.close()
         for index, p in enumerate(procs):
@@ -227,10 +230,11 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
             _kill_group(p, signal.SIGKILL)  # the hivemind children of a worker that exited early
         kill_marked(f"{marker}/", prefix=True)  # anything a worker started that left its group
         _wait_gone([p.pid for p in procs + verifiers], GONE_TIMEOUT)
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0 and i != victim]
-    failed += [f"verifier {link}" for link, p in zip(sorted(verifier_ids(config)), verifiers) if p.returncode != 0]
+    failed = [(f"peer {i}", str(i), p.returncode) for i, p in enumerate(procs) if p.returncode != 0 and i != victim]
+    failed += [(f"verifier {link}", f"v{link}", p.returncode)
+               for link, p in zip(sorted(verifier_ids(config)), verifiers) if p.returncode != 0]
     if failed:
-        raise LocalError(f"peers {failed} exited with errors; see their output above")
+        raise LocalError("; ".join(f"{who} exited with code {code}{_tail(peer_dir, name)}" for who, name, code in failed))
     ids = [peer_identity(config.seed, i).peer_id for i in range(len(procs))]
     recorder = PipelineRecorder(config, ids)
     names = [str(i) for i in range(len(procs))] + [f"v{link}" for link in sorted(verifier_ids(config))]
@@ -250,6 +254,15 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
              "killed": ids[victim] if killed and victim is not None else None,
              "process_groups": [p.pid for p in procs + verifiers]}
     return recorder.write(out, extra)
+
+
+def _tail(peer_dir: Path, name: str, lines: int = 40) -> str:
+    """The last lines a child wrote to its stderr file, to quote in the launcher's error."""
+    path = peer_dir / f"{name}.err"
+    text = path.read_text(errors="replace").strip() if path.exists() else ""
+    if not text:
+        return " (no output)"
+    return f" ({path}), its last lines:\n" + "\n".join(text.splitlines()[-lines:])
 
 
 def _wait_gone(pgids: list[int], timeout: float) -> None:
@@ -298,6 +311,23 @@ def _to_relative_time(recorder: PipelineRecorder) -> None:
         e["t1"] -= origin
 
 
+def _say_where_stuck(signum, frame) -> None:
+    """SIGTERM (the launcher gave up waiting, or died): print what this worker was waiting on, then die of it."""
+    import traceback
+    lines = ["phalanx: worker stopped (SIGTERM) while in:"]
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no running loop
+        tasks = set()
+    for task in tasks:
+        for f in task.get_stack(limit=8):
+            lines.append(f"  {task.get_name()}: {f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}")
+    lines += [line.rstrip() for line in traceback.format_stack(frame, limit=6)]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _worker_main() -> None:
     parser = argparse.ArgumentParser(description="one phalanx pipeline worker (started by `phalanx launch`)")
     parser.add_argument("--config", required=True)
@@ -311,6 +341,7 @@ def _worker_main() -> None:
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = PipelineRunConfig.from_dict(json.loads(Path(args.config).read_text()))
+    signal.signal(signal.SIGTERM, _say_where_stuck)
     if args.verifier is not None:
         asyncio.run(run_verifier_worker(config, args.verifier, args.initial_peers, Path(args.out) / f"v{args.verifier}.jsonl"))
         return
