@@ -454,8 +454,8 @@ class HivemindTransport(Transport):
         record = await self._record_of(peer)
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID(record.libp2p_id), self._protocol)
-        except (P2PDaemonError, OSError) as exc:
-            raise PeerUnreachable(peer, f"cannot open a stream: {exc}") from None
+        except (P2PDaemonError, asyncio.IncompleteReadError, OSError) as exc:  # the daemon may hang up mid-answer
+            raise PeerUnreachable(peer, f"cannot open a stream: {exc!r}") from None
         try:
             await _write_frame(writer, kind, topic_bytes, payload)
             answer_kind, _, answer = await _read_frame(reader, peer, self.limits, {RESPONSE, ERROR})
