@@ -48,16 +48,22 @@ class Table2Config:
     def __post_init__(self) -> None:
         if self.seeds < 1 or self.steps < 1:
             raise ConfigError(f"seeds={self.seeds} and steps={self.steps} must be >= 1")
-        try:
-            rates = [float(c) for c in self.churn.split(",")]
-        except ValueError:
-            raise ConfigError(f"churn={self.churn!r} must be comma-separated probabilities, e.g. 0,0.1,0.2") from None
-        if not all(0 <= r <= 1 for r in rates):
-            raise ConfigError(f"churn={self.churn!r} must hold probabilities in [0, 1]")
+        probabilities("churn", self.churn)
         if not set(self.settings.split(",")) <= {"homogeneous", "heterogeneous"}:
             raise ConfigError(f"settings={self.settings!r}: allowed homogeneous, heterogeneous")
         if not set(self.policies.split(",")) <= {"swarm", "gwtf"}:
             raise ConfigError(f"policies={self.policies!r}: allowed swarm, gwtf")
+
+
+def probabilities(key: str, text: str) -> list[float]:
+    """A bench option of comma-separated probabilities ("0,0.1,0.2"), or a ConfigError naming `key`."""
+    try:
+        values = [float(c) for c in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} must be comma-separated probabilities, e.g. 0,0.1,0.2") from None
+    if not all(0 <= v <= 1 for v in values):
+        raise ConfigError(f"{key}={text!r} must hold probabilities in [0, 1]")
+    return values
 
 
 def run_one(setting: str, churn: float, policy: str, seed: int, steps: int) -> dict:
@@ -137,7 +143,7 @@ def run_cli(args: argparse.Namespace) -> int:
     config = override(Table2Config(), args.set or [])
     out = Path(args.out) if args.out else Path("runs") / "bench-gwtf-table2"
     out.mkdir(parents=True, exist_ok=True)
-    rates = [float(c) for c in config.churn.split(",")]
+    rates = probabilities("churn", config.churn)
     rows: list[dict] = []
     start = time.perf_counter()
     with open(out / "table2_runs.csv", "w", newline="") as f:

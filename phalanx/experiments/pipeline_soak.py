@@ -35,6 +35,7 @@ from ..config import override
 from ..core.errors import ConfigError
 from ..pipeline_config import ChurnConfig, PipelineRunConfig
 from ..pipeline_presets import PIPELINE_PRESETS
+from .gwtf_table2 import probabilities
 from .pipeline_run import simulate_pipeline
 
 
@@ -53,17 +54,12 @@ class SoakConfig:
             raise ConfigError(f"preset={self.preset!r} is not a pipeline preset; allowed: {', '.join(PIPELINE_PRESETS)}")
         if self.iterations < 1 or self.seeds < 1 or self.window < 1:
             raise ConfigError("iterations, seeds and window must be >= 1")
-        try:
-            rates = [float(r) for r in self.rates.split(",")]
-        except ValueError:
-            raise ConfigError(f"rates={self.rates!r} must be comma-separated probabilities, e.g. 0,0.1,0.2") from None
-        if not all(0 <= r <= 1 for r in rates):
-            raise ConfigError(f"rates={self.rates!r} must hold probabilities in [0, 1]")
+        probabilities("rates", self.rates)
         if not set(self.routings.split(",")) <= {"swarm", "gwtf"}:
             raise ConfigError(f"routings={self.routings!r}: allowed swarm, gwtf")
 
     def rate_list(self) -> list[float]:
-        rates = sorted({float(r) for r in self.rates.split(",")})
+        rates = sorted(set(probabilities("rates", self.rates)))
         return rates if 0.0 in rates else [0.0, *rates]  # the churn-free run is the loss reference
 
 
