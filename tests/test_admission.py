@@ -132,7 +132,7 @@ def test_a_restarted_trusted_peer_comes_back_through_admission(tmp_path):
     summary, metrics, admissions = _run(tmp_path, "peers=5", "steps=20", "faults.crash=1", "faults.crash_after_step=3", "faults.restart_after=2")
     assert summary["banned"] == [] and all(v == [] for v in summary["banned_by_peer"].values())
     peer = next(a["peer"] for a in admissions if a["event"] == "departed")
-    mine = [e for e in (a["event"] for a in admissions if a["peer"] == peer)]
+    mine = [a["event"] for a in admissions if a["peer"] == peer]
     assert mine == ["departed", "untrusted", *["approved"] * T, "trusted"]
     assert metrics[-1]["trusted"] == 5 and metrics[-1]["untrusted"] == 0
     assert len(set(summary["final_digests"].values())) == 1 and peer in summary["final_digests"]
