@@ -124,3 +124,16 @@ def test_a_trusted_peer_that_crashes_mid_verification_departs_unbanned_and_leave
     honest = [p for p in summary["final_digests"] if p != departed[0][0]]
     assert len({summary["final_digests"][p] for p in honest}) == 1
     _agree(summary, metrics)
+
+
+def test_a_restarted_trusted_peer_comes_back_through_admission(tmp_path):
+    # App. F: a trusted peer that crashes departs (not banned); restarted with its identity it
+    # catches up and re-enters as a joiner: untrusted, then trusted after T approvals. Nobody crashes.
+    summary, metrics, admissions = _run(tmp_path, "peers=5", "steps=20", "faults.crash=1", "faults.crash_after_step=3", "faults.restart_after=2")
+    assert summary["banned"] == [] and all(v == [] for v in summary["banned_by_peer"].values())
+    peer = next(a["peer"] for a in admissions if a["event"] == "departed")
+    mine = [a["event"] for a in admissions if a["peer"] == peer]
+    assert mine == ["departed", "untrusted", *["approved"] * T, "trusted"]
+    assert metrics[-1]["trusted"] == 5 and metrics[-1]["untrusted"] == 0
+    assert len(set(summary["final_digests"].values())) == 1 and peer in summary["final_digests"]
+    _agree(summary, metrics)

@@ -133,13 +133,13 @@ async def run_peer(
     for step in range(peer.step, config.steps):
         if checkpoints is not None and config.checkpoint.due(step):
             await peer.settle()  # BTARD: no verification is in flight at a checkpoint
-        if peer.ledger.is_banned(me):
-            await peer.settle()
-            return  # the honest peers have banned us: they no longer listen
         if checkpoints is not None:
             await checkpoints.at_step(step)
         if catchup is not None:
-            await catchup.before_step(step)
+            await catchup.before_step(step)  # a re-sync loads the agreed state, bans included
+        if peer.ledger.is_banned(me):  # checked last: a peer that learns its ban here must not train the step
+            await peer.settle()
+            return  # the honest peers have banned us: they no longer listen
         record = await peer.train_step(step)
         if step == config.steps - 1:
             await peer.finish(record)
