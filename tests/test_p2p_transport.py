@@ -28,6 +28,7 @@ from phalanx.core import (
 )
 from phalanx.transport.p2p import (
     MESSAGE,
+    RECORD,
     HivemindTransport,
     MembershipRecord,
     MembershipValidator,
@@ -338,6 +339,68 @@ def test_stream_from_non_member_is_dropped(shared: Shared) -> None:
         assert got == []
 
     shared.run(body)
+
+
+class DhtBlind(HivemindTransport):
+    """A member whose DHT lookups all fail (a busy DHT that timed out, or backed off from every node)."""
+
+    async def _fetch_view(self) -> None:
+        return
+
+
+@pytest.mark.hivemind
+def test_streams_keep_talking_peers_in_view_while_dht_lookups_fail() -> None:
+    ttl = 3.0
+
+    async def body() -> None:
+        run_id = uuid.uuid4().hex[:8]
+        first = HivemindTransport(Identity.from_seed(b"first"), run_id=run_id, membership_ttl=ttl, refresh_interval=0.2)
+        await first.start()
+        blind = DhtBlind(
+            Identity.from_seed(b"blind"), run_id=run_id, initial_peers=first.visible_maddrs(),
+            membership_ttl=ttl, refresh_interval=0.2,
+        )
+        outsider = None
+        try:
+            await blind.start()
+            await first.wait_for_members(2, JOIN_TIMEOUT)
+            assert blind.members() == [blind.peer_id]  # the DHT told it nothing
+            got: list[tuple[str, bytes]] = []
+            blind.add_message_handler("note", lambda sender, payload: got.append((sender, payload)))
+            async def echo(sender: str, payload: bytes) -> bytes:
+                return payload
+
+            first.add_request_handler("echo", echo)
+            await first.send(blind.peer_id, "note", b"hi")  # accepted: the stream carries first's record
+            assert got == [(first.peer_id, b"hi")] and first.peer_id in blind.members()
+            # Requests renew the record both ways: first stays in view for several ttls without the DHT.
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 2.5 * ttl
+            while loop.time() < until:
+                assert await blind.request(first.peer_id, "echo", b"x", timeout=5) == b"x"
+                await asyncio.sleep(0.5)
+            assert first.peer_id in blind.members()
+            # An outsider that replays first's genuine record on its own stream is not taken for first.
+            outsider = await P2P.create(initial_peers=first.visible_maddrs())
+            assert first._own is not None
+            _, reader, writer = await outsider.call_binary_stream_handler(
+                PeerID(libp2p_id_of(blind.identity.public_key)), blind._protocol
+            )
+            topic = first.peer_id.encode()
+            record = first._own.to_bytes()
+            writer.write(_HEADER.pack(RECORD, len(topic), len(record)) + topic + record)
+            writer.write(_HEADER.pack(MESSAGE, 4, 3) + b"note" + b"bad")
+            await writer.drain()
+            assert await reader.read() == b""  # closed without an ack
+            writer.close()
+            assert got == [(first.peer_id, b"hi")] and blind.evidence == []
+        finally:
+            if outsider is not None:
+                await outsider.shutdown()
+            await blind.stop()
+            await first.stop()
+
+    run(body)
 
 
 @pytest.mark.hivemind

@@ -13,12 +13,18 @@ ttl/3. The signature covers (run_id, peer id, libp2p id, expiration), so a
 record cannot be moved to another run, peer or lifetime; a validator in every
 honest DHT node rejects records whose signature fails or whose DHT expiration
 differs from the signed one (BTARD App. G: replay cannot extend a record).
-A background task reads the records every ``refresh_interval``.
+A background task reads the records every ``refresh_interval``. Each
+stream also carries the current records of both ends (see the wire format),
+so peers that talk keep each other in view even while DHT lookups fail (a
+busy DHT times out, and backs off from nodes that did).
 
 Wire format. One libp2p stream per message or request, raw bytes through the
 daemon. A frame is ``kind u8 | topic length u8 | payload length u64 | topic |
 payload``; the receiver checks the lengths against its limits before it reads
-the payload. A one-way message is answered with an empty RESPONSE (an ack, so
+the payload. Each end's first frame is a RECORD (topic: its phalanx id,
+payload: its membership record); a record is taken into the view only if it
+is valid, live, newer than the one held, and names the libp2p id that the
+secure channel authenticated. A one-way message is answered with an empty RESPONSE (an ack, so
 that `send` returns once the peer has it); a request with RESPONSE or ERROR.
 The requester closes the stream first; the answerer waits for that before it
 closes its end (the daemon may reset a stream closed early, cutting the answer).
@@ -31,6 +37,7 @@ to ``WARN`` process-wide.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -57,7 +64,7 @@ from .base import Transport
 
 log = logging.getLogger(__name__)
 
-MESSAGE, REQUEST, RESPONSE, ERROR = 0, 1, 2, 3
+MESSAGE, REQUEST, RESPONSE, ERROR, RECORD = 0, 1, 2, 3, 4
 _HEADER = struct.Struct("<BBQ")
 MAX_TOPIC_BYTES = 255
 WRITE_CHUNK = 2**20
@@ -222,6 +229,7 @@ class HivemindTransport(Transport):
         self._p2p: P2P | None = None
         self._maddrs: list[str] = []
         self._view: dict[str, MembershipRecord] = {}
+        self._own: MembershipRecord | None = None
         self._by_libp2p: dict[bytes, str] = {}
         self._reported_records: set[bytes] = set()
         self._refresh_task: asyncio.Task | None = None
@@ -264,6 +272,7 @@ class HivemindTransport(Transport):
             if self._p2p.peer_id.to_bytes() != expected:
                 raise LocalError(f"libp2p daemon runs as {self._p2p.peer_id}, not as our key's {PeerID(expected)}")
             self._maddrs = [str(addr) for addr in await self._p2p.get_visible_maddrs()]
+            self._own = self._fresh_record()
             await self._p2p.add_binary_stream_handler(self._protocol, self._on_stream)
             await self._publish()
             await self._refresh_view()
@@ -292,7 +301,7 @@ class HivemindTransport(Transport):
         if self._dht is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._dht.shutdown)
             self._dht = None
-        self._view, self._by_libp2p, self._maddrs = {}, {}, []
+        self._view, self._by_libp2p, self._maddrs, self._own = {}, {}, [], None
 
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs (with /p2p/<libp2p id>) that other peers can pass as `initial_peers`."""
@@ -334,10 +343,13 @@ class HivemindTransport(Transport):
             await asyncio.sleep(min(0.05, remaining))
         return members
 
+    def _fresh_record(self) -> MembershipRecord:
+        return MembershipRecord.create(self.identity, self.run_id, get_dht_time() + self._ttl)
+
     async def _publish(self) -> None:
-        """Store a fresh record of ours that lives `membership_ttl` seconds."""
+        """Store a fresh record of ours that lives `membership_ttl` seconds (streams carry it too)."""
         assert self._dht is not None
-        record = MembershipRecord.create(self.identity, self.run_id, get_dht_time() + self._ttl)
+        record = self._own = self._fresh_record()
         try:
             stored = await self._dht.store(
                 self._key, record.to_bytes(), record.expiration, subkey=self.peer_id, return_future=True
@@ -395,6 +407,46 @@ class HivemindTransport(Transport):
                 view[subkey] = record
         self._view = view
         self._by_libp2p = {r.libp2p_id: p for p, r in view.items()}
+
+    def _absorb_presented(self, claimed: str, data: bytes, libp2p_id: bytes) -> None:
+        """Take the record a stream's other end presented into the view, if it is valid, live, newer, and its own."""
+        current = self._view.get(claimed)
+        if claimed == self.peer_id or (current is not None and current.to_bytes() == data):
+            return
+        now = get_dht_time()
+        try:
+            record = MembershipRecord.parse(
+                data, claimed, self.run_id, latest_expiration=now + self._ttl + CLOCK_SKEW, limits=self.limits
+            )
+        except RemoteError as exc:
+            log.info("ignoring a membership record presented on a stream: %s", exc)
+            return
+        if record.libp2p_id != libp2p_id or record.expiration <= now:
+            return
+        if current is None or record.expiration > current.expiration:
+            self._view = {**self._view, claimed: record}
+            self._by_libp2p = {**self._by_libp2p, libp2p_id: claimed}
+
+    async def _read_record(self, reader: asyncio.StreamReader, sender: str, libp2p_id: bytes) -> None:
+        """Read the RECORD frame that opens each end of a stream and absorb it."""
+        _, claimed, data = await _read_frame(reader, sender, self.limits, {RECORD})
+        self._absorb_presented(claimed, data, libp2p_id)
+
+    async def _write_record(self, writer: asyncio.StreamWriter) -> None:
+        assert self._own is not None
+        await _write_frame(writer, RECORD, self.peer_id.encode(), self._own.to_bytes())
+
+    async def _sender_of(self, remote: PeerID, reader: asyncio.StreamReader) -> str | None:
+        """The phalanx id behind an incoming stream, from the record it opens with or from the view."""
+        try:
+            await self._read_record(reader, str(remote), remote.to_bytes())
+        except RemoteError as exc:
+            member = await self._peer_of(remote)
+            if member is None:  # not one of ours: nobody to hold to account
+                log.info("dropping a stream from %s: %s", remote, exc)
+                return None
+            raise RemoteError(dataclasses.replace(exc.evidence, peer=member)) from None
+        return await self._peer_of(remote)
 
     async def _peer_of(self, remote: PeerID) -> str | None:
         """The phalanx id behind an authenticated libp2p id, refreshing the view once on a miss."""
@@ -457,7 +509,9 @@ class HivemindTransport(Transport):
         except (P2PDaemonError, asyncio.IncompleteReadError, OSError) as exc:  # the daemon may hang up mid-answer
             raise PeerUnreachable(peer, f"cannot open a stream: {exc!r}") from None
         try:
+            await self._write_record(writer)
             await _write_frame(writer, kind, topic_bytes, payload)
+            await self._read_record(reader, peer, record.libp2p_id)
             answer_kind, _, answer = await _read_frame(reader, peer, self.limits, {RESPONSE, ERROR})
         except RemoteError as exc:
             self.report(exc.evidence)
@@ -488,7 +542,7 @@ class HivemindTransport(Transport):
         assert task is not None
         self._inbound.add(task)
         try:
-            sender = await self._peer_of(info.peer_id)
+            sender = await asyncio.wait_for(self._sender_of(info.peer_id, reader), self._send_timeout)
             if sender is None:
                 log.warning("dropping a stream from %s: no valid membership record", info.peer_id)
                 return
@@ -500,7 +554,7 @@ class HivemindTransport(Transport):
                 ok, answer = True, b""
             else:
                 ok, answer = await self._serve_request(sender, topic, payload)
-            await asyncio.wait_for(_write_frame(writer, RESPONSE if ok else ERROR, b"", answer), self._send_timeout)
+            await asyncio.wait_for(self._write_answer(writer, RESPONSE if ok else ERROR, answer), self._send_timeout)
             # The requester closes first, once it has the whole answer: closing
             # our end earlier lets the daemon reset the stream and cut the answer.
             await asyncio.wait_for(reader.read(1), self._send_timeout)
@@ -518,6 +572,11 @@ class HivemindTransport(Transport):
         finally:
             writer.close()
             self._inbound.discard(task)
+
+
+    async def _write_answer(self, writer: asyncio.StreamWriter, kind: int, answer: bytes) -> None:
+        await self._write_record(writer)
+        await _write_frame(writer, kind, b"", answer)
 
 
 def _log_death(task: asyncio.Task) -> None:
