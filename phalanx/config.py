@@ -111,6 +111,7 @@ class RunConfig:
     seed: int = 0
     eval_peers: int = 2  # peers (by index) that evaluate on the held-out split
     mprng_every: int = 0  # run an MPRNG round after every k-th step (0: never)
+    min_step_seconds: float = 0.0  # pace: a step lasts at least this long (wall or simulated time; 0: no pace)
     train: TrainConfig = field(default_factory=TrainConfig)
     task: TaskConfig = field(default_factory=TaskConfig)  # a user's task (task.factory); overrides train.task
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
@@ -133,6 +134,7 @@ class RunConfig:
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         _check(self.eval_peers >= 1, "eval_peers", self.eval_peers, "must be >= 1")
         _check(self.mprng_every >= 0, "mprng_every", self.mprng_every, "must be >= 0")
+        _check(self.min_step_seconds >= 0, "min_step_seconds", self.min_step_seconds, "must be >= 0 seconds")
         _check(
             self.faults.crash + self.byzantine.count <= self.peers - min(self.eval_peers, self.peers),
             "faults.crash",

@@ -1,5 +1,6 @@
 """State catch-up: agreement rules, a joiner and a restarted peer in the simulator, a diverged replica re-syncing."""
 
+import asyncio
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from phalanx.core.errors import RemoteError
 from phalanx.experiments.simulate import simulate
 from phalanx.experiments.swarm import build_peer, peer_identity, run_peer
 from phalanx.presets import get_preset
-from phalanx.runtime.catchup import DEMOTE_AFTER, CatchupConfig, CatchupService, load_state, state_bytes
+from phalanx.runtime.catchup import DEMOTE_AFTER, READY, CatchupConfig, CatchupService, load_state, state_bytes
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
 D1, D2 = b"\x01" * 32, b"\x02" * 32
@@ -142,3 +143,52 @@ def test_admitted_joiner_that_never_shows_up_is_demoted():
     waited = {(s, 5, 1) for s in range(5, 5 + DEMOTE_AFTER)}
     assert {(s, g, d) for s, g, d in groups if 5 <= s < 5 + DEMOTE_AFTER} == waited  # waited for DEMOTE_AFTER steps
     assert {(s, g, d) for s, g, d in groups if s >= 5 + DEMOTE_AFTER} == {(s, 4, 0) for s in range(5 + DEMOTE_AFTER, 12)}
+
+
+def test_joiner_gets_past_updates_that_stop_agreeing_after_it_announced_its_step():
+    """The replicas' updates disagree on the steps a joiner replays after its `ready` (as after a crash mid-gather).
+
+    One of three replicas serves a different update digest for every step from the joiner's
+    announcement to its entry step, so no update there is agreed. The joiner loads the next
+    agreed snapshot, announces a later step, trains to the end and ends with the swarm's state.
+    """
+    config = override(get_preset("digits-dp"), ["peers=3", "steps=60", "train.eval_every=100"])
+    ids = [peer_identity(config.seed, i) for i in range(4)]
+    records: list[dict] = []
+    services: list[CatchupService] = []
+    corrupted: list[int] = []
+    entries: list[int] = []
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=0))
+        transports = [network.add_peer(identity) for identity in ids]
+        peers = [build_peer(config, t, i) for i, t in enumerate(transports)]
+        services.extend(CatchupService(p, CatchupConfig(sync_every=10), [i.peer_id for i in ids[:3]]) for p in peers)
+        reached = asyncio.Event()
+
+        def on_step(record):
+            records.append(record)
+            if record["step"] == 13:
+                reached.set()
+            board = transports[2].board
+            entries.extend(s for s in range(config.steps) if s not in entries and ids[3].peer_id in board.get(READY, s))
+            if record["peer"] == ids[2].peer_id and entries and record["step"] < entries[0]:
+                vector, bans, _ = services[2]._updates[record["step"]]
+                services[2]._updates[record["step"]] = (vector, bans, b"\xee" * 32)  # it serves a diverged update
+                corrupted.append(record["step"])
+
+        async def joiner():
+            await reached.wait()
+            await services[3].join(end=config.steps)
+            await run_peer(config, peers[3], 3, True, on_step, services[3])
+
+        tasks = [network.spawn(t.peer_id, lambda i=i: run_peer(config, peers[i], i, True, on_step, services[i])) for i, t in enumerate(transports[:3])]
+        tasks.append(network.spawn(ids[3].peer_id, joiner))
+        for task in tasks:
+            await task
+
+    run_simulation(main)
+    assert corrupted and corrupted[-1] == entries[0] - 1 and len(entries) == 2 and entries[1] > entries[0]
+    joined = sorted(r["step"] for r in records if r["peer"] == ids[3].peer_id)
+    assert joined == list(range(entries[1], config.steps))
+    assert len({s.state_digest() for s in services}) == 1

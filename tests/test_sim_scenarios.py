@@ -188,3 +188,13 @@ def test_wrong_shape_part_is_evidence_against_its_sender():
         else:
             assert evidence == []
         assert peer.step == 3
+
+
+def test_min_step_seconds_paces_every_step_and_leaves_training_unchanged(tmp_path):
+    config = override(get_preset("digits-dp"), ["peers=4", "steps=5"])
+    fast = simulate(config, tmp_path / "fast", progress=False)
+    paced = simulate(dataclasses.replace(config, min_step_seconds=50.0), tmp_path / "paced", progress=False)
+    ends = [r["time"] for r in _metrics(tmp_path / "paced")]  # when a step's last peer finished it
+    assert all(b - a > 50.0 - 1e-6 for a, b in zip(ends, ends[1:])) and paced["simulated_seconds"] >= 5 * 50.0
+    assert fast["simulated_seconds"] < 50.0
+    assert [r["loss"] for r in _metrics(tmp_path / "fast")] == [r["loss"] for r in _metrics(tmp_path / "paced")]

@@ -130,7 +130,9 @@ async def run_peer(
         checkpoints.attach(peer, streams)
     if admission is not None:
         await admission.start(peer.step)
+    clock = peer.transport.clock
     for step in range(peer.step, config.steps):
+        started = clock.now()
         if checkpoints is not None and config.checkpoint.due(step):
             await peer.settle()  # BTARD: no verification is in flight at a checkpoint
         if checkpoints is not None:
@@ -158,6 +160,8 @@ async def run_peer(
         if peer.step == config.steps:  # model, optimizer and ban ledger: equal on replicas that agree
             record["digest"] = manifest_digest(manifest_of(state_bytes(peer, peer.step), config.catchup.chunk_bytes)).hex()
         on_step(record)
+        if (rest := started + config.min_step_seconds - clock.now()) > 0:
+            await clock.sleep(rest)
     if checkpoints is not None and not peer.ledger.is_banned(me):
         await checkpoints.at_step(config.steps)
 

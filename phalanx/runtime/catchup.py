@@ -383,8 +383,7 @@ class CatchupService:
 
         With `end` (the run's step count), raises CatchupFailed when the run ends before this peer could enter.
         """
-        clock = self.transport.clock
-        deadline = clock.now() + self.config.timeout
+        deadline = self.transport.clock.now() + self.config.timeout
         loaded = False
         while True:
             # Load the latest agreed snapshot, then replay agreed updates until we stand where the
@@ -393,23 +392,30 @@ class CatchupService:
             offers = await self._offers(self._others(), joining=True)
             choice = choose_snapshot(offers, self.config.confirmations)
             if choice is not None and (not loaded or choice.step > self.peer.step):
-                try:
-                    data = await self._download(choice)
-                    load_state(self.peer, data, choice.holders[0])
-                    self.roster.merge_majority(self._rosters)
-                    loaded = True
-                except RemoteError as exc:
-                    self.transport.report(exc.evidence)
-                except PhalanxError as exc:
-                    log.info("snapshot download failed: %s", exc)
+                loaded = await self._load(choice) or loaded
             if loaded:
                 await self._replay(offers)
                 now = swarm_step(offers)
-                if now is not None and self.peer.step >= now:
-                    break
+                if now is not None and self.peer.step >= now and await self._follow(await self._enter(end), deadline):
+                    return self.peer.step
             why = f"could not replay up to the swarm's step (at {self.peer.step})" if loaded else "no snapshot the swarm agrees on"
             self._give_up_after(deadline, why)
             await asyncio.sleep(self.config.poll)
+
+    async def _load(self, choice: Agreed) -> bool:
+        try:
+            data = await self._download(choice)
+            load_state(self.peer, data, choice.holders[0])
+            self.roster.merge_majority(self._rosters)
+            return True
+        except RemoteError as exc:
+            self.transport.report(exc.evidence)
+        except PhalanxError as exc:
+            log.info("snapshot download failed: %s", exc)
+        return False
+
+    async def _enter(self, end: int | None) -> int:
+        """Announce the step we train from: a few steps after where the swarm trains now."""
         now = swarm_step(await self._offers(self._others(), joining=True))  # fresh: the swarm moved meanwhile
         target = max(now if now is not None else 0, self.peer.step) + self.config.margin
         if end is not None and target >= end:
@@ -417,12 +423,29 @@ class CatchupService:
         self.roster.enter(self.transport.peer_id, target)
         await self.transport.broadcast(READY, target, b"")
         log.info("caught up at step %d; entering at step %d", self.peer.step, target)
-        while self.peer.step < target:  # follow until our entry step
-            await self._replay(await self._offers(self._others(), joining=False))
-            if self.peer.step < target:
-                self._give_up_after(deadline, f"could not follow the swarm to step {target}")
-                await asyncio.sleep(self.config.poll)
-        return self.peer.step
+        return target
+
+    async def _follow(self, target: int, deadline: float) -> bool:
+        """Replay the swarm's updates up to our entry step; False if we passed it and must enter again.
+
+        The updates can stop agreeing after we announced our step (the replicas diverged at a
+        crash): then a newer agreed snapshot, taken after they re-synced, gets us past that step.
+        """
+        while self.peer.step < target:
+            offers = await self._offers(self._others(), joining=False)
+            before = self.peer.step
+            await self._replay(offers)
+            if self.peer.step >= target:
+                break
+            newer = choose_snapshot(offers, self.config.confirmations)
+            if self.peer.step == before and newer is not None and newer.step > before and await self._load(newer):
+                log.info("the swarm's updates disagree at step %d; loaded its snapshot of step %d", before, newer.step)
+                if self.peer.step > target:
+                    return False
+                continue
+            self._give_up_after(deadline, f"could not follow the swarm to step {target}")
+            await asyncio.sleep(self.config.poll)
+        return True
 
     def _give_up_after(self, deadline: float, why: str) -> None:
         now = self.transport.clock.now()
