@@ -1,5 +1,7 @@
 """Aspis+ over hivemind: a coordinator and 7 worker processes on the Fano plane; one Byzantine is detected."""
 
+import os
+
 import pytest
 
 from phalanx.experiments.aspis import AspisAttackConfig, AspisRunConfig, coalition
@@ -25,7 +27,9 @@ def test_fano_plane_coordinator_and_seven_workers_detect_the_byzantine(tmp_path)
     assert summary["mode"] == "launch" and summary["steps"] == 3
     assert summary["detection_delays"] == [1]  # flagged in the first iteration
     assert summary["byzantine"] == byzantine
-    assert summary["leftover_processes"] == 0  # every process, DHT child and p2pd ended on its own
+    for pgid in summary["process_groups"]:  # every worker, its DHT child and its p2pd are gone
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pgid, 0)
     rows = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     assert summary["final_accuracy"] is not None and summary["final_loss"] < 2.3

@@ -1,8 +1,9 @@
 """`phalanx launch` for Aspis runs: 1 coordinator + K workers as OS processes over hivemind.
 
-Process 0 is the coordinator; its address seeds the others. Every process is
-started in its own session, so that after the run the launcher can see whether
-anything of it (the hivemind DHT child, the p2pd daemon) is left, and end it.
+Process 0 is the coordinator; its address seeds the others. Workers are
+started by the common `ProcessLauncher` (`launcher.py`): each has its own
+marker, parent-death signal and watchdog, and nothing of it (the hivemind DHT
+child, the p2pd daemon) outlives the run.
 The coordinator writes one record per iteration; the launcher turns them into
 the same files `simulate` writes for an Aspis run.
 """
@@ -13,8 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ from tqdm import tqdm
 from ..core.errors import LocalError
 from .aspis import AspisRunConfig, build_role, count_distortion, summarize, write_run
 from .launch import BARRIER_TIMEOUT, JOIN_TIMEOUT, _lines, prepare_run_dir, run_id_of
+from .launcher import ProcessLauncher, exit_text, stop_on_sigterm
+from .processes import MARKER_ENV, guard_worker, new_marker
 from .swarm import peer_identity
 
 EXIT_GRACE = 30.0  # seconds the workers get to leave after the coordinator is done
@@ -74,59 +75,35 @@ def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True) -> di
     config_path, peer_dir, address_file = prepare_run_dir(config, out)
     records_path = peer_dir / "0.jsonl"
     base = [sys.executable, "-m", "phalanx.experiments.aspis_launch", "--config", str(config_path), "--out", str(records_path)]
-    procs = [subprocess.Popen([*base, "--index", "0", "--address-file", str(address_file)], start_new_session=True)]
-    leftovers = 0
-    try:
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        while not address_file.exists():
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise LocalError(f"the coordinator did not start (exit code {procs[0].poll()}); see its output above")
-            time.sleep(0.1)
-        addrs = address_file.read_text().split()
-        for index in range(1, config.peers):
-            procs.append(subprocess.Popen([*base, "--index", str(index), "--initial-peers", *addrs], start_new_session=True))
-        bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
-        while procs[0].poll() is None and not any(p.poll() not in (None, 0) for p in procs):
-            bar.update(_lines(records_path) - bar.n)
-            time.sleep(0.5)
-        bar.close()
-        deadline = time.monotonic() + EXIT_GRACE
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and procs[0].returncode == 0:
-            time.sleep(0.2)
-    finally:
-        leftovers = _end_sessions(procs)
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir)
+    coordinator = workers.start(0, "--index", "0", "--address-file", str(address_file))
+    with stop_on_sigterm():
+        try:
+            deadline = time.monotonic() + JOIN_TIMEOUT
+            while not address_file.exists():
+                if coordinator.poll() is not None or time.monotonic() > deadline:
+                    raise LocalError(f"the coordinator did not start (exit code {coordinator.poll()}){workers.tail(0)}")
+                time.sleep(0.1)
+            addrs = address_file.read_text().split()
+            for index in range(1, config.peers):
+                workers.start(index, "--index", str(index), "--initial-peers", *addrs)
+            bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
+            while coordinator.poll() is None and not workers.reap():
+                bar.update(_lines(records_path) - bar.n)
+                time.sleep(0.5)
+            bar.close()
+            if coordinator.returncode == 0:
+                workers.wait(list(range(1, config.peers)), EXIT_GRACE)
+        finally:
+            workers.stop()
+    failed = [(i, p.returncode) for i, p in workers.procs.items() if p.returncode != 0]
     if failed:
-        raise LocalError(f"Aspis peers {failed} exited with errors; see their output above")
+        raise LocalError("; ".join(f"Aspis peer {i} {exit_text(code)}{workers.tail(i)}" for i, code in failed))
     records = [json.loads(line) for line in records_path.read_text().splitlines()]
     count_distortion(config, records)
-    extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, "leftover_processes": leftovers}
+    extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start,
+             "process_groups": [p.pid for p in workers.procs.values()]}
     return write_run(config, records, out, summarize(config, records, extra))
-
-
-def _end_sessions(procs: list[subprocess.Popen]) -> int:
-    """Terminate peers still running, then kill whatever is left in their sessions; return how many sessions had leftovers."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    leftovers = 0
-    for p in procs:
-        try:
-            os.killpg(p.pid, 0)
-        except ProcessLookupError:
-            continue
-        leftovers += 1
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return leftovers
 
 
 def _main() -> None:
@@ -136,7 +113,9 @@ def _main() -> None:
     parser.add_argument("--out", required=True, help="the coordinator's records file")
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     args = parser.parse_args()
+    guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = AspisRunConfig.from_dict(json.loads(Path(args.config).read_text()))
     address_file = Path(args.address_file) if args.address_file else None
     asyncio.run(run_process(config, args.index, args.initial_peers, Path(args.out), address_file))

@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -31,14 +30,14 @@ from ..runtime.dp_peer import task_of
 from .checkpoints import Checkpoint, LaunchSealer, WorkerCheckpoints, rewind_run_dir, worker_args
 from .launch_churn import LaunchChurn
 from .netns import NetnsConfig, Testbed
-from .processes import MARKER_ENV, guard_worker, kill_group, kill_marked, new_marker
+from .launcher import ProcessLauncher, exit_text, stop_on_sigterm
+from .processes import MARKER_ENV, STOP_GRACE, guard_worker, kill_marked, new_marker
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
 JOIN_TIMEOUT = 120.0  # seconds for all peers to appear in the membership view
 BARRIER_TIMEOUT = 120.0
 BARRIER_STEP = 1 << 40
 MEMBERSHIP_TTL = 20.0  # seconds a dead peer's membership record outlives it (its detection delay)
-STOP_GRACE = 10.0  # seconds a worker has to stop after SIGTERM before it is killed
 
 
 def run_id_of(config: RunConfig, token: str = "") -> str:
@@ -181,86 +180,19 @@ def _exit_after(seconds: float, code: int) -> None:
         timer.start()
 
 
-class _Workers:
-    """The launcher's worker processes: each in its own process group, with its own marker."""
+class _Workers(ProcessLauncher):
+    """The data-parallel launcher's workers, by index; with a netns test bed, worker i runs in host i's namespace."""
 
     def __init__(self, config_path: Path, peer_dir: Path, token: str, run_token: str) -> None:
-        self.base = [sys.executable, "-m", "phalanx.experiments.launch", "--config", str(config_path), "--out", str(peer_dir)]
-        self.base += ["--run-token", run_token]
-        self.token = token
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.failed: dict[int, int] = {}  # index -> exit status, for workers that ended by themselves
-        self.stopped: set[int] = set()  # workers the launcher killed on purpose (churn)
-        self.stopping = False
-        self.bed: Testbed | None = None  # a netns test bed: worker i runs in host i's namespace, listening on its address
+        base = [sys.executable, "-m", "phalanx.experiments.launch", "--config", str(config_path), "--out", str(peer_dir)]
+        super().__init__([*base, "--run-token", run_token], token)
+        self.bed: Testbed | None = None
 
-    def start(self, index: int, *args: str) -> subprocess.Popen:
-        self.stopped.discard(index)
-        env = {**os.environ, MARKER_ENV: self.marker(index)}
-        cmd = [*self.base, "--index", str(index), "--die-with-parent", *args]
+    def command(self, name: int, args) -> list[str]:
+        cmd = [*self.base, "--index", str(name), "--die-with-parent", *args]
         if self.bed is not None:
-            cmd = [*self.bed.exec_prefix(index), *cmd, "--host", self.bed.listen_maddr(index)]
-        self.procs[index] = subprocess.Popen(cmd, env=env, start_new_session=True)
-        return self.procs[index]
-
-    def marker(self, index: int) -> str:
-        return f"{self.token}/{index}"
-
-    def running(self) -> list[int]:
-        return [i for i, p in self.procs.items() if p.poll() is None]
-
-    def reap(self) -> list[int]:
-        """Note workers that ended by themselves; sweep what each one left. Returns newly failed indices."""
-        new = []
-        for index, proc in self.procs.items():
-            code = proc.poll()
-            if code is None or index in self.failed or index in self.stopped or self.stopping:
-                continue
-            self.sweep(index)
-            if code != 0:
-                self.failed[index] = code
-                new.append(index)
-        return new
-
-    def kill(self, index: int) -> None:
-        """SIGKILL worker `index` on purpose (it is not listed as failed) and sweep what it leaves."""
-        self.stopped.add(index)
-        self.procs[index].kill()
-        self.procs[index].wait()
-        self.sweep(index)
-
-    def sweep(self, index: int) -> None:
-        kill_group(self.procs[index].pid)
-        kill_marked(self.marker(index))
-
-    def stop(self) -> None:
-        """Ask workers that still run to stop, kill those that do not, then sweep every group and marker."""
-        self.stopping = True
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + STOP_GRACE
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for index in self.procs:
-            self.sweep(index)
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-def _raise_on_sigterm(signum: int, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+            cmd = [*self.bed.exec_prefix(name), *cmd, "--host", self.bed.listen_maddr(name)]
+        return cmd
 
 
 def prepare_run_dir(config, out: Path, clear: bool = True) -> tuple[Path, Path, Path]:
@@ -301,46 +233,45 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
     token = secrets.token_hex(4)
     (out / "run_token").write_text(token + "\n")  # `phalanx peer --run-token` joins this run
     workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker(), token)
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    try:
-        if netns is not None:
-            workers.bed = Testbed(netns)
-            workers.bed.up()
-        first = workers.start(0, *extra, "--address-file", str(address_file))
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        while not address_file.exists():
-            if first.poll() is not None or time.monotonic() > deadline:
-                raise LocalError(f"the first peer did not start (exit code {first.poll()}); see its output above")
-            time.sleep(0.1)
-        addrs = address_file.read_text().split()
-        for index in range(1, config.peers):
-            workers.start(index, *extra, "--initial-peers", *addrs)
-        bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
-        churn = LaunchChurn(config, resume.step if resume is not None else 0) if LaunchChurn.wanted(config) else None
-        rejoin = worker_args(config, out, None)  # a churned worker catches up: checkpoint args, never --resume-from
-        last_at: dict[int, int | None] = {}
-        while workers.running():
-            if churn is not None:
-                _churn(churn, workers, peer_dir, [*rejoin, "--initial-peers", *addrs], last_at)
-            for index in workers.reap():
-                last = _last_step(peer_dir / f"{index}.jsonl")
-                print(
-                    f"phalanx: peer {index} {_exit_text(workers.failed[index])} after step {last}; the others go on",
-                    file=sys.stderr,
-                )
-            bar.update(max(_lines(peer_dir / f"{i}.jsonl") for i in workers.procs) - bar.n)
+    with stop_on_sigterm():
+        try:
+            if netns is not None:
+                workers.bed = Testbed(netns)
+                workers.bed.up()
+            first = workers.start(0, *extra, "--address-file", str(address_file))
+            deadline = time.monotonic() + JOIN_TIMEOUT
+            while not address_file.exists():
+                if first.poll() is not None or time.monotonic() > deadline:
+                    raise LocalError(f"the first peer did not start (exit code {first.poll()}); see its output above")
+                time.sleep(0.1)
+            addrs = address_file.read_text().split()
+            for index in range(1, config.peers):
+                workers.start(index, *extra, "--initial-peers", *addrs)
+            bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
+            churn = LaunchChurn(config, resume.step if resume is not None else 0) if LaunchChurn.wanted(config) else None
+            rejoin = worker_args(config, out, None)  # a churned worker catches up: checkpoint args, never --resume-from
+            last_at: dict[int, int | None] = {}
+            while workers.running():
+                if churn is not None:
+                    _churn(churn, workers, peer_dir, [*rejoin, "--initial-peers", *addrs], last_at)
+                for index in workers.reap():
+                    last = _last_step(peer_dir / f"{index}.jsonl")
+                    print(
+                        f"phalanx: peer {index} {exit_text(workers.failed[index])} after step {last}; the others go on",
+                        file=sys.stderr,
+                    )
+                bar.update(max(_lines(peer_dir / f"{i}.jsonl") for i in workers.procs) - bar.n)
+                if sealer is not None:
+                    sealer.poll(set(workers.running()))
+                time.sleep(0.5)
+            workers.reap()
+            bar.close()
+        finally:
+            workers.stop()
+            if workers.bed is not None:
+                workers.bed.down()
             if sealer is not None:
-                sealer.poll(set(workers.running()))
-            time.sleep(0.5)
-        workers.reap()
-        bar.close()
-    finally:
-        workers.stop()
-        if workers.bed is not None:
-            workers.bed.down()
-        signal.signal(signal.SIGTERM, previous)
-        if sealer is not None:
-            sealer.poll(set())  # every worker has exited: seal what they wrote
+                sealer.poll(set())  # every worker has exited: seal what they wrote
     ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
     recorder = Recorder(config, ids)
     for index in range(config.peers):
@@ -352,7 +283,7 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
                 continue  # a line cut by a kill (a restarted worker appends after it)
     finished = any(r["step"] == config.steps - 1 for r in recorder.records)
     if not finished:
-        failed = ", ".join(f"{i} {_exit_text(c)}" for i, c in sorted(workers.failed.items()))
+        failed = ", ".join(f"{i} {exit_text(c)}" for i, c in sorted(workers.failed.items()))
         raise LocalError(f"the run did not finish: peers {failed}; see their output above")
     _to_relative_time(recorder.records)
     recorder.crashed = [ids[i] for i in sorted(workers.failed)]

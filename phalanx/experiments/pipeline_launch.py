@@ -7,10 +7,9 @@ daemon outlives the run. Workers write their iteration records and events to
 peers/INDEX.jsonl; the launcher merges them into the files `simulate` writes.
 With SENTINEL's boundary placement the launcher also starts one verifier
 process per stage boundary (`--verifier LINK`, records in peers/vLINK.jsonl).
-Process hygiene as in the data-parallel launcher (`processes.py`): every
-worker carries the run's marker in its environment, arms a parent-death
-signal, and has a watchdog that kills what it started if it dies; the
-launcher sweeps each group and the marker at the end.
+Workers are started by the common `ProcessLauncher` (`launcher.py`): each
+carries its own marker, arms a parent-death signal and has a watchdog, and
+the launcher sweeps each group and marker at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,12 +33,12 @@ from ..runtime.pipeline.relay import ask_for_stage
 from ..runtime.pipeline.verifier import VerifierNode
 from .launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
 from .pipeline_run import PipelineRecorder, build_node, pipeline_task, verifier_identity, verifier_ids
-from .processes import MARKER_ENV, guard_worker, kill_marked, new_marker
+from .launcher import ProcessLauncher, stop_on_sigterm
+from .processes import MARKER_ENV, guard_worker, new_marker
 from .swarm import peer_identity
 
 FINISHED = "pp.finished"
 RUN_TIMEOUT = 3600.0
-GONE_TIMEOUT = 5.0  # seconds the launcher waits for its killed process groups to be reaped
 
 
 async def run_pipeline_worker(
@@ -165,79 +163,55 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     wall_start = time.perf_counter()
     config_path, peer_dir, address_file = prepare_run_dir(config, out)
     base = [sys.executable, "-m", "phalanx.experiments.pipeline_launch", "--config", str(config_path), "--out", str(peer_dir)]
-    marker = os.environ.get(MARKER_ENV) or new_marker()
-
-    def start(name: str, *args: str) -> subprocess.Popen:
-        # One marker per child: a worker's watchdog SIGKILLs everything carrying its marker when the worker
-        # exits, so children sharing one (the three verifiers did) killed each other at the end of a run.
-        env = {**os.environ, MARKER_ENV: f"{marker}/{name}"}
-        with open(peer_dir / f"{name}.err", "wb") as err:  # kept: a failing child's last lines go into the error
-            return subprocess.Popen([*base, *args, "--die-with-parent"], start_new_session=True, env=env, stderr=err)
-
-    procs: list[subprocess.Popen] = []
-    verifiers: list[subprocess.Popen] = []
-    procs.append(start("0", "--index", "0", "--address-file", str(address_file)))
-    victim = config.data_nodes + config.faults.crash_relay if config.faults.crash_relay >= 0 else None
+    # One marker per child: a worker's watchdog SIGKILLs everything carrying its marker when the worker
+    # exits, so children sharing one (the three verifiers did) killed each other at the end of a run.
+    workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir)
+    links = sorted(verifier_ids(config))
+    nodes = ["0"]
+    first = workers.start("0", "--index", "0", "--address-file", str(address_file))
+    victim = str(config.data_nodes + config.faults.crash_relay) if config.faults.crash_relay >= 0 else None
     killed = False
-    try:
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        while not address_file.exists():
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise LocalError(f"the first peer did not start (exit code {procs[0].poll()}){_tail(peer_dir, '0')}")
-            time.sleep(0.1)
-        addrs = address_file.read_text().split()
-        for index in range(1, config.peers):
-            procs.append(start(str(index), "--index", str(index), "--initial-peers", *addrs))
-        verifiers += [start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
-                      for link in sorted(verifier_ids(config))]
-        bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
-        opened_at = None
-        data = procs[: config.data_nodes]
-        while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
-            done = _iterations(peer_dir / "0.jsonl")
-            bar.update(done - bar.n)
-            if victim is not None and not killed and done >= config.faults.crash_iteration:
-                opened_at = opened_at if opened_at is not None else time.monotonic()
-                if time.monotonic() - opened_at >= config.faults.crash_at:
-                    _kill_group(procs[victim], signal.SIGKILL)
-                    killed = True
-            rejoin = config.faults.rejoin_after
-            if killed and rejoin and len(procs) == config.peers and done >= config.faults.crash_iteration + rejoin:
-                procs.append(start(str(config.peers), "--index", str(config.peers), "--join", "--initial-peers", *addrs))
-            time.sleep(0.02)
-        bar.close()
-        for index, p in enumerate(procs):
-            if index != victim:
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    pass
-        for p in verifiers:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        for p in procs + verifiers:
-            _kill_group(p, signal.SIGTERM)
-        for p in procs + verifiers:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                _kill_group(p, signal.SIGKILL)
-                p.wait()
-        for p in procs + verifiers:
-            _kill_group(p, signal.SIGKILL)  # the hivemind children of a worker that exited early
-        kill_marked(f"{marker}/", prefix=True)  # anything a worker started that left its group
-        _wait_gone([p.pid for p in procs + verifiers], GONE_TIMEOUT)
-    failed = [(f"peer {i}", str(i), p.returncode) for i, p in enumerate(procs) if p.returncode != 0 and i != victim]
-    failed += [(f"verifier {link}", f"v{link}", p.returncode)
-               for link, p in zip(sorted(verifier_ids(config)), verifiers) if p.returncode != 0]
+    with stop_on_sigterm():
+        try:
+            deadline = time.monotonic() + JOIN_TIMEOUT
+            while not address_file.exists():
+                if first.poll() is not None or time.monotonic() > deadline:
+                    raise LocalError(f"the first peer did not start (exit code {first.poll()}){workers.tail('0')}")
+                time.sleep(0.1)
+            addrs = address_file.read_text().split()
+            for index in range(1, config.peers):
+                nodes.append(str(index))
+                workers.start(str(index), "--index", str(index), "--initial-peers", *addrs)
+            for link in links:
+                workers.start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
+            bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
+            opened_at = None
+            data = [workers.procs[n] for n in nodes[: config.data_nodes]]
+            while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
+                done = _iterations(peer_dir / "0.jsonl")
+                bar.update(done - bar.n)
+                if victim is not None and not killed and done >= config.faults.crash_iteration:
+                    opened_at = opened_at if opened_at is not None else time.monotonic()
+                    if time.monotonic() - opened_at >= config.faults.crash_at:
+                        workers.kill(victim)
+                        killed = True
+                rejoin = config.faults.rejoin_after
+                if killed and rejoin and len(nodes) == config.peers and done >= config.faults.crash_iteration + rejoin:
+                    nodes.append(str(config.peers))
+                    workers.start(nodes[-1], "--index", nodes[-1], "--join", "--initial-peers", *addrs)
+                time.sleep(0.02)
+            bar.close()
+            workers.wait([n for n in nodes if n != victim], 60)
+            workers.wait([f"v{link}" for link in links], 30)
+        finally:
+            workers.stop()
+    failed = [(f"peer {n}", n) for n in nodes if n != victim] + [(f"verifier {link}", f"v{link}") for link in links]
+    failed = [(who, name, workers.procs[name].returncode) for who, name in failed if workers.procs[name].returncode != 0]
     if failed:
-        raise LocalError("; ".join(f"{who} exited with code {code}{_tail(peer_dir, name)}" for who, name, code in failed))
-    ids = [peer_identity(config.seed, i).peer_id for i in range(len(procs))]
+        raise LocalError("; ".join(f"{who} exited with code {code}{workers.tail(name)}" for who, name, code in failed))
+    ids = [peer_identity(config.seed, i).peer_id for i in range(len(nodes))]
     recorder = PipelineRecorder(config, ids)
-    names = [str(i) for i in range(len(procs))] + [f"v{link}" for link in sorted(verifier_ids(config))]
+    names = nodes + [f"v{link}" for link in links]
     for name in names:
         path = peer_dir / f"{name}.jsonl"
         if not path.exists():
@@ -251,38 +225,9 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                 recorder.on_event(row)
     _to_relative_time(recorder)
     extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, "verifier_ids": verifier_ids(config),
-             "killed": ids[victim] if killed and victim is not None else None,
-             "process_groups": [p.pid for p in procs + verifiers]}
+             "killed": ids[int(victim)] if killed and victim is not None else None,
+             "process_groups": [p.pid for p in workers.procs.values()]}
     return recorder.write(out, extra)
-
-
-def _tail(peer_dir: Path, name: str, lines: int = 40) -> str:
-    """The last lines a child wrote to its stderr file, to quote in the launcher's error."""
-    path = peer_dir / f"{name}.err"
-    text = path.read_text(errors="replace").strip() if path.exists() else ""
-    if not text:
-        return " (no output)"
-    return f" ({path}), its last lines:\n" + "\n".join(text.splitlines()[-lines:])
-
-
-def _wait_gone(pgids: list[int], timeout: float) -> None:
-    """Wait (at most `timeout` s) until the killed groups are reaped: a worker's watchdog, re-parented when the
-    worker dies, is reaped by init a moment after its SIGKILL."""
-    deadline = time.monotonic() + timeout
-    for pgid in pgids:
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except (ProcessLookupError, PermissionError):
-                break
-            time.sleep(0.05)
-
-
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _iterations(path: Path) -> int:

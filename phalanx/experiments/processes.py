@@ -12,7 +12,10 @@ p2pd only stops when told to. Four mechanisms close that gap:
   and can be found in `/proc/<pid>/environ` (and only the processes of this
   run: other runs on the machine carry other markers);
 * a **watchdog** process per worker that notices the worker's death (it is
-  re-parented) and SIGKILLs every process carrying the worker's marker;
+  re-parented) and SIGKILLs every process carrying the worker's marker; it
+  also watches the launcher, and when the launcher dies it stops the worker
+  (SIGTERM, then SIGKILL after a grace period, in case the worker's own
+  handler cannot run);
 * a **parent-death signal** (`prctl(PR_SET_PDEATHSIG)`): the DHT child, forked
   from the worker, gets SIGKILL when the worker dies; a worker started by the
   launcher gets SIGTERM (a clean stop) when the launcher dies;
@@ -34,6 +37,7 @@ import uuid
 MARKER_ENV = "PHALANX_PROCESS_MARKER"
 PR_SET_PDEATHSIG = 1
 WATCH_INTERVAL = 0.2  # seconds between the watchdog's looks at its parent
+STOP_GRACE = 10.0  # seconds a worker has to stop after SIGTERM before it is killed
 
 _fork_hook_installed = False
 
@@ -107,24 +111,44 @@ def guard_worker(marker: str, *, die_with_parent: bool) -> subprocess.Popen:
     if not _fork_hook_installed:
         os.register_at_fork(after_in_child=lambda: set_parent_death_signal(signal.SIGKILL))
         _fork_hook_installed = True
+    watch_args = ["--watch", str(os.getpid()), "--marker", marker]
     if die_with_parent:
         parent = os.getppid()
         set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != parent:  # the parent died before the signal was armed
             os.kill(os.getpid(), signal.SIGTERM)
+        watch_args += ["--launcher", str(parent), "--launcher-start", str(start_time(parent))]
     return subprocess.Popen(
-        [sys.executable, "-m", "phalanx.experiments.processes", "--watch", str(os.getpid()), "--marker", marker],
+        [sys.executable, "-m", "phalanx.experiments.processes", *watch_args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
 
 
-def watch(parent: int, marker: str) -> None:
-    """The watchdog's loop: when `parent` is gone, SIGKILL everything that carries `marker`."""
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), None if it is gone or a zombie: with the pid, its identity."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def watch(parent: int, marker: str, launcher: int | None = None, launcher_start: int | None = None) -> None:
+    """The watchdog's loop: when `parent` (the worker) is gone, SIGKILL everything that carries `marker`.
+
+    With `launcher`, also when the launcher dies: the worker gets SIGTERM (as its parent-death
+    signal also says) and `STOP_GRACE` seconds to stop; a worker whose signal handler cannot run
+    (stuck in native code) is killed with everything it started.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the worker; we clean up after it
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while os.getppid() == parent:
+        if launcher is not None and start_time(launcher) != launcher_start:
+            _stop(parent)
+            break
         time.sleep(WATCH_INTERVAL)
     # Twice: a process forked while the first sweep ran is caught by the second.
     for _ in range(2):
@@ -132,12 +156,25 @@ def watch(parent: int, marker: str) -> None:
         time.sleep(WATCH_INTERVAL)
 
 
+def _stop(worker: int) -> None:
+    """SIGTERM `worker` and wait up to STOP_GRACE seconds for it to exit (we are its child: it is gone once we are re-parented)."""
+    try:
+        os.kill(worker, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + STOP_GRACE
+    while os.getppid() == worker and time.monotonic() < deadline:
+        time.sleep(WATCH_INTERVAL)
+
+
 def _main() -> None:
     parser = argparse.ArgumentParser(description="phalanx watchdog: ends a worker's processes when it dies")
     parser.add_argument("--watch", type=int, required=True)
     parser.add_argument("--marker", required=True)
+    parser.add_argument("--launcher", type=int)
+    parser.add_argument("--launcher-start", type=int)
     args = parser.parse_args()
-    watch(args.watch, args.marker)
+    watch(args.watch, args.marker, args.launcher, args.launcher_start)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""One process launcher for every run kind: workers that end with their run.
+
+`launch` (data-parallel), the pipeline launcher and the Aspis launcher start
+their workers through `ProcessLauncher`, so each worker gets the same
+discipline (see `processes.py` for the mechanisms):
+
+* its own process group and its own marker (`<run marker>/<name>`), which
+  its DHT child and p2pd inherit;
+* `--die-with-parent`: the worker arms a parent-death signal and starts a
+  watchdog (`guard_worker`), so killing the launcher, even with SIGKILL, ends it;
+* a sweep of its group and marker once it exits, however it exited;
+* on the launcher's side, SIGTERM becomes a clean stop (`stop_on_sigterm`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Hashable, Iterator, Sequence
+from pathlib import Path
+
+from .processes import MARKER_ENV, STOP_GRACE, kill_group, kill_marked
+
+GONE_TIMEOUT = 10.0  # seconds to wait for killed process groups to be reaped
+
+
+class ProcessLauncher:
+    """A run's worker processes, by name: each in its own process group, with its own marker."""
+
+    def __init__(self, base: Sequence[str], marker: str, err_dir: Path | None = None) -> None:
+        self.base = list(base)  # the worker's command line, before its own arguments
+        self.token = marker
+        self.err_dir = err_dir  # with it, each worker's stderr goes to `err_dir/<name>.err` (quoted on failure)
+        self.procs: dict[Hashable, subprocess.Popen] = {}
+        self.failed: dict[Hashable, int] = {}  # name -> exit status, for workers that ended by themselves
+        self.stopped: set[Hashable] = set()  # workers the launcher killed on purpose
+        self.stopping = False
+
+    def command(self, name: Hashable, args: Sequence[str]) -> list[str]:
+        """The full command line of worker `name` (a subclass wraps it, e.g. into a network namespace)."""
+        return [*self.base, *args, "--die-with-parent"]
+
+    def start(self, name: Hashable, *args: str) -> subprocess.Popen:
+        self.stopped.discard(name)
+        env = {**os.environ, MARKER_ENV: self.marker(name)}
+        cmd = self.command(name, args)
+        if self.err_dir is None:
+            self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        else:
+            with open(self.err_dir / f"{name}.err", "wb") as err:
+                self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=err)
+        return self.procs[name]
+
+    def marker(self, name: Hashable) -> str:
+        return f"{self.token}/{name}"
+
+    def running(self) -> list[Hashable]:
+        return [n for n, p in self.procs.items() if p.poll() is None]
+
+    def reap(self) -> list[Hashable]:
+        """Note workers that ended by themselves; sweep what each one left. Returns newly failed names."""
+        new = []
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is None or name in self.failed or name in self.stopped or self.stopping:
+                continue
+            self.sweep(name)
+            if code != 0:
+                self.failed[name] = code
+                new.append(name)
+        return new
+
+    def kill(self, name: Hashable) -> None:
+        """SIGKILL worker `name` on purpose (it is not listed as failed) and sweep what it leaves."""
+        self.stopped.add(name)
+        self.procs[name].kill()
+        self.procs[name].wait()
+        self.sweep(name)
+
+    def sweep(self, name: Hashable) -> None:
+        kill_group(self.procs[name].pid)
+        kill_marked(self.marker(name))
+
+    def wait(self, names: Sequence[Hashable], timeout: float) -> None:
+        """Give the workers `names` up to `timeout` seconds in all to exit by themselves."""
+        deadline = time.monotonic() + timeout
+        for name in names:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[name].wait(timeout=max(0.0, deadline - time.monotonic()))
+
+    def stop(self) -> None:
+        """Ask workers that still run to stop, kill those that do not, sweep every group and marker, wait them gone."""
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for name in self.procs:
+            self.sweep(name)
+        kill_marked(f"{self.token}/", prefix=True)  # anything a worker started that left its group
+        self._wait_gone()
+
+    def _wait_gone(self) -> None:
+        """Until the swept groups are reaped (a dead worker's watchdog is reaped by init a moment after its kill)."""
+        deadline = time.monotonic() + GONE_TIMEOUT
+        for proc in self.procs.values():
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(proc.pid, 0)
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(0.05)
+
+    def tail(self, name: Hashable, lines: int = 40) -> str:
+        """The last lines worker `name` wrote to its stderr file, to quote in an error."""
+        path = self.err_dir / f"{name}.err" if self.err_dir is not None else None
+        text = path.read_text(errors="replace").strip() if path is not None and path.exists() else ""
+        if not text:
+            return " (no output)" if path is not None else "; see its output above"
+        return f" ({path}), its last lines:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+def exit_text(code: int) -> str:
+    """How a worker ended, in words."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _raise_on_sigterm(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """While the launcher runs, SIGTERM stops it like Ctrl-C: its `finally` blocks end the workers."""
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
