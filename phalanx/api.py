@@ -10,17 +10,20 @@
 
 A config is a frozen dataclass (RunConfig, PipelineRunConfig or AspisRunConfig,
 by preset); `config` validates it once, and every bad key or value raises a
-ConfigError whose message says what to change.
+ConfigError whose message says what to change. Each call dispatches on the
+config's run kind (`kinds.KINDS`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .config import RunConfig, apply_file, override
 from .core.errors import ConfigError
+from .kinds import kind_named, kind_of
 from .pipeline_config import PipelineRunConfig
 from .presets import get_preset
 
@@ -72,14 +75,13 @@ def simulate(config: AnyConfig, out: str | Path | None = None, *, progress: bool
     Returns the run's summary (also in out/summary.json). `resume` is a
     checkpoint (data-parallel runs; see experiments.checkpoints).
     """
+    kind = kind_of(config)
     out = Path(out) if out is not None else default_out(config, "simulate")
-    if isinstance(config, PipelineRunConfig):
-        from .experiments.pipeline_run import simulate_pipeline
-
-        return simulate_pipeline(config, out, progress=progress)
-    from .experiments.simulate import simulate as simulate_run
-
-    return simulate_run(config, out, progress=progress, resume=resume)
+    if resume is None:
+        return kind.entry("simulate")(config, out, progress=progress)
+    if not kind.resumes:
+        raise ConfigError(f"--resume continues data-parallel runs only, not a {kind.name} run ({config.preset!r})")
+    return kind.entry("simulate")(config, out, progress=progress, resume=resume)
 
 
 def launch(config: AnyConfig, out: str | Path | None = None, *, progress: bool = False, resume=None, netns: str | None = None) -> dict:
@@ -87,18 +89,18 @@ def launch(config: AnyConfig, out: str | Path | None = None, *, progress: bool =
 
     `netns` (data-parallel runs, root only): a link spec such as "1:rate=10mbit", "" for plain namespaces.
     """
+    kind = kind_of(config)
     out = Path(out) if out is not None else default_out(config, "launch")
-    if netns is not None and not isinstance(config, RunConfig):
-        raise ConfigError(f"--netns runs data-parallel presets only, not {config.preset!r}")
-    if isinstance(config, PipelineRunConfig):
-        from .experiments.pipeline_launch import launch_pipeline
-
-        return launch_pipeline(config, out, progress=progress)
-    from .experiments.launch import launch as launch_run
+    if netns is not None and not kind.netns:
+        raise ConfigError(f"--netns runs data-parallel presets only, not {config.preset!r} (a {kind.name} run)")
+    if resume is not None and not kind.resumes:
+        raise ConfigError(f"--resume continues data-parallel runs only, not a {kind.name} run ({config.preset!r})")
+    if not kind.resumes:
+        return kind.entry("launch")(config, out, progress=progress)
     from .experiments.netns import parse_spec
 
     spec = None if netns is None else parse_spec(netns, config.peers)
-    return launch_run(config, out, progress=progress, resume=resume, netns=spec)
+    return kind.entry("launch")(config, out, progress=progress, resume=resume, netns=spec)
 
 
 def join(
@@ -116,12 +118,25 @@ def join(
     `index` picks a reproducible identity and role; None draws a fresh identity.
     `run_token` is the token of the launch to join (its summary's run_token).
     """
-    if isinstance(config, PipelineRunConfig):
-        raise ConfigError("joining a pipeline run as one peer is not supported yet: use launch for a pipeline run")
-    from .experiments.launch import run_single_peer
-
+    kind = kind_of(config)
+    if kind.join is None:
+        raise ConfigError(f"'phalanx peer' joins data-parallel runs only; run {config.preset!r} (a {kind.name} run) with 'phalanx launch'")
     args = argparse.Namespace(
         index=index, initial_peers=list(initial_peers), out=None if out is None else str(out), host=host,
         address_file=None if address_file is None else str(address_file), run_token=run_token,
     )
-    return run_single_peer(config, args)
+    return kind.entry("join")(config, args)
+
+
+def report(run_dir: str | Path) -> str:
+    """Draw a finished run's plots into `run_dir` (loss.png, accuracy.png, timeline.png ...); return its summary table."""
+    from .experiments.report import read_summary
+
+    run_dir = Path(run_dir)
+    summary = read_summary(run_dir)
+    config_path = run_dir / "config.json"
+    try:
+        saved = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        saved = {"kind": summary.get("kind", "data-parallel")}  # the summary is enough to draw from
+    return kind_named(saved).entry("report")(run_dir, summary)

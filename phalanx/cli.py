@@ -135,9 +135,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         serve(Path(args.dir), args.host, args.port)
         return 0
     if args.command == "report":
-        from .experiments.report import report
-
-        print(report(Path(args.dir)))
+        print(api.report(args.dir))
         return 0
     if args.command == "bench":
         return importlib.import_module(f".experiments.{BENCHES[args.name]}", __package__).run_cli(args)

@@ -144,14 +144,29 @@ class RunConfig:
         )
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {"kind": "data-parallel", **dataclasses.asdict(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunConfig":
-        return _build(cls, data, "")
+        return _build(cls, without_kind(data, "data-parallel"), "")
+
+
+def kind_name(data: dict) -> str:
+    """The run kind a config.json names. Run directories written before configs named their kind
+    hold none: data-parallel, or Aspis when they carry an `aspis` section."""
+    if "kind" in data:
+        return str(data["kind"])
+    return "aspis" if "aspis" in data else "data-parallel"
+
+
+def without_kind(data: dict, expected: str) -> dict:
+    """`data` without its `kind` key; a ConfigError if it names another kind than `expected`."""
+    if kind_name(data) != expected:
+        raise ConfigError(f"this config is of a {kind_name(data)!r} run, not a {expected!r} run")
+    return {k: v for k, v in data.items() if k != "kind"}
 
 
 def _check(ok: bool, key: str, value: object, rule: str) -> None:

@@ -15,7 +15,7 @@ from functools import partial
 
 from .algorithms.link_attacks import TARGETS, LinkAttack, make_link_attack
 from .attack_axes import check_name, check_params
-from .config import _build, _check
+from .config import _build, _check, without_kind
 from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
 from .runtime.pipeline.config import PipelineConfig
@@ -169,4 +169,4 @@ class PipelineRunConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PipelineRunConfig":
-        return _build(cls, {k: v for k, v in data.items() if k != "kind"}, "")
+        return _build(cls, without_kind(data, "pipeline"), "")

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from phalanx.experiments.aspis import AspisAttackConfig, AspisRunConfig, coalition
-from phalanx.experiments.launch import launch
+from phalanx.api import launch
 from phalanx.runtime.aspis import AspisConfig
 from phalanx.runtime.dp_peer import TrainConfig
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..algorithms.aspis_attacks import DISTORTIONS, Orchestration, detox_optimal_byzantine
 from ..algorithms.attacks import AttackSchedule, make_attack
 from ..attack_axes import check_name
-from ..config import NetworkConfig
+from ..config import NetworkConfig, _build, without_kind
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
 from ..runtime.aspis import AspisConfig, AspisCoordinator, AspisWorker, LiePolicy, assignment_at
@@ -83,14 +83,15 @@ class AspisRunConfig:
     def byzantine_count(self) -> int:
         return self.aspis.q if self.attack.count < 0 else self.attack.count
 
+    def to_dict(self) -> dict:
+        return {"kind": "aspis", **dataclasses.asdict(self)}
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict) -> "AspisRunConfig":
-        from ..config import _build
-
-        return _build(cls, data, "")
+        return _build(cls, without_kind(data, "aspis"), "")
 
 
 def coalition(config: AspisRunConfig) -> Orchestration | None:

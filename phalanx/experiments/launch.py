@@ -218,12 +218,6 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
     last step it recorded. Raises LocalError only when no worker finished.
     With `config.checkpoint.every`, checkpoints go to `out`/checkpoints; `resume` continues from one.
     """
-    if not isinstance(config, RunConfig):
-        if netns is not None:
-            raise ConfigError(f"--netns runs data-parallel presets only, not {config.preset!r}")
-        from .aspis_launch import launch_aspis
-
-        return launch_aspis(config, out, progress)
     wall_start = time.perf_counter()
     config_path, peer_dir, address_file = prepare_run_dir(config, out, clear=resume is None)
     if resume is not None:
@@ -350,8 +344,6 @@ def _lines(path: Path) -> int:
 
 def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:
     """`phalanx peer`: one peer joining a swarm through --initial-peers."""
-    if not isinstance(config, RunConfig):
-        raise ConfigError(f"'phalanx peer' runs data-parallel presets only; run {config.preset!r} with 'phalanx launch'")
     if args.index is not None and not 0 <= args.index < config.peers:
         raise ConfigError(f"--index {args.index} must be in [0, {config.peers}) for a swarm of --peers {config.peers}")
     out = Path(args.out) if args.out else Path("runs") / f"{config.preset}-peer-seed{config.seed}"

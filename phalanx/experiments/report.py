@@ -26,8 +26,8 @@ def _jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def report(run_dir: Path) -> str:
-    """Draw loss.png, accuracy.png and timeline.png (binned, see draw_timeline) into `run_dir`; return a summary table."""
+def read_summary(run_dir: Path) -> dict:
+    """A finished run's summary.json, checked to be a phalanx run summary."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise LocalError(f"{summary_path} not found: pass the --out directory of a finished run")
@@ -37,10 +37,11 @@ def report(run_dir: Path) -> str:
         summary = None
     if not isinstance(summary, dict) or not {"preset", "peers", "seed"} <= set(summary):
         raise LocalError(f"{summary_path} is not a phalanx run summary: pass the --out directory of a finished run")
-    if summary.get("kind") == "pipeline":
-        from .pipeline_report import report_pipeline
+    return summary
 
-        return report_pipeline(run_dir, summary)
+
+def report_run(run_dir: Path, summary: dict) -> str:
+    """Draw loss.png, accuracy.png and timeline.png (binned, see draw_timeline) into `run_dir`; return a summary table."""
     metrics = _jsonl(run_dir / "metrics.jsonl")
     timeline = _jsonl(run_dir / "timeline.jsonl")
     title = f"{summary['preset']} — {summary['peers']} peers, seed {summary['seed']} ({summary.get('mode', '?')})"

@@ -30,10 +30,6 @@ def simulate(config: RunConfig, out: Path, progress: bool = True, resume: Checkp
 
     With `config.checkpoint.every`, checkpoints go to `out`/checkpoints; `resume` continues from one.
     """
-    if not isinstance(config, RunConfig):
-        from .aspis import simulate_aspis
-
-        return simulate_aspis(config, out, progress)
     torch.set_num_threads(1)  # one thread: deterministic kernels and no oversubscription
     wall_start = time.perf_counter()
     identities = [peer_identity(config.seed, i) for i in range(config.peers + config.faults.join)]

@@ -17,6 +17,7 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
+from ..config import kind_name
 from ..core.errors import ConfigError
 from .watch_page import PAGE
 
@@ -48,9 +49,8 @@ class WatchState:
 
     @property
     def kind(self) -> str:
-        if self.config.get("kind") == "pipeline":
-            return "pipeline"
-        return "aspis" if "aspis" in self.config else "dp"
+        name = kind_name(self.config)
+        return "dp" if name == "data-parallel" else name
 
     def add(self, source: int, row: dict) -> None:
         """One row of peers/SOURCE.jsonl."""
