@@ -62,7 +62,7 @@ KINDS: dict[str, RunKind] = {
         ),
         RunKind(
             "aspis",
-            config="phalanx.experiments.aspis:AspisRunConfig",
+            config="phalanx.aspis_config:AspisRunConfig",
             simulate="phalanx.experiments.aspis:simulate_aspis",
             launch="phalanx.experiments.aspis_launch:launch_aspis",
             report="phalanx.experiments.report:report_run",

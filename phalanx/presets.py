@@ -1,7 +1,7 @@
 """Presets: plain functions that return a run config. `phalanx presets` lists them.
 
 Data-parallel presets return a RunConfig; pipeline presets (pipeline_presets.py) a
-PipelineRunConfig; Aspis presets (experiments/aspis.py) an AspisRunConfig.
+PipelineRunConfig; Aspis presets (aspis_config.py) an AspisRunConfig.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from .config import ByzantineConfig, FaultsConfig, NetworkConfig, RunConfig
 from .core.errors import ConfigError
-from .experiments.aspis import aspis_digits, aspis_plus_digits
+from .aspis_config import aspis_digits, aspis_plus_digits
 from .pipeline_presets import PIPELINE_PRESETS
 from .runtime.btard import BTARDConfig
 from .runtime.butterfly import AllReduceConfig

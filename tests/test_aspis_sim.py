@@ -5,8 +5,9 @@ import asyncio
 import pytest
 import torch
 
-from phalanx.experiments.aspis import AspisAttackConfig, AspisRunConfig, build_role, coalition, detection_delays, simulate_aspis
+from phalanx.aspis_config import AspisAttackConfig, AspisRunConfig
 from phalanx.core.errors import ConfigError
+from phalanx.experiments.aspis import build_role, coalition, detection_delays, simulate_aspis
 from phalanx.experiments.swarm import peer_identity
 from phalanx.runtime.aspis import AspisConfig, AspisWorker
 from phalanx.runtime.dp_peer import TrainConfig

@@ -11,7 +11,8 @@ from phalanx import api
 from phalanx.algorithms.btard_checks import GRAD_RTOL, gradient_matches
 from phalanx.core.errors import ConfigError
 from phalanx.training import compute_gradient, make_task
-from phalanx.training.device import FLOAT32_UNIT_ROUNDOFF, measure_float32_error
+from phalanx.training.device import FLOAT32_UNIT_ROUNDOFF
+from phalanx.training.task import measure_float32_error
 
 BATCH = 16
 TASKS = {  # name -> (task, layers L, longest reduction K) for the derived bound 4 L sqrt(K) u, at BATCH samples

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from phalanx.experiments.aspis import AspisAttackConfig, AspisRunConfig, coalition
+from phalanx.aspis_config import AspisAttackConfig, AspisRunConfig
+from phalanx.experiments.aspis import coalition
 from phalanx.api import launch
 from phalanx.runtime.aspis import AspisConfig
 from phalanx.runtime.dp_peer import TrainConfig

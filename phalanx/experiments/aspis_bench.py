@@ -31,11 +31,12 @@ from ..algorithms.aspis import Detection, aggregate, agreement_graph, agreement_
 from ..algorithms.aspis_attacks import Orchestration, detox_optimal_byzantine, distortion_fraction, symbolic_copies
 from ..algorithms.aspis_designs import Assignment, group_assignment, single_assignment, subset_assignment
 from ..algorithms.aggregators import coordinate_median
+from ..aspis_config import AspisAttackConfig, AspisRunConfig
 from ..config import override
 from ..core.errors import ConfigError
 from ..runtime.aspis import AspisConfig
 from ..runtime.dp_peer import TrainConfig
-from .aspis import AspisAttackConfig, AspisRunConfig, simulate_aspis
+from .aspis import simulate_aspis
 
 # Table III of the Aspis paper, K = 15, r = 3, q = 2..7.
 PAPER_TABLE_III = {

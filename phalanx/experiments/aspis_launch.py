@@ -22,7 +22,8 @@ import torch
 from tqdm import tqdm
 
 from ..core.errors import LocalError
-from .aspis import AspisRunConfig, build_role, count_distortion, summarize, write_run
+from ..aspis_config import AspisRunConfig
+from .aspis import build_role, count_distortion, summarize, write_run
 from .launch import BARRIER_TIMEOUT, JOIN_TIMEOUT, _lines, prepare_run_dir, run_id_of
 from .launcher import ProcessLauncher, exit_text, stop_on_sigterm
 from .processes import MARKER_ENV, guard_worker, new_marker

@@ -22,7 +22,7 @@ width) and c a small constant for the kernels' extra operations (c <= 4 here).
 For the shipped tasks at 16 samples per batch (L <= 6, K <= 1024: 16 x 64
 tokens) that is at most 4 * 6 * 32 * 6e-8 = 4.6e-5 per device, 9.3e-5 for the
 pair, inside GRAD_RTOL = 1e-4; measured errors are 300x smaller still
-(`measure_float32_error`, printed by tests/test_device.py: float32-vs-float64
+(`task.measure_float32_error`, printed by tests/test_device.py: float32-vs-float64
 gaps of 1e-7..2e-7 on the digits MLP and CNN and the chars GPT), so a
 GPU-vs-CPU pair sits about 100x inside the tolerance, while a lie must still
 move the gradient by 1e-4 relative to pass. Larger batches or deeper user
@@ -86,19 +86,3 @@ class OnDevice(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.part(x.to(self.device)).cpu()
-
-
-def measure_float32_error(task, seed: int = 0, batch_size: int = 32, device: str = "cpu") -> float:
-    """||g_float32 - g_float64|| / ||g_float64|| of one public batch's gradient on `device`: the rounding
-    error of float32 backprop that the cross-device tolerance above is derived from."""
-    from .task import compute_gradient
-
-    x, y = task.batch(seed, "float32-probe", 0, batch_size)
-    model32 = task.build_model(seed).to(device)
-    g32, _ = compute_gradient(task, model32, x, y)
-    model64 = task.build_model(seed).double()
-    x64 = x.double() if x.is_floating_point() else x
-    model64.zero_grad(set_to_none=True)
-    task.loss(model64, x64, y).backward()
-    g64 = torch.cat([p.grad.reshape(-1) for p in model64.parameters()])
-    return float((g32.double() - g64).norm() / g64.norm())

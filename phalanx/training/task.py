@@ -314,3 +314,17 @@ def train_flops(task: Task, model: nn.Module, batch_size: int) -> float:
     weights once rather than once per position, so treat it as a relative cost.
     """
     return 6.0 * num_params(model) * batch_size * task.tokens_per_sample
+
+
+def measure_float32_error(task, seed: int = 0, batch_size: int = 32, device: str = "cpu") -> float:
+    """||g_float32 - g_float64|| / ||g_float64|| of one public batch's gradient on `device`: the rounding
+    error of float32 backprop that the cross-device tolerance (see device.py) is derived from."""
+    x, y = task.batch(seed, "float32-probe", 0, batch_size)
+    model32 = task.build_model(seed).to(device)
+    g32, _ = compute_gradient(task, model32, x, y)
+    model64 = task.build_model(seed).double()
+    x64 = x.double() if x.is_floating_point() else x
+    model64.zero_grad(set_to_none=True)
+    task.loss(model64, x64, y).backward()
+    g64 = torch.cat([p.grad.reshape(-1) for p in model64.parameters()])
+    return float((g32.double() - g64).norm() / g64.norm())
