@@ -389,3 +389,25 @@ def test_median_of_means_and_bucketing_confine_an_inf_row_to_its_group() -> None
     finite_rows = buckets.isfinite().all(dim=1)
     assert int((~finite_rows).sum()) == 1  # only the bucket that holds row 3
     assert not bool(buckets.isnan().any())
+
+
+@pytest.mark.parametrize("n,f", [(3, 1), (5, 2), (7, 3), (16, 7), (20, 4)])
+def test_one_rule_table_clamps_for_owners_and_names_the_impossible_for_studies(n: int, f: int) -> None:
+    """Every rule built from `rule_parameters` runs on n rows when clamped; unclamped, a rule either runs
+    with f itself or raises (the bench reports such a cell instead of quietly weakening the rule)."""
+    from phalanx.algorithms.reducers import make_reducer
+
+    xs = torch.randn(n, 4, generator=torch.Generator().manual_seed(n * 100 + f))
+    for name in agg.AGGREGATORS:
+        clamped = agg.rule_parameters(name, n, f)
+        assert all(0 <= v <= max(f, 2 * f + 1) for v in clamped.values())
+        out = agg.make_aggregator(name, **clamped)(xs)
+        assert torch.equal(out, make_reducer(name, f=f)(xs)) or name == "centered_clip"  # the owners' reducer: same table
+        exact = agg.rule_parameters(name, n, f, clamp=False)
+        assert set(exact.values()) <= {f, 2 * f + 1}
+        try:
+            agg.make_aggregator(name, **exact)(xs)
+        except ValueError:
+            assert exact != clamped  # only a parameter that had to be cut can make the rule refuse
+    assert agg.rule_parameters("bulyan", 16, 7) == {"f": 3} and agg.rule_parameters("krum", 16, 7) == {"f": 6}
+    assert agg.rule_parameters("median_of_means", 4, 3) == {"groups": 4}

@@ -506,6 +506,28 @@ AGGREGATORS: dict[str, Callable[..., Tensor]] = {
 PRE_AGGREGATORS: tuple[str, ...] = ("nnm", "bucketing")
 
 
+def rule_parameters(name: str, n: int, f: int, *, clamp: bool = True) -> dict[str, int]:
+    """The parameters of rule `name` over `n` rows of which up to `f` may be Byzantine: the one (rule, n, f)
+    table every system uses (partition owners, Aspis's coordinator, the robustness bench).
+
+    With `clamp`, a parameter is cut to what `n` rows allow, for a peer that aggregates however many
+    rows reached it; without, it is `f` itself and the rule raises ValueError when `n` is too small
+    (a study that must not weaken the rule it names). Rules without such a parameter get none.
+    """
+    def cut(limit: int) -> int:
+        return max(0, min(f, limit)) if clamp else f
+
+    if name == "trimmed_mean":
+        return {"trim": cut((n - 1) // 2)}
+    if name == "median_of_means":
+        return {"groups": max(1, min(2 * f + 1, n)) if clamp else 2 * f + 1}
+    if name in ("krum", "multi_krum"):
+        return {"f": cut((n - 3) // 2)}
+    if name == "bulyan":
+        return {"f": cut((n - 3) // 4)}
+    return {}
+
+
 def _accepted_parameters(rule: Callable[..., Tensor]) -> set[str]:
     return set(list(inspect.signature(rule).parameters)[1:])
 

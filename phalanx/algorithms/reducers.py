@@ -3,8 +3,8 @@
 `make_reducer` turns a rule name of `aggregators.AGGREGATORS` and a few
 numbers (tau, eps, iteration cap, assumed Byzantine count f) into a function
 from a stack Tensor[k, m] to Tensor[m]. Rules whose parameter depends on the
-number of rows (trim, groups, Krum's f) get it clamped to what k rows allow,
-because an owner aggregates however many parts reached it.
+number of rows (trim, groups, Krum's f) get it from `aggregators.rule_parameters`,
+clamped to what k rows allow, because an owner aggregates however many parts reached it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .aggregators import AGGREGATORS, centered_clip
+from .aggregators import AGGREGATORS, centered_clip, rule_parameters
 
 Reducer = Callable[[Tensor], Tensor]
 
@@ -32,15 +32,6 @@ def make_reducer(name: str, *, tau: float = 1.0, eps: float = 1e-6, max_iters: i
     rule = AGGREGATORS[name]
 
     def reduce(xs: Tensor) -> Tensor:
-        k = xs.shape[0]
-        if name == "trimmed_mean":
-            return rule(xs, trim=min(f, (k - 1) // 2))
-        if name == "median_of_means":
-            return rule(xs, groups=min(2 * f + 1, k))
-        if name in ("krum", "multi_krum"):
-            return rule(xs, f=max(0, min(f, (k - 3) // 2)))
-        if name == "bulyan":
-            return rule(xs, f=max(0, min(f, (k - 3) // 4)))
-        return rule(xs)
+        return rule(xs, **rule_parameters(name, xs.shape[0], f))
 
     return reduce

@@ -13,14 +13,13 @@ import argparse
 import csv
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..algorithms.aggregators import make_aggregator
+from ..algorithms.aggregators import make_aggregator, rule_parameters
 from ..algorithms.attacks import AttackSchedule, AttackView, make_attack
 from ..config import override
 from ..core.errors import ConfigError
@@ -40,19 +39,29 @@ ATTACKS: dict[str, tuple[str, dict]] = {
     "min_sum": ("min_sum", {}),
 }
 
-# label -> function of (n, f) giving make_aggregator's arguments.
-AGGREGATORS: dict[str, Callable[[int, int], tuple[str, dict]]] = {
-    "mean": lambda n, f: ("mean", {}),
-    "centered_clip_1": lambda n, f: ("centered_clip", {"tau": 1.0}),
-    "centered_clip_10": lambda n, f: ("centered_clip", {"tau": 10.0}),
-    "median": lambda n, f: ("median", {}),
-    "geometric_median": lambda n, f: ("geometric_median", {}),
-    "trimmed_mean": lambda n, f: ("trimmed_mean", {"trim": f}),
-    "krum": lambda n, f: ("krum", {"f": f}),
-    "multi_krum": lambda n, f: ("multi_krum", {"f": f, "m": n - f}),
-    "bulyan": lambda n, f: ("bulyan", {"f": f}),
-    "nnm_centered_clip_1": lambda n, f: ("centered_clip", {"tau": 1.0, "pre": "nnm", "f": f}),
+# label -> (rule, its parameters besides those of (n, f), which `rule_parameters` gives unclamped: a cell
+# whose (n, f) the rule cannot take is reported, not weakened).
+AGGREGATORS: dict[str, tuple[str, dict]] = {
+    "mean": ("mean", {}),
+    "centered_clip_1": ("centered_clip", {"tau": 1.0}),
+    "centered_clip_10": ("centered_clip", {"tau": 10.0}),
+    "median": ("median", {}),
+    "geometric_median": ("geometric_median", {}),
+    "trimmed_mean": ("trimmed_mean", {}),
+    "krum": ("krum", {}),
+    "multi_krum": ("multi_krum", {}),
+    "bulyan": ("bulyan", {}),
+    "nnm_centered_clip_1": ("centered_clip", {"tau": 1.0, "pre": "nnm"}),
 }
+
+
+def aggregator_arguments(label: str, n: int, f: int) -> tuple[str, dict]:
+    """make_aggregator's name and keyword arguments for an AGGREGATORS label, n workers and f Byzantines."""
+    name, extra = AGGREGATORS[label]
+    params = {**rule_parameters(name, n, f, clamp=False), **extra}
+    if extra.get("pre") == "nnm":
+        params["f"] = f
+    return name, params
 
 
 @dataclass(frozen=True)
@@ -116,7 +125,7 @@ def run_cell(config: RobustnessConfig, attack_label: str, aggregator_label: str)
     """Train once with one attack and one aggregation rule; return the final accuracy."""
     torch.set_num_threads(1)
     n, f = config.workers, config.byzantine if attack_label != "none" else 0
-    name, params = AGGREGATORS[aggregator_label](n, config.byzantine)
+    name, params = aggregator_arguments(aggregator_label, n, config.byzantine)
     try:
         aggregate = make_aggregator(name, **params)
         aggregate(torch.zeros(n, 2))  # let the rule reject (n, f) before training

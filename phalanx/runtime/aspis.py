@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call, grad, vmap
 
-from ..algorithms.aggregators import coordinate_median, make_aggregator
+from ..algorithms.aggregators import AGGREGATORS, coordinate_median, make_aggregator, rule_parameters
 from ..algorithms.aspis import (
     Detection,
     WindowDetector,
@@ -67,7 +67,6 @@ TASK_TOPIC = "aspis.task"
 RETRY_SECONDS = 1.0  # pause before asking again a worker whose request failed fast
 STOP_TOPIC = "aspis.stop"
 SCHEMES = ("aspis", "aspis+", "detox", "none")
-ROBUST_RULES = ("median", "mean", "trimmed_mean", "geometric_median", "multi_krum", "krum", "bulyan", "median_of_means", "centered_clip", "sign_majority")
 
 
 @dataclass(frozen=True)
@@ -91,8 +90,8 @@ class AspisConfig:
             raise ConfigError(f"aspis.r={self.r} must be an odd number >= 1 (majority votes need r' = (r+1)/2)")
         if self.q < 0 or self.window < 1 or self.samples_per_file < 1 or self.estimate_files < 2:
             raise ConfigError("aspis.q must be >= 0, aspis.window and aspis.samples_per_file >= 1, aspis.estimate_files >= 2")
-        if self.aggregator not in ROBUST_RULES:
-            raise ConfigError(f"aspis.aggregator={self.aggregator!r} is not known; allowed: {', '.join(ROBUST_RULES)}")
+        if self.aggregator not in AGGREGATORS:
+            raise ConfigError(f"aspis.aggregator={self.aggregator!r} is not known; allowed: {', '.join(AGGREGATORS)}")
         if not (0 <= self.tolerance < 1 and math.isfinite(self.timeout) and self.timeout > 0):
             raise ConfigError("aspis.tolerance must be in [0, 1) and aspis.timeout a finite number > 0")
 
@@ -159,7 +158,7 @@ def file_gradients(task: Task, model: torch.nn.Module, samples: torch.Tensor, ex
 
 
 def robust_rule(name: str, q: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`name` applied to a stack whose row count is known only at call time; f = q where the rule takes f."""
+    """`name` applied to a stack whose row count is known only at call time, with f = q (`rule_parameters`, clamped)."""
 
     def rule(stack: torch.Tensor) -> torch.Tensor:
         n = stack.shape[0]
@@ -167,15 +166,7 @@ def robust_rule(name: str, q: int) -> Callable[[torch.Tensor], torch.Tensor]:
             # Same value as coordinate_median (mean of the two middles for even n); a sort beats its network here.
             ordered = stack.sort(dim=0).values
             return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-        params: dict = {}
-        if name in ("krum", "multi_krum", "bulyan"):
-            params["f"] = q
-        elif name == "trimmed_mean":
-            params["trim"] = min(q, (n - 1) // 2)
-        elif name == "median_of_means":
-            params["groups"] = (n + 1) // 2
-        elif name == "centered_clip":
-            params["tau"] = 1.0
+        params = {"tau": 1.0} if name == "centered_clip" else rule_parameters(name, n, q)
         try:
             return make_aggregator(name, **params)(stack)
         except ValueError:
