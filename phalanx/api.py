@@ -120,7 +120,7 @@ def join(
     """
     kind = kind_of(config)
     if kind.join is None:
-        raise ConfigError(f"'phalanx peer' joins data-parallel runs only; run {config.preset!r} (a {kind.name} run) with 'phalanx launch'")
+        raise ConfigError(f"'phalanx peer' joins data-parallel and pipeline runs only; run {config.preset!r} (a {kind.name} run) with 'phalanx launch'")
     args = argparse.Namespace(
         index=index, initial_peers=list(initial_peers), out=None if out is None else str(out), host=host,
         address_file=None if address_file is None else str(address_file), run_token=run_token,

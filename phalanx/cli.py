@@ -176,7 +176,8 @@ def _wait_for_interrupt() -> None:
 
 
 def _print_summary(summary: dict) -> None:
-    keys = ("preset", "mode", "peers", "steps", "final_loss", "final_accuracy", "wall_seconds", "simulated_seconds", "banned")
+    keys = ("preset", "mode", "peers", "steps", "peer_id", "stage", "final_loss", "final_accuracy", "wall_seconds",
+            "simulated_seconds", "banned")
     for key in keys:
         if key in summary:
             value = summary[key]

@@ -59,6 +59,7 @@ KINDS: dict[str, RunKind] = {
             simulate="phalanx.experiments.pipeline_run:simulate_pipeline",
             launch="phalanx.experiments.pipeline_launch:launch_pipeline",
             report="phalanx.experiments.pipeline_report:report_pipeline",
+            join="phalanx.experiments.pipeline_launch:join_pipeline",
         ),
         RunKind(
             "aspis",

@@ -41,8 +41,10 @@ def test_a_config_of_another_kind_is_refused_and_old_run_directories_still_load(
 
 def test_features_a_kind_lacks_are_config_errors_that_name_the_kind(tmp_path):
     pipeline = get_preset("chars-gpt-pipeline")
-    with pytest.raises(ConfigError, match="joins data-parallel runs only.*pipeline run"):
-        api.join(pipeline, ["/ip4/127.0.0.1/tcp/1"])
+    with pytest.raises(ConfigError, match="joins data-parallel and pipeline runs only.*aspis run"):
+        api.join(get_preset("aspis-digits"), ["/ip4/127.0.0.1/tcp/1"])
+    with pytest.raises(ConfigError, match="--index 2 names a launched node"):
+        api.join(pipeline, ["/ip4/127.0.0.1/tcp/1"], index=2)
     with pytest.raises(ConfigError, match="--netns runs data-parallel presets only"):
         api.launch(get_preset("aspis-digits"), tmp_path, netns="")
     with pytest.raises(ConfigError, match="--resume continues data-parallel runs only"):

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -26,14 +27,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..core.errors import LocalError
+from ..core.errors import ConfigError, LocalError
 from ..pipeline_config import PipelineRunConfig
 from ..runtime.pipeline import DataNode
 from ..runtime.pipeline.relay import ask_for_stage
 from ..runtime.pipeline.verifier import VerifierNode
 from .launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
-from .pipeline_run import PipelineRecorder, build_node, pipeline_task, verifier_identity, verifier_ids
 from .launcher import ProcessLauncher, stop_on_sigterm
+from .pipeline_launch_churn import PipelineChurn
+from .pipeline_run import PipelineRecorder, build_node, pipeline_task, verifier_identity, verifier_ids
 from .processes import MARKER_ENV, guard_worker, new_marker
 from .swarm import peer_identity
 
@@ -43,7 +45,7 @@ RUN_TIMEOUT = 3600.0
 
 async def run_pipeline_worker(
     config: PipelineRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None,
-    join: bool = False,
+    join: bool = False, host: str = "/ip4/127.0.0.1/tcp/0",
 ) -> None:
     """One real pipeline node: join, build the role, train or serve, leave when the data nodes are done.
 
@@ -55,7 +57,7 @@ async def run_pipeline_worker(
     torch.set_num_threads(1)
     identity = peer_identity(config.seed, index)
     run_id = f"{config.preset}-pipeline-seed{config.seed}"
-    transport = HivemindTransport(identity, run_id=run_id, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    transport = HivemindTransport(identity, run_id=run_id, initial_peers=initial_peers, host_maddrs=[host])
     await transport.start()
     records_path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -185,6 +187,9 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
             for link in links:
                 workers.start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
+            churn = PipelineChurn(config, first_index=config.peers + (1 if config.faults.rejoin_after else 0)) \
+                if PipelineChurn.wanted(config) else None
+            placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays whose stage we know
             opened_at = None
             data = [workers.procs[n] for n in nodes[: config.data_nodes]]
             while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
@@ -196,20 +201,27 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                         workers.kill(victim)
                         killed = True
                 rejoin = config.faults.rejoin_after
-                if killed and rejoin and len(nodes) == config.peers and done >= config.faults.crash_iteration + rejoin:
+                if killed and rejoin and str(config.peers) not in nodes and done >= config.faults.crash_iteration + rejoin:
                     nodes.append(str(config.peers))
                     workers.start(nodes[-1], "--index", nodes[-1], "--join", "--initial-peers", *addrs)
+                if churn is not None:
+                    _churn(churn, workers, nodes, placed, peer_dir, done, addrs)
                 time.sleep(0.02)
             bar.close()
-            workers.wait([n for n in nodes if n != victim], 60)
+            workers.wait([n for n in nodes if n != victim and n not in workers.stopped], 60)
             workers.wait([f"v{link}" for link in links], 30)
         finally:
             workers.stop()
-    failed = [(f"peer {n}", n) for n in nodes if n != victim] + [(f"verifier {link}", f"v{link}") for link in links]
-    failed = [(who, name, workers.procs[name].returncode) for who, name in failed if workers.procs[name].returncode != 0]
+    joiners = {n for n in nodes if int(n) >= config.peers}
+    ended = [(f"peer {n}", n) for n in nodes if n != victim and n not in workers.stopped]
+    ended = [(who, name, workers.procs[name].returncode) for who, name in ended + [(f"verifier {link}", f"v{link}") for link in links]]
+    failed = [(who, name, code) for who, name, code in ended if code != 0 and name not in joiners]
     if failed:
         raise LocalError("; ".join(f"{who} exited with code {code}{workers.tail(name)}" for who, name, code in failed))
-    ids = [peer_identity(config.seed, i).peer_id for i in range(len(nodes))]
+    for who, name, code in ended:
+        if code != 0 and name in joiners:  # a volunteer that could not join; the run went on without it
+            print(f"phalanx: joining relay {name} exited with code {code}{workers.tail(name, 5)}", file=sys.stderr)
+    ids = [peer_identity(config.seed, i).peer_id for i in range(1 + max(int(n) for n in nodes))]
     recorder = PipelineRecorder(config, ids)
     names = nodes + [f"v{link}" for link in links]
     for name in names:
@@ -227,7 +239,68 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, "verifier_ids": verifier_ids(config),
              "killed": ids[int(victim)] if killed and victim is not None else None,
              "process_groups": [p.pid for p in workers.procs.values()]}
+    if churn is not None:
+        extra["churn"] = [{"it": e.it, "peer": ids[int(e.name)], "index": int(e.name), "event": e.event} for e in churn.events]
     return recorder.write(out, extra)
+
+
+def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], placed: dict[str, int], peer_dir: Path,
+           done: int, addrs: list[str]) -> None:
+    """Apply the churn decisions for the iterations finished so far: kill leaving relays, start new ones."""
+    for name in nodes:
+        if name not in placed and name not in workers.stopped and int(name) >= churn.config.peers:
+            stage = _joined_stage(peer_dir / f"{name}.jsonl")
+            if stage is not None:
+                placed[name] = stage
+    live = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
+    for event in churn.advance(done, live):
+        print(f"phalanx: churn: relay {event.name} {event.event} after iteration {event.it}", file=sys.stderr)
+        if event.event == "left":
+            workers.kill(event.name)
+            placed.pop(event.name, None)
+        else:
+            nodes.append(event.name)
+            workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
+
+
+def _joined_stage(path: Path) -> int | None:
+    """The stage a joining relay was placed at (its `join` event), None before it is placed."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in lines:
+        if '"kind": "join"' in line:
+            try:
+                return int(json.loads(line)["stage"])
+            except (ValueError, KeyError):
+                return None
+    return None
+
+
+def join_pipeline(config: PipelineRunConfig, args: argparse.Namespace) -> dict:
+    """`phalanx peer` of a pipeline preset: one new relay joins the pipeline at --initial-peers (GWTF V-B: the
+    leader places it at the bottleneck stage, it downloads that stage's weights) and serves until the data
+    nodes finish. `--index` picks a reproducible identity (>= peers: not one of the launched nodes)."""
+    if args.index is not None and args.index < config.peers:
+        raise ConfigError(f"--index {args.index} names a launched node; a joining relay takes an index >= {config.peers}")
+    if not args.initial_peers:
+        raise ConfigError("--initial-peers is required: the address of a node of the running pipeline")
+    index = args.index if args.index is not None else config.peers + secrets.randbelow(1 << 30)
+    out = Path(args.out) if args.out else Path("runs") / f"{config.preset}-peer-{index}"
+    wall_start = time.perf_counter()
+    inherited = os.environ.get(MARKER_ENV)
+    guard_worker(f"{inherited}/peer-{os.getpid()}" if inherited else new_marker(), die_with_parent=False)
+    records = out / "peers" / f"{index}.jsonl"
+    address_file = Path(args.address_file) if args.address_file else None
+    asyncio.run(run_pipeline_worker(config, index, args.initial_peers, records, address_file, join=True, host=args.host))
+    events = [json.loads(line) for line in records.read_text().splitlines()]
+    joined = next((e for e in events if e.get("kind") == "join"), {})
+    summary = {"preset": config.preset, "mode": "peer", "peer_id": peer_identity(config.seed, index).peer_id,
+               "stage": joined.get("stage"), "from_iteration": joined.get("it"), "events": len(events),
+               "wall_seconds": time.perf_counter() - wall_start}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
 
 
 def _iterations(path: Path) -> int:
