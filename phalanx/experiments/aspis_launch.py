@@ -80,12 +80,7 @@ def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True) -> di
     coordinator = workers.start(0, "--index", "0", "--address-file", str(address_file))
     with stop_on_sigterm():
         try:
-            deadline = time.monotonic() + JOIN_TIMEOUT
-            while not address_file.exists():
-                if coordinator.poll() is not None or time.monotonic() > deadline:
-                    raise LocalError(f"the coordinator did not start (exit code {coordinator.poll()}){workers.tail(0)}")
-                time.sleep(0.1)
-            addrs = address_file.read_text().split()
+            addrs = workers.address(0, address_file, JOIN_TIMEOUT, "the coordinator")
             for index in range(1, config.peers):
                 workers.start(index, "--index", str(index), "--initial-peers", *addrs)
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)

@@ -232,13 +232,8 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
             if netns is not None:
                 workers.bed = Testbed(netns)
                 workers.bed.up()
-            first = workers.start(0, *extra, "--address-file", str(address_file))
-            deadline = time.monotonic() + JOIN_TIMEOUT
-            while not address_file.exists():
-                if first.poll() is not None or time.monotonic() > deadline:
-                    raise LocalError(f"the first peer did not start (exit code {first.poll()}); see its output above")
-                time.sleep(0.1)
-            addrs = address_file.read_text().split()
+            workers.start(0, *extra, "--address-file", str(address_file))
+            addrs = workers.address(0, address_file, JOIN_TIMEOUT, "the first peer")
             for index in range(1, config.peers):
                 workers.start(index, *extra, "--initial-peers", *addrs)
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)

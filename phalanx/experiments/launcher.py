@@ -22,6 +22,7 @@ import time
 from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 
+from ..core.errors import LocalError
 from .processes import MARKER_ENV, STOP_GRACE, kill_group, kill_marked
 
 GONE_TIMEOUT = 10.0  # seconds to wait for killed process groups to be reaped
@@ -53,6 +54,16 @@ class ProcessLauncher:
             with open(self.err_dir / f"{name}.err", "wb") as err:
                 self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=err)
         return self.procs[name]
+
+    def address(self, name: Hashable, address_file: Path, timeout: float, who: str) -> list[str]:
+        """The multiaddrs worker `name` writes to `address_file` once it listens; LocalError if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        proc = self.procs[name]
+        while not address_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise LocalError(f"{who} did not start (exit code {proc.poll()}){self.tail(name)}")
+            time.sleep(0.1)
+        return address_file.read_text().split()
 
     def marker(self, name: Hashable) -> str:
         return f"{self.token}/{name}"

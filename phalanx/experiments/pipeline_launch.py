@@ -74,6 +74,8 @@ async def run_pipeline_worker(
                 sink.write(json.dumps({"type": kind, **row}, sort_keys=True) + "\n")
                 sink.flush()
 
+            transport.on_evidence(lambda e: write("evidence", {"by": transport.peer_id, "peer": e.peer, "kind": e.kind}))
+
             if join:
                 await _join_and_serve(config, transport, index, directory, write, ids[: config.data_nodes])
                 return
@@ -150,9 +152,11 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
         raise LocalError("no data node placed this joiner")
     stage, it, known = placed
     node = build_node(config, transport, index, known, pipeline_task(config), lambda e: write("event", e), stage=stage)
-    write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": node.now(), "t1": node.now()})
+    placed_at = node.now()
     if not await node.enter(it):
         raise LocalError(f"could not download the weights of stage {stage}")
+    # Written once it serves (t0: placed, t1: weights in): the launcher's churn counts it as a live replica from here.
+    write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": placed_at, "t1": node.now()})
     serving = asyncio.create_task(node.serve())
     await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
     node.stop()
@@ -170,17 +174,12 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir)
     links = sorted(verifier_ids(config))
     nodes = ["0"]
-    first = workers.start("0", "--index", "0", "--address-file", str(address_file))
+    workers.start("0", "--index", "0", "--address-file", str(address_file))
     victim = str(config.data_nodes + config.faults.crash_relay) if config.faults.crash_relay >= 0 else None
     killed = False
     with stop_on_sigterm():
         try:
-            deadline = time.monotonic() + JOIN_TIMEOUT
-            while not address_file.exists():
-                if first.poll() is not None or time.monotonic() > deadline:
-                    raise LocalError(f"the first peer did not start (exit code {first.poll()}){workers.tail('0')}")
-                time.sleep(0.1)
-            addrs = address_file.read_text().split()
+            addrs = workers.address("0", address_file, JOIN_TIMEOUT, "the first peer")
             for index in range(1, config.peers):
                 nodes.append(str(index))
                 workers.start(str(index), "--index", str(index), "--initial-peers", *addrs)
@@ -224,6 +223,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     ids = [peer_identity(config.seed, i).peer_id for i in range(1 + max(int(n) for n in nodes))]
     recorder = PipelineRecorder(config, ids)
     names = nodes + [f"v{link}" for link in links]
+    evidence: list[list[str]] = []  # [by, against, kind]: a run without attackers should have none
     for name in names:
         path = peer_dir / f"{name}.jsonl"
         if not path.exists():
@@ -233,12 +233,14 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
             kind = row.pop("type")
             if kind == "iteration":
                 recorder.iterations.append(row)
+            elif kind == "evidence":
+                evidence.append([row["by"], row["peer"], row["kind"]])
             else:
                 recorder.on_event(row)
     _to_relative_time(recorder)
     extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, "verifier_ids": verifier_ids(config),
              "killed": ids[int(victim)] if killed and victim is not None else None,
-             "process_groups": [p.pid for p in workers.procs.values()]}
+             "process_groups": [p.pid for p in workers.procs.values()], "evidence": evidence}
     if churn is not None:
         extra["churn"] = [{"it": e.it, "peer": ids[int(e.name)], "index": int(e.name), "event": e.event} for e in churn.events]
     return recorder.write(out, extra)
@@ -252,6 +254,11 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], pla
             stage = _joined_stage(peer_dir / f"{name}.jsonl")
             if stage is not None:
                 placed[name] = stage
+    for name in nodes:
+        if int(name) >= churn.config.peers and name not in workers.stopped and workers.procs[name].poll() is not None:
+            workers.stopped.add(name)  # a new relay that ended (it could not be placed or download): it may come again
+            placed.pop(name, None)
+            churn.failed_join()
     live = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
     for event in churn.advance(done, live):
         print(f"phalanx: churn: relay {event.name} {event.event} after iteration {event.it}", file=sys.stderr)

@@ -7,8 +7,9 @@ probability `join_rate`, and each live relay leaves with probability
 with a new identity that joins through the leader (GWTF V-B: placed at the
 bottleneck stage, downloads that stage's weights, serves). Churn never takes
 the last live relay of a stage (its weights would be gone; GWTF does not say
-how a wiped-out stage recovers), a joiner cannot leave before it has been
-placed, and churn stops two iterations before the end.
+how a wiped-out stage recovers); a new relay counts as a replica of its stage,
+and may leave, only once it serves (weights downloaded), and one that ends
+before that counts as a relay that left. Churn stops two iterations before the end.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class PipelineChurn:
     @staticmethod
     def wanted(config: PipelineRunConfig) -> bool:
         return bool(config.faults.leave_rate or config.faults.join_rate)
+
+    def failed_join(self) -> None:
+        """A new relay ended before it served (no placement, or no stage peer sent it the weights): it may come again."""
+        self.down += 1
 
     def advance(self, finished: int, live: dict[str, int]) -> list[RelayChurn]:
         """Decisions for every iteration finished since the last call (`finished` of them in all); `live` maps
