@@ -117,6 +117,11 @@ def build_node(
         extra.update(attack=config.attack.policy(config.seed, transport.peer_id), log=on_event, probe=probe)
     else:
         cls = Relay
+    if config.btard.enabled:
+        extra["btard"] = config.btard
+        if index >= config.data_nodes and index - config.data_nodes in config.byzantine.indices:
+            colluders = frozenset(peer_identity(config.seed, config.data_nodes + i).peer_id for i in config.byzantine.indices)
+            extra["policy"] = config.byzantine.policy(config.seed, colluders)
     return cls(
         transport, task, staged, stage, config.train, config.pipeline, directory, config.seed,
         router, capacity=capacity, allreduce=config.allreduce, reducer=config.allreduce.build_reducer(),
@@ -180,7 +185,7 @@ class PipelineRecorder:
         metrics = self.metrics()
         (out / "config.json").write_text(self.config.to_json() + "\n")
         files = [("metrics", metrics), ("microbatches", self.microbatches()), ("events", self.events)]
-        if self.config.sentinel.enabled:
+        if self.config.sentinel.enabled or self.config.btard.enabled:
             files += [("bans", self.bans), ("verdicts", self.verdicts)]
         if self.attacks:
             files.append(("attacks", self.attacks))
