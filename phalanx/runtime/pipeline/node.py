@@ -129,9 +129,9 @@ class PipelineNode:
         self.params = list(self.part.parameters())
         self.optimizer = make_optimizer(train, self.params)
         self.groups: list[list[str]] = []  # the replica group of every stage, from the latest BEGIN
-        if btard is not None and btard.enabled:  # BTARD per relay stage (stage_btard.py); data nodes are trusted
-            self.stage_bans = StageBanReports(self)
-        if btard is not None and btard.enabled and stage > 0:
+        secure = btard is not None and btard.enabled  # BTARD per relay stage (stage_btard.py); data nodes are trusted
+        self.stage_bans = StageBanReports(self) if secure else None  # stage rounds' bans, applied on a stage majority
+        if secure and stage > 0:
             self.allreduce = StageRound(self, num_params(self.part), allreduce, btard, policy)
         else:
             self.allreduce = ButterflyAllReduce(transport, num_params(self.part), reducer or allreduce.build_reducer(), allreduce)
