@@ -30,6 +30,7 @@ from ..runtime.pipeline.gwtf import FlowDriver, FlowRouter
 from ..algorithms.sentinel import BACKWARD, FORWARD
 from ..runtime.pipeline.attacker import AttackingRelay
 from ..runtime.pipeline.relay import ask_for_stage
+from ..runtime.pipeline.stage_btard import StageRound
 from ..runtime.pipeline.verifier import VerifierNode
 from ..runtime.pipeline.routing import RepairRouter, Router
 from ..core.errors import ConfigError
@@ -127,6 +128,13 @@ def build_node(
         router, capacity=capacity, allreduce=config.allreduce, reducer=config.allreduce.build_reducer(),
         on_event=on_event, flow=flow, **extra,
     )
+
+
+def seed_mprng(node: DataNode | Relay, seed: int, incarnation: int) -> None:
+    """Simulator only: a stage round's MPRNG entropy from the run seed, so that a run is reproducible
+    (as data-parallel simulations do); each incarnation of a relay draws from its own stream."""
+    if isinstance(node.allreduce, StageRound):
+        node.allreduce.round.entropy = py_stream(seed, node.me, "mprng", incarnation).randbytes
 
 
 class PipelineRecorder:
@@ -317,6 +325,7 @@ def simulate_pipeline(
                     await join(index)
                     return
                 node = build_node(config, transports[index], index, directory, task, on_event, probe=probe)
+                seed_mprng(node, config.seed, 1)
                 nodes[ids[index]] = node
                 if isinstance(node, DataNode):
                     await node.run(config.steps, on_iteration, on_start if index == starter else None)
@@ -333,6 +342,7 @@ def simulate_pipeline(
                 return  # no leader answered or no stage can take it: stays idle
             stage, it, known = placed
             node = build_node(config, transport, index, known, task, on_event, stage=stage)
+            seed_mprng(node, config.seed, incarnations[index])
             nodes[ids[index]] = node
             recorder.events.append({"kind": "join", "peer": ids[index], "stage": stage, "it": it,
                                     "t0": asyncio.get_running_loop().time(), "t1": asyncio.get_running_loop().time()})
