@@ -43,7 +43,8 @@ def selectors(axis: str, name: str) -> list[str]:
         found = [f"data-parallel: byzantine.attack={name}"]
         return found + ([f"aspis: attack.distortion={name}"] if name in DISTORTIONS else [])
     if axis == "protocol":
-        return [f"data-parallel: byzantine.attack={name} btard.enabled=true"]
+        return [f"data-parallel: byzantine.attack={name} btard.enabled=true",
+                f"pipeline: byzantine.attack={name} byzantine.relays=R btard.enabled=true"]
     if axis == "link":
         return [f"pipeline: attack.name={name}"]
     return [f"aspis: attack.orchestration={name}"]

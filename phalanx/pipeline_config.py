@@ -13,9 +13,12 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
+from .algorithms.attacks import AttackSchedule
+from .algorithms.btard_attacks import ProtocolPolicy, make_policy
 from .algorithms.link_attacks import TARGETS, LinkAttack, make_link_attack
 from .attack_axes import check_name, check_params
 from .config import _build, _check, without_kind
+from .runtime.btard import SECURE_REDUCERS, BTARDConfig
 from .runtime.butterfly import AllReduceConfig
 from .runtime.dp_peer import TrainConfig
 from .runtime.pipeline.config import PipelineConfig
@@ -111,6 +114,38 @@ class LinkAttackConfig:
 
 
 @dataclass(frozen=True)
+class StageByzantineConfig:
+    """Relays that lie in their stage's BTARD round (btard.enabled): a protocol attack of the catalogue."""
+
+    attack: str = "none"  # a BTARD protocol attack (phalanx.algorithms.btard_attacks), e.g. agg_shift
+    relays: str = ""  # comma-separated relay indices (relay r starts in stage 1 + r mod pipeline.stages)
+    start_step: int = 0  # first attacked iteration
+    every: int = 1
+    params: dict[str, float | str] = field(default_factory=dict)  # the attack's parameters: --set byzantine.params.scale=10
+
+    def __post_init__(self) -> None:
+        check_name("byzantine.attack", self.attack, ("protocol",))
+        _check(self.start_step >= 0, "byzantine.start_step", self.start_step, "must be an iteration >= 0")
+        _check(self.every >= 1, "byzantine.every", self.every, "must be >= 1")
+        try:
+            indices = self.indices
+        except ValueError:
+            indices = [-1]
+        _check(all(i >= 0 for i in indices), "byzantine.relays", self.relays,
+               "must be comma-separated relay indices >= 0, e.g. byzantine.relays=0,3")
+        check_params("byzantine.params", self.params, "byzantine.attack", self.attack,
+                     partial(make_policy, self.attack, AttackSchedule(self.start_step, self.every), 0, frozenset(), **self.params))
+
+    @property
+    def indices(self) -> list[int]:
+        return sorted({int(part) for part in str(self.relays).split(",") if part.strip()})
+
+    def policy(self, seed: int, colluders: frozenset[str]) -> ProtocolPolicy:
+        """The `ProtocolPolicy` a lying replica runs in its stage rounds (its colluders: every listed relay)."""
+        return make_policy(self.attack, AttackSchedule(self.start_step, self.every), seed, colluders, **self.params)
+
+
+@dataclass(frozen=True)
 class PipelineRunConfig:
     preset: str = "custom-pipeline"
     peers: int = 7  # data nodes + relays
@@ -127,6 +162,9 @@ class PipelineRunConfig:
     faults: ChurnConfig = field(default_factory=ChurnConfig)
     sentinel: VerifierConfig = field(default_factory=VerifierConfig)
     attack: LinkAttackConfig = field(default_factory=LinkAttackConfig)
+    # BTARD per relay stage; validators 0: a stage gradient cannot be recomputed from public data yet
+    btard: BTARDConfig = field(default_factory=lambda: BTARDConfig(validators=0))
+    byzantine: StageByzantineConfig = field(default_factory=StageByzantineConfig)
 
     def __post_init__(self) -> None:
         _check(self.data_nodes >= 1, "data_nodes", self.data_nodes, "must be >= 1")
@@ -146,6 +184,15 @@ class PipelineRunConfig:
             f"must be below the number of relays ({self.relays})",
         )
         _check(all(i < self.relays for i in self.attack.indices), "attack.relays", self.attack.relays,
+               f"must list relay indices below the number of relays ({self.relays})")
+        if self.btard.enabled:
+            _check(self.allreduce.reducer in SECURE_REDUCERS, "allreduce.reducer", self.allreduce.reducer,
+                   f"cannot be verified by BTARD; use one of {', '.join(SECURE_REDUCERS)} with btard.enabled")
+            _check(self.btard.validators == 0, "btard.validators", self.btard.validators,
+                   "must be 0 on a pipeline: a stage gradient cannot be recomputed from public batches yet")
+        _check(self.byzantine.attack == "none" or self.btard.enabled, "byzantine.attack", self.byzantine.attack,
+               "is a BTARD protocol attack on the stage all-reduce: set btard.enabled=true")
+        _check(all(i < self.relays for i in self.byzantine.indices), "byzantine.relays", self.byzantine.relays,
                f"must list relay indices below the number of relays ({self.relays})")
         _check(
             not (self.sentinel.enabled and self.sentinel.placement == "data_node" and self.pipeline.routing != "swarm"),

@@ -12,6 +12,14 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless back
 from .report import _fmt, _jsonl  # noqa: E402
 
 
+def first_bans(bans: list[dict]) -> dict[str, dict]:
+    """Each banned peer's earliest ban record (SENTINEL's reason "sentinel", BTARD's "btard:<reason>")."""
+    first: dict[str, dict] = {}
+    for ban in sorted(bans, key=lambda b: (b["step"], b.get("t", 0.0))):
+        first.setdefault(ban["peer"], ban)
+    return first
+
+
 def report_pipeline(run_dir: Path, summary: dict) -> str:
     """Draw loss.png, throughput.png and stages.png into `run_dir`; return a summary table."""
     metrics = _jsonl(run_dir / "metrics.jsonl")
@@ -54,9 +62,15 @@ def report_pipeline(run_dir: Path, summary: dict) -> str:
     for e in events:
         if e["kind"] == "aggregate" and (e["stage"], e["peer"]) in row:
             ax.broken_barh([(e["t0"], e["t1"] - e["t0"])], (row[(e["stage"], e["peer"])] - 0.4, 0.8), facecolor="tab:gray", alpha=0.3)
+    bans = _jsonl(run_dir / "bans.jsonl") if (run_dir / "bans.jsonl").exists() else []
+    first = first_bans(bans)
+    by_peer = {key[1]: key for key in peers}
+    for peer, ban in first.items():
+        if peer in by_peer and "t" in ban:
+            ax.plot([ban["t"]], [row[by_peer[peer]]], "rx", markersize=12, mew=3)
     ax.set_yticks(range(len(peers)), [f"s{s} {p[:6]}" for s, p in peers])
     ax.set(xlabel="seconds (virtual in simulate, wall in launch)",
-           title="where microbatches went: forward (solid), backward (light), recompute (hatched), aggregation (grey)")
+           title="where microbatches went: forward (solid), backward (light), recompute (hatched), aggregation (grey), ban (x)")
     fig.tight_layout()
     fig.savefig(run_dir / "stages.png", dpi=110)
     plt.close(fig)
@@ -72,6 +86,7 @@ def report_pipeline(run_dir: Path, summary: dict) -> str:
         ("wasted compute seconds", _fmt(summary.get("wasted_compute_seconds"))),
         ("wall seconds", _fmt(summary.get("wall_seconds"))),
         ("simulated seconds", _fmt(summary.get("simulated_seconds"))),
+        ("bans (peer, iteration, reason)", "; ".join(f"{p[:8]} {b['step']} {b['reason']}" for p, b in first.items()) or "none"),
     ]
     width = max(len(k) for k, _ in rows)
     table = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

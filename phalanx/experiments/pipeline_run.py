@@ -30,6 +30,7 @@ from ..runtime.pipeline.gwtf import FlowDriver, FlowRouter
 from ..algorithms.sentinel import BACKWARD, FORWARD
 from ..runtime.pipeline.attacker import AttackingRelay
 from ..runtime.pipeline.relay import ask_for_stage
+from ..runtime.pipeline.stage_btard import StageRound
 from ..runtime.pipeline.verifier import VerifierNode
 from ..runtime.pipeline.routing import RepairRouter, Router
 from ..core.errors import ConfigError
@@ -117,11 +118,23 @@ def build_node(
         extra.update(attack=config.attack.policy(config.seed, transport.peer_id), log=on_event, probe=probe)
     else:
         cls = Relay
+    if config.btard.enabled:
+        extra["btard"] = config.btard
+        if index >= config.data_nodes and index - config.data_nodes in config.byzantine.indices:
+            colluders = frozenset(peer_identity(config.seed, config.data_nodes + i).peer_id for i in config.byzantine.indices)
+            extra["policy"] = config.byzantine.policy(config.seed, colluders)
     return cls(
         transport, task, staged, stage, config.train, config.pipeline, directory, config.seed,
         router, capacity=capacity, allreduce=config.allreduce, reducer=config.allreduce.build_reducer(),
         on_event=on_event, flow=flow, **extra,
     )
+
+
+def seed_mprng(node: DataNode | Relay, seed: int, incarnation: int) -> None:
+    """Simulator only: a stage round's MPRNG entropy from the run seed, so that a run is reproducible
+    (as data-parallel simulations do); each incarnation of a relay draws from its own stream."""
+    if isinstance(node.allreduce, StageRound):
+        node.allreduce.round.entropy = py_stream(seed, node.me, "mprng", incarnation).randbytes
 
 
 class PipelineRecorder:
@@ -180,7 +193,7 @@ class PipelineRecorder:
         metrics = self.metrics()
         (out / "config.json").write_text(self.config.to_json() + "\n")
         files = [("metrics", metrics), ("microbatches", self.microbatches()), ("events", self.events)]
-        if self.config.sentinel.enabled:
+        if self.config.sentinel.enabled or self.config.btard.enabled:
             files += [("bans", self.bans), ("verdicts", self.verdicts)]
         if self.attacks:
             files.append(("attacks", self.attacks))
@@ -312,6 +325,7 @@ def simulate_pipeline(
                     await join(index)
                     return
                 node = build_node(config, transports[index], index, directory, task, on_event, probe=probe)
+                seed_mprng(node, config.seed, 1)
                 nodes[ids[index]] = node
                 if isinstance(node, DataNode):
                     await node.run(config.steps, on_iteration, on_start if index == starter else None)
@@ -328,6 +342,7 @@ def simulate_pipeline(
                 return  # no leader answered or no stage can take it: stays idle
             stage, it, known = placed
             node = build_node(config, transport, index, known, task, on_event, stage=stage)
+            seed_mprng(node, config.seed, incarnations[index])
             nodes[ids[index]] = node
             recorder.events.append({"kind": "join", "peer": ids[index], "stage": stage, "it": it,
                                     "t0": asyncio.get_running_loop().time(), "t1": asyncio.get_running_loop().time()})

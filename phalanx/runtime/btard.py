@@ -213,10 +213,11 @@ class SecureRound(ButterflyAllReduce):
         allreduce: AllReduceConfig,
         config: BTARDConfig,
         ledger: BanLedger,
-        recompute: Callable[[str, int], torch.Tensor],
+        recompute: Callable[[str, int], torch.Tensor] | None,
         policy: ProtocolPolicy | None = None,
         mprng: MPRNGConfig = MPRNGConfig(),
         entropy: Callable[[int], bytes] = secrets.token_bytes,
+        agreed_candidates: bool = False,
     ) -> None:
         if allreduce.reducer not in SECURE_REDUCERS:
             raise ConfigError(f"allreduce.reducer={allreduce.reducer!r} cannot be verified by BTARD; use one of {', '.join(SECURE_REDUCERS)}")
@@ -225,7 +226,12 @@ class SecureRound(ButterflyAllReduce):
         self.tau = allreduce.tau if allreduce.reducer == "centered_clip" else float("inf")
         self.eps = allreduce.eps
         self.ledger = ledger
+        # None: nobody can recompute a member's gradient (a pipeline stage's depends on what other
+        # relays sent it): no validators are drawn, no metadata is filled in, no gradient claim holds.
         self.recompute = recompute
+        # True: the caller's candidates are agreed by every honest member (a pipeline's BEGIN), so the
+        # step's group is the candidates whose join arrived, never a peer outside them.
+        self.agreed_candidates = agreed_candidates
         self.policy = policy or ProtocolPolicy()
         self.mprng = mprng
         self.entropy = entropy
@@ -257,7 +263,10 @@ class SecureRound(ButterflyAllReduce):
             await tr.broadcast("bt.join", step, b"")
         self._joined = {s for s in self._joined if s > step}
         await tr.collect_broadcasts("bt.join", step, group, self.btard.timeout, relays=len(group))
-        group = sorted(p for p in set(tr.board.get("bt.join", step)) | {me} if not self.ledger.is_banned(p))
+        joined = set(tr.board.get("bt.join", step)) | {me}
+        if self.agreed_candidates:
+            joined &= set(group)
+        group = sorted(p for p in joined if not self.ledger.is_banned(p))
         g = group_digest(group)
         self._begin(step, g)
         for table in (self._grads, self._used):
@@ -514,7 +523,8 @@ class SecureRound(ButterflyAllReduce):
         if r is not None:
             st.z = direction(r, self.dim)
             st.z64 = st.z.to(torch.float64)  # converted once: every projection of the step reads it
-            st.pairs = _pairs(r, trusted, drawn, min(self.btard.validators, len(trusted) // 2))
+            validators = min(self.btard.validators, len(trusted) // 2) if self.recompute is not None else 0
+            st.pairs = _pairs(r, trusted, drawn, validators)
             await self._send_meta(st, parts, me)
             # A peer may have waited the whole gather timeout for a silent owner's aggregate.
             wait = self.config.timeout + self.btard.timeout
@@ -733,6 +743,8 @@ class SecureRound(ButterflyAllReduce):
         commitment is the committed part itself, so its norm and s are exact. Used by the Σ check
         only (the owner's V1/V2 claim about the missing report is judged on what was sent).
         """
+        if self.recompute is None:
+            return  # a missing report is left to the owners' no_meta claims
         for peer in sorted(st.commits):
             owners = [o for o in st.aggregates if peer in self._contributors(st, o) and o not in st.meta.get(peer, ({}, {}))[1]]
             if not owners:
@@ -976,6 +988,8 @@ class SecureRound(ButterflyAllReduce):
         if claim.reason == "averaging":
             return Verdict(st.averaging.get(target, True) is False)
         if claim.reason == "gradient":
+            if self.recompute is None:  # nobody can recompute it: the accusation cannot hold (a slander)
+                return Verdict(False)
             parts = _parts_in(ev, st, target)
             if parts is None or st.z is None or not self._parts_guilty(st, target, parts):
                 return Verdict(False)

@@ -37,12 +37,15 @@ from ...core.errors import Evidence, PeerTimeout, PeerUnreachable, PhalanxError,
 from ...core.serialization import check_tensor, decode, digest, encode
 from ...training.task import Task, num_params
 from ...transport.base import Transport
+from ...algorithms.btard_attacks import ProtocolPolicy
+from ..btard import BTARDConfig
 from ..butterfly import AllReduceConfig, ButterflyAllReduce, Reducer
 from ..dp_peer import TrainConfig, make_optimizer
 from . import messages as m
 from .config import PipelineConfig
 from .gwtf import FlowDriver
 from .routing import Router
+from .stage_btard import StageBanReports, StageRound
 from .stages import StagedModel, flat
 from .verifier import BAN, VIA as VIA_TOPIC, parse_ban, via_bytes
 
@@ -101,6 +104,8 @@ class PipelineNode:
         flow: FlowDriver | None = None,
         verifiers: dict[int, str] | None = None,
         client_routed: bool = False,
+        btard: BTARDConfig | None = None,
+        policy: ProtocolPolicy | None = None,
     ) -> None:
         self.transport = transport
         self.me = transport.peer_id
@@ -123,7 +128,13 @@ class PipelineNode:
         self.part = staged.parts[stage]
         self.params = list(self.part.parameters())
         self.optimizer = make_optimizer(train, self.params)
-        self.allreduce = ButterflyAllReduce(transport, num_params(self.part), reducer or allreduce.build_reducer(), allreduce)
+        self.groups: list[list[str]] = []  # the replica group of every stage, from the latest BEGIN
+        secure = btard is not None and btard.enabled  # BTARD per relay stage (stage_btard.py); data nodes are trusted
+        self.stage_bans = StageBanReports(self) if secure else None  # stage rounds' bans, applied on a stage majority
+        if secure and stage > 0:
+            self.allreduce = StageRound(self, num_params(self.part), allreduce, btard, policy)
+        else:
+            self.allreduce = ButterflyAllReduce(transport, num_params(self.part), reducer or allreduce.build_reducer(), allreduce)
         self.version = 0  # optimizer steps applied = the iteration this node accepts microbatches for
         self.entered = True  # a joiner is not until its download is done (`enter`)
         self._catching_up = False
@@ -620,6 +631,7 @@ class PipelineNode:
             for peer in self.live(self.stage + 1):
                 await self.transport.send(peer, m.BEGIN, payload)
         t0 = self.now()
+        self.groups = groups
         group = sorted(groups[self.stage])
         finished = {(d[0], d[1], d[2]): d[3] for d in done}
         total = torch.zeros(num_params(self.part))
