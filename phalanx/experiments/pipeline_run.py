@@ -73,7 +73,8 @@ def make_router(config: PipelineRunConfig, peer: str) -> Router:
     penalty = 4 * config.pipeline.complete_timeout
     if config.pipeline.routing == "gwtf":
         return RepairRouter(config.pipeline.ema, penalty)
-    return SwarmRouter(py_stream(config.seed, peer, "route"), config.pipeline.ema, penalty)
+    return SwarmRouter(py_stream(config.seed, peer, "route"), config.pipeline.ema, penalty,
+                       paper=config.pipeline.routing == "swarm-paper")
 
 
 def make_routing(config: PipelineRunConfig, transport: Transport, stage: int, capacity: int) -> tuple[Router, FlowDriver | None]:
