@@ -86,7 +86,7 @@ def gwtf_table2_paper() -> PipelineRunConfig:
                                 activation_bytes=PAPER_ACTIVATION_BYTES // WIRE_SCALE,
                                 flops_scale=PAPER_STAGE_FLOPS / OUR_STAGE_FLOPS,
                                 complete_timeout=300.0, microbatch_timeout=1200.0, iteration_timeout=1800.0,
-                                aggregation_timeout=120.0, flow_period=5.0, flow_warmup=60.0),
+                                aggregation_timeout=120.0, flow_period=10.0, flow_warmup=200.0),
         network=PipelineNetworkConfig(latency=0.05, bandwidth_min=low / WIRE_SCALE, bandwidth_max=high / WIRE_SCALE,
                                       flops=share),
     )

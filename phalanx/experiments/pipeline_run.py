@@ -84,7 +84,7 @@ def make_routing(config: PipelineRunConfig, transport: Transport, stage: int, ca
         return router, None
     flow = FlowDriver(transport, stage, config.pipeline.stages, capacity, config.pipeline.microbatches, FlowConfig(),
                       py_stream(config.seed, transport.peer_id, "gwtf-flow"), config.pipeline.flow_period)
-    return FlowRouter(flow.node, router), flow
+    return FlowRouter(flow.node, router, units_are_slots=config.pipeline.capacity_mode == "iteration"), flow
 
 
 def verifier_ids(config: PipelineRunConfig) -> dict[int, str]:

@@ -133,6 +133,9 @@ class PipelineNode:
         self.since: dict[str, int] = {}  # joiner -> the first iteration it serves (from its HELLO)
         self.held: dict[m.Key, Held] = {}
         self.slots: set[m.Key] = set()  # microbatches admitted in this iteration (capacity_mode=iteration)
+        self.refused: set[str] = set()  # next peers that refused a microbatch in this iteration (their slots are
+        # used up: GWTF V-D, "nodes that send DENY are excluded until they free memory"; capacity_mode=iteration)
+        self.sent_to: dict[tuple[str, str], int] = {}  # (data node, next peer) -> microbatches placed there this iteration
         self.grads: dict[m.Key, torch.Tensor] = {}  # key -> this node's parameter gradient for that microbatch
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
         self.suspects: set[str] = set()
@@ -316,11 +319,14 @@ class PipelineNode:
             if nxt == self.last + 1:
                 candidates = [key[0]] if key[0] not in h.excluded else []
             else:
-                candidates = [p for p in self.live(nxt) if p not in h.excluded]
+                candidates = [p for p in self.live(nxt) if p not in h.excluded and p not in self.refused]
             load: dict[str, int] = {}
-            for other in self.held.values():
-                if other.next_peer is not None:
-                    load[other.next_peer] = load.get(other.next_peer, 0) + 1
+            if self.config.capacity_mode == "iteration":  # slots used this iteration, for this data node's flow
+                load = {p: n for (sink, p), n in self.sent_to.items() if sink == key[0]}
+            else:
+                for other in self.held.values():
+                    if other.next_peer is not None:
+                        load[other.next_peer] = load.get(other.next_peer, 0) + 1
             upstream = h.carry.path[-1] if h.carry.path else ""
             client = self.client_routed and 0 < self.stage < self.last
             peer = key[0] if client else self.router.choose(nxt, candidates, key[0], upstream, load)
@@ -342,12 +348,15 @@ class PipelineNode:
                 if self.flow is not None:
                     await self.flow.send(self.flow.measured_rtt(peer, self.now() - t0, self.config.ema))
                 h.next_peer = peer
+                self.sent_to[(key[0], peer)] = self.sent_to.get((key[0], peer), 0) + 1
                 return
             if word == m.STALE:
                 return
             self.router.failed(peer)
             if word is None and self.flow is not None:  # timed out or unreachable: its cost goes up
                 await self.flow.send(self.flow.failed(peer, 4 * self.config.complete_timeout, self.config.ema))
+            if word == m.DENIED and self.router.remembers_refusals and self.config.capacity_mode == "iteration":
+                self.refused.add(peer)  # full until the next iteration, for every microbatch
             if word is None or self.router.remembers_refusals:
                 h.excluded.add(peer)
             else:  # a refusal not remembered (SWARM knows no memory): the peer may be drawn again, within a bound
@@ -683,6 +692,8 @@ class PipelineNode:
         self.last_served, self.served = self.served, 0
         self.held.clear()
         self.slots.clear()
+        self.refused.clear()
+        self.sent_to.clear()
         self.grads.clear()
         self.pending.clear()
         self.suspects.clear()
