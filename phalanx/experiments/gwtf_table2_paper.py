@@ -61,6 +61,8 @@ class PaperTable2Config:
     policies: str = ",".join(POLICIES)
     resamples: int = 10_000  # bootstrap resamples
     jobs: int = 1  # simulations run side by side (processes)
+    table_from: str = ""  # print the table of an earlier (or cut-short) run's table2_paper_runs.csv (its rows
+    # of seeds first_seed..first_seed + seeds - 1), run nothing
 
     def __post_init__(self) -> None:
         if self.seeds < 1 or self.steps < 1 or self.resamples < 1 or self.jobs < 1:
@@ -180,8 +182,20 @@ def format_table(rows: list[dict], config: PaperTable2Config) -> str:
     return "\n".join(lines + ["", "goals (churn cells):", *[f"  {v}" for v in verdicts]])
 
 
+def read_runs(path: Path) -> list[dict]:
+    """The rows of a table2_paper_runs.csv, typed as `paper_run` returns them."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    text = ("setting", "policy")
+    return [{k: v if k in text else int(v) if k == "seed" else float(v) for k, v in row.items()} for row in rows]
+
+
 def run_cli(args: argparse.Namespace) -> int:
     config = override(PaperTable2Config(), args.set or [])
+    if config.table_from:
+        chosen = range(config.first_seed, config.first_seed + config.seeds)
+        print(format_table([r for r in read_runs(Path(config.table_from)) if r["seed"] in chosen], config))
+        return 0
     out = Path(args.out) if args.out else Path("runs") / "bench-gwtf-table2-paper"
     out.mkdir(parents=True, exist_ok=True)
     print(header(config), flush=True)
