@@ -26,7 +26,7 @@ import multiprocessing
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import override
@@ -61,6 +61,7 @@ class PaperTable2Config:
     policies: str = ",".join(POLICIES)
     resamples: int = 10_000  # bootstrap resamples
     jobs: int = 1  # simulations run side by side (processes)
+    watch_period: float = 0.0  # pipeline.watch_period of every run (0: the preset's, off)
     table_from: str = ""  # print the table of an earlier (or cut-short) run's table2_paper_runs.csv (its rows
     # of seeds first_seed..first_seed + seeds - 1), run nothing
 
@@ -71,6 +72,8 @@ class PaperTable2Config:
         probabilities("churn", self.churn)
         if not set(self.settings.split(",")) <= {"homogeneous", "heterogeneous"}:
             raise ConfigError(f"settings={self.settings!r}: allowed homogeneous, heterogeneous")
+        if self.watch_period < 0:
+            raise ConfigError(f"watch_period={self.watch_period} must be >= 0 seconds (0: off)")
         if not set(self.policies.split(",")) <= set(POLICIES) or "gwtf" not in self.policies.split(","):
             raise ConfigError(f"policies={self.policies!r}: gwtf and any of swarm-paper, swarm")
 
@@ -94,7 +97,8 @@ def header(config: PaperTable2Config) -> str:
         f"= {net.flops / 1e12:.2f} TFLOP/s: {PAPER_STAGE_FLOPS / net.flops:.2f} s forward",
         f"capacity: per-iteration slots (capacity_mode={pipe.capacity_mode}), what finds no slot is deferred; "
         f"churn: leave = join chance per relay and iteration; {config.steps} iterations per run; seeds "
-        f"{config.first_seed}..{config.first_seed + config.seeds - 1}, paired across policies",
+        f"{config.first_seed}..{config.first_seed + config.seeds - 1}, paired across policies; pipeline.watch_period="
+        f"{config.watch_period or pipe.watch_period:g} s (0: a lost next peer is noticed only on pipeline traffic)",
         "metric: minutes per microbatch = sum over iterations of the slowest data node's iteration time "
         "(aggregation included) / microbatches finished; ratio = GWTF / SWARM per seed, median over seeds "
         f"[95% bootstrap interval of the median, {config.resamples} resamples]",
@@ -103,10 +107,13 @@ def header(config: PaperTable2Config) -> str:
     ])
 
 
-def paper_run(task: tuple[str, float, str, int, int]) -> dict:
+def paper_run(task: tuple[str, float, str, int, int, float]) -> dict:
     """One simulated run of a cell under one policy: the Table II metrics and what explains them."""
-    setting, churn, policy, seed, steps = task
-    summary = simulate_pipeline(cell_config(setting, churn, policy, seed, steps, gwtf_table2_paper), None, progress=False)
+    setting, churn, policy, seed, steps, watch = task
+    config = cell_config(setting, churn, policy, seed, steps, gwtf_table2_paper)
+    if watch > 0:
+        config = replace(config, pipeline=replace(config.pipeline, watch_period=watch))
+    summary = simulate_pipeline(config, None, progress=False)
     mbs = summary["microbatches"]
     branches = summary["routing_branches"]
     return {
@@ -199,7 +206,7 @@ def run_cli(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / "bench-gwtf-table2-paper"
     out.mkdir(parents=True, exist_ok=True)
     print(header(config), flush=True)
-    tasks = [(setting, churn, policy, seed, config.steps)
+    tasks = [(setting, churn, policy, seed, config.steps, config.watch_period)
              for seed in range(config.first_seed, config.first_seed + config.seeds)  # seeds outermost: a cut-short
              for setting in config.settings.split(",")  # run still covers every cell
              for churn in probabilities("churn", config.churn)

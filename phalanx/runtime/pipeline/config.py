@@ -35,6 +35,8 @@ class PipelineConfig:
     flow_period: float = 0.2  # gwtf: seconds between two rounds of the flow algorithm
     flow_warmup: float = 2.0  # gwtf: seconds the flow algorithm runs before the first iteration
     activation_bytes: int = 0  # > 0: an activation or gradient weighs this many bytes on the wire (padded)
+    watch_period: float = 0.0  # > 0: every node looks this often whether a peer it passed a microbatch to left
+    # (0: only when pipeline traffic wakes it, which keeps the simulator's event order of runs without churn)
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -53,6 +55,8 @@ class PipelineConfig:
             raise ConfigError(f"pipeline.capacity_mode={self.capacity_mode!r} is not known; allowed: {', '.join(CAPACITY_MODES)}")
         if type(self.activation_bytes) is not int or self.activation_bytes < 0:
             raise ConfigError(f"pipeline.activation_bytes={self.activation_bytes!r} must be an integer >= 0 (0: no padding)")
+        if not (math.isfinite(self.watch_period) and self.watch_period >= 0):
+            raise ConfigError(f"pipeline.watch_period={self.watch_period!r} must be a finite number >= 0 (0: off)")
         if not (math.isfinite(self.flow_warmup) and self.flow_warmup >= 0):
             raise ConfigError(f"pipeline.flow_warmup={self.flow_warmup!r} must be a finite number >= 0")
         if not 0 < self.ema <= 1:

@@ -169,6 +169,15 @@ class PipelineNode:
         if self.flow is not None:
             self.spawn(self.flow.loop(lambda: {p: s for p, s in self.directory.items() if p not in self.banned},
                                       self._stopped))
+        if self.config.watch_period > 0:
+            self.spawn(self._watch_next_peers())
+
+    async def _watch_next_peers(self) -> None:
+        """`check_next_peers` every `watch_period` seconds, so that a microbatch whose next peer died while
+        nothing else reaches this node (a gradient lost in flight) is reported, not left to its timeout."""
+        while not self._stopped.is_set():
+            await asyncio.sleep(self.config.watch_period)
+            self.check_next_peers()
 
     def stop(self) -> None:
         self._stopped.set()
