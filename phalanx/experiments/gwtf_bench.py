@@ -1,4 +1,4 @@
-"""`phalanx bench gwtf --preset flow|join|table2`: GWTF's flow and node-addition tests.
+"""`phalanx bench gwtf --preset flow|join|table2|table2-paper`: GWTF's flow and node-addition tests.
 
 - flow: GWTF Table V settings 1-6. Each peer runs `FlowNode` (only local
   knowledge) under the synchronous driver for at most `rounds` rounds (the last
@@ -10,6 +10,7 @@
   data node) and with SWARM's greedy "closest next-stage peer with room".
 - join: GWTF Table IV / Fig. 5 (see `phalanx.algorithms.placement`).
 - table2: the runtime's crash benchmark (`phalanx.experiments.gwtf_table2`).
+- table2-paper: Table II in the paper's regime (`phalanx.experiments.gwtf_table2_paper`).
 """
 
 from __future__ import annotations
@@ -305,4 +306,8 @@ def run_cli(args: argparse.Namespace) -> int:
         from .gwtf_table2 import run_cli as run_table2
 
         return run_table2(args)
-    raise ConfigError(f"unknown gwtf bench preset {args.preset!r}; allowed: flow, join, table2")
+    if preset == "table2-paper":
+        from .gwtf_table2_paper import run_cli as run_table2_paper
+
+        return run_table2_paper(args)
+    raise ConfigError(f"unknown gwtf bench preset {args.preset!r}; allowed: flow, join, table2, table2-paper")

@@ -20,6 +20,7 @@ import argparse
 import csv
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ..config import override  # noqa: E402
 from ..core.errors import ConfigError  # noqa: E402
-from ..pipeline_config import ChurnConfig  # noqa: E402
+from ..pipeline_config import ChurnConfig, PipelineRunConfig  # noqa: E402
 from ..pipeline_presets import gwtf_table2  # noqa: E402
 from .pipeline_run import simulate_pipeline  # noqa: E402
 
@@ -66,15 +67,25 @@ def probabilities(key: str, text: str) -> list[float]:
     return values
 
 
-def run_one(setting: str, churn: float, policy: str, seed: int, steps: int) -> dict:
-    """One simulated run of the gwtf-table2 preset; the four Table II metrics."""
-    config = gwtf_table2()
-    config = replace(
+def cell_config(setting: str, churn: float, policy: str, seed: int, steps: int,
+                preset: Callable[[], PipelineRunConfig] = gwtf_table2) -> PipelineRunConfig:
+    """`preset` for one Table II cell: capacities (heterogeneous: 1-3), join-leave chance, routing, seed."""
+    config = preset()
+    return replace(
         config, seed=seed, steps=steps, pipeline=replace(config.pipeline, routing=policy),
         faults=ChurnConfig(leave_rate=churn, join_rate=churn),
         **({"capacity_min": 1, "capacity_max": 3} if setting == "heterogeneous" else {}),
     )
-    summary = simulate_pipeline(config, None, progress=False)
+
+
+def run_one(setting: str, churn: float, policy: str, seed: int, steps: int) -> dict:
+    """One simulated run of the gwtf-table2 preset; the four Table II metrics."""
+    summary = simulate_pipeline(cell_config(setting, churn, policy, seed, steps), None, progress=False)
+    return {"setting": setting, "churn": churn, "policy": policy, "seed": seed, **table2_metrics(summary)}
+
+
+def table2_metrics(summary: dict) -> dict:
+    """The four Table II metrics of a simulated run's summary (and its wall seconds)."""
     metrics = summary["metrics"]
     finished = [mb for mb in summary["microbatches"] if mb["outcome"] == "ok"]
     compute: dict[tuple, float] = {}
@@ -88,7 +99,6 @@ def run_one(setting: str, churn: float, policy: str, seed: int, steps: int) -> d
     ]
     total_time = sum(m["duration"] for m in metrics)
     return {
-        "setting": setting, "churn": churn, "policy": policy, "seed": seed,
         "time_per_microbatch": total_time / max(1, len(finished)),
         "throughput": len(finished) / len(metrics),
         "communication": statistics.fmean(comm) if comm else float("nan"),

@@ -74,7 +74,8 @@ def make_router(config: PipelineRunConfig, peer: str) -> Router:
     penalty = 4 * config.pipeline.complete_timeout
     if config.pipeline.routing == "gwtf":
         return RepairRouter(config.pipeline.ema, penalty)
-    return SwarmRouter(py_stream(config.seed, peer, "route"), config.pipeline.ema, penalty)
+    return SwarmRouter(py_stream(config.seed, peer, "route"), config.pipeline.ema, penalty,
+                       paper=config.pipeline.routing == "swarm-paper")
 
 
 def make_routing(config: PipelineRunConfig, transport: Transport, stage: int, capacity: int) -> tuple[Router, FlowDriver | None]:
@@ -84,7 +85,7 @@ def make_routing(config: PipelineRunConfig, transport: Transport, stage: int, ca
         return router, None
     flow = FlowDriver(transport, stage, config.pipeline.stages, capacity, config.pipeline.microbatches, FlowConfig(),
                       py_stream(config.seed, transport.peer_id, "gwtf-flow"), config.pipeline.flow_period)
-    return FlowRouter(flow.node, router), flow
+    return FlowRouter(flow.node, router, units_are_slots=config.pipeline.capacity_mode == "iteration"), flow
 
 
 def verifier_ids(config: PipelineRunConfig) -> dict[int, str]:

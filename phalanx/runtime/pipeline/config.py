@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from ...core.errors import ConfigError
 
-ROUTINGS = ("swarm", "gwtf")
+ROUTINGS = ("swarm", "swarm-paper", "gwtf")
+CAPACITY_MODES = ("held", "iteration")
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,14 @@ class PipelineConfig:
     stages: int = 2
     microbatches: int = 4  # per data node per iteration
     capacity: int = 4  # microbatches a relay holds at once (memory): used when a relay has no capacity of its own
-    routing: str = "swarm"  # swarm | gwtf
+    # held: capacity counts microbatches held at once (a slot frees at the backward; data nodes retry);
+    # iteration: capacity counts microbatches admitted per iteration (GWTF's flow slots); what finds no
+    # slot anywhere is deferred to the next iteration at once
+    capacity_mode: str = "held"
+    # swarm: stochastic wiring that skips peers which refused a microbatch, a broken backward restarts it;
+    # swarm-paper: as the SWARM paper, a broken backward gets a new peer for the broken stage, and refusals
+    # are not remembered (no memory awareness); gwtf: the flow algorithm
+    routing: str = "swarm"
     complete_timeout: float = 5.0  # seconds to wait for COMPLETE before treating the next peer as crashed
     microbatch_timeout: float = 60.0  # a data node restarts a microbatch with no output or gradient by then
     iteration_timeout: float = 300.0  # microbatches unfinished by then are deferred to the next iteration
@@ -26,6 +34,9 @@ class PipelineConfig:
     ema: float = 0.3  # weight of a new latency sample in a router's moving average
     flow_period: float = 0.2  # gwtf: seconds between two rounds of the flow algorithm
     flow_warmup: float = 2.0  # gwtf: seconds the flow algorithm runs before the first iteration
+    activation_bytes: int = 0  # > 0: an activation or gradient weighs this many bytes on the wire (padded)
+    watch_period: float = 0.0  # > 0: every node looks this often whether a peer it passed a microbatch to left
+    # (0: only when pipeline traffic wakes it, which keeps the simulator's event order of runs without churn)
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -40,6 +51,12 @@ class PipelineConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"pipeline.{name}={value!r} must be a finite number > 0")
+        if self.capacity_mode not in CAPACITY_MODES:
+            raise ConfigError(f"pipeline.capacity_mode={self.capacity_mode!r} is not known; allowed: {', '.join(CAPACITY_MODES)}")
+        if type(self.activation_bytes) is not int or self.activation_bytes < 0:
+            raise ConfigError(f"pipeline.activation_bytes={self.activation_bytes!r} must be an integer >= 0 (0: no padding)")
+        if not (math.isfinite(self.watch_period) and self.watch_period >= 0):
+            raise ConfigError(f"pipeline.watch_period={self.watch_period!r} must be a finite number >= 0 (0: off)")
         if not (math.isfinite(self.flow_warmup) and self.flow_warmup >= 0):
             raise ConfigError(f"pipeline.flow_warmup={self.flow_warmup!r} must be a finite number >= 0")
         if not 0 < self.ema <= 1:

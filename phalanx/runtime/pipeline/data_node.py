@@ -316,13 +316,14 @@ class DataNode(PipelineNode):
         return mb
 
     async def give_up(self, key: m.Key) -> None:
-        """Every stage-1 peer denied or failed: wait for one to free memory and retry; defer if none is left."""
+        """Every stage-1 peer denied or failed: wait for one to free memory and retry; defer if none is
+        left, or at once under per-iteration slots (no slot frees before the next iteration)."""
         h = self.held.get(key)
         mb = self._live_mb(key)
         if h is None or mb is None:
             self.held.pop(key, None)
             return
-        if not self.live(1) or self.now() >= self.deadline:
+        if not self.live(1) or self.now() >= self.deadline or self.config.capacity_mode == "iteration":
             self.held.pop(key, None)
             mb.outcome = "denied"
             mb.done.set()

@@ -30,9 +30,12 @@ class FlowRouter(Router):
     name = "gwtf"
     restart_on_backward_failure = False
 
-    def __init__(self, flow: FlowNode, fallback: RepairRouter) -> None:
+    def __init__(self, flow: FlowNode, fallback: RepairRouter, units_are_slots: bool = False) -> None:
         self.flow = flow
         self.fallback = fallback
+        # capacity_mode=iteration: a flow unit is one microbatch per iteration, `load` counts this iteration's;
+        # with every unit to this data node used, the microbatch has no flow: refused here (deferred at a data node)
+        self.units_are_slots = units_are_slots
 
     def choose(self, stage: int, candidates: list[str], sink: str = "", upstream: str = "",
                load: dict[str, int] | None = None) -> str | None:
@@ -45,9 +48,17 @@ class FlowRouter(Router):
                 self.last_branch = "paired"
                 return paired
         hops = {p: n for p, n in self.flow.next_hops(sink).items() if p in candidates and n > 0}
+        if hops and self.units_are_slots:
+            hops = {p: n for p, n in hops.items() if load.get(p, 0) < n}
+            if not hops:
+                self.last_branch = "full"
+                return None
         if hops:
             self.last_branch = "flow"
             return min(sorted(hops), key=lambda p: (load.get(p, 0) + 1) / hops[p])
+        if self.units_are_slots and stage == 1:  # a data node sends only along its flow units: a microbatch
+            self.last_branch = "full"  # without one would take slots that other data nodes' flows hold
+            return None
         self.last_branch = "fallback"
         return self.fallback.choose(stage, candidates, sink, upstream, load)
 

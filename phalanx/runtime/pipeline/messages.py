@@ -55,12 +55,16 @@ class Carry:
     recomputed: tuple[int, ...] = ()
     hops: tuple[Hop, ...] = ()  # signed hop records of this direction's journey so far (boundary verifiers)
 
-    def to_bytes(self) -> bytes:
-        return encode({
+    def to_bytes(self, pad: int = 0) -> bytes:
+        """The wire form; `pad` zero bytes ride along (a simulated larger activation, ignored on receipt)."""
+        body = {
             "src": self.key[0], "seq": self.key[1], "att": self.key[2], "it": self.it, "stage": self.stage,
             "path": list(self.path), "t": self.tensor, "repair": self.repair, "holder": self.holder,
             "rec": list(self.recomputed), "hops": [h.to_obj() for h in self.hops],
-        })
+        }
+        if pad > 0:
+            body["pad"] = bytes(pad)
+        return encode(body)
 
 
 def tensor_digest(tensor: torch.Tensor) -> bytes:

@@ -66,6 +66,7 @@ class Held:
     recomputed: tuple[int, ...] = ()
     sent: torch.Tensor | None = None  # what goes forward (the output, unless the node's policy tampers)
     lost_reported: bool = False  # its next peer left the membership view and the data node was told
+    refusals: int = 0  # next peers that refused it (routers that do not remember refusals)
 
 
 def contribution(total: torch.Tensor, work: int, replicas: int) -> torch.Tensor:
@@ -142,6 +143,10 @@ class PipelineNode:
         self.membership: dict[str, int] = {}  # peer -> sequence number of the latest HELLO applied (versioned membership)
         self.since: dict[str, int] = {}  # joiner -> the first iteration it serves (from its HELLO)
         self.held: dict[m.Key, Held] = {}
+        self.slots: set[m.Key] = set()  # microbatches admitted in this iteration (capacity_mode=iteration)
+        self.refused: set[str] = set()  # next peers that refused a microbatch in this iteration (their slots are
+        # used up: GWTF V-D, "nodes that send DENY are excluded until they free memory"; capacity_mode=iteration)
+        self.sent_to: dict[tuple[str, str], int] = {}  # (data node, next peer) -> microbatches placed there this iteration
         self.grads: dict[m.Key, torch.Tensor] = {}  # key -> this node's parameter gradient for that microbatch
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
         self.suspects: set[str] = set()
@@ -175,6 +180,15 @@ class PipelineNode:
         if self.flow is not None:
             self.spawn(self.flow.loop(lambda: {p: s for p, s in self.directory.items() if p not in self.banned},
                                       self._stopped))
+        if self.config.watch_period > 0:
+            self.spawn(self._watch_next_peers())
+
+    async def _watch_next_peers(self) -> None:
+        """`check_next_peers` every `watch_period` seconds, so that a microbatch whose next peer died while
+        nothing else reaches this node (a gradient lost in flight) is reported, not left to its timeout."""
+        while not self._stopped.is_set():
+            await asyncio.sleep(self.config.watch_period)
+            self.check_next_peers()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -278,21 +292,22 @@ class PipelineNode:
             return m.answer(m.STALE)
         if c.key in self.held:
             return m.answer(m.OK)  # a resend of what we already hold
-        if len(self.held) >= self.capacity:
+        if self.full():
             return m.answer(m.DENIED)
         self.held[c.key] = Held(c, None, c.tensor)  # reserve the slot before waiting
+        self.slots.add(c.key)
         # Our aggregation may end just after the sender's; a replica further behind is catching up: deny
         # long before the sender's COMPLETE timeout, so that it tries another peer instead of suspecting us.
         if not await self.wait_version(c.it, min(self.config.aggregation_timeout, self.config.complete_timeout / 2)):
             if c.it == self.version + 1 and not self._catching_up:  # behind (a missed BEGIN): catch up
                 self._catching_up = True
                 self.spawn(self.catch_up(c.it, unstepped=False)).add_done_callback(self._caught_up)
-            self.held.pop(c.key, None)
+            self.release(c.key)
             return m.answer(m.DENIED)
         t0 = self.now()
         async with self.compute_lock:
             if c.it != self.version:
-                self.held.pop(c.key, None)
+                self.release(c.key)
                 return m.answer(m.STALE)
             x = c.tensor.detach().clone().requires_grad_(True)
             with torch.enable_grad():
@@ -324,11 +339,14 @@ class PipelineNode:
             if nxt == self.last + 1:
                 candidates = [key[0]] if key[0] not in h.excluded else []
             else:
-                candidates = [p for p in self.live(nxt) if p not in h.excluded]
+                candidates = [p for p in self.live(nxt) if p not in h.excluded and p not in self.refused]
             load: dict[str, int] = {}
-            for other in self.held.values():
-                if other.next_peer is not None:
-                    load[other.next_peer] = load.get(other.next_peer, 0) + 1
+            if self.config.capacity_mode == "iteration":  # slots used this iteration, for this data node's flow
+                load = {p: n for (sink, p), n in self.sent_to.items() if sink == key[0]}
+            else:
+                for other in self.held.values():
+                    if other.next_peer is not None:
+                        load[other.next_peer] = load.get(other.next_peer, 0) + 1
             upstream = h.carry.path[-1] if h.carry.path else ""
             client = self.client_routed and 0 < self.stage < self.last
             peer = key[0] if client else self.router.choose(nxt, candidates, key[0], upstream, load)
@@ -350,13 +368,32 @@ class PipelineNode:
                 if self.flow is not None:
                     await self.flow.send(self.flow.measured_rtt(peer, self.now() - t0, self.config.ema))
                 h.next_peer = peer
+                self.sent_to[(key[0], peer)] = self.sent_to.get((key[0], peer), 0) + 1
                 return
             if word == m.STALE:
                 return
             self.router.failed(peer)
             if word is None and self.flow is not None:  # timed out or unreachable: its cost goes up
                 await self.flow.send(self.flow.failed(peer, 4 * self.config.complete_timeout, self.config.ema))
-            h.excluded.add(peer)
+            if word == m.DENIED and self.router.remembers_refusals and self.config.capacity_mode == "iteration":
+                self.refused.add(peer)  # full until the next iteration, for every microbatch
+            if word is None or self.router.remembers_refusals:
+                h.excluded.add(peer)
+            else:  # a refusal not remembered (SWARM knows no memory): the peer may be drawn again, within a bound
+                h.refusals += 1
+                if h.refusals >= 2 * len(candidates):
+                    h.excluded.update(candidates)
+
+    def full(self) -> bool:
+        """No room for another microbatch: `capacity` held at once, or (capacity_mode=iteration)
+        `capacity` admitted in this iteration (a slot frees only at aggregation, or when given up)."""
+        used = len(self.slots) if self.config.capacity_mode == "iteration" else len(self.held)
+        return used >= self.capacity
+
+    def release(self, key: m.Key) -> Held | None:
+        """Drop a microbatch this node will not pass on, and its slot."""
+        self.slots.discard(key)
+        return self.held.pop(key, None)
 
     def relayed_by(self, sender: str, c: m.Carry) -> bool:
         """Whether `sender` is a verifier hop trusted to deliver carries for other peers: a boundary
@@ -379,7 +416,8 @@ class PipelineNode:
         topic = m.FORWARD if direction == CHECK_FORWARD else m.BACKWARD
         via = self.hop(direction, c, to)
         if via is None:
-            return await self._ask(to, topic, c.to_bytes())
+            pad = self.config.activation_bytes - c.tensor.numel() * c.tensor.element_size()
+            return await self._ask(to, topic, c.to_bytes(pad))
         return await self._ask(via, VIA_TOPIC, via_bytes(direction, to, c), 3 * self.config.complete_timeout)
 
     def signed(self, direction: str, out: m.Carry, received: m.Carry, to: str) -> m.Carry:
@@ -463,7 +501,7 @@ class PipelineNode:
 
     async def give_up(self, key: m.Key) -> None:
         """No next-stage peer takes this microbatch: tell upstream (DENY) and free the slot."""
-        h = self.held.pop(key, None)
+        h = self.release(key)
         if h is not None:
             await self.transport.send(h.carry.path[-1], m.DENY, encode({"src": key[0], "seq": key[1], "att": key[2]}))
 
@@ -674,6 +712,9 @@ class PipelineNode:
         self.version = version
         self.last_served, self.served = self.served, 0
         self.held.clear()
+        self.slots.clear()
+        self.refused.clear()
+        self.sent_to.clear()
         self.grads.clear()
         self.pending.clear()
         self.suspects.clear()

@@ -17,6 +17,7 @@ class Router(ABC):
 
     name: str
     restart_on_backward_failure: bool  # SWARM restarts a microbatch; GWTF repairs the broken stage
+    remembers_refusals: bool = True  # a peer that refused a microbatch is not asked again for it
     last_branch: str = ""  # which rule made the latest choice (logged per hop, counted per run)
 
     @abstractmethod
@@ -40,14 +41,22 @@ class SwarmRouter(Router):
 
     Throughput is 1 / (moving average of observed COMPLETE latency). A peer not
     measured yet is given the best known estimate (optimism, so it is tried);
-    a failure counts as a sample of `penalty` seconds. A backward failure
-    restarts the microbatch from its data node, as SWARM does.
+    a failure counts as a sample of `penalty` seconds. `paper=False` (routing
+    `swarm`): a backward failure restarts the microbatch from its data node and
+    a peer that refused a microbatch is skipped for it. `paper=True` (routing
+    `swarm-paper`, as the SWARM paper): a backward failure gets a new peer for
+    the broken stage, and refusals are not remembered (SWARM knows no peer's
+    memory; a refusal only lowers the peer's throughput estimate).
     """
 
     name = "swarm"
     restart_on_backward_failure = True
 
-    def __init__(self, rng: random.Random, ema: float, penalty: float) -> None:
+    def __init__(self, rng: random.Random, ema: float, penalty: float, paper: bool = False) -> None:
+        if paper:
+            self.name = "swarm-paper"
+            self.restart_on_backward_failure = False
+            self.remembers_refusals = False
         self.rng = rng
         self.ema = ema
         self.penalty = penalty
