@@ -45,8 +45,11 @@ def test_ipm_01_breaks_the_trusted_geometric_median_but_not_centered_clip(tmp_pa
     with open(tmp_path / "results.csv") as f:
         assert [r["defense"] for r in csv.DictReader(f)] == ["server_cclip_1", "server_geomed"]
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    # A finished cell is read back, not rerun.
+    # A finished cell is read back, not rerun; read_only tabulates finished cells and runs nothing.
     assert run_bench(config, tmp_path) == rows
+    partial = run_bench(dataclasses.replace(config, attacks="ipm_0.1,alie", read_only=True), tmp_path)
+    assert partial[:2] == rows and [r["note"] for r in partial[2:]] == ["not run", "not run"]
+    assert "| alie | not run | not run |" in (tmp_path / "table.md").read_text()
 
 
 @dataclasses.dataclass(kw_only=True)

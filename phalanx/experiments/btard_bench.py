@@ -25,7 +25,8 @@ alongside a Byzantine, honest peers banned otherwise), table.md (attack x
 column, accuracy averaged over seeds, and the ban times), heatmap.png and
 curves.png (test accuracy vs step per attack, averaged over seeds). A cell
 whose directory already holds a finished run of the same configuration is
-read back, not rerun, so an interrupted bench continues where it stopped.
+read back, not rerun, so an interrupted bench continues where it stopped;
+with read_only=true it runs nothing and tabulates the finished cells.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class BTARDBenchConfig:
     attacks: str = ",".join(FIGURE3_ATTACKS)
     defenses: str = ",".join(FIGURE3_DEFENSES)
     jobs: int = 0  # parallel processes (0: one per core)
+    read_only: bool = False  # run nothing: tables of the finished cells only (an interrupted bench)
 
     def __post_init__(self) -> None:
         for key in ("peers", "steps", "eval_every", "seeds"):
@@ -164,6 +166,8 @@ def run_cell(config: BTARDBenchConfig, attack: str, column: tuple[str, str, int]
     run = cell_config(config, attack, defense, validators, seed)
     cell = out / "cells" / f"{attack}-{label}-s{seed}"
     if not _finished(cell, run):
+        if config.read_only:
+            return {**row, "accuracy": float("nan"), "note": "not run"}
         simulate(run, cell, progress=False)
     return {**row, **cell_row(config, cell)}
 
@@ -226,7 +230,7 @@ def _mean_accuracy(rows: list[dict]) -> float:
 def _accuracy_text(rows: list[dict]) -> str:
     values = [r["accuracy"] for r in rows if r["accuracy"] == r["accuracy"]]
     if not values:
-        return "n/a"
+        return "not run" if rows and all(r["note"] == "not run" for r in rows) else "n/a"
     if len(values) == 1:
         return f"{values[0]:.3f}"
     return f"{statistics.fmean(values):.3f} ({min(values):.2f}-{max(values):.2f})"
@@ -234,8 +238,9 @@ def _accuracy_text(rows: list[dict]) -> str:
 
 def _ban_text(rows: list[dict], byzantine: int) -> str:
     """Steps from the attack start until every Byzantine is banned (worst seed), and honest bans."""
+    rows = [r for r in rows if r["note"] != "not run"]
     if not rows or any(r.get("byzantine_banned", "") == "" for r in rows):
-        return "n/a"
+        return "not run" if not rows else "n/a"
     steps = [r["steps_to_ban_all"] for r in rows]
     banned = ", ".join(str(r["byzantine_banned"]) for r in rows)
     text = str(max(steps)) if all(s != "" for s in steps) else f"not all ({banned} of {byzantine} banned)"
