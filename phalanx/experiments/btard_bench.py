@@ -303,23 +303,28 @@ def _draw(config: BTARDBenchConfig, rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
     seeds = range(config.seed, config.seed + config.seeds)
+    defenses, counts = config.defenses.split(","), [int(c) for c in config.validators.split(",")]
     width = min(4, len(attacks))
     height = -(-len(attacks) // width)
     fig, axes = plt.subplots(height, width, figsize=(3.6 * width, 2.8 * height + 0.8), squeeze=False, sharey=True)
     for k, attack in enumerate(attacks):
         ax = axes[k // width][k % width]
-        for label in labels:
+        for label, defense, validators in config.columns():
             steps, accuracy = _accuracy_curve([out / "cells" / f"{attack}-{label}-s{s}" for s in seeds])
-            if steps:
-                ax.plot(steps, accuracy, label=label, lw=1.2, ls="--" if label.endswith("_v2") else "-")
-        ax.axvline(config.attack_start, color="k", ls=":", lw=1)
+            if steps:  # one colour per defence; the secure round's validator counts differ in line style
+                style = ("-", "--", ":", "-.")[counts.index(validators) % 4] if defense in SECURE else "-"
+                ax.plot(steps, accuracy, label=label, lw=1.2, ls=style, color=f"C{defenses.index(defense) % 10}")
+        ax.axvline(config.attack_start, color="k", ls=":", lw=0.8, alpha=0.5)
         ax.set(title=f"attack: {attack}", xlabel="step", ylim=(0, 1))
         if k % width == 0:
             ax.set_ylabel("test accuracy")
     for k in range(len(attacks), width * height):
         axes[k // width][k % width].axis("off")
-    handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
+    legend = {}  # every column that has a curve in some panel, once
+    for ax in axes.flat:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(len(legend), 6) or 1, fontsize=8)
     fig.suptitle(f"{config.byzantine} of {config.peers} peers Byzantine from step {config.attack_start} (dotted); mean of {config.seeds} seed(s)", fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     fig.savefig(out / "curves.png", dpi=70)
