@@ -127,6 +127,7 @@ class RunConfig:
         if self.btard.enabled:
             _check(self.mprng_every == 0, "mprng_every", self.mprng_every, "must be 0 with btard.enabled (BTARD runs its own MPRNG round every step)")
             _check(self.allreduce.reducer in SECURE_REDUCERS, "allreduce.reducer", self.allreduce.reducer, f"cannot be verified by BTARD; use one of {', '.join(SECURE_REDUCERS)}")
+            _check(self.allreduce.topology == "butterfly", "allreduce.topology", self.allreduce.topology, "must be 'butterfly' with btard.enabled (BTARD has no trusted server)")
         elif self.byzantine.attack in PROTOCOL_ATTACKS:
             _check(False, "byzantine.attack", self.byzantine.attack, "is a BTARD protocol attack: set btard.enabled=true")
         _check(self.peers >= 1, "peers", self.peers, "must be >= 1")

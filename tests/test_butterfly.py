@@ -2,9 +2,9 @@
 
 import torch
 
-from phalanx.algorithms.aggregators import coordinate_median
+from phalanx.algorithms.aggregators import coordinate_median, geometric_median
 from phalanx.experiments.swarm import peer_identity
-from phalanx.runtime.butterfly import AllReduceConfig, ButterflyAllReduce, part_bounds
+from phalanx.runtime.butterfly import AllReduceConfig, ButterflyAllReduce, TrustedServerAllReduce, part_bounds
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
 
@@ -14,7 +14,7 @@ def test_part_bounds_cover_the_vector_evenly():
     assert part_bounds(3, 5)[-1] == (3, 3)
 
 
-def _allreduce(n: int, dim: int, reducer=None, crashed: tuple[int, ...] = (), loss: float = 0.0, timeout: float = 5.0):
+def _allreduce(n: int, dim: int, reducer=None, crashed: tuple[int, ...] = (), loss: float = 0.0, timeout: float = 5.0, server: int | None = None):
     identities = [peer_identity(7, i) for i in range(n)]
     vectors = [torch.randn(dim, generator=torch.Generator().manual_seed(i)) for i in range(n)]
     results = {}
@@ -23,7 +23,10 @@ def _allreduce(n: int, dim: int, reducer=None, crashed: tuple[int, ...] = (), lo
         network = SimNetwork(SimConfig(seed=1, loss=loss))
         transports = [network.add_peer(identity) for identity in identities]
         kwargs = {"reducer": reducer} if reducer else {}
-        reducers = [ButterflyAllReduce(t, dim, config=AllReduceConfig(timeout=timeout), **kwargs) for t in transports]
+        if server is None:
+            reducers = [ButterflyAllReduce(t, dim, config=AllReduceConfig(timeout=timeout), **kwargs) for t in transports]
+        else:
+            reducers = [TrustedServerAllReduce(t, dim, identities[server].peer_id, config=AllReduceConfig(timeout=timeout), **kwargs) for t in transports]
         group = sorted(t.peer_id for t in transports)
         for i in crashed:
             network.crash(identities[i].peer_id)
@@ -58,6 +61,17 @@ def test_reducer_is_pluggable_per_partition():
     expected = coordinate_median(torch.stack(vectors))  # coordinate-wise, so partitioning does not change it
     assert all(torch.allclose(r.vector, expected) for r in results.values())
     assert not torch.allclose(expected, torch.stack(vectors).mean(0))
+
+
+def test_trusted_server_reduces_whole_vectors():
+    # The geometric median is not coordinate-wise: a server that reduced partitions would miss it.
+    _, vectors, results = _allreduce(5, 23, reducer=geometric_median, server=2, loss=0.2)
+    expected = geometric_median(torch.stack(vectors))
+    partitioned = torch.cat([geometric_median(torch.stack(vectors)[:, a:b]) for a, b in part_bounds(23, 5)])
+    assert not torch.allclose(expected, partitioned, atol=1e-4)
+    for result in results.values():
+        assert torch.allclose(result.vector, expected, atol=1e-5)
+        assert result.dropped_senders == () and result.missing_parts == ()
 
 
 def test_lost_messages_are_pulled_again():

@@ -94,6 +94,7 @@ def build_peer(config: RunConfig, transport: Transport, index: int) -> DataParal
         evaluate=index < config.eval_peers,
         btard=config.btard,
         policy=policy,
+        server=peer_identity(config.seed, 0).peer_id,  # the trusted server of allreduce.topology=server: peer 0, never Byzantine
     )
 
 

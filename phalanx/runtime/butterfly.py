@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 PART, REDUCED = "part", "reduced"
+TOPOLOGIES = ("butterfly", "server")
 
 
 def mean_reducer(stack: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,7 @@ class AllReduceConfig:
     eps: float = 1e-6  # CenteredClip stops when an update moves the aggregate by at most this
     max_iters: int = 1000  # CenteredClip iteration cap
     f: int = 0  # Byzantine count assumed by rules that take one (trimmed_mean, krum, bulyan, median_of_means)
+    topology: str = "butterfly"  # butterfly | server: one trusted peer (peer 0) reduces whole vectors (BTARD's baselines)
 
     def __post_init__(self) -> None:
         for name in ("timeout", "pull_after", "pull_timeout", "pull_bandwidth"):
@@ -66,6 +68,8 @@ class AllReduceConfig:
             raise ConfigError(f"allreduce.max_iters={self.max_iters} must be >= 1")
         if self.f < 0:
             raise ConfigError(f"allreduce.f={self.f} must be >= 0")
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"allreduce.topology={self.topology!r} is not known; allowed: {', '.join(TOPOLOGIES)}")
 
     def build_reducer(self) -> Reducer:
         """The reduction rule this config names."""
@@ -302,6 +306,43 @@ class ButterflyAllReduce:
         if tensor is None or self._group.get(step) != g:
             return encode({"step": step})
         return encode({"step": step, "t": tensor})
+
+
+class TrustedServerAllReduce(ButterflyAllReduce):
+    """All-reduce through one trusted peer (a parameter server): BTARD's baselines.
+
+    Every peer sends its whole vector to ``server``, which applies the
+    reduction rule to the full stack (so CenteredClip and the geometric
+    median act on whole gradients, not on partitions) and sends the result
+    back. Nothing is verified: the server is trusted by construction.
+    """
+
+    def __init__(self, transport: Transport, dim: int, server: str, reducer: Reducer = mean_reducer, config: AllReduceConfig = AllReduceConfig()) -> None:
+        super().__init__(transport, dim, reducer, config)
+        self.server = server
+
+    async def __call__(self, step: int, vector: torch.Tensor, group: list[str]) -> AllReduceResult:
+        me = self.transport.peer_id
+        if self.server not in group:
+            raise PhalanxError(f"trusted server {self.server[:8]} is not in the group of step {step}")
+        vector = vector.detach().reshape(-1).to(torch.float32)
+        g = group_digest(group)
+        self._begin(step, g)
+        others = [p for p in group if p != me]
+        if me != self.server:
+            self._publish(step, PART, {self.server: vector})
+            await self.transport.send(self.server, "ar.part", encode({"step": step, "g": g, "t": vector}))
+            results = await self._collect(step, REDUCED, {self.server: (self.dim,)})
+            out = results.get(self.server, torch.zeros(self.dim))
+            return AllReduceResult(out, tuple(group), (), () if self.server in results else (self.server,))
+        own = vector if vector.shape == (self.dim,) else torch.zeros(self.dim)  # an attack's vector may be short
+        received = await self._collect(step, PART, {p: (self.dim,) for p in others})
+        reduced = self.reducer(torch.stack([own] + [received[p] for p in others if p in received])).to(torch.float32)
+        self._publish(step, REDUCED, {peer: reduced for peer in group})
+        message = encode({"step": step, "g": g, "t": reduced})
+        for peer in others:
+            await self.transport.send(peer, "ar.reduced", message)
+        return AllReduceResult(reduced, tuple(group), tuple(p for p in others if p not in received), ())
 
 
 def _non_finite(tensors: list[tuple[str, torch.Tensor]]) -> list[str]:

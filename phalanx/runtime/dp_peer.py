@@ -25,7 +25,7 @@ from ..training.task import TASKS, Task, compute_gradient, flat_params, make_tas
 from ..transport.base import Transport
 from ..algorithms.btard_attacks import ProtocolPolicy
 from .btard import BTARDConfig, SecureResult, SecureRound
-from .butterfly import AllReduceConfig, AllReduceResult, ButterflyAllReduce, Reducer
+from .butterfly import AllReduceConfig, AllReduceResult, ButterflyAllReduce, Reducer, TrustedServerAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class DataParallelPeer:
         evaluate: bool = False,
         btard: BTARDConfig = BTARDConfig(),
         policy: ProtocolPolicy | None = None,
+        server: str | None = None,
     ) -> None:
         self.transport = transport
         self.task = task
@@ -107,6 +108,10 @@ class DataParallelPeer:
         self.flops = train_flops(task, self.model, config.batch_size)
         if btard.enabled:
             self.allreduce = SecureRound(transport, self.dim, allreduce, btard, self.ledger, self._public_gradient, policy)
+        elif allreduce.topology == "server":
+            if server is None:
+                raise ConfigError("allreduce.topology='server' needs the trusted server's peer id (DataParallelPeer(server=...))")
+            self.allreduce = TrustedServerAllReduce(transport, self.dim, server, reducer or allreduce.build_reducer(), allreduce)
         else:
             self.allreduce = ButterflyAllReduce(transport, self.dim, reducer or allreduce.build_reducer(), allreduce)
         self.step = 0
