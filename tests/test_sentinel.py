@@ -334,3 +334,21 @@ def test_gain_sees_the_scale_and_sign_that_bind_does_not():
     verifier.record_input("scaled", 1, FORWARD, verifier.sketch(inp))
     verdict = verifier.check_forward(1, "w", "scaled", 0.5 * out)
     assert verdict.flagged and verdict.outside == ("gain",)
+
+
+def test_on_a_tainted_microbatch_only_outputs_with_no_relation_to_their_input_count():
+    """The stricter floor of the tainted case: with `tainted_bind_floor` at 1 nothing there can be flagged."""
+    gen = torch.Generator().manual_seed(13)
+    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="bind", bind_projections=8, tainted_bind_floor=1.0))
+    weight = torch.randn(16, 16, generator=gen) / 4
+    for i in range(12):
+        for link in (1, 2):
+            x = torch.randn(4, 64, 16, generator=gen)
+            verifier.record_input(i, link, FORWARD, verifier.sketch(x))
+            verifier.check_forward(link, "w", i, x + torch.tanh(x @ weight))
+    inp, other, earlier = (torch.randn(4, 64, 16, generator=gen) for _ in range(3))
+    verifier.record_input("m", 1, FORWARD, verifier.sketch(inp))
+    assert verifier.check_forward(1, "first", "m", other).flagged
+    verifier.record_input("m", 2, FORWARD, verifier.sketch(other))
+    verdict = verifier.check_forward(2, "second", "m", earlier)
+    assert not verdict.flagged and verdict.reason == "tainted" and dict(verdict.distances)["bind"] > 0.9

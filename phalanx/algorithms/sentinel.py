@@ -119,6 +119,7 @@ class SentinelConfig:
     min_spread: float = 0.05  # IQR floor of the fenced values (log units: 5%); sign's floor is 1/C
     projections: int = 16  # random directions of the sliced Wasserstein distance
     bind_projections: int = 32  # random directions of the input/output sketches of the ``bind`` distance
+    tainted_bind_floor: float = 0.95  # the same on a microbatch tainted upstream (its input is suspect); replays score 0.958+
     bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
@@ -147,8 +148,9 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
         if self.warmup < 5:
             raise ConfigError(f"sentinel.warmup={self.warmup} must be >= 5 (fences need at least 4 distances)")
-        if not 0.0 <= self.bind_floor <= 1.0:
-            raise ConfigError(f"sentinel.bind_floor={self.bind_floor} must be in [0, 1]")
+        for key in ("bind_floor", "tainted_bind_floor"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1]")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
         for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window"):
@@ -596,7 +598,7 @@ class Sentinel:
         """An activation of a microbatch tainted upstream: the stage computed on a tampered input, so the
         link's statistics say nothing about its sender, but ``bind`` still does (it compares the stage's
         output with the input this microbatch actually delivered to it). Judged on ``bind`` alone, never
-        learned, only above its upper fence (and `bind_floor`), a flag held against the sender alone;
+        learned, only above its upper fence (and `tainted_bind_floor`), a flag held against the sender alone;
         otherwise passed as "tainted". Without this, a second
         attacker on a microbatch the first one tainted is never judged."""
         tainted = Verdict(link, FORWARD, worker, microbatch, False, "tainted")
@@ -610,8 +612,10 @@ class Sentinel:
             return tainted
         dist = {"bind": bound}
         # only "unrelated to its input" counts here: a stage fed a replayed or made-up input may well bind to
-        # it more tightly than usual (below the lower fence), which says nothing against the stage
-        outside = tuple(n for n in self._outside(track, dist) if bound > self._fence(track, n).high)
+        # it more tightly than usual (below the lower fence), which says nothing against the stage, or more
+        # loosely (the honest head fed random noise: 0.90-0.92), so the floor is higher than `bind_floor`
+        outside = tuple(n for n in self._outside(track, dist)
+                        if bound > max(self._fence(track, n).high, self.config.tainted_bind_floor))
         if not outside:
             return dataclasses.replace(tainted, distances=tuple(dist.items()))
         verdict = Verdict(link, FORWARD, worker, microbatch, True, "fence", tuple(dist.items()), outside)
