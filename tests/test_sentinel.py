@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from phalanx.algorithms.sentinel import (
-    BACKWARD, FORWARD, Sentinel, SentinelConfig, Summary, bind_sketch, binding, distances, ema, gain, median_fence,
+    BACKWARD, FORWARD, Sentinel, SentinelConfig, Summary, align, bind_sketch, binding, distances, ema, median_fence,
     projections, summarize, tukey_fence, vote,
 )
 from phalanx.core.errors import ConfigError
@@ -314,26 +314,27 @@ def test_median_fence_is_tukeys_on_symmetric_data_and_stays_bounded_where_tukeys
     assert highs[tukey_fence] > 1e6 and highs[median_fence] < 30  # honest fence: about 7.4
 
 
-def test_gain_sees_the_scale_and_sign_that_bind_does_not():
+def test_align_sees_the_sign_that_bind_does_not_and_ignores_scale():
     gen = torch.Generator().manual_seed(12)
     weight = torch.randn(16, 16, generator=gen) / 4
     inp = torch.randn(4, 64, 16, generator=gen)
     out = inp + torch.tanh(inp @ weight)
     proj = projections(0, -1, "bind", 16, 8)
     a, b = bind_sketch(inp, proj), bind_sketch(out, proj)
-    assert 0.5 < gain(a, b) < 2.0
-    assert gain(a, bind_sketch(-0.5 * out, proj)) == pytest.approx(-0.5 * gain(a, b), rel=1e-4)
+    assert 0.5 < align(a, b) <= 1.0
+    assert align(a, bind_sketch(-0.5 * out, proj)) == pytest.approx(-align(a, b), rel=1e-4)
+    assert align(a, bind_sketch(3 * out, proj)) == pytest.approx(align(a, b), rel=1e-4)
     assert binding(a, bind_sketch(-0.5 * out, proj)) == pytest.approx(binding(a, b), abs=1e-5)
-    assert gain(a, b[:10]) is None and gain(torch.zeros_like(a), b) is None
-    # in the verifier, a scaled-down output is flagged on gain alone
-    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="bind,gain", bind_projections=8, fence="median"))
+    assert align(a, b[:10]) is None and align(torch.zeros_like(a), b) is None
+    # in the verifier, a negated output is flagged on align alone
+    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="bind,align", bind_projections=8))
     for i in range(12):
         x = torch.randn(4, 64, 16, generator=gen)
         verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
         assert not verifier.check_forward(1, "w", i, x + torch.tanh(x @ weight)).flagged
-    verifier.record_input("scaled", 1, FORWARD, verifier.sketch(inp))
-    verdict = verifier.check_forward(1, "w", "scaled", 0.5 * out)
-    assert verdict.flagged and verdict.outside == ("gain",)
+    verifier.record_input("negated", 1, FORWARD, verifier.sketch(inp))
+    verdict = verifier.check_forward(1, "w", "negated", -out)
+    assert verdict.flagged and verdict.outside == ("align",)
 
 
 def test_on_a_tainted_microbatch_only_outputs_with_no_relation_to_their_input_count():

@@ -95,8 +95,8 @@ from torch import Tensor
 from ..core.errors import ConfigError
 from ..core.rng import torch_stream
 
-DISTANCES = ("l1", "l2", "sign", "swd", "bind", "gain")
-BOUND = ("bind", "gain")  # distances between a stage's output and its own input for the same microbatch
+DISTANCES = ("l1", "l2", "sign", "swd", "bind", "align")
+BOUND = ("bind", "align")  # distances between a stage's output and its own input for the same microbatch
 MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
 VOTES = ("any", "majority", "all")
 FENCES = ("tukey", "median")
@@ -127,6 +127,7 @@ class SentinelConfig:
     seed: int = 0  # run seed of the projection streams
     fence: str = "tukey"  # tukey: [Q1 - k*IQR, Q3 + k*IQR]; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%, not 25%)
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
+    edge_run: int = 0  # > 0 (with learn_k): flag a worker's tensor when its last edge_run tensors on the link all left the inner fences on the same side
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
 
     def __post_init__(self) -> None:
@@ -142,6 +143,8 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.fence={self.fence!r} must be one of {', '.join(FENCES)}")
         if not (math.isfinite(self.learn_k) and 0 <= self.learn_k):
             raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
+        if self.edge_run < 0 or self.edge_run > 0 and self.learn_k <= 0:
+            raise ConfigError(f"sentinel.edge_run={self.edge_run} must be 0, or >= 1 with sentinel.learn_k > 0")
         if not (math.isfinite(self.k) and self.k > 0):
             raise ConfigError(f"sentinel.k={self.k} must be a positive number")
         if self.window < 4:
@@ -281,7 +284,7 @@ def distances(x: Summary, ref: Summary, names: tuple[str, ...] = DISTANCES) -> d
         elif name == "swd":
             out[name] = (x.quantiles - ref.quantiles).abs().mean().item()
         elif name in BOUND:
-            continue  # needs the stage's input for the same microbatch: see `binding` and `gain`
+            continue  # needs the stage's input for the same microbatch: see `binding` and `align`
         else:
             raise ValueError(f"unknown distance {name!r}; known: {', '.join(DISTANCES)}")
     return out
@@ -318,22 +321,25 @@ def binding(inp: Tensor, out: Tensor) -> float | None:
     return 1.0 - ((b.T @ a).pow(2).sum() / norm).item()
 
 
-def gain(inp: Tensor, out: Tensor) -> float | None:
-    """The least-squares slope of a stage's output sketch on its input sketch for one microbatch (None: not
-    comparable): <a, b> / <a, a> over the centred sketches.
+def align(inp: Tensor, out: Tensor) -> float | None:
+    """The cosine between a stage's output sketch and its input sketch for one microbatch (None: not
+    comparable): <a, b> / (|a| |b|) over the centred sketches.
 
-    Where ``bind`` (CKA) is blind to scale and sign, this is not: a residual
-    block's output is its input plus a correction, so the slope is near a
-    fixed positive value for the stage (and so is the gradient's, backward);
-    an output scaled by c has its slope scaled by c, a negated one changes
-    sign. It is anchored on what the verifiers delivered to the stage, so
-    relays cannot feed it, only ride its fence.
+    Where ``bind`` (CKA) is blind to sign, this is not: a residual block's
+    output is its input plus a correction, and its input gradient is the
+    output's gradient plus a correction, so the cosine is clearly positive
+    (0.3-0.9 here); a negated tensor makes it negative. It is scale-invariant,
+    so an honest stage fed a scaled input (a LayerNorm undoes the scale) keeps
+    its value, and it is anchored on what the verifiers delivered to the stage:
+    relays cannot feed it, only ride its fence. (A slope <a, b> / <a, a> would
+    also see scaling, but an honest stage behind a LayerNorm fed a scaled
+    input changes its slope too: measured, it flagged the honest head.)
     """
     if inp.shape != out.shape or inp.shape[0] < 2:
         return None
     a = inp - inp.mean(dim=0, keepdim=True)
     b = out - out.mean(dim=0, keepdim=True)
-    norm = (a * a).sum()
+    norm = a.norm() * b.norm()
     if not torch.isfinite(norm) or norm.item() <= 1e-30:
         return None
     value = ((a * b).sum() / norm).item()
@@ -399,6 +405,7 @@ class Sentinel:
         self._replaced: dict[Hashable, int] = {}  # microbatch -> backward link where a substitute was sent
         self._inputs: dict[Hashable, dict[tuple[int, str], Tensor]] = {}  # microbatch -> (stage, direction) -> sketch
         self._bind_proj: dict[int, Tensor] = {}  # features -> projection of the bind sketches
+        self._edges: dict[tuple, deque[set]] = {}  # (worker, link, direction) -> its last tensors' (distance, side) outside the inner fences
 
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
@@ -479,7 +486,7 @@ class Sentinel:
 
     @property
     def binds(self) -> bool:
-        """Whether ``bind`` or ``gain`` is used (then verifiers record what they deliver to each stage)."""
+        """Whether ``bind`` or ``align`` is used (then verifiers record what they deliver to each stage)."""
         return any(n in self._names for n in BOUND)
 
     def sketch(self, tensor: Tensor) -> Tensor:
@@ -589,6 +596,9 @@ class Sentinel:
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
         flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
+        if not flagged and self.config.edge_run > 0:
+            outside = self._edge(track, (worker, link, direction), dist)
+            flagged = bool(outside)
         if learn and not flagged and self._inner(track, dist):
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
@@ -643,7 +653,7 @@ class Sentinel:
             inp = self._inputs.get(microbatch, {}).get((stage, direction))
             if inp is not None:
                 out = self.sketch(tensor)
-                for name, measure in (("bind", binding), ("gain", gain)):
+                for name, measure in (("bind", binding), ("align", align)):
                     value = measure(inp, out) if name in self._names else None
                     if value is not None:
                         dist[name] = value
@@ -656,6 +666,23 @@ class Sentinel:
             return True
         return all(self._fence(track, n, self.config.learn_k).contains(_scaled(n, dist[n], self.config))
                    for n in dist if len(track.windows[n]) >= 4)
+
+    def _edge(self, track: _Track, key: tuple, dist: dict[str, float]) -> tuple[str, ...]:
+        """Distances on which a worker's last `edge_run` tensors on this link and direction all lay outside the
+        inner (`learn_k`) fences on the same side: an attacker riding the edge of the fences. An honest tensor
+        leaves the inner fences rarely and on either side, so a run of them is evidence."""
+        sides = set()
+        for n in dist:
+            if len(track.windows[n]) >= 4:
+                fence = self._fence(track, n, self.config.learn_k)
+                value = _scaled(n, dist[n], self.config)
+                if value < fence.low or value > fence.high:
+                    sides.add((n, value > fence.high))
+        runs = self._edges.setdefault(key, deque(maxlen=self.config.edge_run))
+        runs.append(sides)
+        if len(runs) < self.config.edge_run:
+            return ()
+        return tuple(sorted({n for n, _ in set.intersection(*runs)}))
 
     def _voters(self, track: _Track, dist: dict[str, float]) -> int:
         """How many distances take part in the vote: those measured that have a fence."""
