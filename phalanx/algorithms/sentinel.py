@@ -127,7 +127,6 @@ class SentinelConfig:
     seed: int = 0  # run seed of the projection streams
     fence: str = "tukey"  # tukey: [Q1 - k*IQR, Q3 + k*IQR]; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%, not 25%)
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
-    edge_run: int = 0  # > 0 (with learn_k): flag a worker's tensor when its last edge_run tensors on the link all left the inner fences on the same side
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
 
     def __post_init__(self) -> None:
@@ -143,8 +142,6 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.fence={self.fence!r} must be one of {', '.join(FENCES)}")
         if not (math.isfinite(self.learn_k) and 0 <= self.learn_k):
             raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
-        if self.edge_run < 0 or self.edge_run > 0 and self.learn_k <= 0:
-            raise ConfigError(f"sentinel.edge_run={self.edge_run} must be 0, or >= 1 with sentinel.learn_k > 0")
         if not (math.isfinite(self.k) and self.k > 0):
             raise ConfigError(f"sentinel.k={self.k} must be a positive number")
         if self.window < 4:
@@ -405,7 +402,6 @@ class Sentinel:
         self._replaced: dict[Hashable, int] = {}  # microbatch -> backward link where a substitute was sent
         self._inputs: dict[Hashable, dict[tuple[int, str], Tensor]] = {}  # microbatch -> (stage, direction) -> sketch
         self._bind_proj: dict[int, Tensor] = {}  # features -> projection of the bind sketches
-        self._edges: dict[tuple, deque[set]] = {}  # (worker, link, direction) -> its last tensors' (distance, side) outside the inner fences
 
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
@@ -596,9 +592,6 @@ class Sentinel:
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
         flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
-        if not flagged and self.config.edge_run > 0:
-            outside = self._edge(track, (worker, link, direction), dist)
-            flagged = bool(outside)
         if learn and not flagged and self._inner(track, dist):
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
@@ -666,23 +659,6 @@ class Sentinel:
             return True
         return all(self._fence(track, n, self.config.learn_k).contains(_scaled(n, dist[n], self.config))
                    for n in dist if len(track.windows[n]) >= 4)
-
-    def _edge(self, track: _Track, key: tuple, dist: dict[str, float]) -> tuple[str, ...]:
-        """Distances on which a worker's last `edge_run` tensors on this link and direction all lay outside the
-        inner (`learn_k`) fences on the same side: an attacker riding the edge of the fences. An honest tensor
-        leaves the inner fences rarely and on either side, so a run of them is evidence."""
-        sides = set()
-        for n in dist:
-            if len(track.windows[n]) >= 4:
-                fence = self._fence(track, n, self.config.learn_k)
-                value = _scaled(n, dist[n], self.config)
-                if value < fence.low or value > fence.high:
-                    sides.add((n, value > fence.high))
-        runs = self._edges.setdefault(key, deque(maxlen=self.config.edge_run))
-        runs.append(sides)
-        if len(runs) < self.config.edge_run:
-            return ()
-        return tuple(sorted({n for n, _ in set.intersection(*runs)}))
 
     def _voters(self, track: _Track, dist: dict[str, float]) -> int:
         """How many distances take part in the vote: those measured that have a fence."""
