@@ -353,3 +353,28 @@ def test_on_a_tainted_microbatch_only_outputs_with_no_relation_to_their_input_co
     verifier.record_input("m", 2, FORWARD, verifier.sketch(other))
     verdict = verifier.check_forward(2, "second", "m", earlier)
     assert not verdict.flagged and verdict.reason == "tainted" and dict(verdict.distances)["bind"] > 0.9
+
+
+def test_the_white_box_attacker_cannot_send_a_reversed_tensor_once_align_is_measured():
+    """The adaptive attacker (largest step towards -x the verifier accepts) against a residual stage: the sign-blind
+    distances accept the full negation; with ``align`` whatever it gets accepted still points along x."""
+    from phalanx.algorithms.link_attacks import LinkView, make_link_attack
+
+    gen = torch.Generator().manual_seed(14)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    sent = {}
+    for distances in ("sign,swd,bind", "sign,swd,bind,align"):
+        verifier = Sentinel(SentinelConfig(warmup=16, window=16, distances=distances, bind_projections=8))
+        attack = make_link_attack("adaptive", steps=10)
+        scales = []
+        for i in range(40):
+            x = torch.randn(4, 32, 16, generator=gen)  # per-feature means near zero, as a gradient's: sign is noise
+            out = x + torch.tanh(x @ weight)
+            verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+            if i >= 24 and i % 4 == 0:  # one tensor in four from the attacker
+                probe = lambda t, i=i: verifier.would_accept(1, FORWARD, t, i)  # noqa: E731
+                honest, out = out, attack.relay(LinkView("gradient", i, i, out, probe)).tensor
+                scales.append(float((out * honest).sum() / (honest * honest).sum()))
+            verifier.check_forward(1, "w", i, out)
+        sent[distances] = min(scales)
+    assert sent["sign,swd,bind"] < -0.5 and sent["sign,swd,bind,align"] > 0
