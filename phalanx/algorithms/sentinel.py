@@ -45,7 +45,16 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   honest stage's gradient can drift far from the window (CKA 0.1-0.5) while
   still far from unrelated; below its lower fence (an output that copies its
   input) it counts as usual.
-* **Fences.** Tukey fences over the last `window` accepted distances:
+* **``align``** (optional): the cosine of the same two sketches. Sign-aware
+  where ``bind`` is not: a white-box attacker's negated gradient passes
+  ``sign`` (noise on a gradient's near-zero per-feature means), ``swd`` and
+  ``bind``, not ``align``.
+* **Tainted microbatches.** A forward tensor of a microbatch flagged upstream
+  is judged on ``bind`` alone (its stage was fed a tampered input, so only the
+  comparison with that input says something about it), from
+  `tainted_bind_floor`, against its sender alone.
+* **Fences.** Tukey fences (or, `fence="median"`, median -+ (k + 1/2)*2*MAD,
+  whose breakdown point is 50% instead of 25%) over the last `window` accepted distances:
   [Q1 - k*IQR, Q3 + k*IQR] with k = 5 (wider than Tukey's "far out" 3, which
   flagged ~0.4% of honest GPT traffic; 5 flags ~0.1%). l1, l2 and swd are
   fenced on a log scale (`log_fences`): they are positive and right-skewed,
@@ -74,7 +83,7 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   banned, the strikes it shared with others are taken off them (explained).
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
-  checks of it downstream are not held against anyone, and every gradient of
+  checks of it downstream are on ``bind`` alone (above), and every gradient of
   it from the flagged worker's stage back is replaced by the gradient momentum
   (the link's EMA per-feature mean broadcast to the tensor's shape). Backward,
   a flagged gradient is replaced the same way, and the gradients computed from
@@ -119,8 +128,8 @@ class SentinelConfig:
     min_spread: float = 0.05  # IQR floor of the fenced values (log units: 5%); sign's floor is 1/C
     projections: int = 16  # random directions of the sliced Wasserstein distance
     bind_projections: int = 32  # random directions of the input/output sketches of the ``bind`` distance
-    tainted_bind_floor: float = 0.95  # the same on a microbatch tainted upstream (its input is suspect); replays score 0.958+
     bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
+    tainted_bind_floor: float = 0.95  # the same on a microbatch tainted upstream (its input is suspect); replays score 0.958+
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
@@ -233,7 +242,8 @@ def median_fence(values: list[float] | tuple[float, ...], k: float, floor: float
     Why it matters: an adversary that controls a fraction e of the window and places its values at the
     upper fence moves Q3 onto its own values once e >= 1/4, so each Tukey fence lies k*IQR beyond the last
     one and the fence drifts without bound. The median and the MAD stay between honest quantiles (at most
-    the honest 0.5/(1-e) quantile) for any e < 1/2, so this fence stays bounded.
+    the honest 0.5/(1-e) quantile) for any e < 1/2, so this fence stays bounded against a contaminated
+    window (not against honest values that move because honest stages are fed tampered inputs).
     """
     if len(values) < 2:
         raise ValueError(f"a fence needs at least 2 values, got {len(values)}")
@@ -325,7 +335,7 @@ def align(inp: Tensor, out: Tensor) -> float | None:
     Where ``bind`` (CKA) is blind to sign, this is not: a residual block's
     output is its input plus a correction, and its input gradient is the
     output's gradient plus a correction, so the cosine is clearly positive
-    (0.3-0.9 here); a negated tensor makes it negative. It is scale-invariant,
+    (0.5-0.98 on the GPT's block stages); a negated tensor makes it negative. It is scale-invariant,
     so an honest stage fed a scaled input (a LayerNorm undoes the scale) keeps
     its value, and it is anchored on what the verifiers delivered to the stage:
     relays cannot feed it, only ride its fence. (A slope <a, b> / <a, a> would
