@@ -128,3 +128,20 @@ def test_aggregation_target_lies_only_in_the_all_reduce():
     assert links.relay(LinkView(GRADIENT, 5, 1, x)).tampered
     assert not stage.relay(LinkView(ACTIVATION, 5, 1, x)).tampered
     assert torch.equal(stage.relay(LinkView(AGGREGATION, 5, ("aggregate", 5), x)).tensor, -30.0 * x)
+
+
+def test_budget_steps_outside_the_fences_only_as_often_as_the_strike_rule_allows():
+    attack = make_link_attack("budget", spend=2, strike_window=8, steps=12)
+    x = _x()
+    probe = lambda t: (t - x).norm().item() <= 1.0  # noqa: E731
+    full = []
+    for mb in range(16):
+        for kind in ("activation", "gradient"):  # one strike per microbatch: its gradient is free once spent
+            out = attack.relay(LinkView(kind, 5, mb, x, probe))
+            assert out.tampered
+            full.append(torch.allclose(out.tensor, -x))
+            assert full[-1] or probe(out.tensor)
+    spent = full[::2]
+    assert full[1::2] == spent  # the gradient follows its microbatch's activation
+    assert spent[:2] == [True, True] and sum(spent) == 4  # 2 in every window of 8 microbatches, never more
+    assert all(sum(spent[i:i + 8]) <= 2 for i in range(len(spent)))

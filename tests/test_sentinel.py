@@ -1,15 +1,17 @@
 """SENTINEL statistics: distances, fences, EMA, warm-up, votes, strikes and substitution."""
 
 import math
+import random
 import statistics
+from collections import deque
 
 import numpy as np
 import pytest
 import torch
 
 from phalanx.algorithms.sentinel import (
-    BACKWARD, FORWARD, Sentinel, SentinelConfig, Summary, bind_sketch, binding, distances, ema, projections, summarize,
-    tukey_fence, vote,
+    BACKWARD, FORWARD, Sentinel, SentinelConfig, Summary, align, bind_sketch, binding, distances, ema, median_fence,
+    projections, summarize, tukey_fence, vote,
 )
 from phalanx.core.errors import ConfigError
 
@@ -268,3 +270,111 @@ def test_learn_k_keeps_edge_riding_tensors_out_of_the_baseline():
         before = verifier.reference(0, FORWARD).mean.clone()
         assert not verifier.check_forward(0, "w", "edge", edge).flagged
         assert torch.equal(verifier.reference(0, FORWARD).mean, before) == (k > 0)
+
+
+def test_a_second_replayer_on_a_microbatch_tainted_upstream_is_still_judged_on_bind():
+    """Both links' attackers on one microbatch: the first one's flag taints it, and the second one's replayed
+    output is still flagged on ``bind`` (against it alone), while an honest stage's output computed from the
+    tampered input binds to it and passes."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="bind", bind_projections=8))
+    for i in range(12):
+        for link in (1, 2):
+            x = torch.randn(4, 64, 16, generator=gen)
+            verifier.record_input(i, link, FORWARD, verifier.sketch(x))
+            verifier.check_forward(link, "w", i, block(x))
+    for mb, replayed in (("replayed", True), ("honest", False), ("tighter than usual", False)):
+        inp, other, earlier = (torch.randn(4, 64, 16, generator=gen) for _ in range(3))
+        verifier.record_input(mb, 1, FORWARD, verifier.sketch(inp))
+        stale = block(other)  # the first attacker's replay: tampered input of stage 2
+        assert verifier.check_forward(1, "first", mb, stale).flagged and verifier.taint_of(mb) == (1, "first")
+        verifier.record_input(mb, 2, FORWARD, verifier.sketch(stale))
+        out = {"replayed": block(earlier), "honest": block(stale), "tighter than usual": stale}[mb]
+        verdict = verifier.check_forward(2, "second", mb, out)
+        assert verdict.flagged == replayed, mb
+        assert verdict.suspects == (("second",) if replayed else ())
+        assert verdict.reason == ("fence" if replayed else "tainted")
+
+
+def test_median_fence_is_tukeys_on_symmetric_data_and_stays_bounded_where_tukeys_drifts():
+    values = [float(v) for v in range(1, 10)]
+    assert median_fence(values, 5.0) == tukey_fence(values, 5.0)  # 5 -+ 22 both
+    floored = median_fence([1.0] * 6, 3.0, floor=0.1)
+    assert floored.low == pytest.approx(0.65) and floored.high == pytest.approx(1.35)
+    # 3 of every 8 accepted values put on the current upper fence (an attacker riding its edge)
+    rng = random.Random(0)
+    highs = {}
+    for fence in (tukey_fence, median_fence):
+        window = deque([rng.gauss(0, 1) for _ in range(64)], maxlen=64)
+        for i in range(800):
+            window.append(fence(list(window), 5.0).high if i % 8 < 3 else rng.gauss(0, 1))
+        highs[fence] = fence(list(window), 5.0).high
+    assert highs[tukey_fence] > 1e6 and highs[median_fence] < 30  # honest fence: about 7.4
+
+
+def test_align_sees_the_sign_that_bind_does_not_and_ignores_scale():
+    gen = torch.Generator().manual_seed(12)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    inp = torch.randn(4, 64, 16, generator=gen)
+    out = inp + torch.tanh(inp @ weight)
+    proj = projections(0, -1, "bind", 16, 8)
+    a, b = bind_sketch(inp, proj), bind_sketch(out, proj)
+    assert 0.5 < align(a, b) <= 1.0
+    assert align(a, bind_sketch(-0.5 * out, proj)) == pytest.approx(-align(a, b), rel=1e-4)
+    assert align(a, bind_sketch(3 * out, proj)) == pytest.approx(align(a, b), rel=1e-4)
+    assert binding(a, bind_sketch(-0.5 * out, proj)) == pytest.approx(binding(a, b), abs=1e-5)
+    assert align(a, b[:10]) is None and align(torch.zeros_like(a), b) is None
+    # in the verifier, a negated output is flagged on align alone
+    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="bind,align", bind_projections=8))
+    for i in range(12):
+        x = torch.randn(4, 64, 16, generator=gen)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        assert not verifier.check_forward(1, "w", i, x + torch.tanh(x @ weight)).flagged
+    verifier.record_input("negated", 1, FORWARD, verifier.sketch(inp))
+    verdict = verifier.check_forward(1, "w", "negated", -out)
+    assert verdict.flagged and verdict.outside == ("align",)
+
+
+def test_on_a_tainted_microbatch_only_outputs_with_no_relation_to_their_input_count():
+    """The stricter floor of the tainted case: with `tainted_bind_floor` at 1 nothing there can be flagged."""
+    gen = torch.Generator().manual_seed(13)
+    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="bind", bind_projections=8, tainted_bind_floor=1.0))
+    weight = torch.randn(16, 16, generator=gen) / 4
+    for i in range(12):
+        for link in (1, 2):
+            x = torch.randn(4, 64, 16, generator=gen)
+            verifier.record_input(i, link, FORWARD, verifier.sketch(x))
+            verifier.check_forward(link, "w", i, x + torch.tanh(x @ weight))
+    inp, other, earlier = (torch.randn(4, 64, 16, generator=gen) for _ in range(3))
+    verifier.record_input("m", 1, FORWARD, verifier.sketch(inp))
+    assert verifier.check_forward(1, "first", "m", other).flagged
+    verifier.record_input("m", 2, FORWARD, verifier.sketch(other))
+    verdict = verifier.check_forward(2, "second", "m", earlier)
+    assert not verdict.flagged and verdict.reason == "tainted" and dict(verdict.distances)["bind"] > 0.9
+
+
+def test_the_white_box_attacker_cannot_send_a_reversed_tensor_once_align_is_measured():
+    """The adaptive attacker (largest step towards -x the verifier accepts) against a residual stage: the sign-blind
+    distances accept the full negation; with ``align`` whatever it gets accepted still points along x."""
+    from phalanx.algorithms.link_attacks import LinkView, make_link_attack
+
+    gen = torch.Generator().manual_seed(14)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    sent = {}
+    for distances in ("sign,swd,bind", "sign,swd,bind,align"):
+        verifier = Sentinel(SentinelConfig(warmup=16, window=16, distances=distances, bind_projections=8))
+        attack = make_link_attack("adaptive", steps=10)
+        scales = []
+        for i in range(40):
+            x = torch.randn(4, 32, 16, generator=gen)  # per-feature means near zero, as a gradient's: sign is noise
+            out = x + torch.tanh(x @ weight)
+            verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+            if i >= 24 and i % 4 == 0:  # one tensor in four from the attacker
+                probe = lambda t, i=i: verifier.would_accept(1, FORWARD, t, i)  # noqa: E731
+                honest, out = out, attack.relay(LinkView("gradient", i, i, out, probe)).tensor
+                scales.append(float((out * honest).sum() / (honest * honest).sum()))
+            verifier.check_forward(1, "w", i, out)
+        sent[distances] = min(scales)
+    assert sent["sign,swd,bind"] < -0.5 and sent["sign,swd,bind,align"] > 0

@@ -24,6 +24,8 @@ verifier's current fences still accept, times a safety `margin`. The adaptive
 attacker is white-box: the experiment lends it the verifier's `probe`. mimic
 (the paper's adaptive attack, black-box): its own EMA of the per-feature
 mean plus honest-shaped noise (its honest deviations, token vectors shuffled).
+budget: adaptive's white-box attacker that also knows the strike rule: the full harm on as many
+microbatches as the rule allows without a ban (`spend` of every `strike_window`), adaptive otherwise.
 """
 
 from __future__ import annotations
@@ -274,6 +276,41 @@ class Adaptive(LinkAttack):
 
 
 @dataclass(kw_only=True)
+class StrikeBudget(Adaptive):
+    """The white-box attacker that also knows the strike rule: it steps outside the fences on purpose,
+    as often as the rule lets it without a ban, and rides their edge otherwise.
+
+    It sends the full harm (the negation) on a microbatch while fewer than `spend` of its last
+    `strike_window` microbatches (the verifier's window) carried an out-of-fence tensor, and the
+    `Adaptive` edge-riding step otherwise. With `spend` = strikes - 1 (default 3 - 1) its own flags never
+    reach the rule; blame the verifier adds for downstream gradients can still tip it over.
+    """
+
+    name: ClassVar[str] = "budget"
+    spend: int = 2
+    strike_window: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.spend < self.strike_window:
+            raise ConfigError(f"budget spend={self.spend} must be in [0, strike_window={self.strike_window})")
+        self._recent: deque[list] = deque(maxlen=self.strike_window)  # [microbatch, spent a flag on it]
+
+    def forge(self, view: LinkView, gen: torch.Generator) -> Tensor:
+        entry = next((e for e in self._recent if e[0] == view.microbatch), None)
+        if entry is None:
+            entry = [view.microbatch, False]
+            self._recent.append(entry)
+        harm = view.tensor * self.scale
+        if view.probe is None or view.probe(harm):
+            return harm
+        if entry[1] or sum(e[1] for e in self._recent) < self.spend:
+            entry[1] = True  # one strike per microbatch: once spent, its other tensors are free
+            return harm
+        return super().forge(view, gen)
+
+
+@dataclass(kw_only=True)
 class MimicEMA(LinkAttack):
     """The paper's adaptive attack: send the EMA plus noise shaped like honest noise.
 
@@ -345,7 +382,7 @@ class Framing(LinkAttack):
 LINK_ATTACKS: dict[str, type[LinkAttack]] = {
     cls.name: cls
     for cls in (LinkAttack, Constant, RandomValues, Scaling, SignFlip, Delay, Bias, InvisibleNoise, Mixed, Adaptive,
-                MimicEMA, Framing)
+                StrikeBudget, MimicEMA, Framing)
 }
 
 

@@ -45,7 +45,16 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   honest stage's gradient can drift far from the window (CKA 0.1-0.5) while
   still far from unrelated; below its lower fence (an output that copies its
   input) it counts as usual.
-* **Fences.** Tukey fences over the last `window` accepted distances:
+* **``align``** (optional): the cosine of the same two sketches. Sign-aware
+  where ``bind`` is not: a white-box attacker's negated gradient passes
+  ``sign`` (noise on a gradient's near-zero per-feature means), ``swd`` and
+  ``bind``, not ``align``.
+* **Tainted microbatches.** A forward tensor of a microbatch flagged upstream
+  is judged on ``bind`` alone (its stage was fed a tampered input, so only the
+  comparison with that input says something about it), from
+  `tainted_bind_floor`, against its sender alone.
+* **Fences.** Tukey fences (or, `fence="median"`, median -+ (k + 1/2)*2*MAD,
+  whose breakdown point is 50% instead of 25%) over the last `window` accepted distances:
   [Q1 - k*IQR, Q3 + k*IQR] with k = 5 (wider than Tukey's "far out" 3, which
   flagged ~0.4% of honest GPT traffic; 5 flags ~0.1%). l1, l2 and swd are
   fenced on a log scale (`log_fences`): they are positive and right-skewed,
@@ -74,7 +83,7 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   banned, the strikes it shared with others are taken off them (explained).
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
-  checks of it downstream are not held against anyone, and every gradient of
+  checks of it downstream are on ``bind`` alone (above), and every gradient of
   it from the flagged worker's stage back is replaced by the gradient momentum
   (the link's EMA per-feature mean broadcast to the tensor's shape). Backward,
   a flagged gradient is replaced the same way, and the gradients computed from
@@ -95,9 +104,11 @@ from torch import Tensor
 from ..core.errors import ConfigError
 from ..core.rng import torch_stream
 
-DISTANCES = ("l1", "l2", "sign", "swd", "bind")
+DISTANCES = ("l1", "l2", "sign", "swd", "bind", "align")
+BOUND = ("bind", "align")  # distances between a stage's output and its own input for the same microbatch
 MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
 VOTES = ("any", "majority", "all")
+FENCES = ("tukey", "median")
 FORWARD, BACKWARD = "forward", "backward"
 
 
@@ -118,10 +129,12 @@ class SentinelConfig:
     projections: int = 16  # random directions of the sliced Wasserstein distance
     bind_projections: int = 32  # random directions of the input/output sketches of the ``bind`` distance
     bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
+    tainted_bind_floor: float = 0.95  # the same on a microbatch tainted upstream (its input is suspect); replays score 0.958+
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
     seed: int = 0  # run seed of the projection streams
+    fence: str = "tukey"  # tukey: [Q1 - k*IQR, Q3 + k*IQR]; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%, not 25%)
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
 
@@ -134,6 +147,8 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.distances={self.distances!r} must be distinct names from {', '.join(DISTANCES)}")
         if self.vote not in VOTES:
             raise ConfigError(f"sentinel.vote={self.vote!r} must be one of {', '.join(VOTES)}")
+        if self.fence not in FENCES:
+            raise ConfigError(f"sentinel.fence={self.fence!r} must be one of {', '.join(FENCES)}")
         if not (math.isfinite(self.learn_k) and 0 <= self.learn_k):
             raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
         if not (math.isfinite(self.k) and self.k > 0):
@@ -142,8 +157,9 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
         if self.warmup < 5:
             raise ConfigError(f"sentinel.warmup={self.warmup} must be >= 5 (fences need at least 4 distances)")
-        if not 0.0 <= self.bind_floor <= 1.0:
-            raise ConfigError(f"sentinel.bind_floor={self.bind_floor} must be in [0, 1]")
+        for key in ("bind_floor", "tainted_bind_floor"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1]")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
         for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window"):
@@ -219,6 +235,25 @@ def tukey_fence(values: list[float] | tuple[float, ...], k: float, floor: float 
     return Fence(q1 - k * spread, q3 + k * spread)
 
 
+def median_fence(values: list[float] | tuple[float, ...], k: float, floor: float = 0.0) -> Fence:
+    """median -+ (k + 1/2) * max(2*MAD, floor): Tukey's fence where the data are symmetric (Q3 - median =
+    MAD, IQR = 2*MAD), but with a 50% breakdown point instead of 25%.
+
+    Why it matters: an adversary that controls a fraction e of the window and places its values at the
+    upper fence moves Q3 onto its own values once e >= 1/4, so each Tukey fence lies k*IQR beyond the last
+    one and the fence drifts without bound. The median and the MAD stay between honest quantiles (at most
+    the honest 0.5/(1-e) quantile) for any e < 1/2, so this fence stays bounded against a contaminated
+    window (not against honest values that move because honest stages are fed tampered inputs).
+    """
+    if len(values) < 2:
+        raise ValueError(f"a fence needs at least 2 values, got {len(values)}")
+    ordered = sorted(values)
+    mid = _quantile(ordered, 0.5)
+    mad = _quantile(sorted(abs(v - mid) for v in ordered), 0.5)
+    half = (k + 0.5) * max(2 * mad, floor)
+    return Fence(mid - half, mid + half)
+
+
 def _quantile(ordered: list[float], q: float) -> float:
     pos = q * (len(ordered) - 1)
     lo = math.floor(pos)
@@ -255,8 +290,8 @@ def distances(x: Summary, ref: Summary, names: tuple[str, ...] = DISTANCES) -> d
             out[name] = (torch.sign(x.mean) != torch.sign(ref.mean)).float().mean().item()
         elif name == "swd":
             out[name] = (x.quantiles - ref.quantiles).abs().mean().item()
-        elif name == "bind":
-            continue  # needs the stage's input for the same microbatch: see `binding`
+        elif name in BOUND:
+            continue  # needs the stage's input for the same microbatch: see `binding` and `align`
         else:
             raise ValueError(f"unknown distance {name!r}; known: {', '.join(DISTANCES)}")
     return out
@@ -291,6 +326,31 @@ def binding(inp: Tensor, out: Tensor) -> float | None:
     if not torch.isfinite(norm) or norm.item() <= 1e-30:
         return None
     return 1.0 - ((b.T @ a).pow(2).sum() / norm).item()
+
+
+def align(inp: Tensor, out: Tensor) -> float | None:
+    """The cosine between a stage's output sketch and its input sketch for one microbatch (None: not
+    comparable): <a, b> / (|a| |b|) over the centred sketches.
+
+    Where ``bind`` (CKA) is blind to sign, this is not: a residual block's
+    output is its input plus a correction, and its input gradient is the
+    output's gradient plus a correction, so the cosine is clearly positive
+    (0.5-0.98 on the GPT's block stages); a negated tensor makes it negative. It is scale-invariant,
+    so an honest stage fed a scaled input (a LayerNorm undoes the scale) keeps
+    its value, and it is anchored on what the verifiers delivered to the stage:
+    relays cannot feed it, only ride its fence. (A slope <a, b> / <a, a> would
+    also see scaling, but an honest stage behind a LayerNorm fed a scaled
+    input changes its slope too: measured, it flagged the honest head.)
+    """
+    if inp.shape != out.shape or inp.shape[0] < 2:
+        return None
+    a = inp - inp.mean(dim=0, keepdim=True)
+    b = out - out.mean(dim=0, keepdim=True)
+    norm = a.norm() * b.norm()
+    if not torch.isfinite(norm) or norm.item() <= 1e-30:
+        return None
+    value = ((a * b).sum() / norm).item()
+    return value if math.isfinite(value) else None
 
 
 def ema(old: Summary, new: Summary, beta: float) -> Summary:
@@ -371,7 +431,7 @@ class Sentinel:
         self._learn_path(microbatch, upstream)
         origin = self._tainted.get(microbatch)
         if origin is not None and link > origin[0]:
-            return Verdict(link, FORWARD, worker, microbatch, False, "tainted")
+            return self._check_bound(link, worker, microbatch, tensor)
         verdict = self._check(link, FORWARD, worker, microbatch, tensor, learn=True)
         if verdict.flagged and origin is None:
             self._tainted[microbatch] = (link, worker)
@@ -432,8 +492,8 @@ class Sentinel:
 
     @property
     def binds(self) -> bool:
-        """Whether the ``bind`` distance is used (then verifiers record what they deliver to each stage)."""
-        return "bind" in self._names
+        """Whether ``bind`` or ``align`` is used (then verifiers record what they deliver to each stage)."""
+        return any(n in self._names for n in BOUND)
 
     def sketch(self, tensor: Tensor) -> Tensor:
         """The bind sketch of a tensor (directions seeded by the run and the feature count, shared by every link)."""
@@ -547,6 +607,33 @@ class Sentinel:
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         return self._strike(verdict, blame_upstream=learn)  # learn=False: the sender's own forward flag explains it
 
+    def _check_bound(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
+        """An activation of a microbatch tainted upstream: the stage computed on a tampered input, so the
+        link's statistics say nothing about its sender, but ``bind`` still does (it compares the stage's
+        output with the input this microbatch actually delivered to it). Judged on ``bind`` alone, never
+        learned, only above its upper fence (and `tainted_bind_floor`), a flag held against the sender alone;
+        otherwise passed as "tainted". Without this, a second
+        attacker on a microbatch the first one tainted is never judged."""
+        tainted = Verdict(link, FORWARD, worker, microbatch, False, "tainted")
+        track = self._tracks.get((link, FORWARD))
+        if ("bind" not in self._names or track is None or track.ref is None or track.accepted < self.config.warmup
+                or worker in self._banned or not self._well_formed(track, tensor)):
+            return tainted
+        inp = self._inputs.get(microbatch, {}).get((link, FORWARD))
+        bound = None if inp is None else binding(inp, self.sketch(tensor))
+        if bound is None:
+            return tainted
+        dist = {"bind": bound}
+        # only "unrelated to its input" counts here: a stage fed a replayed or made-up input may well bind to
+        # it more tightly than usual (below the lower fence), which says nothing against the stage, or more
+        # loosely (the honest head fed random noise: 0.90-0.92), so the floor is higher than `bind_floor`
+        outside = tuple(n for n in self._outside(track, dist)
+                        if bound > max(self._fence(track, n).high, self.config.tainted_bind_floor))
+        if not outside:
+            return dataclasses.replace(tainted, distances=tuple(dist.items()))
+        verdict = Verdict(link, FORWARD, worker, microbatch, True, "fence", tuple(dist.items()), outside)
+        return self._strike(verdict, blame_upstream=False)
+
     def _well_formed(self, track: _Track, tensor: Tensor) -> bool:
         if not isinstance(tensor, Tensor) or tensor.dim() < 1 or tensor.numel() == 0 or not tensor.is_floating_point():
             return False
@@ -567,9 +654,12 @@ class Sentinel:
         if self.binds:
             stage = link if direction == FORWARD else link + 1
             inp = self._inputs.get(microbatch, {}).get((stage, direction))
-            bound = None if inp is None else binding(inp, self.sketch(tensor))
-            if bound is not None:
-                dist["bind"] = bound
+            if inp is not None:
+                out = self.sketch(tensor)
+                for name, measure in (("bind", binding), ("align", align)):
+                    value = measure(inp, out) if name in self._names else None
+                    if value is not None:
+                        dist[name] = value
         return dist
 
     def _inner(self, track: _Track, dist: dict[str, float]) -> bool:
@@ -577,9 +667,7 @@ class Sentinel:
         inside the narrower fences (an attacker riding the edge of the k-fences cannot drag the baseline)."""
         if self.config.learn_k <= 0:
             return True
-        return all(tukey_fence(list(track.windows[n]), self.config.learn_k,
-                               1.0 / track.ref.mean.shape[0] if n == "sign" else self.config.min_spread
-                               ).contains(_scaled(n, dist[n], self.config))
+        return all(self._fence(track, n, self.config.learn_k).contains(_scaled(n, dist[n], self.config))
                    for n in dist if len(track.windows[n]) >= 4)
 
     def _voters(self, track: _Track, dist: dict[str, float]) -> int:
@@ -593,10 +681,10 @@ class Sentinel:
                      and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
                      and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high))
 
-    def _fence(self, track: _Track, name: str) -> Fence:
-        if name == "sign":
-            return tukey_fence(list(track.windows[name]), self.config.k, 1.0 / track.ref.mean.shape[0])
-        return tukey_fence(list(track.windows[name]), self.config.k, self.config.min_spread)
+    def _fence(self, track: _Track, name: str, k: float | None = None) -> Fence:
+        fence = median_fence if self.config.fence == "median" else tukey_fence
+        floor = 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
+        return fence(list(track.windows[name]), self.config.k if k is None else k, floor)
 
     def _strike(self, verdict: Verdict, blame_upstream: bool = True) -> Verdict:
         mb = verdict.microbatch

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..algorithms.link_attacks import ACTIVATION, GRADIENT, TARGETS, LinkAttack, LinkView, make_link_attack
-from ..algorithms.sentinel import BACKWARD, FORWARD, SentinelConfig, Sentinel
+from ..algorithms.sentinel import BACKWARD, DISTANCES, FORWARD, SentinelConfig, Sentinel
 from ..attack_axes import check_name
 from ..config import override
 from ..core.errors import ConfigError
@@ -51,7 +51,7 @@ from ..training.task import CharGPTTask
 
 VOTE_TOKENS = {"any": "any", "majority": "majority", "unanimous": "all"}
 TABLE_ATTACKS = ("zeros", "random", "scaling", "sign_flip", "delay", "bias", "invisible_noise", "mixed", "adaptive",
-                 "mimic")
+                 "mimic", "budget")
 ABLATIONS = ("beta0", "l1", "l2", "sign", "swd", "all")
 DATA_NODE = "data"
 
@@ -154,7 +154,7 @@ def apply_variant(verifier: SentinelConfig, variant: str) -> SentinelConfig:
             verifier = dataclasses.replace(verifier, beta_h=0.0, beta_g=0.0)
         elif token in VOTE_TOKENS:
             verifier = dataclasses.replace(verifier, vote=VOTE_TOKENS[token])
-        elif token in ("l1", "l2", "sign", "swd", "bind") or "+" in token:
+        elif token in DISTANCES or "+" in token:
             verifier = dataclasses.replace(verifier, distances=token.replace("+", ","))
         else:
             raise ConfigError(f"unknown ablation variant token {token!r} in {variant!r}; allowed: detect, beta0, "
