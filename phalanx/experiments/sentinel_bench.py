@@ -42,14 +42,14 @@ import torch
 import torch.nn.functional as F
 
 from ..algorithms.link_attacks import ACTIVATION, GRADIENT, TARGETS, LinkAttack, LinkView, make_link_attack
-from ..algorithms.sentinel import BACKWARD, DISTANCES, FORWARD, SentinelConfig, Sentinel
+from ..algorithms.sentinel import BACKWARD, FORWARD, SentinelConfig, Sentinel
 from ..attack_axes import check_name
 from ..config import override
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
 from ..training.task import CharGPTTask
+from .sentinel_variants import apply_variant, format_cell
 
-VOTE_TOKENS = {"any": "any", "majority": "majority", "unanimous": "all"}
 TABLE_ATTACKS = ("zeros", "random", "scaling", "sign_flip", "delay", "bias", "invisible_noise", "mixed", "adaptive",
                  "mimic", "budget")
 ABLATIONS = ("beta0", "l1", "l2", "sign", "swd", "all")
@@ -139,27 +139,6 @@ class RunSpec:
     attack: str  # "none" for the clean run
     defended: bool
     variant: str = "all"  # ablation variant of the verifier config
-
-
-def apply_variant(verifier: SentinelConfig, variant: str) -> SentinelConfig:
-    """The verifier config of an ablation variant: "all" (as configured) or "/"-joined tokens, each one of
-    `detect` (detect-only: flag and respond, never ban), `beta0` (beta_h = beta_g = 0), a vote (`any`,
-    `majority`, `unanimous`) or a "+"-joined set of distances (e.g. `sign+swd`)."""
-    for token in variant.split("/"):
-        if token == "all":
-            continue
-        if token == "detect":
-            verifier = dataclasses.replace(verifier, detect_only=True)
-        elif token == "beta0":
-            verifier = dataclasses.replace(verifier, beta_h=0.0, beta_g=0.0)
-        elif token in VOTE_TOKENS:
-            verifier = dataclasses.replace(verifier, vote=VOTE_TOKENS[token])
-        elif token in DISTANCES or "+" in token:
-            verifier = dataclasses.replace(verifier, distances=token.replace("+", ","))
-        else:
-            raise ConfigError(f"unknown ablation variant token {token!r} in {variant!r}; allowed: detect, beta0, "
-                              f"{', '.join(VOTE_TOKENS)}, or distances joined by '+' (e.g. sign+swd)")
-    return verifier
 
 
 def _verifier_config(config: SentinelBenchConfig, variant: str) -> SentinelConfig:
@@ -336,15 +315,6 @@ def _write(rows: list[dict], out: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
-
-
-def format_cell(value, spec: str = ".3f") -> str:
-    """One table cell: "-" for a missing value, "nan" for NaN, floats with `spec`."""
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return "nan" if value != value else format(value, spec)
-    return str(value)
 
 
 def format_table(config: SentinelBenchConfig, rows: list[dict]) -> str:

@@ -34,7 +34,7 @@ from ..runtime.dp_peer import TrainConfig
 from ..runtime.pipeline.config import PipelineConfig
 from ..runtime.pipeline.verifier import VerifierConfig
 from .pipeline_run import simulate_pipeline
-from .sentinel_bench import VOTE_TOKENS, apply_variant, format_cell
+from .sentinel_variants import VOTE_TOKENS, apply_variant, format_cell
 from .swarm import peer_identity
 
 STAGES = 3  # relay stages: block 0 | block 1 | head (the head stage is honest)
