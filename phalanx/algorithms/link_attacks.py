@@ -277,8 +277,10 @@ class Adaptive(LinkAttack):
 
 @dataclass(kw_only=True)
 class StrikeBudget(Adaptive):
-    """The white-box attacker that also knows the strike rule: it steps outside the fences on purpose,
-    as often as the rule lets it without a ban, and rides their edge otherwise.
+    """The white-box attacker that also knows the strike rule: outside the fences as often as it allows.
+
+    It steps outside the fences on purpose, as often as the rule lets it without a ban, and rides
+    their edge otherwise.
 
     It sends the full harm (the negation) on a microbatch while fewer than `spend` of its last
     `strike_window` microbatches (the verifier's window) carried an out-of-fence tensor, and the
