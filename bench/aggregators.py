@@ -31,7 +31,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from phalanx.algorithms import aggregators as ours  # noqa: E402
+from phalanx.algorithms.robust import aggregators as ours  # noqa: E402
 
 Rule = Callable[[Tensor], Tensor]
 

@@ -1,7 +1,7 @@
 """Phalanx's butterfly all-reduce next to hivemind's DecentralizedAverager, real processes on loopback.
 
 Two swarms live side by side in the same invocation: ``--peers`` OS
-processes that each run `phalanx.runtime.butterfly.ButterflyAllReduce` over
+processes that each run `phalanx.runtime.rounds.butterfly.ButterflyAllReduce` over
 `phalanx.transport.p2p.HivemindTransport`, and ``--peers`` OS processes that
 each run `hivemind.averaging.DecentralizedAverager` on their own
 `hivemind.DHT` (in both swarms peer 0's visible multiaddrs are the others'

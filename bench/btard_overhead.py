@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from phalanx.algorithms.bans import BanLedger  # noqa: E402
+from phalanx.algorithms.btard.bans import BanLedger  # noqa: E402
 from phalanx.core.identity import Identity  # noqa: E402
 from phalanx.core.rng import torch_stream  # noqa: E402
-from phalanx.runtime.btard import BTARDConfig, SecureRound  # noqa: E402
-from phalanx.runtime.butterfly import AllReduceConfig, ButterflyAllReduce  # noqa: E402
+from phalanx.runtime.rounds.btard import BTARDConfig, SecureRound  # noqa: E402
+from phalanx.runtime.rounds.butterfly import AllReduceConfig, ButterflyAllReduce  # noqa: E402
 
 SECURE = AllReduceConfig(reducer="centered_clip", tau=1.0, timeout=60.0)
 PLAIN = AllReduceConfig(reducer="mean", timeout=60.0)

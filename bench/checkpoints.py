@@ -18,10 +18,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from phalanx.config import override
-from phalanx.experiments.checkpoints import CheckpointStore, resume_config
-from phalanx.experiments.simulate import simulate
-from phalanx.presets import get_preset
+from phalanx.runs.config import override
+from phalanx.runs.dp.checkpoints import CheckpointStore, resume_config
+from phalanx.runs.dp.simulate import simulate
+from phalanx.runs.presets import get_preset
 
 FILES = ("metrics.jsonl", "timeline.jsonl", "bans.jsonl")
 

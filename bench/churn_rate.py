@@ -14,9 +14,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from phalanx.config import override
-from phalanx.experiments.simulate import simulate
-from phalanx.presets import get_preset
+from phalanx.runs.config import override
+from phalanx.runs.dp.simulate import simulate
+from phalanx.runs.presets import get_preset
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from phalanx.experiments.simulate import simulate
-from phalanx.presets import get_preset
+from phalanx.runs.dp.simulate import simulate
+from phalanx.runs.presets import get_preset
 
 
 def main() -> None:

@@ -21,13 +21,14 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .config import RunConfig, apply_file, override
+from .runs.config import apply_file, override
+from .runs.dp.config import RunConfig
 from .core.errors import ConfigError
-from .kinds import kind_named, kind_of
-from .pipeline_config import PipelineRunConfig
-from .presets import get_preset
+from .runs.kinds import kind_named, kind_of
+from .runs.pipeline.config import PipelineRunConfig
+from .runs.presets import get_preset
 
-AnyConfig = RunConfig | PipelineRunConfig  # or experiments.aspis.AspisRunConfig (aspis-* presets)
+AnyConfig = RunConfig | PipelineRunConfig  # or runs.aspis.config.AspisRunConfig (aspis-* presets)
 
 
 def config(
@@ -73,7 +74,7 @@ def simulate(config: AnyConfig, out: str | Path | None = None, *, progress: bool
     """Run the whole swarm in this process on the deterministic simulator; write the run's files to `out`.
 
     Returns the run's summary (also in out/summary.json). `resume` is a
-    checkpoint (data-parallel runs; see experiments.checkpoints).
+    checkpoint (data-parallel runs; see runs.dp.checkpoints).
     """
     kind = kind_of(config)
     out = Path(out) if out is not None else default_out(config, "simulate")
@@ -97,7 +98,7 @@ def launch(config: AnyConfig, out: str | Path | None = None, *, progress: bool =
         raise ConfigError(f"--resume continues data-parallel runs only, not a {kind.name} run ({config.preset!r})")
     if not kind.resumes:
         return kind.entry("launch")(config, out, progress=progress)
-    from .experiments.netns import parse_spec
+    from .runs.netns import parse_spec
 
     spec = None if netns is None else parse_spec(netns, config.peers)
     return kind.entry("launch")(config, out, progress=progress, resume=resume, netns=spec)
@@ -130,7 +131,7 @@ def join(
 
 def report(run_dir: str | Path) -> str:
     """Draw a finished run's plots into `run_dir` (loss.png, accuracy.png, timeline.png ...); return its summary table."""
-    from .experiments.report import read_summary
+    from .runs.dp.report import read_summary
 
     run_dir = Path(run_dir)
     summary = read_summary(run_dir)

@@ -11,16 +11,16 @@ from pathlib import Path
 
 from . import api
 from .core.errors import ConfigError, LocalError
-from .presets import describe
+from .runs.presets import describe
 
-# `phalanx bench NAME` runs run_cli(args) of this module of phalanx.experiments.
+# `phalanx bench NAME` runs run_cli(args) of this module of phalanx.benchmarks.
 BENCHES = {
     "robustness": "robustness",
-    "btard": "btard_bench",
+    "btard": "btard",
     "btard-redteam": "btard_redteam",
-    "gwtf": "gwtf_bench",
-    "aspis": "aspis_bench",
-    "sentinel": "sentinel_bench",
+    "gwtf": "gwtf",
+    "aspis": "aspis",
+    "sentinel": "sentinel",
     "pipeline-soak": "pipeline_soak",
 }
 
@@ -30,7 +30,7 @@ def _config(args: argparse.Namespace) -> api.AnyConfig:
     if getattr(args, "checkpoint_every", None) is not None:
         flags.append(f"checkpoint.every={args.checkpoint_every}")
     if getattr(args, "resume", None):
-        from .experiments.checkpoints import resume_config
+        from .runs.dp.checkpoints import resume_config
 
         config, args.checkpoint = resume_config(Path(args.resume), args.preset, flags + (args.set or []), args.command)
         return config
@@ -124,13 +124,13 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"{name:18s} {text}")
         return 0
     if args.command == "attacks":
-        from .attack_axes import describe as describe_attacks
+        from .runs.attack_axes import describe as describe_attacks
 
         for axis, name, text, keys in describe_attacks():
             print(f"{axis:10s} {name:19s} {text}  [{keys}]")
         return 0
     if args.command == "watch":
-        from .experiments.watch import serve
+        from .runs.watch import serve
 
         serve(Path(args.dir), args.host, args.port)
         return 0
@@ -138,7 +138,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(api.report(args.dir))
         return 0
     if args.command == "bench":
-        return importlib.import_module(f".experiments.{BENCHES[args.name]}", __package__).run_cli(args)
+        return importlib.import_module(f".benchmarks.{BENCHES[args.name]}", __package__).run_cli(args)
     config = _config(args)
     resume = getattr(args, "checkpoint", None)
     if args.command == "peer":
@@ -149,7 +149,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     out = _out(args, config, args.command)
     watch = None
     if args.watch is not None:
-        from .experiments.watch import BackgroundWatch
+        from .runs.watch import BackgroundWatch
 
         watch = BackgroundWatch(out, port=args.watch)
         print(f"watch this run at {watch.url}", file=sys.stderr, flush=True)

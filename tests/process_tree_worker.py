@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from phalanx.experiments.processes import guard_worker  # noqa: E402
+from phalanx.runs.processes import guard_worker  # noqa: E402
 
 
 def dht_child(ready: Path) -> None:

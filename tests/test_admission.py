@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from phalanx.algorithms.admission import Admission, AdmissionConfig, Roles
-from phalanx.config import override
+from phalanx.algorithms.btard.admission import Admission, AdmissionConfig, Roles
+from phalanx.runs.config import override
 from phalanx.core.errors import ConfigError
-from phalanx.experiments.simulate import simulate
-from phalanx.presets import get_preset
+from phalanx.runs.dp.simulate import simulate
+from phalanx.runs.presets import get_preset
 
 T = 3  # approvals a joiner needs in these runs
 BASE = ["peers=4", "steps=24", "byzantine.count=0", "btard.timeout=1.0", "train.eval_every=1", f"btard.admission_after={T}"]

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from phalanx.config import override
-from phalanx.experiments.launch import launch
-from phalanx.experiments.processes import MARKER_ENV, marked_processes
-from phalanx.presets import get_preset
+from phalanx.runs.config import override
+from phalanx.runs.dp.launch import launch
+from phalanx.runs.processes import MARKER_ENV, marked_processes
+from phalanx.runs.presets import get_preset
 
 pytestmark = pytest.mark.hivemind
 

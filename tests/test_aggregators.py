@@ -1,11 +1,11 @@
-"""Tests for the robust aggregation rules in phalanx.algorithms.aggregators."""
+"""Tests for the robust aggregation rules in phalanx.algorithms.robust.aggregators."""
 
 import itertools
 
 import pytest
 import torch
 
-from phalanx.algorithms import aggregators as agg
+from phalanx.algorithms.robust import aggregators as agg
 
 
 def _honest_ball(count: int, d: int, radius: float, seed: int) -> torch.Tensor:
@@ -395,7 +395,7 @@ def test_median_of_means_and_bucketing_confine_an_inf_row_to_its_group() -> None
 def test_one_rule_table_clamps_for_owners_and_names_the_impossible_for_studies(n: int, f: int) -> None:
     """Every rule built from `rule_parameters` runs on n rows when clamped; unclamped, a rule either runs
     with f itself or raises (the bench reports such a cell instead of quietly weakening the rule)."""
-    from phalanx.algorithms.reducers import make_reducer
+    from phalanx.algorithms.robust.reducers import make_reducer
 
     xs = torch.randn(n, 4, generator=torch.Generator().manual_seed(n * 100 + f))
     for name in agg.AGGREGATORS:

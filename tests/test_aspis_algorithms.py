@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from phalanx.algorithms.aggregators import coordinate_median
-from phalanx.algorithms.aspis import (
+from phalanx.algorithms.robust.aggregators import coordinate_median
+from phalanx.algorithms.aspis.detection import (
     Detection,
     WindowDetector,
     aggregate,
@@ -20,14 +20,14 @@ from phalanx.algorithms.aspis import (
     file_labels,
     shared_counts,
 )
-from phalanx.algorithms.aspis_attacks import (
+from phalanx.algorithms.aspis.attacks import (
     Orchestration,
     detox_optimal_byzantine,
     distortion_fraction,
     symbolic_copies,
     theorem1_distorted,
 )
-from phalanx.algorithms.aspis_designs import (
+from phalanx.algorithms.aspis.designs import (
     design_assignment,
     group_assignment,
     iteration_permutation,
@@ -219,7 +219,7 @@ def test_detox_optimal_byzantine_fills_groups_with_majorities():
 
 
 def test_distortion_table_matches_the_papers_table_iii():
-    from phalanx.experiments.aspis_bench import PAPER_TABLE_III, distortion_table
+    from phalanx.benchmarks.aspis import PAPER_TABLE_III, distortion_table
 
     rows = distortion_table(15, 3, list(range(2, 8)))
     for key, paper in PAPER_TABLE_III.items():

@@ -5,12 +5,12 @@ import asyncio
 import pytest
 import torch
 
-from phalanx.aspis_config import AspisAttackConfig, AspisRunConfig
+from phalanx.runs.aspis.config import AspisAttackConfig, AspisRunConfig
 from phalanx.core.errors import ConfigError
-from phalanx.experiments.aspis import build_role, coalition, detection_delays, simulate_aspis
-from phalanx.experiments.swarm import peer_identity
-from phalanx.runtime.aspis import AspisConfig, AspisWorker
-from phalanx.runtime.dp_peer import TrainConfig
+from phalanx.runs.aspis.run import build_role, coalition, detection_delays, simulate_aspis
+from phalanx.runs.dp.swarm import peer_identity
+from phalanx.runtime.aspis.roles import AspisConfig, AspisWorker
+from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from phalanx import api
-from phalanx.algorithms.aspis_attacks import DISTORTIONS
-from phalanx.algorithms.attacks import ATTACKS
-from phalanx.algorithms.btard_attacks import PROTOCOL_ATTACKS
-from phalanx.algorithms.link_attacks import LINK_ATTACKS
-from phalanx.attack_axes import AXES, describe, names
+from phalanx.algorithms.aspis.attacks import DISTORTIONS
+from phalanx.algorithms.robust.attacks import ATTACKS
+from phalanx.algorithms.btard.attacks import PROTOCOL_ATTACKS
+from phalanx.algorithms.sentinel.attacks import LINK_ATTACKS
+from phalanx.runs.attack_axes import AXES, describe, names
 from phalanx.cli import main
 from phalanx.core.errors import ConfigError
-from phalanx.experiments.aspis import coalition, distortion_of
-from phalanx.experiments.swarm import byzantine_policies
+from phalanx.runs.aspis.run import coalition, distortion_of
+from phalanx.runs.dp.swarm import byzantine_policies
 
 
 @pytest.mark.parametrize("name", names("gradient"))

@@ -1,4 +1,4 @@
-"""Tests for the Byzantine attack policies in phalanx.algorithms.attacks."""
+"""Tests for the Byzantine attack policies in phalanx.algorithms.robust.attacks."""
 
 import statistics
 from collections.abc import Callable
@@ -6,7 +6,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from phalanx.algorithms import attacks as atk
+from phalanx.algorithms.robust import attacks as atk
 
 D = 257
 Relabel = Callable[[torch.Tensor], torch.Tensor]

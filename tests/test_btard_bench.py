@@ -6,13 +6,13 @@ import dataclasses
 import pytest
 import torch
 
-from phalanx.algorithms.attacks import AttackSchedule, DelayedGradient
-from phalanx.config import override
+from phalanx.algorithms.robust.attacks import AttackSchedule, DelayedGradient
+from phalanx.runs.config import override
 from phalanx.core.errors import ConfigError
-from phalanx.experiments.btard_bench import BTARDBenchConfig, cell_config, full, run_bench
-from phalanx.experiments.swarm import peer_identity
-from phalanx.runtime.butterfly import AllReduceConfig
-from phalanx.runtime.dp_peer import DataParallelPeer, TrainConfig
+from phalanx.benchmarks.btard import BTARDBenchConfig, cell_config, full, run_bench
+from phalanx.runs.dp.swarm import peer_identity
+from phalanx.runtime.rounds.butterfly import AllReduceConfig
+from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 

@@ -3,9 +3,9 @@
 import json
 import pytest
 
-from phalanx.config import override
-from phalanx.experiments.launch import launch
-from phalanx.presets import get_preset
+from phalanx.runs.config import override
+from phalanx.runs.dp.launch import launch
+from phalanx.runs.presets import get_preset
 
 pytestmark = pytest.mark.hivemind
 

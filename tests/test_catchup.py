@@ -6,13 +6,21 @@ import json
 import pytest
 import torch
 
-from phalanx.algorithms.catchup import Offer, agreed, agreed_updates, choose_snapshot, manifest_digest, manifest_of, needed_votes
-from phalanx.config import override
+from phalanx.algorithms.catchup import (
+    Offer,
+    agreed,
+    agreed_updates,
+    choose_snapshot,
+    manifest_digest,
+    manifest_of,
+    needed_votes,
+)
+from phalanx.runs.config import override
 from phalanx.core.errors import RemoteError
-from phalanx.experiments.simulate import simulate
-from phalanx.experiments.swarm import build_peer, peer_identity, run_peer
-from phalanx.presets import get_preset
-from phalanx.runtime.catchup import DEMOTE_AFTER, READY, CatchupConfig, CatchupService, load_state, state_bytes
+from phalanx.runs.dp.simulate import simulate
+from phalanx.runs.dp.swarm import build_peer, peer_identity, run_peer
+from phalanx.runs.presets import get_preset
+from phalanx.runtime.dp.catchup import DEMOTE_AFTER, READY, CatchupConfig, CatchupService, load_state, state_bytes
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
 D1, D2 = b"\x01" * 32, b"\x02" * 32

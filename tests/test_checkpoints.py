@@ -8,11 +8,11 @@ import shutil
 import pytest
 
 from phalanx.cli import main
-from phalanx.config import override
+from phalanx.runs.config import override
 from phalanx.core.errors import ConfigError
-from phalanx.experiments.checkpoints import CheckpointStore, resume_config
-from phalanx.experiments.simulate import simulate
-from phalanx.presets import get_preset
+from phalanx.runs.dp.checkpoints import CheckpointStore, resume_config
+from phalanx.runs.dp.simulate import simulate
+from phalanx.runs.presets import get_preset
 
 FILES = ("metrics.jsonl", "timeline.jsonl")
 

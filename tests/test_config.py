@@ -5,9 +5,10 @@ import json
 import pytest
 
 from phalanx.cli import main
-from phalanx.config import RunConfig, override
+from phalanx.runs.config import override
+from phalanx.runs.dp.config import RunConfig
 from phalanx.core.errors import ConfigError
-from phalanx.presets import PRESETS, get_preset
+from phalanx.runs.presets import PRESETS, get_preset
 
 
 def test_override_nested_and_types():
@@ -68,7 +69,7 @@ def test_user_corpus_file(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     config = override(get_preset("chars-gpt-dp"), [f"train.corpus={text}"])
-    from phalanx.runtime.dp_peer import task_of
+    from phalanx.runtime.dp.peer import task_of
 
     assert task_of(config.train).corpus.vocab_size == len(set(text.read_text()))
     with pytest.raises(ConfigError, match="is not a readable file"):

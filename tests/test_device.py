@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from phalanx import api
-from phalanx.algorithms.btard_checks import GRAD_RTOL, gradient_matches
+from phalanx.algorithms.btard.checks import GRAD_RTOL, gradient_matches
 from phalanx.core.errors import ConfigError
 from phalanx.training import compute_gradient, make_task
 from phalanx.training.device import FLOAT32_UNIT_ROUNDOFF

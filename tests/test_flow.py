@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from phalanx.algorithms.flow import (
+from phalanx.algorithms.gwtf.flow import (
     MESSAGE_TYPES,
     Approve,
     FlowConfig,
@@ -23,11 +23,11 @@ from phalanx.algorithms.flow import (
     from_wire,
     to_wire,
 )
-from phalanx.algorithms.flowgraph import FlowGraph, build_nodes, max_flow, optimal, random_graph, swarm_greedy
+from phalanx.algorithms.gwtf.flowgraph import FlowGraph, build_nodes, max_flow, optimal, random_graph, swarm_greedy
 from phalanx.core.errors import ConfigError, RemoteError
 from phalanx.core.rng import py_stream
 from phalanx.core.serialization import decode, encode
-from phalanx.experiments.gwtf_bench import split_demand
+from phalanx.benchmarks.gwtf import split_demand
 
 
 def _graph(seed: int, sources: int = 1, relays: int = 9, stages: int = 3) -> FlowGraph:

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from phalanx.core.errors import ConfigError
-from phalanx.experiments.gwtf_table2_paper import bootstrap_median, ratios
-from phalanx.experiments.pipeline_run import simulate_pipeline
-from phalanx.pipeline_config import ChurnConfig, PipelineRunConfig
-from phalanx.runtime.dp_peer import TrainConfig
+from phalanx.benchmarks.gwtf_table2_paper import bootstrap_median, ratios
+from phalanx.runs.pipeline.run import simulate_pipeline
+from phalanx.runs.pipeline.config import ChurnConfig, PipelineRunConfig
+from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline.config import PipelineConfig
 
 

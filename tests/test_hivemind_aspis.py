@@ -4,11 +4,11 @@ import os
 
 import pytest
 
-from phalanx.aspis_config import AspisAttackConfig, AspisRunConfig
-from phalanx.experiments.aspis import coalition
+from phalanx.runs.aspis.config import AspisAttackConfig, AspisRunConfig
+from phalanx.runs.aspis.run import coalition
 from phalanx.api import launch
-from phalanx.runtime.aspis import AspisConfig
-from phalanx.runtime.dp_peer import TrainConfig
+from phalanx.runtime.aspis.roles import AspisConfig
+from phalanx.runtime.dp.peer import TrainConfig
 
 pytestmark = pytest.mark.hivemind
 

@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from phalanx.experiments.pipeline_launch import launch_pipeline
-from phalanx.experiments.pipeline_run import simulate_pipeline
-from phalanx.pipeline_config import ChurnConfig
-from phalanx.presets import get_preset
+from phalanx.runs.pipeline.launch import launch_pipeline
+from phalanx.runs.pipeline.run import simulate_pipeline
+from phalanx.runs.pipeline.config import ChurnConfig
+from phalanx.runs.presets import get_preset
 
 pytestmark = pytest.mark.hivemind
 

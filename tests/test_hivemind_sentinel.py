@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from phalanx.config import override
-from phalanx.experiments.pipeline_launch import launch_pipeline
-from phalanx.presets import get_preset
+from phalanx.runs.config import override
+from phalanx.runs.pipeline.launch import launch_pipeline
+from phalanx.runs.presets import get_preset
 
 pytestmark = pytest.mark.hivemind
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.config import override
-from phalanx.experiments.launch import launch
-from phalanx.experiments.simulate import simulate
-from phalanx.presets import get_preset
+from phalanx.runs.config import override
+from phalanx.runs.dp.launch import launch
+from phalanx.runs.dp.simulate import simulate
+from phalanx.runs.presets import get_preset
 
 pytestmark = pytest.mark.hivemind
 

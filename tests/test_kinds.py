@@ -7,10 +7,11 @@ import pytest
 
 from phalanx import api
 from phalanx.cli import main
-from phalanx.config import RunConfig, kind_name
+from phalanx.runs.config import kind_name
+from phalanx.runs.dp.config import RunConfig
 from phalanx.core.errors import ConfigError
-from phalanx.kinds import KINDS, kind_named, kind_of
-from phalanx.presets import PRESETS, get_preset
+from phalanx.runs.kinds import KINDS, kind_named, kind_of
+from phalanx.runs.presets import PRESETS, get_preset
 
 ONE_PRESET = {"data-parallel": "digits-dp", "pipeline": "chars-gpt-pipeline", "aspis": "aspis-digits"}
 

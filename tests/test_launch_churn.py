@@ -1,8 +1,8 @@
 """Churn decisions of `phalanx launch` (which workers leave and come back): seeded, bounded, never the evaluators."""
 
-from phalanx.config import override
-from phalanx.experiments.launch_churn import LaunchChurn
-from phalanx.presets import get_preset
+from phalanx.runs.config import override
+from phalanx.runs.dp.launch_churn import LaunchChurn
+from phalanx.runs.presets import get_preset
 
 
 def _play(config, chunks):

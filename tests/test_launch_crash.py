@@ -33,12 +33,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx.config import RunConfig
+from phalanx.runs.dp.config import RunConfig
 from phalanx.core.serialization import decode
-from phalanx.experiments.checkpoints import CheckpointStore
-from phalanx.experiments.processes import MARKER_ENV, kill_marked, marked_processes
-from phalanx.runtime.checkpoint import from_bytes
-from phalanx.runtime.dp_peer import task_of
+from phalanx.runs.dp.checkpoints import CheckpointStore
+from phalanx.runs.processes import MARKER_ENV, kill_marked, marked_processes
+from phalanx.runtime.dp.checkpoint import from_bytes
+from phalanx.runtime.dp.peer import task_of
 from phalanx.training.task import compute_gradient
 
 pytestmark = pytest.mark.hivemind
@@ -61,7 +61,7 @@ def _worker_pid(marker: str) -> int | None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"phalanx.experiments.launch" in cmdline and b"--die-with-parent" in cmdline:
+        if b"phalanx.runs.dp.launch" in cmdline and b"--die-with-parent" in cmdline:
             return pid
     return None
 

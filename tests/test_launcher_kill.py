@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.experiments.processes import MARKER_ENV, kill_marked, marked_processes
+from phalanx.runs.processes import MARKER_ENV, kill_marked, marked_processes
 
 pytestmark = pytest.mark.hivemind
 

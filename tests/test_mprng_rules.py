@@ -2,8 +2,8 @@
 
 import os
 
-from phalanx.algorithms.bans import BanLedger, BanRecord
-from phalanx.algorithms.mprng import Reveal, choose, commitment, resolve
+from phalanx.algorithms.btard.bans import BanLedger, BanRecord
+from phalanx.algorithms.btard.mprng import Reveal, choose, commitment, resolve
 
 
 def _round(peers):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.core.errors import ConfigError
-from phalanx.experiments.netns import (
+from phalanx.runs.netns import (
     EXAMPLE_SPEC,
     LinkShape,
     NetnsConfig,
@@ -33,8 +33,8 @@ from phalanx.experiments.netns import (
     plan_link,
     unavailable_reason,
 )
-from phalanx.experiments.processes import MARKER_ENV, kill_marked, marked_processes
-from phalanx.experiments.tap_link import forward
+from phalanx.runs.processes import MARKER_ENV, kill_marked, marked_processes
+from phalanx.runs.tap_link import forward
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -79,7 +79,7 @@ needs_netns = pytest.mark.skipif(bool(reason := unavailable_reason()), reason=f"
 
 _BED_HOLDER = """
 import subprocess, sys, time
-from phalanx.experiments.netns import NetnsConfig, Testbed
+from phalanx.runs.netns import NetnsConfig, Testbed
 bed = Testbed(NetnsConfig(2), log=lambda line: None)
 bed.up()
 subprocess.Popen(bed.exec_prefix(1) + ["sleep", "600"])

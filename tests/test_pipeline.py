@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from phalanx.experiments.pipeline_run import reference_losses, simulate_pipeline
-from phalanx.pipeline_config import ChurnConfig, LinkAttackConfig, PipelineRunConfig
-from phalanx.runtime.butterfly import AllReduceConfig
-from phalanx.runtime.dp_peer import TrainConfig
+from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
+from phalanx.runs.pipeline.config import ChurnConfig, LinkAttackConfig, PipelineRunConfig
+from phalanx.runtime.rounds.butterfly import AllReduceConfig
+from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.core.errors import PhalanxError
 from phalanx.core.serialization import encode
-from phalanx.experiments.swarm import peer_identity
+from phalanx.runs.dp.swarm import peer_identity
 from phalanx.runtime.pipeline import messages as m
 from phalanx.runtime.pipeline.config import PipelineConfig
 
@@ -246,7 +246,7 @@ def test_sustained_churn_never_stalls_and_accuses_nobody(routing):
     # fix every such run stalled for good (0 of 4 microbatches per iteration) and honest peers
     # accused each other (rejoined relays started from a stale stage map, behind replicas never
     # caught up, joiners were routed to before their download).
-    from phalanx.presets import get_preset
+    from phalanx.runs.presets import get_preset
 
     config = get_preset("chars-gpt-pipeline")
     config = replace(config, steps=60, seed=1, train=replace(config.train, batch_size=4),
@@ -352,7 +352,7 @@ def test_gwtf_routes_by_the_flow_after_the_warm_up():
 
 
 def test_soak_compares_loss_at_an_equal_number_of_finished_microbatches():
-    from phalanx.experiments.pipeline_soak import loss_gap
+    from phalanx.benchmarks.pipeline_soak import loss_gap
 
     reference = [(4 * (i + 1), 4.0 - 0.1 * i) for i in range(10)]  # 4 finished per iteration
     slower = [(2 * (i + 1), 4.0 - 0.05 * i) for i in range(10)]  # half as many: 20 finished at the end

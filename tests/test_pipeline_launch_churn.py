@@ -3,9 +3,9 @@ joiners are new identities, nothing in the last two iterations."""
 
 import dataclasses
 
-from phalanx.experiments.pipeline_launch_churn import PipelineChurn
-from phalanx.pipeline_config import ChurnConfig
-from phalanx.presets import get_preset
+from phalanx.runs.pipeline.launch_churn import PipelineChurn
+from phalanx.runs.pipeline.config import ChurnConfig
+from phalanx.runs.presets import get_preset
 
 
 def _run(leave: float, join: float, seed: int = 0, steps: int = 60) -> tuple[PipelineChurn, list[dict[str, int]]]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.algorithms.flowgraph import FlowGraph, node_flows, optimal
-from phalanx.algorithms.placement import (
+from phalanx.algorithms.gwtf.flowgraph import FlowGraph, node_flows, optimal
+from phalanx.algorithms.gwtf.placement import (
     UtilQuery,
     flood_step,
     leader,

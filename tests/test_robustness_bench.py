@@ -4,7 +4,7 @@ import csv
 import dataclasses
 
 from phalanx.cli import main
-from phalanx.experiments.robustness import quick, run_grid
+from phalanx.benchmarks.robustness import quick, run_grid
 
 
 def test_sign_flipping_breaks_mean_but_not_centered_clip(tmp_path):

@@ -9,9 +9,22 @@ import numpy as np
 import pytest
 import torch
 
-from phalanx.algorithms.sentinel import (
-    BACKWARD, FORWARD, Sentinel, SentinelConfig, Summary, align, bind_sketch, binding, distances, ema, median_fence,
-    projections, summarize, tukey_fence, vote,
+from phalanx.algorithms.sentinel.statistics import (
+    BACKWARD,
+    FORWARD,
+    Sentinel,
+    SentinelConfig,
+    Summary,
+    align,
+    bind_sketch,
+    binding,
+    distances,
+    ema,
+    median_fence,
+    projections,
+    summarize,
+    tukey_fence,
+    vote,
 )
 from phalanx.core.errors import ConfigError
 
@@ -358,7 +371,7 @@ def test_on_a_tainted_microbatch_only_outputs_with_no_relation_to_their_input_co
 def test_the_white_box_attacker_cannot_send_a_reversed_tensor_once_align_is_measured():
     """The adaptive attacker (largest step towards -x the verifier accepts) against a residual stage: the sign-blind
     distances accept the full negation; with ``align`` whatever it gets accepted still points along x."""
-    from phalanx.algorithms.link_attacks import LinkView, make_link_attack
+    from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
 
     gen = torch.Generator().manual_seed(14)
     weight = torch.randn(16, 16, generator=gen) / 4

@@ -13,13 +13,13 @@ import dataclasses
 
 import pytest
 
-from phalanx.algorithms.link_attacks import make_link_attack
-from phalanx.config import override
+from phalanx.algorithms.sentinel.attacks import make_link_attack
+from phalanx.runs.config import override
 from phalanx.core.errors import ConfigError
-from phalanx.experiments.pipeline_run import simulate_pipeline
-from phalanx.experiments.sentinel_sim import score
-from phalanx.pipeline_config import LinkAttackConfig, PipelineRunConfig
-from phalanx.runtime.dp_peer import TrainConfig
+from phalanx.runs.pipeline.run import simulate_pipeline
+from phalanx.benchmarks.sentinel_sim import score
+from phalanx.runs.pipeline.config import LinkAttackConfig, PipelineRunConfig
+from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline.config import PipelineConfig
 from phalanx.runtime.pipeline.verifier import VerifierConfig
 

@@ -6,14 +6,14 @@ from collections import Counter
 
 import torch
 
-from phalanx.algorithms.attacks import Attack, AttackSchedule, make_attack
-from phalanx.algorithms.bans import BanLedger
-from phalanx.config import override
-from phalanx.experiments.simulate import simulate
-from phalanx.experiments.swarm import crash_indices, peer_identity
-from phalanx.presets import get_preset
-from phalanx.runtime.dp_peer import DataParallelPeer, TrainConfig
-from phalanx.runtime.mprng import MPRNGBehaviour, MPRNGConfig, SplitView, WithholdReveal, WrongReveal, run_mprng
+from phalanx.algorithms.robust.attacks import Attack, AttackSchedule, make_attack
+from phalanx.algorithms.btard.bans import BanLedger
+from phalanx.runs.config import override
+from phalanx.runs.dp.simulate import simulate
+from phalanx.runs.dp.swarm import crash_indices, peer_identity
+from phalanx.runs.presets import get_preset
+from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
+from phalanx.runtime.rounds.mprng import MPRNGBehaviour, MPRNGConfig, SplitView, WithholdReveal, WrongReveal, run_mprng
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 from phalanx.core.rng import py_stream

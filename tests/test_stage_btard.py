@@ -6,16 +6,16 @@ from collections import defaultdict
 
 import pytest
 
-from phalanx.config import override
+from phalanx.runs.config import override
 from phalanx.core.errors import ConfigError
 from phalanx.core.serialization import DEFAULT_LIMITS, encode
-from phalanx.experiments.pipeline_report import report_pipeline
-from phalanx.experiments.pipeline_run import simulate_pipeline
-from phalanx.pipeline_config import PipelineRunConfig, StageByzantineConfig
-from phalanx.presets import get_preset
-from phalanx.runtime.btard import BTARDConfig
-from phalanx.runtime.butterfly import AllReduceConfig
-from phalanx.runtime.dp_peer import TrainConfig
+from phalanx.runs.pipeline.report import report_pipeline
+from phalanx.runs.pipeline.run import simulate_pipeline
+from phalanx.runs.pipeline.config import PipelineRunConfig, StageByzantineConfig
+from phalanx.runs.presets import get_preset
+from phalanx.runtime.rounds.btard import BTARDConfig
+from phalanx.runtime.rounds.butterfly import AllReduceConfig
+from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline.config import PipelineConfig
 from phalanx.runtime.pipeline.stage_btard import StageBanReports
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from phalanx import api
-from phalanx.experiments.watch import RunFollower, WatchState
+from phalanx.runs.watch import RunFollower, WatchState
 
 SCREENSHOT = Path(__file__).resolve().parent.parent / "test-output" / "watch-page.png"
 
@@ -68,7 +68,7 @@ def test_watch_page_updates_during_a_run_in_headless_chromium(tmp_path):
     pytest.importorskip("aiohttp", reason="the watch extra is not installed (pip install -e '.[watch]')")
     from playwright.sync_api import sync_playwright
 
-    from phalanx.experiments.watch import BackgroundWatch
+    from phalanx.runs.watch import BackgroundWatch
 
     out = tmp_path / "run"
     watch = BackgroundWatch(out)
@@ -109,7 +109,7 @@ def test_watch_page_updates_during_a_run_in_headless_chromium(tmp_path):
 
 
 def test_timeline_is_binned_to_stay_readable_at_256_peers_and_1000_steps(tmp_path):
-    from phalanx.experiments.report import draw_timeline, timeline_bins
+    from phalanx.runs.dp.report import draw_timeline, timeline_bins
 
     timeline = [{"peer": p, "step": s, "t_start": float(s), "t_computed": s + 0.2, "t_end": s + 0.5}
                 for p in range(256) for s in range(1000) if not (p < 2 and s < 2) and not (p == 255 and s >= 500)]

@@ -10,7 +10,16 @@
 
 from .clock import Clock
 from .envelope import EquivocationProof, SignedEnvelope
-from .errors import ConfigError, Evidence, LocalError, PeerTimeout, PeerUnreachable, PhalanxError, RemoteError, RequestFailed
+from .errors import (
+    ConfigError,
+    Evidence,
+    LocalError,
+    PeerTimeout,
+    PeerUnreachable,
+    PhalanxError,
+    RemoteError,
+    RequestFailed,
+)
 from .identity import Identity, peer_id_of, verify_signature
 from .rng import derive_seed, py_stream, torch_stream
 from .serialization import DEFAULT_LIMITS, Limits, check_tensor, decode, digest, encode

@@ -6,7 +6,7 @@ checks do not change. On CUDA, TF32 is switched off (`strict_float32`), so a
 GPU computes in true float32 and differs from a CPU only in the order of its
 float32 sums.
 
-Cross-device tolerance (BTARD validation, `algorithms.btard_checks.GRAD_RTOL`).
+Cross-device tolerance (BTARD validation, `algorithms.btard.checks.GRAD_RTOL`).
 A validator on a CPU may recompute the gradient that a peer computed on a GPU.
 Both are float32 evaluations of the same exact gradient g; each differs from
 g by rounding alone, so ||g_gpu - g_cpu|| <= ||g_gpu - g|| + ||g_cpu - g||. A

@@ -2,7 +2,7 @@
 (or, with target `aggregation`, in its stage's gradient all-reduce).
 
 Each outgoing activation and input gradient goes through a
-`algorithms.link_attacks.LinkAttack` policy before it is sent; `log` receives
+`algorithms.sentinel.attacks.LinkAttack` policy before it is sent; `log` receives
 one record per tensor (the attack log, the experiment's ground truth; no
 verifier reads it). `probe(kind, link, tensor)` is the white-box view an
 adaptive attacker may be lent in experiments (None: no view); `probe(kind, link, tensor, key)`. A framing
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...algorithms.link_attacks import ACTIVATION, AGGREGATION, LinkAttack, LinkView
+from ...algorithms.sentinel.attacks import ACTIVATION, AGGREGATION, LinkAttack, LinkView
 from . import messages as m
 from .relay import Relay
 

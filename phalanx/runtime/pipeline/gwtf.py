@@ -1,6 +1,6 @@
 """GWTF routing over the transport: the runtime carries the flow state machine's messages.
 
-`FlowDriver` owns one `phalanx.algorithms.flow.FlowNode` per pipeline node. It
+`FlowDriver` owns one `phalanx.algorithms.gwtf.flow.FlowNode` per pipeline node. It
 learns its neighbours from the stage directory, measures the edge cost of
 Eq. 1 (own compute seconds per microbatch, the COMPLETE round trip to a
 next-stage peer, which holds transfer, latency and the peer's compute),
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ...algorithms.flow import DATA, FlowConfig, FlowMessage, FlowNode, edge_cost, from_wire, to_wire
+from ...algorithms.gwtf.flow import DATA, FlowConfig, FlowMessage, FlowNode, edge_cost, from_wire, to_wire
 from ...core.serialization import decode, encode
 from ...transport.base import Transport
 from .routing import RepairRouter, Router

@@ -31,16 +31,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...algorithms.link_attacks import ACTIVATION, GRADIENT
-from ...algorithms.sentinel import BACKWARD as CHECK_BACKWARD, FORWARD as CHECK_FORWARD
+from ...algorithms.sentinel.attacks import ACTIVATION, GRADIENT
+from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD, FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, PeerTimeout, PeerUnreachable, PhalanxError, RemoteError
 from ...core.serialization import check_tensor, decode, digest, encode
 from ...training.task import Task, num_params
 from ...transport.base import Transport
-from ...algorithms.btard_attacks import ProtocolPolicy
-from ..btard import BTARDConfig
-from ..butterfly import AllReduceConfig, ButterflyAllReduce, Reducer
-from ..dp_peer import TrainConfig, make_optimizer
+from ...algorithms.btard.attacks import ProtocolPolicy
+from ..rounds.btard import BTARDConfig
+from ..rounds.butterfly import AllReduceConfig, ButterflyAllReduce, Reducer
+from ..dp.peer import TrainConfig, make_optimizer
 from . import messages as m
 from .config import PipelineConfig
 from .gwtf import FlowDriver

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ...algorithms.placement import UtilQuery, flood_step, leader
+from ...algorithms.gwtf.placement import UtilQuery, flood_step, leader
 from ...core.errors import Evidence, PhalanxError, RemoteError
 from ...core.serialization import decode, encode
 from ...transport.base import Transport

@@ -1,6 +1,6 @@
 """BTARD per pipeline stage: the replicas of a relay stage aggregate its parameters with BTARD's secure round.
 
-Each replica of stage s runs one `SecureRound` (runtime/btard.py, unchanged in substance) per
+Each replica of stage s runs one `SecureRound` (runtime/rounds/btard.py, unchanged in substance) per
 iteration over its stage vector (`node.contribution`). The round sees the node's transport
 through a `StageView`:
 - broadcasts (joins, commitments, aggregate commitments, metadata, reports, MPRNG) go only to the
@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...algorithms.btard_attacks import ProtocolPolicy
-from ...algorithms.bans import BanLedger
+from ...algorithms.btard.attacks import ProtocolPolicy
+from ...algorithms.btard.bans import BanLedger
 from ...core.envelope import SignedEnvelope
 from ...core.errors import Evidence, RemoteError
 from ...core.serialization import encode
 from ...transport.base import BOARD_TOPIC, BROADCAST_TOPIC, Transport
 from ...transport.broadcast import BroadcastBoard
-from ..btard import BTARDConfig, SecureRound
-from ..butterfly import AllReduceConfig, AllReduceResult
+from ..rounds.btard import BTARDConfig, SecureRound
+from ..rounds.butterfly import AllReduceConfig, AllReduceResult
 from . import messages as m
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 A `VerifierHop` sits on the path of pipeline traffic. Every activation a
 stage sends forward and every activation gradient it sends back reaches the
 hop wrapped in a VIA request (`to` = the intended receiver); the hop judges
-the tensor with `algorithms.sentinel.Sentinel`, delivers what the verdict
+the tensor with `algorithms.sentinel.statistics.Sentinel`, delivers what the verdict
 says to pass on (unchanged forward, or the activation momentum with
 `forward_response=substitute`; the gradient momentum for a flagged or tainted
 gradient), and returns the receiver's answer word to the sender.
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...algorithms.sentinel import BACKWARD, FORWARD, Sentinel, SentinelConfig, Verdict
+from ...algorithms.sentinel.statistics import BACKWARD, FORWARD, Sentinel, SentinelConfig, Verdict
 from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
 from ...core.serialization import encode
 from ...transport.base import Transport

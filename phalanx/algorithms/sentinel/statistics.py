@@ -1,0 +1,731 @@
+"""SENTINEL: momentum statistics that verify the traffic between pipeline stages.
+
+A trusted verifier sees every activation a stage sends forward over a link and
+every activation gradient the next stage sends back over it. For each link and
+direction it keeps an exponential moving average (EMA) of what honest traffic
+looks like, measures how far each incoming tensor lies from it, and flags the
+tensor when the distances leave adaptive Tukey fences. Flagged tensors do not
+update the EMA; a flagged (or tainted) gradient is replaced by the gradient
+momentum; repeated flags ban the sending worker. Pure: no I/O, no clock.
+
+Choices where the paper is silent (each is a `SentinelConfig` field):
+
+* **Per feature, not per coordinate.** Two microbatches hold different text,
+  so coordinate (b, t, c) of one has no relation to coordinate (b, t, c) of
+  the next: a per-coordinate EMA averages unrelated tokens, and a distance
+  taken coordinate by coordinate is dominated by the data's own spread (an
+  all-zero tensor is then about as far from the EMA as an honest one). The
+  statistics are therefore taken over the last axis (features) with every
+  other axis pooled: the per-feature mean over the B*T token vectors (token
+  noise shrinks by sqrt(B*T), so mean shifts, sign changes and scalings stand
+  out), plus the quantile functions of the token vectors projected on random
+  directions (the distribution's shape, for attacks that keep the mean). This
+  is also independent of the microbatch size and sequence length, and costs
+  O(C) memory per link instead of O(B*T*C).
+* **Distances** (on the per-feature mean m_x of the tensor and the EMA m):
+  ``l1`` mean |m_x - m|; ``l2`` ||m_x - m|| / ||m|| (normalized Euclidean);
+  ``sign`` the fraction of features with sign(m_x) != sign(m) (a zero counts
+  as a flip); ``swd`` the sliced 1-Wasserstein distance: mean over
+  `projections` seeded random unit directions and `quantiles` levels of
+  |Q_x - Q|, where Q is the EMA of the projected quantile functions (in 1-D the
+  average of quantile functions is the Wasserstein barycentre, so Q is the
+  EMA's distribution).
+* **Staleness: ``bind``.** The distances above compare a tensor with the
+  link's history, so a replayed tensor (delay: an honest tensor of another
+  microbatch, sent many steps earlier) passes them all. ``bind`` ties a
+  stage's output to its input for the same microbatch: the verifier records a
+  sketch of what it delivers to a stage (its input forward, the gradient of
+  its output backward: token vectors centred per position, projected on
+  `bind_projections` seeded directions) and compares the stage's own output
+  with it: 1 - linear CKA of the two sketches. A stage maps each token's input
+  to its output, so the token-by-token similarity structure carries over
+  (CKA 0.3-0.9 for honest tensors here); an output of another microbatch keeps
+  none of it (CKA 0.01-0.05, ``bind`` near 1), whatever the delay. Above its
+  fence, ``bind`` counts only beyond `bind_floor` (0.9): late in training an
+  honest stage's gradient can drift far from the window (CKA 0.1-0.5) while
+  still far from unrelated; below its lower fence (an output that copies its
+  input) it counts as usual.
+* **``align``** (optional): the cosine of the same two sketches. Sign-aware
+  where ``bind`` is not: a white-box attacker's negated gradient passes
+  ``sign`` (noise on a gradient's near-zero per-feature means), ``swd`` and
+  ``bind``, not ``align``.
+* **Tainted microbatches.** A forward tensor of a microbatch flagged upstream
+  is judged on ``bind`` alone (its stage was fed a tampered input, so only the
+  comparison with that input says something about it), from
+  `tainted_bind_floor`, against its sender alone.
+* **Fences.** Tukey fences (or, `fence="median"`, median -+ (k + 1/2)*2*MAD,
+  whose breakdown point is 50% instead of 25%) over the last `window` accepted distances:
+  [Q1 - k*IQR, Q3 + k*IQR] with k = 5 (wider than Tukey's "far out" 3, which
+  flagged ~0.4% of honest GPT traffic; 5 flags ~0.1%). l1, l2 and swd are
+  fenced on a log scale (`log_fences`): they are positive and right-skewed,
+  and training drift scales them. The lower fence matters: a tensor that
+  copies the EMA is implausibly close to it. The IQR is floored (`min_spread`
+  in log units, one feature's resolution 1/C for ``sign``) so a window of
+  near-identical values does not turn every wiggle into a flag.
+* **Warm-up.** The first `warmup` tensors of each link and direction are
+  trusted (the paper's honest warm-up): they build the EMA and the windows.
+* **Vote.** A tensor is flagged when `vote` of the distances (any, majority,
+  all) are outside their fences. Malformed tensors (wrong feature size,
+  non-finite values) are always flagged.
+* **Detect-only** (`detect_only`): everything above runs, but the strike rule
+  only *convicts* (reported in `Verdict.convicted`), nobody is banned, so F1
+  can be measured over every tampered tensor of a run.
+* **Protocol breaches** (`reject`): a tensor whose sender forged or dropped a
+  hop signature is flagged against the sender alone (no upstream blame).
+* **Strikes.** A worker is banned when `strikes` of the last `strike_window`
+  microbatches it handled carry a flag against it (one strike per microbatch).
+  A flag is held against the sender and against every worker the verifier saw
+  sending that microbatch forward upstream of it: an activation gradient is
+  odd when the activation that produced it was odd, and an attacker whose
+  forward tensors pass the fences (delay, adaptive) shows up as odd gradients
+  from the honest workers after it. Random routing spreads that blame over
+  the honest workers while the attacker collects all of it; once a worker is
+  banned, the strikes it shared with others are taken off them (explained).
+* **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
+  moving, as in the paper's figure 5) and the microbatch is tainted: later
+  checks of it downstream are on ``bind`` alone (above), and every gradient of
+  it from the flagged worker's stage back is replaced by the gradient momentum
+  (the link's EMA per-feature mean broadcast to the tensor's shape). Backward,
+  a flagged gradient is replaced the same way, and the gradients computed from
+  a substitute further back are passed on without being judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ...core.errors import ConfigError
+from ...core.rng import torch_stream
+
+DISTANCES = ("l1", "l2", "sign", "swd", "bind", "align")
+BOUND = ("bind", "align")  # distances between a stage's output and its own input for the same microbatch
+MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
+VOTES = ("any", "majority", "all")
+FENCES = ("tukey", "median")
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass(frozen=True)
+class SentinelConfig:
+    """Every unknown of the paper, with the value chosen here."""
+
+    beta_h: float = 0.9  # EMA factor of activations (paper's default; 0 = last accepted tensor)
+    beta_g: float = 0.8  # EMA factor of activation gradients (paper's default)
+    distances: str = "sign,swd,bind"  # comma-separated subset of DISTANCES (chosen by the vote ablation: docs/notes/issue-16.md)
+    vote: str = "any"  # how many out-of-fence distances flag a tensor: any, majority or all
+    k: float = 5.0  # Tukey multiplier; 3 ("far out") gave ~0.4% false flags on the GPT's traffic, 5 about 0.1%
+    window: int = 64  # accepted distances kept per link, direction and distance
+    warmup: int = 200  # trusted tensors per link and direction before any flag (covers the fast early drift)
+    two_sided: bool = True  # also flag distances below the lower fence (copies of the EMA)
+    log_fences: bool = True  # fence log(l1), log(l2), log(swd): they are positive and right-skewed
+    min_spread: float = 0.05  # IQR floor of the fenced values (log units: 5%); sign's floor is 1/C
+    projections: int = 16  # random directions of the sliced Wasserstein distance
+    bind_projections: int = 32  # random directions of the input/output sketches of the ``bind`` distance
+    bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
+    tainted_bind_floor: float = 0.95  # the same on a microbatch tainted upstream (its input is suspect); replays score 0.958+
+    quantiles: int = 32  # levels of each projected quantile function
+    strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
+    strike_window: int = 8
+    seed: int = 0  # run seed of the projection streams
+    fence: str = "tukey"  # tukey: [Q1 - k*IQR, Q3 + k*IQR]; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%, not 25%)
+    learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
+    detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
+
+    def __post_init__(self) -> None:
+        for key in ("beta_h", "beta_g"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1)")
+        names = self.distance_names
+        if not names or any(n not in DISTANCES for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"sentinel.distances={self.distances!r} must be distinct names from {', '.join(DISTANCES)}")
+        if self.vote not in VOTES:
+            raise ConfigError(f"sentinel.vote={self.vote!r} must be one of {', '.join(VOTES)}")
+        if self.fence not in FENCES:
+            raise ConfigError(f"sentinel.fence={self.fence!r} must be one of {', '.join(FENCES)}")
+        if not (math.isfinite(self.learn_k) and 0 <= self.learn_k):
+            raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
+        if not (math.isfinite(self.k) and self.k > 0):
+            raise ConfigError(f"sentinel.k={self.k} must be a positive number")
+        if self.window < 4:
+            raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
+        if self.warmup < 5:
+            raise ConfigError(f"sentinel.warmup={self.warmup} must be >= 5 (fences need at least 4 distances)")
+        for key in ("bind_floor", "tainted_bind_floor"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1]")
+        if not 0.0 <= self.min_spread < 1.0:
+            raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
+        for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be >= 1")
+        if self.strikes > self.strike_window:
+            raise ConfigError(f"sentinel.strikes={self.strikes} must be <= sentinel.strike_window={self.strike_window}")
+
+    @property
+    def distance_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.distances.split(",") if n.strip())
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the statistics keep of one tensor: per-feature mean and projected quantiles."""
+
+    mean: Tensor  # [C]
+    quantiles: Tensor  # [quantiles, projections]
+
+
+@dataclass(frozen=True)
+class Fence:
+    low: float
+    high: float
+
+    def contains(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's decision on one tensor.
+
+    `flagged` is detection (fences or a malformed tensor); `substitute`, set
+    only backward, is what the verifier sends on instead of the tensor (the
+    gradient momentum), for a flagged gradient or one from a worker flagged on
+    the same microbatch forward (`reason` "tainted").
+    """
+
+    link: int
+    direction: str
+    worker: str
+    microbatch: Hashable
+    flagged: bool
+    reason: str  # ok, warmup, fence, malformed, tainted, banned
+    distances: tuple[tuple[str, float], ...] = ()
+    outside: tuple[str, ...] = ()  # distances outside their fences
+    bans: tuple[str, ...] = ()  # workers this verdict's strikes banned
+    convicted: tuple[str, ...] = ()  # workers this verdict's strikes brought to the strike rule (banned unless detect-only)
+    suspects: tuple[str, ...] = ()  # workers a flag was held against (the sender and, if blamed, its upstream)
+    substitute: Tensor | None = field(default=None, repr=False)
+
+    def passed_on(self, tensor: Tensor) -> Tensor:
+        """The tensor the verifier sends on: the substitute if any, else the tensor."""
+        return tensor if self.substitute is None else self.substitute
+
+
+# ---------------------------------------------------------------------------
+# pure statistics
+
+
+def tukey_fence(values: list[float] | tuple[float, ...], k: float, floor: float = 0.0) -> Fence:
+    """[Q1 - k*IQR, Q3 + k*IQR] with quartiles by linear interpolation (numpy's default).
+
+    The IQR used is max(IQR, floor).
+    """
+    if len(values) < 2:
+        raise ValueError(f"a fence needs at least 2 values, got {len(values)}")
+    ordered = sorted(values)
+    q1, q3 = _quantile(ordered, 0.25), _quantile(ordered, 0.75)
+    spread = max(q3 - q1, floor)
+    return Fence(q1 - k * spread, q3 + k * spread)
+
+
+def median_fence(values: list[float] | tuple[float, ...], k: float, floor: float = 0.0) -> Fence:
+    """median -+ (k + 1/2) * max(2*MAD, floor): Tukey's fence where the data are symmetric (Q3 - median =
+    MAD, IQR = 2*MAD), but with a 50% breakdown point instead of 25%.
+
+    Why it matters: an adversary that controls a fraction e of the window and places its values at the
+    upper fence moves Q3 onto its own values once e >= 1/4, so each Tukey fence lies k*IQR beyond the last
+    one and the fence drifts without bound. The median and the MAD stay between honest quantiles (at most
+    the honest 0.5/(1-e) quantile) for any e < 1/2, so this fence stays bounded against a contaminated
+    window (not against honest values that move because honest stages are fed tampered inputs).
+    """
+    if len(values) < 2:
+        raise ValueError(f"a fence needs at least 2 values, got {len(values)}")
+    ordered = sorted(values)
+    mid = _quantile(ordered, 0.5)
+    mad = _quantile(sorted(abs(v - mid) for v in ordered), 0.5)
+    half = (k + 0.5) * max(2 * mad, floor)
+    return Fence(mid - half, mid + half)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def projections(seed: int, link: int, direction: str, features: int, count: int) -> Tensor:
+    """Seeded random unit directions [features, count] of a link's sliced Wasserstein distance."""
+    gen = torch_stream(seed, "sentinel-projections", link, direction, features)
+    dirs = torch.randn(features, count, generator=gen)
+    return dirs / dirs.norm(dim=0, keepdim=True)
+
+
+def summarize(tensor: Tensor, proj: Tensor, levels: int) -> Summary:
+    """Per-feature mean and projected quantile functions of a tensor [..., C]."""
+    rows = tensor.detach().reshape(-1, tensor.shape[-1]).float()
+    mean = rows.mean(dim=0)
+    projected = rows @ proj  # [N, P]
+    grid = (torch.arange(levels, dtype=torch.float32) + 0.5) / levels
+    return Summary(mean, torch.quantile(projected, grid, dim=0))
+
+
+def distances(x: Summary, ref: Summary, names: tuple[str, ...] = DISTANCES) -> dict[str, float]:
+    """Distances of a tensor's summary to the reference (the EMA), by name."""
+    out = {}
+    diff = x.mean - ref.mean
+    for name in names:
+        if name == "l1":
+            out[name] = diff.abs().mean().item()
+        elif name == "l2":
+            out[name] = (diff.norm() / ref.mean.norm().clamp_min(1e-30)).item()
+        elif name == "sign":
+            out[name] = (torch.sign(x.mean) != torch.sign(ref.mean)).float().mean().item()
+        elif name == "swd":
+            out[name] = (x.quantiles - ref.quantiles).abs().mean().item()
+        elif name in BOUND:
+            continue  # needs the stage's input for the same microbatch: see `binding` and `align`
+        else:
+            raise ValueError(f"unknown distance {name!r}; known: {', '.join(DISTANCES)}")
+    return out
+
+
+def bind_sketch(tensor: Tensor, proj: Tensor) -> Tensor:
+    """The token vectors of a tensor [..., C] projected on `proj` [C, P], for the ``bind`` distance.
+
+    A tensor [B, T, C] with B > 1 is centred per position (the mean over the
+    batch at each position is taken off), so what remains is what the text of
+    this microbatch puts there, not what every microbatch shares (positions)."""
+    t = tensor.detach().float()
+    if t.dim() >= 3 and t.shape[0] > 1:
+        t = t - t.mean(dim=0, keepdim=True)
+    return t.reshape(-1, t.shape[-1]) @ proj
+
+
+def binding(inp: Tensor, out: Tensor) -> float | None:
+    """1 - linear CKA between a stage's input and output sketches of one microbatch (None: not comparable).
+
+    A stage maps each token's input to its output, so tokens that look alike
+    coming in look alike going out: the token-by-token similarity structure of
+    the output follows the input's (linear CKA is high, about 0.4-0.8 here).
+    An output replayed from another microbatch (a stale tensor) or made up
+    loses that structure: CKA falls near 0, so the distance rises near 1.
+    """
+    if inp.shape != out.shape or inp.shape[0] < 2:
+        return None
+    a = inp - inp.mean(dim=0, keepdim=True)
+    b = out - out.mean(dim=0, keepdim=True)
+    norm = (a.T @ a).norm() * (b.T @ b).norm()
+    if not torch.isfinite(norm) or norm.item() <= 1e-30:
+        return None
+    return 1.0 - ((b.T @ a).pow(2).sum() / norm).item()
+
+
+def align(inp: Tensor, out: Tensor) -> float | None:
+    """The cosine between a stage's output sketch and its input sketch for one microbatch (None: not
+    comparable): <a, b> / (|a| |b|) over the centred sketches.
+
+    Where ``bind`` (CKA) is blind to sign, this is not: a residual block's
+    output is its input plus a correction, and its input gradient is the
+    output's gradient plus a correction, so the cosine is clearly positive
+    (0.5-0.98 on the GPT's block stages); a negated tensor makes it negative. It is scale-invariant,
+    so an honest stage fed a scaled input (a LayerNorm undoes the scale) keeps
+    its value, and it is anchored on what the verifiers delivered to the stage:
+    relays cannot feed it, only ride its fence. (A slope <a, b> / <a, a> would
+    also see scaling, but an honest stage behind a LayerNorm fed a scaled
+    input changes its slope too: measured, it flagged the honest head.)
+    """
+    if inp.shape != out.shape or inp.shape[0] < 2:
+        return None
+    a = inp - inp.mean(dim=0, keepdim=True)
+    b = out - out.mean(dim=0, keepdim=True)
+    norm = a.norm() * b.norm()
+    if not torch.isfinite(norm) or norm.item() <= 1e-30:
+        return None
+    value = ((a * b).sum() / norm).item()
+    return value if math.isfinite(value) else None
+
+
+def ema(old: Summary, new: Summary, beta: float) -> Summary:
+    """beta * old + (1 - beta) * new, field by field."""
+    return Summary(old.mean * beta + new.mean * (1 - beta), old.quantiles * beta + new.quantiles * (1 - beta))
+
+
+def vote(outside: int, total: int, rule: str) -> bool:
+    """Whether `outside` of `total` out-of-fence distances flag a tensor under `rule`."""
+    if rule == "any":
+        return outside >= 1
+    if rule == "majority":
+        return 2 * outside > total
+    if rule == "all":
+        return outside == total
+    raise ValueError(f"unknown vote {rule!r}; known: {', '.join(VOTES)}")
+
+
+def _scaled(name: str, value: float, config: SentinelConfig) -> float:
+    """The scale the fences work on: log for the magnitudes (l1, l2, swd) when `log_fences`."""
+    if name not in MAGNITUDES or not config.log_fences:
+        return value
+    return math.log(max(value, 1e-300))
+
+
+# ---------------------------------------------------------------------------
+# the verifier's state machine
+
+
+class _Track:
+    """EMA, projections and distance windows of one link and direction."""
+
+    def __init__(self, names: tuple[str, ...], window: int) -> None:
+        self.ref: Summary | None = None
+        self.proj: Tensor | None = None
+        self.accepted = 0
+        self.windows = {n: deque(maxlen=window) for n in names}
+
+
+class Sentinel:
+    """The statistics of every link a verifier watches, and the strike ledger.
+
+    A runtime verifier calls `check_forward` for each activation a worker sends
+    over a link and `check_backward` for each activation gradient, then sends
+    on `verdict.passed_on(tensor)`. `link` s is the boundary between stages s
+    and s+1: forward tensors on it come from stage s, backward ones from stage
+    s+1. `banned()` is the set routing must avoid.
+    """
+
+    def __init__(self, config: SentinelConfig | None = None) -> None:
+        self.config = config or SentinelConfig()
+        self._names = self.config.distance_names
+        self._tracks: dict[tuple[int, str], _Track] = {}
+        self._history: dict[str, deque[list]] = {}  # worker -> [microbatch, flagged, co-suspects] of its last microbatches
+        self._paths: dict[Hashable, dict[int, str]] = {}  # microbatch -> forward sender per link
+        self._banned: set[str] = set()
+        self._convicted: set[str] = set()  # reached the strike rule (banned, or only reported in detect-only mode)
+        self._tainted: dict[Hashable, tuple[int, str]] = {}  # microbatch -> (link, worker) of its forward flag
+        self._replaced: dict[Hashable, int] = {}  # microbatch -> backward link where a substitute was sent
+        self._inputs: dict[Hashable, dict[tuple[int, str], Tensor]] = {}  # microbatch -> (stage, direction) -> sketch
+        self._bind_proj: dict[int, Tensor] = {}  # features -> projection of the bind sketches
+
+    def banned(self) -> frozenset[str]:
+        return frozenset(self._banned)
+
+    def convicted(self) -> frozenset[str]:
+        """Workers that reached the strike rule: the banned ones, or in detect-only mode those that would be."""
+        return frozenset(self._convicted)
+
+    def check_forward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor,
+                      upstream: Mapping[int, str] | None = None) -> Verdict:
+        """Judge an activation `worker` sends over `link`; it is passed on unchanged either way.
+
+        `upstream` (link -> sender) names who sent the microbatch forward over
+        earlier links, for a verifier that did not see those links itself (one
+        verifier per boundary); links it saw keep what it saw.
+        """
+        self._learn_path(microbatch, upstream)
+        origin = self._tainted.get(microbatch)
+        if origin is not None and link > origin[0]:
+            return self._check_bound(link, worker, microbatch, tensor)
+        verdict = self._check(link, FORWARD, worker, microbatch, tensor, learn=True)
+        if verdict.flagged and origin is None:
+            self._tainted[microbatch] = (link, worker)
+        return verdict
+
+    def check_backward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor,
+                       upstream: Mapping[int, str] | None = None) -> Verdict:
+        """Judge an activation gradient `worker` sends back over `link`; send on `verdict.passed_on(tensor)`.
+
+        Gradients of a microbatch flagged forward at link s are replaced from
+        link s - 1 onwards (judged only when they come from the flagged worker).
+        Gradients computed from a substitute are passed on but not judged: they
+        are honest work on a tensor the verifier itself made. `upstream` as in
+        `check_forward`.
+        """
+        self._learn_path(microbatch, upstream)
+        origin = self._tainted.get(microbatch)
+        replaced = self._replaced.get(microbatch)
+        if origin is not None and link >= origin[0] - 1:
+            if link == origin[0] - 1 and worker == origin[1]:
+                verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=False)
+            else:
+                verdict = Verdict(link, BACKWARD, worker, microbatch, False, "tainted")
+        elif replaced is not None and link < replaced:
+            verdict = Verdict(link, BACKWARD, worker, microbatch, False, "tainted")
+        else:
+            verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=True)
+        if link == 0:
+            self.forget(microbatch)
+        if not (verdict.flagged or verdict.reason == "banned" or origin is not None and link >= origin[0] - 1):
+            return verdict
+        if link > 0:
+            self._replaced[microbatch] = link
+        reason = "tainted" if verdict.reason in ("ok", "warmup") else verdict.reason
+        return dataclasses.replace(verdict, reason=reason, substitute=self.momentum(link, tensor))
+
+    def reject(self, link: int, direction: str, worker: str, microbatch: Hashable, reason: str, like: Tensor) -> Verdict:
+        """Flag a tensor whose sender broke the protocol around it (a forged or missing hop signature), held
+        against the sender alone, with the usual response: forward, the microbatch is tainted; backward, the
+        gradient momentum is sent instead."""
+        if worker in self._banned:
+            return Verdict(link, direction, worker, microbatch, True, "banned")
+        verdict = self._strike(Verdict(link, direction, worker, microbatch, True, reason), blame_upstream=False)
+        if direction == FORWARD:
+            self._tainted.setdefault(microbatch, (link, worker))
+            return verdict
+        if link > 0:
+            self._replaced[microbatch] = link
+        return dataclasses.replace(verdict, substitute=self.momentum(link, like))
+
+    def forget(self, microbatch: Hashable) -> None:
+        """Drop what is remembered of a microbatch (done at its link-0 backward check; call it
+        when a microbatch's backward will not come: crash, reroute)."""
+        self._tainted.pop(microbatch, None)
+        self._replaced.pop(microbatch, None)
+        self._paths.pop(microbatch, None)
+        self._inputs.pop(microbatch, None)
+
+    @property
+    def binds(self) -> bool:
+        """Whether ``bind`` or ``align`` is used (then verifiers record what they deliver to each stage)."""
+        return any(n in self._names for n in BOUND)
+
+    def sketch(self, tensor: Tensor) -> Tensor:
+        """The bind sketch of a tensor (directions seeded by the run and the feature count, shared by every link)."""
+        features = tensor.shape[-1]
+        if features not in self._bind_proj:
+            self._bind_proj[features] = projections(self.config.seed, -1, "bind", features, self.config.bind_projections)
+        return bind_sketch(tensor, self._bind_proj[features])
+
+    def record_input(self, microbatch: Hashable, stage: int, direction: str, sketch: Tensor) -> None:
+        """What was delivered to `stage` for `microbatch` in `direction` (its forward input, or the gradient of
+        its output); the stage's own output in that direction is then bound to it. A boundary verifier
+        records what it delivers and passes the sketch to the verifier of the stage's outgoing link."""
+        self._inputs.setdefault(microbatch, {})[(stage, direction)] = sketch
+
+    def mark_tainted(self, microbatch: Hashable, link: int, worker: str) -> None:
+        """Another verifier flagged `worker`'s activation of `microbatch` on `link` (as `check_forward` would here)."""
+        self._tainted.setdefault(microbatch, (link, worker))
+
+    def mark_replaced(self, microbatch: Hashable, link: int) -> None:
+        """Another verifier sent the momentum instead of `microbatch`'s gradient on `link`."""
+        if link > 0:
+            self._replaced[microbatch] = max(link, self._replaced.get(microbatch, link))
+
+    def taint_of(self, microbatch: Hashable) -> tuple[int, str] | None:
+        """(link, worker) of the forward flag that tainted a microbatch, if any."""
+        return self._tainted.get(microbatch)
+
+    def ban(self, worker: str) -> None:
+        """Ban `worker` on another verifier's word (its traffic is refused from now on)."""
+        if worker not in self._banned:
+            self._convict(worker)
+            self._banned.add(worker)
+
+    def momentum(self, link: int, like: Tensor, direction: str = BACKWARD) -> Tensor:
+        """The momentum of a link and direction (default: the gradient momentum), broadcast to `like`'s
+        shape (zeros before any EMA)."""
+        track = self._tracks.get((link, direction))
+        if track is None or track.ref is None or track.ref.mean.shape[0] != like.shape[-1]:
+            return torch.zeros_like(like)
+        return track.ref.mean.to(like.dtype).expand(like.shape).clone()
+
+    def reference(self, link: int, direction: str) -> Summary | None:
+        """The EMA of a link and direction (None before the first tensor)."""
+        track = self._tracks.get((link, direction))
+        return None if track is None else track.ref
+
+    def fences(self, link: int, direction: str) -> dict[str, Fence] | None:
+        """Current fences per distance (on the fenced scale: log for l1/l2/swd), None while warming up."""
+        track = self._tracks.get((link, direction))
+        if track is None or track.accepted < self.config.warmup:
+            return None
+        return {n: self._fence(track, n) for n in self._names if len(track.windows[n]) >= 4}
+
+    def probe(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> tuple[str, ...] | None:
+        """The distances a tensor would have outside the fences, without any state change.
+
+        None while warming up (anything passes). With `microbatch`, ``bind`` is
+        measured against that microbatch's recorded input. This is the white-box
+        view an adaptive attacker is granted in experiments; the verifier never needs it.
+        """
+        track = self._tracks.get((link, direction))
+        fences = self.fences(link, direction)
+        if fences is None or track is None or not self._well_formed(track, tensor):
+            return None if fences is None else tuple(self._names)
+        summary = summarize(tensor, track.proj, self.config.quantiles)
+        return self._outside(track, self._distances(track, link, direction, microbatch, tensor, summary))
+
+    def would_accept(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> bool:
+        """Whether `tensor` would pass the vote right now (no state change; True while warming up)."""
+        track = self._tracks.get((link, direction))
+        if self.fences(link, direction) is None or track is None:
+            return True
+        if not self._well_formed(track, tensor):
+            return False
+        summary = summarize(tensor, track.proj, self.config.quantiles)
+        dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        return not vote(len(self._outside(track, dist)), self._voters(track, dist), self.config.vote)
+
+    # -- internals ---------------------------------------------------------
+
+    def _learn_path(self, microbatch: Hashable, upstream: Mapping[int, str] | None) -> None:
+        if upstream:
+            path = self._paths.setdefault(microbatch, {})
+            for link, worker in upstream.items():
+                path.setdefault(link, worker)
+
+    def _check(self, link: int, direction: str, worker: str, microbatch: Hashable, tensor: Tensor,
+               learn: bool) -> Verdict:
+        if worker in self._banned:
+            return Verdict(link, direction, worker, microbatch, True, "banned")
+        track = self._tracks.setdefault((link, direction), _Track(self._names, self.config.window))
+        if not self._well_formed(track, tensor):
+            return self._strike(Verdict(link, direction, worker, microbatch, True, "malformed"))
+        if track.proj is None:
+            track.proj = projections(self.config.seed, link, direction, tensor.shape[-1], self.config.projections)
+        summary = summarize(tensor, track.proj, self.config.quantiles)
+        if track.ref is None:
+            if learn:
+                track.ref, track.accepted = summary, 1
+            return Verdict(link, direction, worker, microbatch, False, "warmup")
+        dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        named = tuple(dist.items())
+        if track.accepted < self.config.warmup:
+            if learn:
+                self._accept(track, direction, summary, dist)
+            return Verdict(link, direction, worker, microbatch, False, "warmup", named)
+        outside = self._outside(track, dist)
+        flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
+        if learn and not flagged and self._inner(track, dist):
+            self._accept(track, direction, summary, dist)
+        verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
+        return self._strike(verdict, blame_upstream=learn)  # learn=False: the sender's own forward flag explains it
+
+    def _check_bound(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
+        """An activation of a microbatch tainted upstream: the stage computed on a tampered input, so the
+        link's statistics say nothing about its sender, but ``bind`` still does (it compares the stage's
+        output with the input this microbatch actually delivered to it). Judged on ``bind`` alone, never
+        learned, only above its upper fence (and `tainted_bind_floor`), a flag held against the sender alone;
+        otherwise passed as "tainted". Without this, a second
+        attacker on a microbatch the first one tainted is never judged."""
+        tainted = Verdict(link, FORWARD, worker, microbatch, False, "tainted")
+        track = self._tracks.get((link, FORWARD))
+        if ("bind" not in self._names or track is None or track.ref is None or track.accepted < self.config.warmup
+                or worker in self._banned or not self._well_formed(track, tensor)):
+            return tainted
+        inp = self._inputs.get(microbatch, {}).get((link, FORWARD))
+        bound = None if inp is None else binding(inp, self.sketch(tensor))
+        if bound is None:
+            return tainted
+        dist = {"bind": bound}
+        # only "unrelated to its input" counts here: a stage fed a replayed or made-up input may well bind to
+        # it more tightly than usual (below the lower fence), which says nothing against the stage, or more
+        # loosely (the honest head fed random noise: 0.90-0.92), so the floor is higher than `bind_floor`
+        outside = tuple(n for n in self._outside(track, dist)
+                        if bound > max(self._fence(track, n).high, self.config.tainted_bind_floor))
+        if not outside:
+            return dataclasses.replace(tainted, distances=tuple(dist.items()))
+        verdict = Verdict(link, FORWARD, worker, microbatch, True, "fence", tuple(dist.items()), outside)
+        return self._strike(verdict, blame_upstream=False)
+
+    def _well_formed(self, track: _Track, tensor: Tensor) -> bool:
+        if not isinstance(tensor, Tensor) or tensor.dim() < 1 or tensor.numel() == 0 or not tensor.is_floating_point():
+            return False
+        if track.ref is not None and tensor.shape[-1] != track.ref.mean.shape[0]:
+            return False
+        return bool(torch.isfinite(tensor).all())
+
+    def _accept(self, track: _Track, direction: str, summary: Summary, dist: dict[str, float]) -> None:
+        beta = self.config.beta_h if direction == FORWARD else self.config.beta_g
+        track.ref = ema(track.ref, summary, beta)
+        track.accepted += 1
+        for name, value in dist.items():
+            track.windows[name].append(_scaled(name, value, self.config))
+
+    def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
+                   summary: Summary) -> dict[str, float]:
+        dist = distances(summary, track.ref, self._names)
+        if self.binds:
+            stage = link if direction == FORWARD else link + 1
+            inp = self._inputs.get(microbatch, {}).get((stage, direction))
+            if inp is not None:
+                out = self.sketch(tensor)
+                for name, measure in (("bind", binding), ("align", align)):
+                    value = measure(inp, out) if name in self._names else None
+                    if value is not None:
+                        dist[name] = value
+        return dist
+
+    def _inner(self, track: _Track, dist: dict[str, float]) -> bool:
+        """Whether an accepted tensor may update the baseline: with `learn_k`, only when every distance lies
+        inside the narrower fences (an attacker riding the edge of the k-fences cannot drag the baseline)."""
+        if self.config.learn_k <= 0:
+            return True
+        return all(self._fence(track, n, self.config.learn_k).contains(_scaled(n, dist[n], self.config))
+                   for n in dist if len(track.windows[n]) >= 4)
+
+    def _voters(self, track: _Track, dist: dict[str, float]) -> int:
+        """How many distances take part in the vote: those measured that have a fence."""
+        return sum(1 for n in dist if len(track.windows[n]) >= 4)
+
+    def _outside(self, track: _Track, dist: dict[str, float]) -> tuple[str, ...]:
+        """Distances outside their fences (a distance without enough history, e.g. ``bind`` whose input
+        sketch was missing for most tensors, is not fenced yet)."""
+        return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
+                     and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
+                     and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high))
+
+    def _fence(self, track: _Track, name: str, k: float | None = None) -> Fence:
+        fence = median_fence if self.config.fence == "median" else tukey_fence
+        floor = 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
+        return fence(list(track.windows[name]), self.config.k if k is None else k, floor)
+
+    def _strike(self, verdict: Verdict, blame_upstream: bool = True) -> Verdict:
+        mb = verdict.microbatch
+        if verdict.direction == FORWARD:
+            self._paths.setdefault(mb, {})[verdict.link] = verdict.worker
+        # everyone upstream of the sender handled this microbatch: a flag may be explained by what flowed into
+        # the sender (it is then held against them too), and a clean tensor counts in their histories as well,
+        # so that a verifier several links downstream does not see only their flagged microbatches
+        handlers = {verdict.worker}
+        if blame_upstream:
+            bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
+            handlers |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
+        suspects = handlers if verdict.flagged else {verdict.worker}
+        convicted = []
+        for worker in [verdict.worker, *sorted(handlers - {verdict.worker})]:
+            if worker in self._convicted:
+                continue
+            others = suspects - {worker} if verdict.flagged else set()
+            flagged = verdict.flagged and not others & self._convicted  # explained by a worker convicted just now
+            history = self._history.setdefault(worker, deque(maxlen=self.config.strike_window))
+            entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
+            if entry is None:
+                history.append([mb, flagged, others if flagged else set()])
+            elif flagged:
+                entry[1] = True
+                entry[2] |= others
+            if sum(e[1] for e in history) >= self.config.strikes:
+                self._convict(worker)
+                convicted.append(worker)
+        if not self.config.detect_only:
+            self._banned.update(convicted)
+        blamed = tuple(sorted(suspects)) if verdict.flagged else ()
+        if not (convicted or blamed):
+            return verdict
+        bans = () if self.config.detect_only else tuple(convicted)
+        return dataclasses.replace(verdict, bans=bans, convicted=tuple(convicted), suspects=blamed)
+
+    def _convict(self, worker: str) -> None:
+        """`worker` reached the strike rule; strikes it shared with others are explained by it and taken off them."""
+        self._convicted.add(worker)
+        for history in self._history.values():
+            for entry in history:
+                if worker in entry[2]:
+                    entry[1], entry[2] = False, set()

@@ -1,0 +1,379 @@
+"""`phalanx launch` of a pipeline preset: data nodes and relays as OS processes over hivemind.
+
+Each worker runs in its own process group (its hivemind DHT child and libp2p
+daemon with it), so a relay can be killed mid-iteration as a whole
+(`faults.crash_relay`, `faults.crash_iteration`, `faults.crash_at`) and no
+daemon outlives the run. Workers write their iteration records and events to
+peers/INDEX.jsonl; the launcher merges them into the files `simulate` writes.
+With SENTINEL's boundary placement the launcher also starts one verifier
+process per stage boundary (`--verifier LINK`, records in peers/vLINK.jsonl).
+Workers are started by the common `ProcessLauncher` (`launcher.py`): each
+carries its own marker, arms a parent-death signal and has a watchdog, and
+the launcher sweeps each group and marker at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ...core.errors import ConfigError, LocalError
+from .config import PipelineRunConfig
+from ...runtime.pipeline import DataNode
+from ...runtime.pipeline.relay import ask_for_stage
+from ...runtime.pipeline.verifier import VerifierNode
+from ..dp.launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
+from ..launcher import ProcessLauncher, stop_on_sigterm
+from .launch_churn import PipelineChurn
+from .run import PipelineRecorder, build_node, pipeline_task, verifier_identity, verifier_ids
+from ..processes import MARKER_ENV, guard_worker, new_marker
+from ..dp.swarm import peer_identity
+
+FINISHED = "pp.finished"
+RUN_TIMEOUT = 3600.0
+
+
+async def run_pipeline_worker(
+    config: PipelineRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None,
+    join: bool = False, host: str = "/ip4/127.0.0.1/tcp/0",
+) -> None:
+    """One real pipeline node: join, build the role, train or serve, leave when the data nodes are done.
+
+    With `join`, a fresh relay (identity `index` >= config.peers) joins a running pipeline: the leader
+    places it, it downloads its stage's weights, then serves (GWTF V-B).
+    """
+    from ...transport.p2p import HivemindTransport
+
+    torch.set_num_threads(1)
+    identity = peer_identity(config.seed, index)
+    run_id = f"{config.preset}-pipeline-seed{config.seed}"
+    transport = HivemindTransport(identity, run_id=run_id, initial_peers=initial_peers, host_maddrs=[host])
+    await transport.start()
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if address_file is not None:
+            tmp = address_file.with_suffix(".tmp")
+            tmp.write_text("\n".join(transport.visible_maddrs()) + "\n")
+            tmp.rename(address_file)
+        ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
+        directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
+        members = config.peers + len(verifier_ids(config))
+        with open(records_path, "w") as sink:
+
+            def write(kind: str, row: dict) -> None:
+                sink.write(json.dumps({"type": kind, **row}, sort_keys=True) + "\n")
+                sink.flush()
+
+            transport.on_evidence(lambda e: write("evidence", {"by": transport.peer_id, "peer": e.peer, "kind": e.kind}))
+
+            if join:
+                await _join_and_serve(config, transport, index, directory, write, ids[: config.data_nodes])
+                return
+            node = build_node(config, transport, index, directory, pipeline_task(config), lambda e: write("event", e))
+            try:
+                peers = await transport.wait_for_members(members, JOIN_TIMEOUT)
+            except TimeoutError:
+                raise LocalError(f"only {len(transport.members())} of {members} peers joined within {JOIN_TIMEOUT:.0f} s") from None
+            await _barrier(transport, "start", peers)
+            data_nodes = ids[: config.data_nodes]
+            if isinstance(node, DataNode):
+                await node.run(config.steps, lambda r: write("iteration", r))
+                await transport.broadcast(FINISHED, 0, b"")
+                await transport.board.wait(FINISHED, 0, data_nodes, 30.0)
+                await asyncio.sleep(1.0)  # let the last CAN TAKE and FINISHED messages leave
+            else:
+                serving = asyncio.create_task(node.serve())
+                await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
+                node.stop()
+                await serving
+            await node.close()
+    finally:
+        await transport.stop()
+
+
+async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peers: list[str], records_path: Path) -> None:
+    """One boundary verifier process (SENTINEL, placement=boundary): the VIA hop of `link` until the data
+    nodes finish. Its verdicts and bans go to `records_path` as events."""
+    from ...transport.p2p import HivemindTransport
+
+    torch.set_num_threads(1)
+    run_id = f"{config.preset}-pipeline-seed{config.seed}"
+    transport = HivemindTransport(verifier_identity(config.seed, link), run_id=run_id, initial_peers=initial_peers,
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    await transport.start()
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
+        directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
+        verifiers = verifier_ids(config)
+        with open(records_path, "w") as sink:
+
+            def write(event: dict) -> None:
+                sink.write(json.dumps({"type": "event", **event}, sort_keys=True) + "\n")
+                sink.flush()
+
+            node = VerifierNode(transport, config.sentinel, config.pipeline, config.seed, directory, write, verifiers)
+            members = config.peers + len(verifiers)
+            try:
+                peers = await transport.wait_for_members(members, JOIN_TIMEOUT)
+            except TimeoutError:
+                raise LocalError(f"only {len(transport.members())} of {members} peers joined within {JOIN_TIMEOUT:.0f} s") from None
+            await _barrier(transport, "start", peers)
+            serving = asyncio.create_task(node.serve())
+            await transport.board.wait(FINISHED, 0, ids[: config.data_nodes], RUN_TIMEOUT)
+            await asyncio.sleep(1.0)  # let the last bans leave
+            node.stop()
+            await serving
+            await node.close()
+    finally:
+        await transport.stop()
+
+
+async def _join_and_serve(config: PipelineRunConfig, transport, index: int, directory: dict[str, int], write,
+                          data_nodes: list[str]) -> None:
+    await transport.wait_for_members(2, JOIN_TIMEOUT)
+    placed = None
+    for _ in range(10):
+        placed = await ask_for_stage(transport, directory, config.pipeline.capacity, 2 * config.pipeline.complete_timeout)
+        if placed is not None and placed[0] > 0:
+            break
+        await asyncio.sleep(1.0)
+    if placed is None or placed[0] == 0:
+        raise LocalError("no data node placed this joiner")
+    stage, it, known = placed
+    node = build_node(config, transport, index, known, pipeline_task(config), lambda e: write("event", e), stage=stage)
+    placed_at = node.now()
+    if not await node.enter(it):
+        raise LocalError(f"could not download the weights of stage {stage}")
+    # Written once it serves (t0: placed, t1: weights in): the launcher's churn counts it as a live replica from here.
+    write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": placed_at, "t1": node.now()})
+    serving = asyncio.create_task(node.serve())
+    await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
+    node.stop()
+    await serving
+    await node.close()
+
+
+def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
+    """Run a pipeline config as config.peers processes on loopback; write the run's files to `out`."""
+    wall_start = time.perf_counter()
+    config_path, peer_dir, address_file = prepare_run_dir(config, out)
+    base = [sys.executable, "-m", "phalanx.runs.pipeline.launch", "--config", str(config_path), "--out", str(peer_dir)]
+    # One marker per child: a worker's watchdog SIGKILLs everything carrying its marker when the worker
+    # exits, so children sharing one (the three verifiers did) killed each other at the end of a run.
+    workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir)
+    links = sorted(verifier_ids(config))
+    nodes = ["0"]
+    workers.start("0", "--index", "0", "--address-file", str(address_file))
+    victim = str(config.data_nodes + config.faults.crash_relay) if config.faults.crash_relay >= 0 else None
+    killed = False
+    with stop_on_sigterm():
+        try:
+            addrs = workers.address("0", address_file, JOIN_TIMEOUT, "the first peer")
+            for index in range(1, config.peers):
+                nodes.append(str(index))
+                workers.start(str(index), "--index", str(index), "--initial-peers", *addrs)
+            for link in links:
+                workers.start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
+            bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
+            churn = PipelineChurn(config, first_index=config.peers + (1 if config.faults.rejoin_after else 0)) \
+                if PipelineChurn.wanted(config) else None
+            placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays whose stage we know
+            opened_at = None
+            data = [workers.procs[n] for n in nodes[: config.data_nodes]]
+            while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
+                done = _iterations(peer_dir / "0.jsonl")
+                bar.update(done - bar.n)
+                if victim is not None and not killed and done >= config.faults.crash_iteration:
+                    opened_at = opened_at if opened_at is not None else time.monotonic()
+                    if time.monotonic() - opened_at >= config.faults.crash_at:
+                        workers.kill(victim)
+                        killed = True
+                rejoin = config.faults.rejoin_after
+                if killed and rejoin and str(config.peers) not in nodes and done >= config.faults.crash_iteration + rejoin:
+                    nodes.append(str(config.peers))
+                    workers.start(nodes[-1], "--index", nodes[-1], "--join", "--initial-peers", *addrs)
+                if churn is not None:
+                    _churn(churn, workers, nodes, placed, peer_dir, done, addrs)
+                time.sleep(0.02)
+            bar.close()
+            workers.wait([n for n in nodes if n != victim and n not in workers.stopped], 60)
+            workers.wait([f"v{link}" for link in links], 30)
+        finally:
+            workers.stop()
+    joiners = {n for n in nodes if int(n) >= config.peers}
+    ended = [(f"peer {n}", n) for n in nodes if n != victim and n not in workers.stopped]
+    ended = [(who, name, workers.procs[name].returncode) for who, name in ended + [(f"verifier {link}", f"v{link}") for link in links]]
+    failed = [(who, name, code) for who, name, code in ended if code != 0 and name not in joiners]
+    if failed:
+        raise LocalError("; ".join(f"{who} exited with code {code}{workers.tail(name)}" for who, name, code in failed))
+    for who, name, code in ended:
+        if code != 0 and name in joiners:  # a volunteer that could not join; the run went on without it
+            print(f"phalanx: joining relay {name} exited with code {code}{workers.tail(name, 5)}", file=sys.stderr)
+    ids = [peer_identity(config.seed, i).peer_id for i in range(1 + max(int(n) for n in nodes))]
+    recorder = PipelineRecorder(config, ids)
+    names = nodes + [f"v{link}" for link in links]
+    evidence: list[list[str]] = []  # [by, against, kind]: a run without attackers should have none
+    for name in names:
+        path = peer_dir / f"{name}.jsonl"
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            kind = row.pop("type")
+            if kind == "iteration":
+                recorder.iterations.append(row)
+            elif kind == "evidence":
+                evidence.append([row["by"], row["peer"], row["kind"]])
+            else:
+                recorder.on_event(row)
+    _to_relative_time(recorder)
+    extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, "verifier_ids": verifier_ids(config),
+             "killed": ids[int(victim)] if killed and victim is not None else None,
+             "process_groups": [p.pid for p in workers.procs.values()], "evidence": evidence}
+    if churn is not None:
+        extra["churn"] = [{"it": e.it, "peer": ids[int(e.name)], "index": int(e.name), "event": e.event} for e in churn.events]
+    return recorder.write(out, extra)
+
+
+def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], placed: dict[str, int], peer_dir: Path,
+           done: int, addrs: list[str]) -> None:
+    """Apply the churn decisions for the iterations finished so far: kill leaving relays, start new ones."""
+    for name in nodes:
+        if name not in placed and name not in workers.stopped and int(name) >= churn.config.peers:
+            stage = _joined_stage(peer_dir / f"{name}.jsonl")
+            if stage is not None:
+                placed[name] = stage
+    for name in nodes:
+        if int(name) >= churn.config.peers and name not in workers.stopped and workers.procs[name].poll() is not None:
+            workers.stopped.add(name)  # a new relay that ended (it could not be placed or download): it may come again
+            placed.pop(name, None)
+            churn.failed_join()
+    live = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
+    for event in churn.advance(done, live):
+        print(f"phalanx: churn: relay {event.name} {event.event} after iteration {event.it}", file=sys.stderr)
+        if event.event == "left":
+            workers.kill(event.name)
+            placed.pop(event.name, None)
+        else:
+            nodes.append(event.name)
+            workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
+
+
+def _joined_stage(path: Path) -> int | None:
+    """The stage a joining relay was placed at (its `join` event), None before it is placed."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in lines:
+        if '"kind": "join"' in line:
+            try:
+                return int(json.loads(line)["stage"])
+            except (ValueError, KeyError):
+                return None
+    return None
+
+
+def join_pipeline(config: PipelineRunConfig, args: argparse.Namespace) -> dict:
+    """`phalanx peer` of a pipeline preset: one new relay joins the pipeline at --initial-peers (GWTF V-B: the
+    leader places it at the bottleneck stage, it downloads that stage's weights) and serves until the data
+    nodes finish. `--index` picks a reproducible identity (>= peers: not one of the launched nodes)."""
+    if args.index is not None and args.index < config.peers:
+        raise ConfigError(f"--index {args.index} names a launched node; a joining relay takes an index >= {config.peers}")
+    if not args.initial_peers:
+        raise ConfigError("--initial-peers is required: the address of a node of the running pipeline")
+    index = args.index if args.index is not None else config.peers + secrets.randbelow(1 << 30)
+    out = Path(args.out) if args.out else Path("runs") / f"{config.preset}-peer-{index}"
+    wall_start = time.perf_counter()
+    inherited = os.environ.get(MARKER_ENV)
+    guard_worker(f"{inherited}/peer-{os.getpid()}" if inherited else new_marker(), die_with_parent=False)
+    records = out / "peers" / f"{index}.jsonl"
+    address_file = Path(args.address_file) if args.address_file else None
+    asyncio.run(run_pipeline_worker(config, index, args.initial_peers, records, address_file, join=True, host=args.host))
+    events = [json.loads(line) for line in records.read_text().splitlines()]
+    joined = next((e for e in events if e.get("kind") == "join"), {})
+    summary = {"preset": config.preset, "mode": "peer", "peer_id": peer_identity(config.seed, index).peer_id,
+               "stage": joined.get("stage"), "from_iteration": joined.get("it"), "events": len(events),
+               "wall_seconds": time.perf_counter() - wall_start}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+def _iterations(path: Path) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for line in f if '"type": "iteration"' in line)
+    except FileNotFoundError:
+        return 0
+
+
+def _to_relative_time(recorder: PipelineRecorder) -> None:
+    """Shift the (system-wide monotonic) loop times so the run starts at 0, like simulated time."""
+    starts = [r["t_start"] for r in recorder.iterations] + [e["t0"] for e in recorder.events]
+    if not starts:
+        return
+    origin = min(starts)
+    for r in recorder.iterations:
+        for key in ("t_start", "t_train", "t_end"):
+            r[key] -= origin
+        for mb in r["microbatches"]:
+            for key in ("t_start", "t_loss", "t_end"):
+                if mb[key] is not None:
+                    mb[key] -= origin
+    for e in recorder.events:
+        e["t0"] -= origin
+        e["t1"] -= origin
+
+
+def _say_where_stuck(signum, frame) -> None:
+    """SIGTERM (the launcher gave up waiting, or died): print what this worker was waiting on, then die of it."""
+    import traceback
+    lines = ["phalanx: worker stopped (SIGTERM) while in:"]
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no running loop
+        tasks = set()
+    for task in tasks:
+        for f in task.get_stack(limit=8):
+            lines.append(f"  {task.get_name()}: {f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}")
+    lines += [line.rstrip() for line in traceback.format_stack(frame, limit=6)]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _worker_main() -> None:
+    parser = argparse.ArgumentParser(description="one phalanx pipeline worker (started by `phalanx launch`)")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--address-file")
+    parser.add_argument("--join", action="store_true", help="join a running pipeline as a fresh relay")
+    parser.add_argument("--verifier", type=int, help="run the SENTINEL boundary verifier of this link instead")
+    parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
+    args = parser.parse_args()
+    guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
+    config = PipelineRunConfig.from_dict(json.loads(Path(args.config).read_text()))
+    signal.signal(signal.SIGTERM, _say_where_stuck)
+    if args.verifier is not None:
+        asyncio.run(run_verifier_worker(config, args.verifier, args.initial_peers, Path(args.out) / f"v{args.verifier}.jsonl"))
+        return
+    address_file = Path(args.address_file) if args.address_file else None
+    asyncio.run(run_pipeline_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
+                                    address_file, args.join))
+
+
+if __name__ == "__main__":
+    _worker_main()
