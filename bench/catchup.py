@@ -33,8 +33,8 @@ import torch
 from phalanx.algorithms.catchup import Agreed, manifest_digest, manifest_of
 from phalanx.core import Identity
 from phalanx.core.serialization import decode, encode
-from phalanx.runtime.dp.catchup import CatchupConfig, fetch_snapshot
 from phalanx.runs.netns import LinkShape, NetnsConfig, Testbed, entered
+from phalanx.runtime.dp.catchup import CatchupConfig, fetch_snapshot
 from phalanx.transport.p2p import HivemindTransport
 
 HOLDERS = 3

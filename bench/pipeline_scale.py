@@ -12,8 +12,8 @@ import argparse
 import time
 from dataclasses import replace
 
-from phalanx.runs.pipeline.run import simulate_pipeline
 from phalanx.runs.pipeline.presets import gwtf_table2
+from phalanx.runs.pipeline.run import simulate_pipeline
 
 
 def main() -> None:

@@ -19,12 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from phalanx.algorithms.btard.attacks import PROTOCOL_ATTACKS  # noqa: E402
-from phalanx.runs.pipeline.run import simulate_pipeline  # noqa: E402
 from phalanx.runs.pipeline.config import PipelineRunConfig, StageByzantineConfig  # noqa: E402
-from phalanx.runtime.rounds.btard import BTARDConfig  # noqa: E402
-from phalanx.runtime.rounds.butterfly import AllReduceConfig  # noqa: E402
+from phalanx.runs.pipeline.run import simulate_pipeline  # noqa: E402
 from phalanx.runtime.dp.peer import TrainConfig  # noqa: E402
 from phalanx.runtime.pipeline.config import PipelineConfig  # noqa: E402
+from phalanx.runtime.rounds.btard import BTARDConfig  # noqa: E402
+from phalanx.runtime.rounds.butterfly import AllReduceConfig  # noqa: E402
 
 START = 2
 

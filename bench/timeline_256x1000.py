@@ -1,7 +1,11 @@
 """A synthetic 256-peer x 1000-step timeline (churn, bans, joins) drawn by report.draw_timeline: python bench/timeline_256x1000.py OUT.png"""
-import random, sys, time
+import random
+import sys
+import time
 from pathlib import Path
+
 from phalanx.runs.dp.report import draw_timeline, timeline_bins
+
 rng = random.Random(0)
 peers, steps = 256, 1000
 ids = [f"p{i:03d}" for i in range(peers)]

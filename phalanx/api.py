@@ -21,9 +21,9 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .core.errors import ConfigError
 from .runs.config import apply_file, override
 from .runs.dp.config import RunConfig
-from .core.errors import ConfigError
 from .runs.kinds import kind_named, kind_of
 from .runs.pipeline.config import PipelineRunConfig
 from .runs.presets import get_preset

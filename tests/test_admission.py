@@ -5,8 +5,8 @@ import json
 import pytest
 
 from phalanx.algorithms.btard.admission import Admission, AdmissionConfig, Roles
-from phalanx.runs.config import override
 from phalanx.core.errors import ConfigError
+from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.presets import get_preset
 

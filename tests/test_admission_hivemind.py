@@ -11,8 +11,8 @@ import pytest
 
 from phalanx.runs.config import override
 from phalanx.runs.dp.launch import launch
-from phalanx.runs.processes import MARKER_ENV, marked_processes
 from phalanx.runs.presets import get_preset
+from phalanx.runs.processes import MARKER_ENV, marked_processes
 
 pytestmark = pytest.mark.hivemind
 

@@ -8,18 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from phalanx.algorithms.robust.aggregators import coordinate_median
-from phalanx.algorithms.aspis.detection import (
-    Detection,
-    WindowDetector,
-    aggregate,
-    agree,
-    agreement_graph,
-    detect_clique,
-    disagreements,
-    file_labels,
-    shared_counts,
-)
 from phalanx.algorithms.aspis.attacks import (
     Orchestration,
     detox_optimal_byzantine,
@@ -36,6 +24,18 @@ from phalanx.algorithms.aspis.designs import (
     subset_assignment,
     verify_design,
 )
+from phalanx.algorithms.aspis.detection import (
+    Detection,
+    WindowDetector,
+    aggregate,
+    agree,
+    agreement_graph,
+    detect_clique,
+    disagreements,
+    file_labels,
+    shared_counts,
+)
+from phalanx.algorithms.robust.aggregators import coordinate_median
 from phalanx.core.errors import ConfigError
 
 

@@ -6,13 +6,13 @@ import pytest
 
 from phalanx import api
 from phalanx.algorithms.aspis.attacks import DISTORTIONS
-from phalanx.algorithms.robust.attacks import ATTACKS
 from phalanx.algorithms.btard.attacks import PROTOCOL_ATTACKS
+from phalanx.algorithms.robust.attacks import ATTACKS
 from phalanx.algorithms.sentinel.attacks import LINK_ATTACKS
-from phalanx.runs.attack_axes import AXES, describe, names
 from phalanx.cli import main
 from phalanx.core.errors import ConfigError
 from phalanx.runs.aspis.run import coalition, distortion_of
+from phalanx.runs.attack_axes import AXES, describe, names
 from phalanx.runs.dp.swarm import byzantine_policies
 
 

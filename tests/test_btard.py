@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from phalanx.algorithms.btard.admission import Admission, AdmissionConfig, Admitted, Banned, Queued, Trusted
-from phalanx.algorithms.robust.attacks import Attack
 from phalanx.algorithms.btard.bans import BanLedger
 from phalanx.algorithms.btard.checks import (
     ACCUSE,
@@ -23,16 +22,17 @@ from phalanx.algorithms.btard.checks import (
     sum_holds,
     sum_tolerance,
 )
+from phalanx.algorithms.robust.attacks import Attack
 from phalanx.algorithms.robust.reducers import make_reducer
-from phalanx.runs.config import override
-from phalanx.core.errors import ConfigError
 from phalanx.benchmarks.btard_redteam import RedTeamConfig, run_trial
+from phalanx.core.errors import ConfigError
+from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.dp.swarm import peer_identity
 from phalanx.runs.presets import get_preset
+from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
 from phalanx.runtime.rounds.btard import SecureRound
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
-from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from phalanx.algorithms.robust.attacks import AttackSchedule, DelayedGradient
-from phalanx.runs.config import override
-from phalanx.core.errors import ConfigError
 from phalanx.benchmarks.btard import BTARDBenchConfig, cell_config, full, run_bench
+from phalanx.core.errors import ConfigError
+from phalanx.runs.config import override
 from phalanx.runs.dp.swarm import peer_identity
-from phalanx.runtime.rounds.butterfly import AllReduceConfig
 from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
+from phalanx.runtime.rounds.butterfly import AllReduceConfig
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 

@@ -1,6 +1,7 @@
 """BTARD over hivemind: four real processes, one sends NaN parts and is banned by all honest peers."""
 
 import json
+
 import pytest
 
 from phalanx.runs.config import override

@@ -15,8 +15,8 @@ from phalanx.algorithms.catchup import (
     manifest_of,
     needed_votes,
 )
-from phalanx.runs.config import override
 from phalanx.core.errors import RemoteError
+from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.dp.swarm import build_peer, peer_identity, run_peer
 from phalanx.runs.presets import get_preset

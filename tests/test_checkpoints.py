@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from phalanx.cli import main
-from phalanx.runs.config import override
 from phalanx.core.errors import ConfigError
+from phalanx.runs.config import override
 from phalanx.runs.dp.checkpoints import CheckpointStore, resume_config
 from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.presets import get_preset

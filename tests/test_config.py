@@ -5,9 +5,9 @@ import json
 import pytest
 
 from phalanx.cli import main
+from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.config import RunConfig
-from phalanx.core.errors import ConfigError
 from phalanx.runs.presets import PRESETS, get_preset
 
 

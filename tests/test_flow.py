@@ -24,10 +24,10 @@ from phalanx.algorithms.gwtf.flow import (
     to_wire,
 )
 from phalanx.algorithms.gwtf.flowgraph import FlowGraph, build_nodes, max_flow, optimal, random_graph, swarm_greedy
+from phalanx.benchmarks.gwtf import split_demand
 from phalanx.core.errors import ConfigError, RemoteError
 from phalanx.core.rng import py_stream
 from phalanx.core.serialization import decode, encode
-from phalanx.benchmarks.gwtf import split_demand
 
 
 def _graph(seed: int, sources: int = 1, relays: int = 9, stages: int = 3) -> FlowGraph:

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from phalanx.core.errors import ConfigError
 from phalanx.benchmarks.gwtf_table2_paper import bootstrap_median, ratios
-from phalanx.runs.pipeline.run import simulate_pipeline
+from phalanx.core.errors import ConfigError
 from phalanx.runs.pipeline.config import ChurnConfig, PipelineRunConfig
+from phalanx.runs.pipeline.run import simulate_pipeline
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline.config import PipelineConfig
 

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
+from phalanx.api import launch
 from phalanx.runs.aspis.config import AspisAttackConfig, AspisRunConfig
 from phalanx.runs.aspis.run import coalition
-from phalanx.api import launch
 from phalanx.runtime.aspis.roles import AspisConfig
 from phalanx.runtime.dp.peer import TrainConfig
 

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from phalanx.runs.pipeline.config import ChurnConfig
 from phalanx.runs.pipeline.launch import launch_pipeline
 from phalanx.runs.pipeline.run import simulate_pipeline
-from phalanx.runs.pipeline.config import ChurnConfig
 from phalanx.runs.presets import get_preset
 
 pytestmark = pytest.mark.hivemind

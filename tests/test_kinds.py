@@ -7,9 +7,9 @@ import pytest
 
 from phalanx import api
 from phalanx.cli import main
+from phalanx.core.errors import ConfigError
 from phalanx.runs.config import kind_name
 from phalanx.runs.dp.config import RunConfig
-from phalanx.core.errors import ConfigError
 from phalanx.runs.kinds import KINDS, kind_named, kind_of
 from phalanx.runs.presets import PRESETS, get_preset
 

@@ -33,9 +33,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx.runs.dp.config import RunConfig
 from phalanx.core.serialization import decode
 from phalanx.runs.dp.checkpoints import CheckpointStore
+from phalanx.runs.dp.config import RunConfig
 from phalanx.runs.processes import MARKER_ENV, kill_marked, marked_processes
 from phalanx.runtime.dp.checkpoint import from_bytes
 from phalanx.runtime.dp.peer import task_of

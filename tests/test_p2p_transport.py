@@ -27,12 +27,12 @@ from phalanx.core import (
     RequestFailed,
 )
 from phalanx.transport.p2p import (
+    _HEADER,
     MESSAGE,
     RECORD,
     HivemindTransport,
     MembershipRecord,
     MembershipValidator,
-    _HEADER,
     libp2p_id_of,
     membership_key,
 )

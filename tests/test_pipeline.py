@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
-from phalanx.runs.pipeline.config import ChurnConfig, LinkAttackConfig, PipelineRunConfig
-from phalanx.runtime.rounds.butterfly import AllReduceConfig
-from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.core.errors import PhalanxError
 from phalanx.core.serialization import encode
 from phalanx.runs.dp.swarm import peer_identity
+from phalanx.runs.pipeline.config import ChurnConfig, LinkAttackConfig, PipelineRunConfig
+from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
+from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline import messages as m
 from phalanx.runtime.pipeline.config import PipelineConfig
+from phalanx.runtime.rounds.butterfly import AllReduceConfig
 
 
 def _mlp_config(**kw) -> PipelineRunConfig:

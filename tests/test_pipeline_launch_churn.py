@@ -3,8 +3,8 @@ joiners are new identities, nothing in the last two iterations."""
 
 import dataclasses
 
-from phalanx.runs.pipeline.launch_churn import PipelineChurn
 from phalanx.runs.pipeline.config import ChurnConfig
+from phalanx.runs.pipeline.launch_churn import PipelineChurn
 from phalanx.runs.presets import get_preset
 
 

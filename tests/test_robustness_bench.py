@@ -3,8 +3,8 @@
 import csv
 import dataclasses
 
-from phalanx.cli import main
 from phalanx.benchmarks.robustness import quick, run_grid
+from phalanx.cli import main
 
 
 def test_sign_flipping_breaks_mean_but_not_centered_clip(tmp_path):

@@ -1,8 +1,8 @@
 """Smoke test of `phalanx bench sentinel --preset quick` (in-process 4-stage pipeline)."""
 
-from phalanx.cli import main
 from phalanx.algorithms.sentinel.statistics import SentinelConfig
 from phalanx.benchmarks.sentinel import RunSpec, SentinelBenchConfig, quick, run_grid, run_one
+from phalanx.cli import main
 
 
 def test_quick_preset_bans_exactly_the_attackers_and_keeps_the_loss(tmp_path):

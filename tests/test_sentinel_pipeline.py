@@ -14,11 +14,11 @@ import dataclasses
 import pytest
 
 from phalanx.algorithms.sentinel.attacks import make_link_attack
-from phalanx.runs.config import override
-from phalanx.core.errors import ConfigError
-from phalanx.runs.pipeline.run import simulate_pipeline
 from phalanx.benchmarks.sentinel_sim import score
+from phalanx.core.errors import ConfigError
+from phalanx.runs.config import override
 from phalanx.runs.pipeline.config import LinkAttackConfig, PipelineRunConfig
+from phalanx.runs.pipeline.run import simulate_pipeline
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline.config import PipelineConfig
 from phalanx.runtime.pipeline.verifier import VerifierConfig

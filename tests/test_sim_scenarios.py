@@ -6,8 +6,9 @@ from collections import Counter
 
 import torch
 
-from phalanx.algorithms.robust.attacks import Attack, AttackSchedule, make_attack
 from phalanx.algorithms.btard.bans import BanLedger
+from phalanx.algorithms.robust.attacks import Attack, AttackSchedule, make_attack
+from phalanx.core.rng import py_stream
 from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.dp.swarm import crash_indices, peer_identity
@@ -16,7 +17,6 @@ from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
 from phalanx.runtime.rounds.mprng import MPRNGBehaviour, MPRNGConfig, SplitView, WithholdReveal, WrongReveal, run_mprng
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
-from phalanx.core.rng import py_stream
 
 
 def _metrics(path):

@@ -33,8 +33,8 @@ from phalanx.transport.sim import (
     LinkProfile,
     SimConfig,
     SimNetwork,
-    SimulationDeadlock,
     SimTransport,
+    SimulationDeadlock,
     TraceEntry,
     run_simulation,
 )

@@ -6,18 +6,18 @@ from collections import defaultdict
 
 import pytest
 
-from phalanx.runs.config import override
 from phalanx.core.errors import ConfigError
 from phalanx.core.serialization import DEFAULT_LIMITS, encode
+from phalanx.runs.config import override
+from phalanx.runs.pipeline.config import PipelineRunConfig, StageByzantineConfig
 from phalanx.runs.pipeline.report import report_pipeline
 from phalanx.runs.pipeline.run import simulate_pipeline
-from phalanx.runs.pipeline.config import PipelineRunConfig, StageByzantineConfig
 from phalanx.runs.presets import get_preset
-from phalanx.runtime.rounds.btard import BTARDConfig
-from phalanx.runtime.rounds.butterfly import AllReduceConfig
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline.config import PipelineConfig
 from phalanx.runtime.pipeline.stage_btard import StageBanReports
+from phalanx.runtime.rounds.btard import BTARDConfig
+from phalanx.runtime.rounds.butterfly import AllReduceConfig
 
 START = 2  # the liar's first lying iteration
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 
+from ..algorithms.aspis.attacks import Orchestration, detox_optimal_byzantine, distortion_fraction, symbolic_copies
+from ..algorithms.aspis.designs import Assignment, group_assignment, single_assignment, subset_assignment
 from ..algorithms.aspis.detection import (
     Detection,
     aggregate,
@@ -37,15 +39,13 @@ from ..algorithms.aspis.detection import (
     file_labels,
     shared_counts,
 )
-from ..algorithms.aspis.attacks import Orchestration, detox_optimal_byzantine, distortion_fraction, symbolic_copies
-from ..algorithms.aspis.designs import Assignment, group_assignment, single_assignment, subset_assignment
 from ..algorithms.robust.aggregators import coordinate_median
-from ..runs.aspis.config import AspisAttackConfig, AspisRunConfig
-from ..runs.config import override
 from ..core.errors import ConfigError
+from ..runs.aspis.config import AspisAttackConfig, AspisRunConfig
+from ..runs.aspis.run import simulate_aspis
+from ..runs.config import override
 from ..runtime.aspis.roles import AspisConfig
 from ..runtime.dp.peer import TrainConfig
-from ..runs.aspis.run import simulate_aspis
 
 # Table III of the Aspis paper, K = 15, r = 3, q = 2..7.
 PAPER_TABLE_III = {

@@ -40,11 +40,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.errors import ConfigError
 from ..runs.config import override
 from ..runs.dp.config import RunConfig
-from ..core.errors import ConfigError
-from ..runs.presets import get_preset
 from ..runs.dp.simulate import simulate
+from ..runs.presets import get_preset
 
 ATTACKS: dict[str, list[str]] = {
     "none": ["byzantine.attack=none"],

@@ -23,7 +23,6 @@ move is a pure function of the seed, so the seed reproduces it).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import random
@@ -36,15 +35,15 @@ import torch
 
 from ..algorithms.btard.redteam import RedTeam
 from ..algorithms.robust.reducers import make_reducer
-from ..runs.config import override
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
+from ..runs.config import override
+from ..runs.dp.swarm import peer_identity
+from ..runtime.dp.peer import DataParallelPeer, TrainConfig, task_of
 from ..runtime.rounds.btard import BTARDConfig
 from ..runtime.rounds.butterfly import AllReduceConfig, part_bounds
-from ..runtime.dp.peer import DataParallelPeer, TrainConfig, task_of
 from ..training.task import flat_params
 from ..transport.sim import SimConfig, SimNetwork, run_simulation
-from ..runs.dp.swarm import peer_identity
 
 TAU = 1.0
 SLACK = 1e-4  # relative float slack on CenteredClip's bound (its own eps and float32 rounding are far below)

@@ -43,9 +43,9 @@ from ..algorithms.gwtf.placement import (
     place_random,
     stage_utilization,
 )
-from ..runs.config import override
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
+from ..runs.config import override
 
 # GWTF Table V: sources, relays, stages, floor(U(capacity)), floor(U(link cost))
 FLOW_SETTINGS: dict[int, tuple[int, int, int, tuple[int, int], tuple[int, int]]] = {

@@ -29,8 +29,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..runs.config import override  # noqa: E402
 from ..core.errors import ConfigError  # noqa: E402
+from ..runs.config import override  # noqa: E402
 from ..runs.pipeline.config import ChurnConfig, PipelineRunConfig  # noqa: E402
 from ..runs.pipeline.presets import gwtf_table2  # noqa: E402
 from ..runs.pipeline.run import simulate_pipeline  # noqa: E402

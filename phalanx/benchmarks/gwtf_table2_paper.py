@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..runs.config import override
 from ..core.errors import ConfigError
+from ..runs.config import override
 from ..runs.pipeline.presets import (
     A4000_FLOPS,
     DEVICE_SHARE,
@@ -40,8 +40,8 @@ from ..runs.pipeline.presets import (
     WIRE_SCALE,
     gwtf_table2_paper,
 )
-from .gwtf_table2 import cell_config, probabilities, table2_metrics
 from ..runs.pipeline.run import simulate_pipeline
+from .gwtf_table2 import cell_config, probabilities, table2_metrics
 
 POLICIES = ("swarm-paper", "swarm", "gwtf")
 

@@ -31,12 +31,12 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..runs.config import override
 from ..core.errors import ConfigError
+from ..runs.config import override
 from ..runs.pipeline.config import ChurnConfig, PipelineRunConfig
 from ..runs.pipeline.presets import PIPELINE_PRESETS
-from .gwtf_table2 import probabilities
 from ..runs.pipeline.run import simulate_pipeline
+from .gwtf_table2 import probabilities
 
 
 @dataclass(frozen=True)

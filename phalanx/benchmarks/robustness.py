@@ -21,8 +21,8 @@ import torch
 
 from ..algorithms.robust.aggregators import make_aggregator, rule_parameters
 from ..algorithms.robust.attacks import AttackSchedule, AttackView, make_attack
-from ..runs.config import override
 from ..core.errors import ConfigError
+from ..runs.config import override
 from ..training.task import TASKS, compute_gradient, make_task, set_flat_grad
 
 # label -> (attack registry name, parameters); "none" is the no-attack reference.

@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from ..algorithms.sentinel.attacks import ACTIVATION, GRADIENT, TARGETS, LinkAttack, LinkView, make_link_attack
-from ..algorithms.sentinel.statistics import BACKWARD, FORWARD, SentinelConfig, Sentinel
-from ..runs.attack_axes import check_name
-from ..runs.config import override
+from ..algorithms.sentinel.statistics import BACKWARD, FORWARD, Sentinel, SentinelConfig
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
+from ..runs.attack_axes import check_name
+from ..runs.config import override
 from ..training.task import CharGPTTask
 from .sentinel_variants import apply_variant, format_cell
 

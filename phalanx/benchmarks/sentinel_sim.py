@@ -29,13 +29,13 @@ from pathlib import Path
 
 from ..algorithms.sentinel.statistics import vote
 from ..core.rng import py_stream
+from ..runs.dp.swarm import peer_identity
 from ..runs.pipeline.config import LinkAttackConfig, PipelineNetworkConfig, PipelineRunConfig
+from ..runs.pipeline.run import simulate_pipeline
 from ..runtime.dp.peer import TrainConfig
 from ..runtime.pipeline.config import PipelineConfig
 from ..runtime.pipeline.verifier import VerifierConfig
-from ..runs.pipeline.run import simulate_pipeline
 from .sentinel_variants import VOTE_TOKENS, apply_variant, format_cell
-from ..runs.dp.swarm import peer_identity
 
 STAGES = 3  # relay stages: block 0 | block 1 | head (the head stage is honest)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from ..algorithms.aspis.attacks import DISTORTIONS, ORCHESTRATIONS
-from ..algorithms.robust.attacks import ATTACKS
 from ..algorithms.btard.attacks import PROTOCOL_ATTACKS
+from ..algorithms.robust.attacks import ATTACKS
 from ..algorithms.sentinel.attacks import LINK_ATTACKS
 from ..core.errors import ConfigError
 

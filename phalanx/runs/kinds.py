@@ -17,8 +17,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import kind_name
 from ..core.errors import ConfigError
+from .config import kind_name
 
 
 @dataclass(frozen=True)

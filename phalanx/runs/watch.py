@@ -17,8 +17,8 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
-from .config import kind_name
 from ..core.errors import ConfigError
+from .config import kind_name
 from .watch_page import PAGE
 
 CRASH_GRACE = 2  # steps a data-parallel peer may lag the front of the run before it is marked crashed

@@ -10,17 +10,17 @@ task.py  -- Task (model + data + loss + eval), make_task, flat param/grad helper
 """
 from .cnn import CNN
 from .data import CharCorpus, DigitsSplit, batch_indices, batch_seed, load_digits_split
-from .gpt import GPT, GPTConfig
 from .device import resolve_device, to_model
+from .gpt import GPT, GPTConfig
 from .mlp import MLP
 from .plugin import TaskConfig, load_task
 from .task import (
     TASKS,
     CharGPTTask,
     DigitsTask,
-    default_stages,
     Task,
     compute_gradient,
+    default_stages,
     flat_grad,
     flat_params,
     make_task,

@@ -10,12 +10,12 @@ import json
 from dataclasses import dataclass, field
 
 from ...algorithms.aspis.attacks import DISTORTIONS
-from ..attack_axes import check_name
-from ..config import NetworkConfig, build_config, without_kind
 from ...core.errors import ConfigError
 from ...runtime.aspis.roles import AspisConfig
 from ...runtime.dp.peer import TrainConfig
 from ...training.plugin import TaskConfig
+from ..attack_axes import check_name
+from ..config import NetworkConfig, build_config, without_kind
 
 
 @dataclass(frozen=True)

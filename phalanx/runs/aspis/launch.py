@@ -22,12 +22,12 @@ import torch
 from tqdm import tqdm
 
 from ...core.errors import LocalError
-from .config import AspisRunConfig
-from .run import build_role, count_distortion, summarize, write_run
 from ..dp.launch import BARRIER_TIMEOUT, JOIN_TIMEOUT, _lines, prepare_run_dir, run_id_of
+from ..dp.swarm import peer_identity
 from ..launcher import ProcessLauncher, exit_text, stop_on_sigterm
 from ..processes import MARKER_ENV, guard_worker, new_marker
-from ..dp.swarm import peer_identity
+from .config import AspisRunConfig
+from .run import build_role, count_distortion, summarize, write_run
 
 EXIT_GRACE = 30.0  # seconds the workers get to leave after the coordinator is done
 

@@ -26,9 +26,10 @@ from ...runtime.dp.peer import task_of
 from ...training.task import Task
 from ...transport.base import Transport
 from ...transport.sim import SimNetwork, run_simulation
-from .config import AspisAttackConfig, AspisRunConfig
-from ..live import LiveLog
 from ..dp.swarm import peer_identity, sim_config
+from ..live import LiveLog
+from .config import AspisRunConfig
+
 
 def coalition(config: AspisRunConfig) -> Orchestration | None:
     """The Byzantines' plan (None for an honest run): drawn from the seed, unknown to the coordinator."""

@@ -31,8 +31,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import override
-from .config import FaultsConfig, RunConfig
 from ...core.errors import ConfigError, LocalError
 from ...runtime.dp.checkpoint import (
     as_tuples,
@@ -45,6 +43,8 @@ from ...runtime.dp.checkpoint import (
 )
 from ...runtime.dp.peer import DataParallelPeer
 from ...transport.sim import SimNetwork
+from ..config import override
+from .config import FaultsConfig, RunConfig
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1

@@ -14,12 +14,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from .config import RunConfig
 from ...core.rng import py_stream
 from ...runtime.dp.admission import admission_for
 from ...runtime.dp.catchup import CatchupFailed, CatchupService
 from ...runtime.dp.checkpoint import PeerCheckpoints
 from ...transport.sim import SimNetwork, SimTransport
+from .config import RunConfig
 from .swarm import build_peer, crash_indices, run_peer
 
 log = logging.getLogger(__name__)

@@ -21,17 +21,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .config import RunConfig
 from ...core.errors import ConfigError, LocalError
 from ...core.identity import Identity
 from ...runtime.dp.admission import admission_for
 from ...runtime.dp.catchup import CatchupFailed, CatchupService, collect_offers
 from ...runtime.dp.peer import task_of
-from .checkpoints import Checkpoint, LaunchSealer, WorkerCheckpoints, rewind_run_dir, worker_args
-from .launch_churn import LaunchChurn
-from ..netns import NetnsConfig, Testbed
 from ..launcher import ProcessLauncher, exit_text, stop_on_sigterm
+from ..netns import NetnsConfig, Testbed
 from ..processes import MARKER_ENV, STOP_GRACE, guard_worker, kill_marked, new_marker
+from .checkpoints import Checkpoint, LaunchSealer, WorkerCheckpoints, rewind_run_dir, worker_args
+from .config import RunConfig
+from .launch_churn import LaunchChurn
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
 JOIN_TIMEOUT = 120.0  # seconds for all peers to appear in the membership view

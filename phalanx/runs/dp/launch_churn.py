@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import RunConfig
 from ...core.rng import py_stream
+from .config import RunConfig
 
 
 @dataclass(frozen=True)

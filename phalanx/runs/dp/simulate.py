@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .config import RunConfig
 from ...core.rng import py_stream
 from ...transport.sim import SimNetwork, run_simulation
+from ..live import LiveLog
 from .checkpoints import Checkpoint, SimCheckpoints
 from .churn import FaultDriver
-from ..live import LiveLog
+from .config import RunConfig
 from .swarm import Recorder, peer_identity, sim_config
 
 

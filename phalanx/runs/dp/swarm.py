@@ -14,11 +14,9 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from ...algorithms.robust.attacks import ATTACKS, Attack, AttackSchedule, make_attack
 from ...algorithms.btard.attacks import PROTOCOL_ATTACKS, ProtocolPolicy, make_policy
 from ...algorithms.catchup import manifest_digest, manifest_of
-from ..config import NetworkConfig
-from .config import RunConfig
+from ...algorithms.robust.attacks import ATTACKS, Attack, AttackSchedule, make_attack
 from ...core.identity import Identity
 from ...core.rng import py_stream
 from ...runtime.dp.admission import AdmissionService
@@ -29,6 +27,8 @@ from ...runtime.rounds.btard import SecureRound
 from ...runtime.rounds.mprng import MPRNGBehaviour, MPRNGFailed, SplitView, WithholdReveal, WrongReveal, run_mprng
 from ...transport.base import Transport
 from ...transport.sim import LinkProfile, SimConfig
+from ..config import NetworkConfig
+from .config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,17 +13,17 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
-from ...algorithms.robust.attacks import AttackSchedule
 from ...algorithms.btard.attacks import ProtocolPolicy, make_policy
+from ...algorithms.robust.attacks import AttackSchedule
 from ...algorithms.sentinel.attacks import TARGETS, LinkAttack, make_link_attack
-from ..attack_axes import check_name, check_params
-from ..config import build_config, check, without_kind
-from ...runtime.rounds.btard import SECURE_REDUCERS, BTARDConfig
-from ...runtime.rounds.butterfly import AllReduceConfig
 from ...runtime.dp.peer import TrainConfig
 from ...runtime.pipeline.config import PipelineConfig
 from ...runtime.pipeline.verifier import VerifierConfig
+from ...runtime.rounds.btard import SECURE_REDUCERS, BTARDConfig
+from ...runtime.rounds.butterfly import AllReduceConfig
 from ...training.plugin import TaskConfig
+from ..attack_axes import check_name, check_params
+from ..config import build_config, check, without_kind
 
 
 @dataclass(frozen=True)

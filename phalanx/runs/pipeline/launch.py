@@ -28,16 +28,16 @@ import torch
 from tqdm import tqdm
 
 from ...core.errors import ConfigError, LocalError
-from .config import PipelineRunConfig
 from ...runtime.pipeline import DataNode
 from ...runtime.pipeline.relay import ask_for_stage
 from ...runtime.pipeline.verifier import VerifierNode
 from ..dp.launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
+from ..dp.swarm import peer_identity
 from ..launcher import ProcessLauncher, stop_on_sigterm
+from ..processes import MARKER_ENV, guard_worker, new_marker
+from .config import PipelineRunConfig
 from .launch_churn import PipelineChurn
 from .run import PipelineRecorder, build_node, pipeline_task, verifier_identity, verifier_ids
-from ..processes import MARKER_ENV, guard_worker, new_marker
-from ..dp.swarm import peer_identity
 
 FINISHED = "pp.finished"
 RUN_TIMEOUT = 3600.0

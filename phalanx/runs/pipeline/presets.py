@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .config import PipelineNetworkConfig, PipelineRunConfig
-from ...runtime.rounds.btard import BTARDConfig
-from ...runtime.rounds.butterfly import AllReduceConfig
 from ...runtime.dp.peer import TrainConfig
 from ...runtime.pipeline.config import PipelineConfig
 from ...runtime.pipeline.verifier import VerifierConfig
+from ...runtime.rounds.btard import BTARDConfig
+from ...runtime.rounds.butterfly import AllReduceConfig
+from .config import PipelineNetworkConfig, PipelineRunConfig
 
 
 def chars_gpt_pipeline() -> PipelineRunConfig:

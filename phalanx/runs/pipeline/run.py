@@ -22,24 +22,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...core.rng import py_stream
-from .config import PipelineRunConfig
-from ...runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
 from ...algorithms.gwtf.flow import FlowConfig
-from ...runtime.pipeline.gwtf import FlowDriver, FlowRouter
 from ...algorithms.sentinel.statistics import BACKWARD, FORWARD
+from ...core.errors import ConfigError
+from ...core.rng import py_stream
+from ...runtime.dp.peer import task_of
+from ...runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
 from ...runtime.pipeline.attacker import AttackingRelay
+from ...runtime.pipeline.gwtf import FlowDriver, FlowRouter
 from ...runtime.pipeline.relay import ask_for_stage
+from ...runtime.pipeline.routing import RepairRouter, Router
 from ...runtime.pipeline.stage_btard import StageRound
 from ...runtime.pipeline.verifier import VerifierNode
-from ...runtime.pipeline.routing import RepairRouter, Router
-from ...core.errors import ConfigError
-from ...runtime.dp.peer import task_of
 from ...training.task import Task, make_task
 from ...transport.base import Transport
 from ...transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
-from ..live import LiveLog
 from ..dp.swarm import peer_identity
+from ..live import LiveLog
+from .config import PipelineRunConfig
 
 
 def pipeline_task(config: PipelineRunConfig) -> Task:

@@ -29,17 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call, grad, vmap
 
-from ...algorithms.robust.aggregators import AGGREGATORS, coordinate_median, make_aggregator, rule_parameters
-from ...algorithms.aspis.detection import (
-    Detection,
-    WindowDetector,
-    aggregate,
-    agreement_matrix,
-    detect_clique,
-    disagreements,
-    file_labels,
-    shared_counts,
-)
 from ...algorithms.aspis.attacks import Orchestration
 from ...algorithms.aspis.designs import (
     Assignment,
@@ -51,6 +40,17 @@ from ...algorithms.aspis.designs import (
     steiner_triple_system,
     subset_assignment,
 )
+from ...algorithms.aspis.detection import (
+    Detection,
+    WindowDetector,
+    aggregate,
+    agreement_matrix,
+    detect_clique,
+    disagreements,
+    file_labels,
+    shared_counts,
+)
+from ...algorithms.robust.aggregators import AGGREGATORS, coordinate_median, make_aggregator, rule_parameters
 from ...algorithms.robust.attacks import Attack, AttackView
 from ...core.errors import ConfigError, Evidence, PeerTimeout, PhalanxError, RemoteError
 from ...core.rng import py_stream

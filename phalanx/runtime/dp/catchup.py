@@ -28,10 +28,10 @@ A peer's bad answer (wrong hash, malformed state) is evidence against it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch

@@ -30,8 +30,8 @@ import torch
 
 from ...core.errors import ConfigError, LocalError, RemoteError
 from ...core.serialization import digest
-from .catchup import load_state, state_bytes
 from ..rounds.btard import SecureRound
+from .catchup import load_state, state_bytes
 from .peer import DataParallelPeer
 
 FORMAT = 1

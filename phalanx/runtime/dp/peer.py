@@ -11,13 +11,14 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ...algorithms.robust.attacks import Attack, AttackView
+from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger
+from ...algorithms.robust.attacks import Attack, AttackView
 from ...core.errors import ConfigError
 from ...training.device import resolve_device
 from ...training.plugin import TaskConfig, load_task
@@ -33,7 +34,6 @@ from ...training.task import (
     train_flops,
 )
 from ...transport.base import Transport
-from ...algorithms.btard.attacks import ProtocolPolicy
 from ..rounds.btard import BTARDConfig, SecureResult, SecureRound
 from ..rounds.butterfly import AllReduceConfig, AllReduceResult, ButterflyAllReduce, Reducer, TrustedServerAllReduce
 

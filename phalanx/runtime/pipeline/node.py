@@ -31,23 +31,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.sentinel.attacks import ACTIVATION, GRADIENT
-from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD, FORWARD as CHECK_FORWARD
+from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD
+from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, PeerTimeout, PeerUnreachable, PhalanxError, RemoteError
 from ...core.serialization import check_tensor, decode, digest, encode
 from ...training.task import Task, num_params
 from ...transport.base import Transport
-from ...algorithms.btard.attacks import ProtocolPolicy
+from ..dp.peer import TrainConfig, make_optimizer
 from ..rounds.btard import BTARDConfig
 from ..rounds.butterfly import AllReduceConfig, ButterflyAllReduce, Reducer
-from ..dp.peer import TrainConfig, make_optimizer
 from . import messages as m
 from .config import PipelineConfig
 from .gwtf import FlowDriver
 from .routing import Router
 from .stage_btard import StageBanReports, StageRound
 from .stages import StagedModel, flat
-from .verifier import BAN, VIA as VIA_TOPIC, parse_ban, via_bytes
+from .verifier import BAN, parse_ban, via_bytes
+from .verifier import VIA as VIA_TOPIC
 
 log = logging.getLogger(__name__)
 

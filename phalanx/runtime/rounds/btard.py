@@ -88,8 +88,8 @@ from typing import Protocol
 import torch
 
 from ...algorithms.btard.admission import Roles
-from ...algorithms.btard.bans import BanLedger, BanRecord
 from ...algorithms.btard.attacks import ProtocolPolicy
+from ...algorithms.btard.bans import BanLedger, BanRecord
 from ...algorithms.btard.checks import (
     ACCUSE,
     ELIMINATE,

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from ...algorithms.btard.bans import BanLedger, BanRecord
 from ...algorithms.btard.mprng import SALT_BYTES, VALUE_BYTES, Reveal, commitment, resolve
+from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, Evidence, LocalError, RemoteError
 from ...core.serialization import decode, encode
-from ...core.envelope import SignedEnvelope
 from ...transport.base import BROADCAST_TOPIC, Transport
 
 
