@@ -98,7 +98,11 @@ async def _phalanx_worker(index: int, settings: dict[str, Any], initial_peers: l
     import torch
 
     from phalanx.core.identity import Identity
-    from phalanx.runtime.rounds.butterfly import AllReduceConfig, ButterflyAllReduce, mean_reducer
+    from phalanx.runtime.rounds.butterfly import (
+        AllReduceConfig,
+        ButterflyAllReduce,
+        mean_reducer,
+    )
     from phalanx.transport.p2p import HivemindTransport
 
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ import sys
 import time
 from pathlib import Path
 
-from phalanx.runs.dp.report import draw_timeline, timeline_bins
+from phalanx.runs.dp.report import draw_timeline
 
 rng = random.Random(0)
 peers, steps = 256, 1000

@@ -7,7 +7,12 @@ import torch
 
 from phalanx.core.errors import ConfigError
 from phalanx.runs.aspis.config import AspisAttackConfig, AspisRunConfig
-from phalanx.runs.aspis.run import build_role, coalition, detection_delays, simulate_aspis
+from phalanx.runs.aspis.run import (
+    build_role,
+    coalition,
+    detection_delays,
+    simulate_aspis,
+)
 from phalanx.runs.dp.swarm import peer_identity
 from phalanx.runtime.aspis.roles import AspisConfig, AspisWorker
 from phalanx.runtime.dp.peer import TrainConfig

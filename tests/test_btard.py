@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from phalanx.algorithms.btard.admission import Admission, AdmissionConfig, Admitted, Banned, Queued, Trusted
+from phalanx.algorithms.btard.admission import (
+    Admission,
+    AdmissionConfig,
+    Admitted,
+    Banned,
+    Queued,
+    Trusted,
+)
 from phalanx.algorithms.btard.bans import BanLedger
 from phalanx.algorithms.btard.checks import (
     ACCUSE,

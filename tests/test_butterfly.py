@@ -4,7 +4,12 @@ import torch
 
 from phalanx.algorithms.robust.aggregators import coordinate_median, geometric_median
 from phalanx.runs.dp.swarm import peer_identity
-from phalanx.runtime.rounds.butterfly import AllReduceConfig, ButterflyAllReduce, TrustedServerAllReduce, part_bounds
+from phalanx.runtime.rounds.butterfly import (
+    AllReduceConfig,
+    ButterflyAllReduce,
+    TrustedServerAllReduce,
+    part_bounds,
+)
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
 

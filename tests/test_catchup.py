@@ -20,7 +20,9 @@ from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.dp.swarm import build_peer, peer_identity, run_peer
 from phalanx.runs.presets import get_preset
-from phalanx.runtime.dp.catchup import DEMOTE_AFTER, READY, CatchupConfig, CatchupService, load_state, state_bytes
+from phalanx.runtime.dp.catchup import CatchupConfig, CatchupService
+from phalanx.runtime.dp.roster import DEMOTE_AFTER, READY
+from phalanx.runtime.dp.state import load_state, state_bytes
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
 D1, D2 = b"\x01" * 32, b"\x02" * 32

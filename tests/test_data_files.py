@@ -16,7 +16,12 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from phalanx import api  # noqa: E402
 from phalanx.core.errors import ConfigError  # noqa: E402
-from phalanx.training.files import classification, holdout_split, language_model, train_tokenizer  # noqa: E402
+from phalanx.training.files import (  # noqa: E402
+    classification,
+    holdout_split,
+    language_model,
+    train_tokenizer,
+)
 
 SPECIES = ("setosa", "versicolor", "virginica")
 

@@ -23,7 +23,14 @@ from phalanx.algorithms.gwtf.flow import (
     from_wire,
     to_wire,
 )
-from phalanx.algorithms.gwtf.flowgraph import FlowGraph, build_nodes, max_flow, optimal, random_graph, swarm_greedy
+from phalanx.algorithms.gwtf.flowgraph import (
+    FlowGraph,
+    build_nodes,
+    max_flow,
+    optimal,
+    random_graph,
+    swarm_greedy,
+)
 from phalanx.benchmarks.gwtf import split_demand
 from phalanx.core.errors import ConfigError, RemoteError
 from phalanx.core.rng import py_stream

@@ -3,7 +3,6 @@ pipeline and an Aspis preset, each killed with SIGKILL once its workers and thei
 Nothing marked with the run's marker (workers, watchdogs, DHT children, p2pd) may be left."""
 
 import os
-import signal
 import subprocess
 import sys
 import time

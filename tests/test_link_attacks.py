@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from phalanx.algorithms.sentinel.attacks import ACTIVATION, AGGREGATION, GRADIENT, LinkView, make_link_attack
+from phalanx.algorithms.sentinel.attacks import (
+    ACTIVATION,
+    AGGREGATION,
+    GRADIENT,
+    LinkView,
+    make_link_attack,
+)
 from phalanx.core.errors import ConfigError
 
 

@@ -13,7 +13,11 @@ import torch
 from phalanx.core.errors import PhalanxError
 from phalanx.core.serialization import encode
 from phalanx.runs.dp.swarm import peer_identity
-from phalanx.runs.pipeline.config import ChurnConfig, LinkAttackConfig, PipelineRunConfig
+from phalanx.runs.pipeline.config import (
+    ChurnConfig,
+    LinkAttackConfig,
+    PipelineRunConfig,
+)
 from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline import messages as m

@@ -12,7 +12,14 @@ from torch import nn
 
 from phalanx.cli import main
 from phalanx.core.errors import ConfigError
-from phalanx.training import Task, TaskConfig, batch_indices, default_stages, load_task, seeded
+from phalanx.training import (
+    Task,
+    TaskConfig,
+    batch_indices,
+    default_stages,
+    load_task,
+    seeded,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "csv_cnn"
 ADAM = ["--set", "train.optimizer=adam", "--set", "train.lr=0.01"]

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.runs.processes import MARKER_ENV, kill_marked, marked_processes, set_parent_death_signal
+from phalanx.runs.processes import (
+    MARKER_ENV,
+    kill_marked,
+    marked_processes,
+    set_parent_death_signal,
+)
 
 WORKER = Path(__file__).resolve().parent / "process_tree_worker.py"
 SETTLE = 10.0  # seconds the tree may take to go away

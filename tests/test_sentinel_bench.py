@@ -1,7 +1,13 @@
 """Smoke test of `phalanx bench sentinel --preset quick` (in-process 4-stage pipeline)."""
 
 from phalanx.algorithms.sentinel.statistics import SentinelConfig
-from phalanx.benchmarks.sentinel import RunSpec, SentinelBenchConfig, quick, run_grid, run_one
+from phalanx.benchmarks.sentinel import (
+    RunSpec,
+    SentinelBenchConfig,
+    quick,
+    run_grid,
+    run_one,
+)
 from phalanx.cli import main
 
 

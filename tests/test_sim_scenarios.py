@@ -14,7 +14,14 @@ from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.dp.swarm import crash_indices, peer_identity
 from phalanx.runs.presets import get_preset
 from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
-from phalanx.runtime.rounds.mprng import MPRNGBehaviour, MPRNGConfig, SplitView, WithholdReveal, WrongReveal, run_mprng
+from phalanx.runtime.rounds.mprng import (
+    MPRNGBehaviour,
+    MPRNGConfig,
+    SplitView,
+    WithholdReveal,
+    WrongReveal,
+    run_mprng,
+)
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 

@@ -27,8 +27,18 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 
-from ..algorithms.aspis.attacks import Orchestration, detox_optimal_byzantine, distortion_fraction, symbolic_copies
-from ..algorithms.aspis.designs import Assignment, group_assignment, single_assignment, subset_assignment
+from ..algorithms.aspis.attacks import (
+    Orchestration,
+    detox_optimal_byzantine,
+    distortion_fraction,
+    symbolic_copies,
+)
+from ..algorithms.aspis.designs import (
+    Assignment,
+    group_assignment,
+    single_assignment,
+    subset_assignment,
+)
 from ..algorithms.aspis.detection import (
     Detection,
     aggregate,

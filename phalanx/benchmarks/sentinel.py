@@ -41,7 +41,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..algorithms.sentinel.attacks import ACTIVATION, GRADIENT, TARGETS, LinkAttack, LinkView, make_link_attack
+from ..algorithms.sentinel.attacks import (
+    ACTIVATION,
+    GRADIENT,
+    TARGETS,
+    LinkAttack,
+    LinkView,
+    make_link_attack,
+)
 from ..algorithms.sentinel.statistics import BACKWARD, FORWARD, Sentinel, SentinelConfig
 from ..core.errors import ConfigError
 from ..core.rng import py_stream

@@ -30,7 +30,11 @@ from pathlib import Path
 from ..algorithms.sentinel.statistics import vote
 from ..core.rng import py_stream
 from ..runs.dp.swarm import peer_identity
-from ..runs.pipeline.config import LinkAttackConfig, PipelineNetworkConfig, PipelineRunConfig
+from ..runs.pipeline.config import (
+    LinkAttackConfig,
+    PipelineNetworkConfig,
+    PipelineRunConfig,
+)
 from ..runs.pipeline.run import simulate_pipeline
 from ..runtime.dp.peer import TrainConfig
 from ..runtime.pipeline.config import PipelineConfig

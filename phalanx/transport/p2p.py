@@ -48,7 +48,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+)
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -57,7 +61,15 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from ..core.errors import ConfigError, Evidence, LocalError, PeerTimeout, PeerUnreachable, RemoteError, RequestFailed
+from ..core.errors import (
+    ConfigError,
+    Evidence,
+    LocalError,
+    PeerTimeout,
+    PeerUnreachable,
+    RemoteError,
+    RequestFailed,
+)
 from ..core.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify_signature
 from ..core.serialization import DEFAULT_LIMITS, Limits, decode, digest, encode
 from .base import Transport

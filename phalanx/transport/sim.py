@@ -48,7 +48,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
-from ..core.errors import ConfigError, LocalError, PeerTimeout, PeerUnreachable, RequestFailed
+from ..core.errors import (
+    ConfigError,
+    LocalError,
+    PeerTimeout,
+    PeerUnreachable,
+    RequestFailed,
+)
 from ..core.identity import Identity
 from ..core.rng import py_stream
 from ..core.serialization import DEFAULT_LIMITS, Limits

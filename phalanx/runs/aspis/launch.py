@@ -22,7 +22,13 @@ import torch
 from tqdm import tqdm
 
 from ...core.errors import LocalError
-from ..dp.launch import BARRIER_TIMEOUT, JOIN_TIMEOUT, _lines, prepare_run_dir, run_id_of
+from ..dp.launch import (
+    BARRIER_TIMEOUT,
+    JOIN_TIMEOUT,
+    _lines,
+    prepare_run_dir,
+    run_id_of,
+)
 from ..dp.swarm import peer_identity
 from ..launcher import ProcessLauncher, exit_text, stop_on_sigterm
 from ..processes import MARKER_ENV, guard_worker, new_marker

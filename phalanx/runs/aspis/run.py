@@ -21,7 +21,12 @@ from ...algorithms.aspis.attacks import Orchestration, detox_optimal_byzantine
 from ...algorithms.robust.attacks import AttackSchedule, make_attack
 from ...core.errors import ConfigError
 from ...core.rng import py_stream
-from ...runtime.aspis.roles import AspisCoordinator, AspisWorker, LiePolicy, assignment_at
+from ...runtime.aspis.roles import (
+    AspisCoordinator,
+    AspisWorker,
+    LiePolicy,
+    assignment_at,
+)
 from ...runtime.dp.peer import task_of
 from ...training.task import Task
 from ...transport.base import Transport

@@ -29,7 +29,13 @@ from ...runtime.dp.peer import task_of
 from ..launcher import ProcessLauncher, exit_text, stop_on_sigterm
 from ..netns import NetnsConfig, Testbed
 from ..processes import MARKER_ENV, STOP_GRACE, guard_worker, kill_marked, new_marker
-from .checkpoints import Checkpoint, LaunchSealer, WorkerCheckpoints, rewind_run_dir, worker_args
+from .checkpoints import (
+    Checkpoint,
+    LaunchSealer,
+    WorkerCheckpoints,
+    rewind_run_dir,
+    worker_args,
+)
 from .config import RunConfig
 from .launch_churn import LaunchChurn
 from .swarm import Recorder, build_peer, peer_identity, run_peer

@@ -20,11 +20,19 @@ from ...algorithms.robust.attacks import ATTACKS, Attack, AttackSchedule, make_a
 from ...core.identity import Identity
 from ...core.rng import py_stream
 from ...runtime.dp.admission import AdmissionService
-from ...runtime.dp.catchup import CatchupService, state_bytes
+from ...runtime.dp.catchup import CatchupService
 from ...runtime.dp.checkpoint import PeerCheckpoints
 from ...runtime.dp.peer import DataParallelPeer, task_of
+from ...runtime.dp.state import state_bytes
 from ...runtime.rounds.btard import SecureRound
-from ...runtime.rounds.mprng import MPRNGBehaviour, MPRNGFailed, SplitView, WithholdReveal, WrongReveal, run_mprng
+from ...runtime.rounds.mprng import (
+    MPRNGBehaviour,
+    MPRNGFailed,
+    SplitView,
+    WithholdReveal,
+    WrongReveal,
+    run_mprng,
+)
 from ...transport.base import Transport
 from ...transport.sim import LinkProfile, SimConfig
 from ..config import NetworkConfig

@@ -50,7 +50,12 @@ from ...algorithms.aspis.detection import (
     file_labels,
     shared_counts,
 )
-from ...algorithms.robust.aggregators import AGGREGATORS, coordinate_median, make_aggregator, rule_parameters
+from ...algorithms.robust.aggregators import (
+    AGGREGATORS,
+    coordinate_median,
+    make_aggregator,
+    rule_parameters,
+)
 from ...algorithms.robust.attacks import Attack, AttackView
 from ...core.errors import ConfigError, Evidence, PeerTimeout, PhalanxError, RemoteError
 from ...core.rng import py_stream

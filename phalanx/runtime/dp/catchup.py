@@ -23,6 +23,9 @@ then. Until that step the others leave it out of their groups (`Roster`).
 A replica whose digest at a sync point differs from the agreed one loads the
 agreed snapshot and replays the updates since, without leaving its group.
 A peer's bad answer (wrong hash, malformed state) is evidence against it.
+
+The state's bytes and update digests are in `state.py`, the roster in `roster.py`; here are the service
+every replica runs and the joiner's side (offers, snapshot download).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,15 +50,15 @@ from ...algorithms.catchup import (
     swarm_step,
 )
 from ...core.errors import ConfigError, Evidence, LocalError, PhalanxError, RemoteError
-from ...core.serialization import decode, digest, encode, tensor_bytes
-from ...training.task import set_flat_grad
+from ...core.serialization import decode, digest, encode
 from ...transport.base import Transport
 from .peer import DataParallelPeer
+from .roster import READY, Roster
+from .state import apply_update, load_state, state_bytes, update_digest
 
 log = logging.getLogger(__name__)
 
-READY, DIGEST = "catchup.ready", "catchup.digest"
-DEMOTE_AFTER = 3  # steps an admitted joiner may miss in a row before it is dropped from the roster
+DIGEST = "catchup.digest"
 
 
 @dataclass(frozen=True)
@@ -88,185 +90,6 @@ class CatchupConfig:
 
 class CatchupFailed(LocalError):
     """The swarm did not agree on a state to fetch in time (too few peers answered, or they disagree)."""
-
-
-# --- state <-> bytes ----------------------------------------------------------
-
-
-def state_bytes(peer: DataParallelPeer, step: int) -> bytes:
-    """The replica's state, ready to train `step`, in canonical bytes (equal on equal replicas)."""
-    optimizer = peer.optimizer.state_dict()["state"]
-    params = list(peer.model.parameters())
-    return encode(
-        {
-            "step": step,
-            "model": {name: t.detach() for name, t in peer.model.state_dict().items()},
-            "optimizer": [_entry(optimizer.get(i, {})) for i in range(len(params))],
-            "bans": [[r.step, r.peer, r.reason, r.accuser] for r in peer.ledger.records],
-        }
-    )
-
-
-def _entry(state: dict) -> dict:
-    return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
-
-
-def load_state(peer: DataParallelPeer, data: bytes, sender: str) -> int:
-    """Load a state from `sender` into `peer` (in place); return its step. RemoteError if malformed."""
-
-    def bad(detail: str) -> RemoteError:
-        return RemoteError(Evidence(sender, "bad_state", detail))
-
-    obj = decode(data, sender, peer.transport.limits)
-    if not isinstance(obj, dict) or set(obj) != {"step", "model", "optimizer", "bans"}:
-        raise bad("state must hold exactly step, model, optimizer, bans")
-    step, model, optimizer, bans = obj["step"], obj["model"], obj["optimizer"], obj["bans"]
-    if type(step) is not int or step < 0:
-        raise bad("state step is not a step number")
-    own = peer.model.state_dict()
-    if not isinstance(model, dict) or set(model) != set(own):
-        raise bad("model tensors do not match this task's model")
-    for name, tensor in model.items():
-        if not isinstance(tensor, torch.Tensor) or tensor.shape != own[name].shape or tensor.dtype != own[name].dtype:
-            raise bad(f"model tensor {name} has the wrong type, shape or dtype")
-        if not bool(torch.isfinite(tensor).all()):
-            raise bad(f"model tensor {name} holds NaN or Inf")
-    params = list(peer.model.parameters())
-    if not isinstance(optimizer, list) or len(optimizer) != len(params):
-        raise bad("optimizer state does not match the model's parameters")
-    for entry, param in zip(optimizer, params):
-        if not isinstance(entry, dict):
-            raise bad("optimizer entry is not a mapping")
-        for value in entry.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                raise bad("optimizer tensor of the wrong shape")
-    if not isinstance(bans, list) or not all(
-        isinstance(b, list) and len(b) == 4 and type(b[0]) is int and all(isinstance(x, str) for x in b[1:]) for b in bans
-    ):
-        raise bad("ban records malformed")
-    peer.model.load_state_dict({k: v.clone() for k, v in model.items()})
-    full = peer.optimizer.state_dict()
-    full["state"] = {
-        i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
-        for i, entry in enumerate(optimizer)
-        if entry
-    }
-    try:
-        peer.optimizer.load_state_dict(full)
-    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise bad(f"optimizer state does not load: {exc}") from None
-    peer.ledger.restore([BanRecord(*b) for b in bans])
-    peer.step = step
-    return step
-
-
-def apply_update(peer: DataParallelPeer, vector: torch.Tensor) -> None:
-    """Apply one step's aggregated update exactly as training does."""
-    set_flat_grad(peer.model, vector)
-    peer.optimizer.step()
-    peer.step += 1
-
-
-def update_digest(vector: torch.Tensor, bans: list[list] = ()) -> bytes:
-    """The digest of one step's applied update and the bans that took effect in that step: a
-    joiner that replays updates across a ban takes the ban too (the votes on updates cover both)."""
-    return digest(tensor_bytes(vector) + (encode(list(bans)) if bans else b""))
-
-
-# --- who trains at a step -------------------------------------------------------
-
-
-class Roster:
-    """Which members train at a step: the admission filter of a DataParallelPeer.
-
-    With `initial` peer ids, only those (from step 0) and peers that announced
-    `catchup.ready` (from the step they named) are admitted; with None, every
-    member is. Either way a peer that asked for an offer as a joiner is left
-    out until its `ready` step, so the swarm never waits for a peer that is
-    still downloading. An admitted peer that leaves the membership view (dead,
-    its record expired) loses its place: when it comes back (a restart with the
-    same identity) it is left out until it announces `ready` again, so the
-    swarm never waits for a restarted process that has not caught up yet.
-    """
-
-    def __init__(self, transport: Transport, initial: list[str] | None, margin: int) -> None:
-        self.transport = transport
-        self.open = initial is None
-        self.active: dict[str, int] = {p: 0 for p in initial or []}
-        self.joining: set[str] = set()
-        self.margin = margin
-        self.probation: dict[str, int] = {}  # entered by `ready`, not yet in a step: steps it missed
-        self._ready: dict[str, int] = {}
-
-    def admit(self, step: int, members: list[str]) -> list[str]:
-        self._absorb(step)
-        me = self.transport.peer_id
-        present = set(members)
-        for gone in [p for p in self.active if p != me and p not in present and self.active[p] <= step]:
-            del self.active[gone]
-        return [p for p in members if p == me or self._admitted(p, step)]
-
-    def _admitted(self, peer: str, step: int) -> bool:
-        if peer in self.joining:
-            return False
-        if peer in self.active:
-            return self.active[peer] <= step
-        return self.open
-
-    def _absorb(self, step: int) -> None:
-        for slot in range(max(0, step - 2), step + self.margin + 1):
-            for sender in self.transport.board.get(READY, slot):
-                if slot > self._ready.get(sender, -1):
-                    self.enter(sender, slot)
-
-    def enter(self, peer: str, step: int) -> None:
-        self._ready[peer] = step
-        self.active[peer] = step
-        self.joining.discard(peer)
-        if peer != self.transport.peer_id:
-            self.probation[peer] = 0
-
-    def observe(self, step: int, group: tuple[str, ...], dropped: tuple[str, ...]) -> None:
-        """After `step`: a peer on probation (it entered by `ready`) that sent nothing `DEMOTE_AFTER` steps is demoted.
-
-        It announced it would train from its entry step and then never showed up
-        (died, or stalled): leave it out until it announces `ready` again instead of
-        waiting out the all-reduce timeout at every step. One step it took part in
-        ends its probation. (Not the first miss: joiners entering together may
-        disagree on the group for a step, and each then misses the others' parts.)
-        """
-        for peer in group:
-            if peer not in self.probation or self.active.get(peer, step + 1) > step:
-                continue
-            if peer not in dropped:
-                del self.probation[peer]
-                continue
-            self.probation[peer] += 1
-            if self.probation[peer] >= DEMOTE_AFTER:
-                log.warning("peer %s announced it would train from step %d and sent nothing: dropped from the roster", peer[:8], self.active[peer])
-                del self.probation[peer], self.active[peer]
-                self.joining.add(peer)
-
-    def mark_joining(self, peer: str, now: int) -> None:
-        """`peer` asked to catch up: leave it out until it announces ready (a stale request is ignored)."""
-        if self._ready.get(peer, -1) > now:
-            return
-        self.joining.add(peer)
-        self.active.pop(peer, None)
-
-    def to_dict(self) -> dict:
-        return {"open": self.open, "active": dict(self.active)}
-
-    def merge_majority(self, views: list[dict]) -> None:
-        """Take, for each peer, the entry most of `views` (other peers' `to_dict`) hold."""
-        if not views:
-            return
-        opens = Counter(bool(v.get("open")) for v in views)
-        self.open = opens[True] > opens[False]
-        entries = Counter((p, s) for v in views for p, s in v.get("active", {}).items())
-        for (peer, step), votes in entries.items():
-            if 2 * votes > len(views):
-                self.active[peer] = step
 
 
 # --- the service ------------------------------------------------------------------

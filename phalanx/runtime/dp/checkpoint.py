@@ -1,6 +1,6 @@
 """What one data-parallel peer writes to a checkpoint, and how it takes it back.
 
-The replica's state is catch-up's canonical snapshot (`catchup.state_bytes`:
+The replica's state is catch-up's canonical snapshot (`state.state_bytes`:
 model, optimizer state, step, ban ledger), so a checkpoint and a catch-up
 download are the same bytes and are loaded by the same checked code. A
 checkpoint adds what is this peer's own and what a continued run depends on:
@@ -31,8 +31,8 @@ import torch
 from ...core.errors import ConfigError, LocalError, RemoteError
 from ...core.serialization import digest
 from ..rounds.btard import SecureRound
-from .catchup import load_state, state_bytes
 from .peer import DataParallelPeer
+from .state import load_state, state_bytes
 
 FORMAT = 1
 

@@ -35,7 +35,13 @@ from ...training.task import (
 )
 from ...transport.base import Transport
 from ..rounds.btard import BTARDConfig, SecureResult, SecureRound
-from ..rounds.butterfly import AllReduceConfig, AllReduceResult, ButterflyAllReduce, Reducer, TrustedServerAllReduce
+from ..rounds.butterfly import (
+    AllReduceConfig,
+    AllReduceResult,
+    ButterflyAllReduce,
+    Reducer,
+    TrustedServerAllReduce,
+)
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...algorithms.gwtf.placement import UtilQuery, leader, merge_entries, place_joiners, stage_utilization
+from ...algorithms.gwtf.placement import (
+    UtilQuery,
+    leader,
+    merge_entries,
+    place_joiners,
+    stage_utilization,
+)
 from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, RemoteError
 from ...core.serialization import check_tensor, encode

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import asyncio
 
-from ...algorithms.gwtf.flow import DATA, FlowConfig, FlowMessage, FlowNode, edge_cost, from_wire, to_wire
+from ...algorithms.gwtf.flow import (
+    DATA,
+    FlowConfig,
+    FlowMessage,
+    FlowNode,
+    edge_cost,
+    from_wire,
+    to_wire,
+)
 from ...core.serialization import decode, encode
 from ...transport.base import Transport
 from .routing import RepairRouter, Router

@@ -35,7 +35,13 @@ from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.sentinel.attacks import ACTIVATION, GRADIENT
 from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD
 from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
-from ...core.errors import Evidence, PeerTimeout, PeerUnreachable, PhalanxError, RemoteError
+from ...core.errors import (
+    Evidence,
+    PeerTimeout,
+    PeerUnreachable,
+    PhalanxError,
+    RemoteError,
+)
 from ...core.serialization import check_tensor, decode, digest, encode
 from ...training.task import Task, num_params
 from ...transport.base import Transport

@@ -40,7 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ...algorithms.sentinel.statistics import BACKWARD, FORWARD, Sentinel, SentinelConfig, Verdict
+from ...algorithms.sentinel.statistics import (
+    BACKWARD,
+    FORWARD,
+    Sentinel,
+    SentinelConfig,
+    Verdict,
+)
 from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
 from ...core.serialization import encode
 from ...transport.base import Transport

@@ -113,7 +113,15 @@ from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
 from ...core.serialization import DEFAULT_LIMITS, decode, digest, encode
 from ...transport.base import BROADCAST_TOPIC, Transport
-from .butterfly import PART, REDUCED, AllReduceConfig, AllReduceResult, ButterflyAllReduce, group_digest, part_bounds
+from .butterfly import (
+    PART,
+    REDUCED,
+    AllReduceConfig,
+    AllReduceResult,
+    ButterflyAllReduce,
+    group_digest,
+    part_bounds,
+)
 from .mprng import MPRNGConfig, MPRNGFailed, run_mprng
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.mprng import SALT_BYTES, VALUE_BYTES, Reveal, commitment, resolve
+from ...algorithms.btard.mprng import (
+    SALT_BYTES,
+    VALUE_BYTES,
+    Reveal,
+    commitment,
+    resolve,
+)
 from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, Evidence, LocalError, RemoteError
 from ...core.serialization import decode, encode
