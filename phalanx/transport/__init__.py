@@ -2,7 +2,8 @@
 
 - base: the interface protocols are written against
 - broadcast: the board of signed broadcasts with equivocation proofs (shared)
-- sim: the deterministic in-process simulator on a virtual-time event loop
+- sim: the deterministic in-process simulator (the network, its transports)
+- virtual_time: the event loop whose clock jumps to the next timer, that the simulator runs on
 - p2p: real OS processes over hivemind's libp2p daemon and DHT
 """
 
