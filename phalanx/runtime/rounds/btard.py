@@ -111,8 +111,18 @@ from ...algorithms.btard.checks import (
 from ...algorithms.btard.mprng import choose
 from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
-from ...core.serialization import DEFAULT_LIMITS, decode, digest, encode
+from ...core.serialization import decode, digest, encode
 from ...transport.base import BROADCAST_TOPIC, Transport
+from .btard_messages import (
+    commit_in,
+    decoded,
+    group_in,
+    malformed_part,
+    meta_in,
+    parts_in,
+    rcommit_in,
+    report_in,
+)
 from .butterfly import (
     PART,
     REDUCED,
@@ -135,7 +145,6 @@ SEEN_TOPICS = ("bt.commit", "bt.rcommit", "bt.meta")  # what honest peers exchan
 # verification (no report reached anyone) departs instead of being banned for them: a crash is not a
 # lie, and the identity loses its trust (it comes back through admission); nobody who eliminated it pays.
 OMISSION_REASONS = ("no_reveal", "not_validating", "no_meta", "missing_part", "missing_aggregate", "late_commit")
-DROP_REASONS = ("missing_part", "part_hash", "bad_part", "late_commit")  # why an owner left a committed part out
 
 
 @dataclass(frozen=True)
@@ -327,10 +336,10 @@ class SecureRound(ButterflyAllReduce):
             self._collect(step, PART, {p: (hi - lo,) for p in owners if p != me} if index is not None else {}),
         )
         for peer, env in envelopes.items():
-            obj = _decoded(env.payload, peer, tr)
-            if _group_in(obj) != g:
+            obj = decoded(env.payload, peer, tr)
+            if group_in(obj) != g:
                 continue
-            parsed = _commit_in(obj, len(owners))
+            parsed = commit_in(obj, len(owners))
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
@@ -397,10 +406,10 @@ class SecureRound(ButterflyAllReduce):
         others = {o: (st.slice(o).stop - st.slice(o).start,) for o in owners if o != me}
         envelopes, results = await asyncio.gather(aggregate_commitments(), self._collect(step, REDUCED, others))
         for peer, env in envelopes.items():
-            obj = _decoded(env.payload, peer, tr)
-            if _group_in(obj) != g:
+            obj = decoded(env.payload, peer, tr)
+            if group_in(obj) != g:
                 continue
-            parsed = _rcommit_in(obj, owners)
+            parsed = rcommit_in(obj, owners)
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
                 h = obj.get("h") if isinstance(obj, dict) else None
@@ -538,7 +547,7 @@ class SecureRound(ButterflyAllReduce):
             wait = self.config.timeout + self.btard.timeout
             envelopes = await tr.collect_broadcasts("bt.meta", step, contributors_all, wait, relays=len(group))
             for peer, env in envelopes.items():
-                parsed = _meta_of(env.payload, peer, tr)
+                parsed = meta_in(env.payload, peer, tr)
                 if parsed is not None:
                     st.meta[peer] = parsed
             claims += self._owner_checks(st, me)
@@ -573,10 +582,10 @@ class SecureRound(ButterflyAllReduce):
         envelopes = await tr.collect_broadcasts("bt.report", step, group, 3 * self.btard.timeout, relays=len(group))
         everyone: list[Claim] = list(mprng_claims)
         for peer, env in envelopes.items():
-            obj = _decoded(env.payload, peer, tr)
-            if _group_in(obj) != g:
+            obj = decoded(env.payload, peer, tr)
+            if group_in(obj) != g:
                 continue  # a peer that settled on another group judged another step: its claims do not apply here
-            report = _report_in(obj)
+            report = report_in(obj)
             if report is None:
                 everyone.append(Claim(ACCUSE, me, peer, "bad_report", (env.to_bytes(),)))
                 continue
@@ -715,15 +724,15 @@ class SecureRound(ButterflyAllReduce):
         """
         board, g = self.transport.board, st.g
         for peer, env in board.get("bt.commit", st.step).items():
-            obj = _decoded(env.payload, peer, self.transport)
-            if peer in st.committers and peer not in st.commits and _group_in(obj) == g and (parsed := _commit_in(obj, len(st.group))):
+            obj = decoded(env.payload, peer, self.transport)
+            if peer in st.committers and peer not in st.commits and group_in(obj) == g and (parsed := commit_in(obj, len(st.group))):
                 st.commits[peer] = parsed
         for peer, env in board.get("bt.rcommit", st.step).items():
-            obj = _decoded(env.payload, peer, self.transport)
-            if peer in st.group and peer not in st.rcommits and _group_in(obj) == g and (parsed := _rcommit_in(obj, st.group)):
+            obj = decoded(env.payload, peer, self.transport)
+            if peer in st.group and peer not in st.rcommits and group_in(obj) == g and (parsed := rcommit_in(obj, st.group)):
                 st.rcommits[peer] = parsed
         for peer, env in board.get("bt.meta", st.step).items():
-            if peer in st.committers and peer not in st.meta and (parsed := _meta_of(env.payload, peer, self.transport)) is not None:
+            if peer in st.committers and peer not in st.meta and (parsed := meta_in(env.payload, peer, self.transport)) is not None:
                 st.meta[peer] = parsed
 
     async def _agreed_checks(self, st: _Step, equivocators: set[str]) -> None:
@@ -876,8 +885,8 @@ class SecureRound(ButterflyAllReduce):
         for proof in self.transport.board.proofs:
             if proof.first.topic == "bt.commit" and proof.first.step == st.step and proof.first.sender == peer:
                 for env in (proof.first, proof.second):
-                    obj = _decoded(env.payload, peer, self.transport)
-                    version = _commit_in(obj, len(st.group)) if _group_in(obj) == st.g else None
+                    obj = decoded(env.payload, peer, self.transport)
+                    version = commit_in(obj, len(st.group)) if group_in(obj) == st.g else None
                     if version is not None and version[0][j] == h:
                         return True
         return False
@@ -966,20 +975,20 @@ class SecureRound(ButterflyAllReduce):
                 return Verdict(False)
         if claim.reason in ("bad_commit", "bad_report"):
             env = SignedEnvelope.from_bytes(ev[0], target, self.transport.limits).verify()
-            obj = _decoded(env.payload, target, None)
-            parse = {"bad_commit": lambda: _commit_in(obj, len(st.group)) or _rcommit_in(obj, st.group),
-                     "bad_report": lambda: _report_in(obj)}[claim.reason]
-            same_group = _group_in(obj) == st.g
+            obj = decoded(env.payload, target, None)
+            parse = {"bad_commit": lambda: commit_in(obj, len(st.group)) or rcommit_in(obj, st.group),
+                     "bad_report": lambda: report_in(obj)}[claim.reason]
+            same_group = group_in(obj) == st.g
             return Verdict(env.sender == target and env.step == st.step and same_group and parse() is None)
         if claim.reason == "bad_part":
             j, part = ev
             ok = j == st.group.index(claim.accuser) and target in st.commits and tensor_hash(part) == st.commits[target][0][j]
-            return Verdict(ok and _malformed(part, st.bounds[j][1] - st.bounds[j][0]))
+            return Verdict(ok and malformed_part(part, st.bounds[j][1] - st.bounds[j][0]))
         if claim.reason == "bad_aggregate":
             (part,) = ev
             ok = target in st.rcommits and tensor_hash(part) == st.rcommits[target][0]
             sl = st.slice(target)
-            return Verdict(ok and _malformed(part, sl.stop - sl.start))
+            return Verdict(ok and malformed_part(part, sl.stop - sl.start))
         if claim.reason in META_REASONS:
             j, part = ev
             owner = claim.accuser
@@ -998,7 +1007,7 @@ class SecureRound(ButterflyAllReduce):
         if claim.reason == "gradient":
             if self.recompute is None:  # nobody can recompute it: the accusation cannot hold (a slander)
                 return Verdict(False)
-            parts = _parts_in(ev, st, target)
+            parts = parts_in(ev, st, target)
             if parts is None or st.z is None or not self._parts_guilty(st, target, parts):
                 return Verdict(False)
             approvers = [v for v, t in st.pairs if t == target and target in st.reports.get(v, {}).get("approve", [])]
@@ -1045,92 +1054,3 @@ def _pairs(r: bytes, trusted: list[str], contributors: list[str], m: int) -> lis
     validators = choose(r, trusted, m)
     targets = choose(r + b"/targets", [p for p in contributors if p not in validators], m)
     return list(zip(validators, targets))
-
-
-# --- parsing signed payloads (None: malformed) -----------------------------------------
-
-
-def _decoded(payload: bytes, sender: str, transport: Transport | None):
-    try:
-        return decode(payload, sender, transport.limits if transport else DEFAULT_LIMITS)
-    except RemoteError:
-        return None
-
-
-def _group_in(obj) -> bytes | None:
-    """The group digest a decoded signed payload names (None: none)."""
-    return obj.get("g") if isinstance(obj, dict) and isinstance(obj.get("g"), bytes) else None
-
-
-def _commit_in(obj, n: int) -> tuple[list[bytes], bytes] | None:
-    if not isinstance(obj, dict) or set(obj) != {"g", "parts", "whole"}:
-        return None
-    parts, whole = obj["parts"], obj["whole"]
-    if not isinstance(parts, list) or len(parts) != n or not all(isinstance(h, bytes) and len(h) == 32 for h in parts):
-        return None
-    return (parts, whole) if isinstance(whole, bytes) and len(whole) == 32 else None
-
-
-def _rcommit_in(obj, group: list[str]) -> tuple[bytes, list[str], dict[str, str]] | None:
-    """(aggregate hash, the owners whose parts it used, {dropped owner: reason}); None: malformed."""
-    if not isinstance(obj, dict) or set(obj) != {"g", "h", "from", "drop"}:
-        return None
-    h, used, drop = obj["h"], obj["from"], obj["drop"]
-    if not isinstance(h, bytes) or len(h) != 32 or not isinstance(used, list) or not all(p in group for p in used):
-        return None
-    if not isinstance(drop, dict) or not all(p in group and isinstance(r, str) and r in DROP_REASONS for p, r in drop.items()):
-        return None
-    return (h, used, drop) if len(set(used)) == len(used) and not set(used) & set(drop) else None
-
-
-def _meta_of(payload: bytes, sender: str, transport) -> tuple[dict, dict] | None:
-    obj = _decoded(payload, sender, transport)
-    if not isinstance(obj, dict) or not isinstance(obj.get("norm"), dict) or not isinstance(obj.get("s"), dict):
-        return None
-    norms = {k: float(v) for k, v in obj["norm"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    s = {k: float(v) for k, v in obj["s"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return norms, s
-
-
-def _report_in(obj) -> dict | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("claims"), list) or not isinstance(obj.get("approve"), list):
-        return None
-    if not isinstance(obj.get("unverified"), list):
-        return None
-    seen = obj.get("seen")
-    if not isinstance(seen, dict) or not all(isinstance(t, str) and isinstance(m, dict) for t, m in seen.items()):
-        return None
-    if not all(isinstance(p, str) and isinstance(d, bytes) for m in seen.values() for p, d in m.items()):
-        return None
-    for c in obj["claims"]:
-        if not isinstance(c, dict) or c.get("kind") not in (ACCUSE, ELIMINATE) or not isinstance(c.get("target"), str):
-            return None
-        if not isinstance(c.get("reason"), str) or not isinstance(c.get("ev"), list):
-            return None
-    return obj
-
-
-def _parts_in(evidence, st: _Step, target: str) -> dict[int, torch.Tensor] | None:
-    """A gradient accusation's evidence, {partition: committed part}; None unless every part matches
-    the target's commitment."""
-    if target not in st.commits or not evidence:
-        return None
-    parts: dict[int, torch.Tensor] = {}
-    for item in evidence:
-        if not isinstance(item, (list, tuple)) or len(item) != 2:
-            return None
-        j, part = item
-        if type(j) is not int or not 0 <= j < len(st.bounds) or j in parts or not isinstance(part, torch.Tensor):
-            return None
-        a, b = st.bounds[j]
-        if part.dtype != torch.float32 or tuple(part.shape) != (b - a,) or tensor_hash(part) != st.commits[target][0][j]:
-            return None
-        parts[j] = part
-    return parts
-
-
-def _malformed(part, size: int) -> bool:
-    """A part that no honest peer sends: not a float32 vector of `size` finite values."""
-    if not isinstance(part, torch.Tensor) or part.dtype != torch.float32 or tuple(part.shape) != (size,):
-        return True
-    return not bool(torch.isfinite(part).all())
