@@ -53,9 +53,9 @@ from ..algorithms.robust.aggregators import coordinate_median
 from ..core.errors import ConfigError
 from ..runs.aspis.config import AspisAttackConfig, AspisRunConfig
 from ..runs.aspis.run import simulate_aspis
-from ..runs.config import override
 from ..runtime.aspis.roles import AspisConfig
 from ..runtime.dp.peer import TrainConfig
+from .common import bench_config
 
 # Table III of the Aspis paper, K = 15, r = 3, q = 2..7.
 PAPER_TABLE_III = {
@@ -390,9 +390,6 @@ def run_bench(config: AspisBenchConfig, out: Path) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.preset not in PRESETS:
-        raise ConfigError(f"unknown aspis bench preset {args.preset!r}; allowed: {', '.join(PRESETS)}")
-    config = override(PRESETS[args.preset](), args.set or [])
-    out = Path(args.out) if args.out else Path("runs") / f"bench-aspis-{args.preset}"
+    config, out = bench_config(args, "aspis", PRESETS)
     print(run_bench(config, out))
     return 0

@@ -45,6 +45,7 @@ from ..runs.config import override
 from ..runs.dp.config import RunConfig
 from ..runs.dp.simulate import simulate
 from ..runs.presets import get_preset
+from .common import bench_config
 
 ATTACKS: dict[str, list[str]] = {
     "none": ["byzantine.attack=none"],
@@ -333,10 +334,7 @@ def _draw(config: BTARDBenchConfig, rows: list[dict], out: Path) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.preset not in PRESETS:
-        raise ConfigError(f"unknown btard bench preset {args.preset!r}; allowed: {', '.join(PRESETS)}")
-    config = override(PRESETS[args.preset](), args.set or [])
-    out = Path(args.out) if args.out else Path("runs") / f"bench-btard-{args.preset}"
+    config, out = bench_config(args, "btard", PRESETS)
     rows = run_bench(config, out)
     print(format_table(config, rows))
     print(f"wrote {out / 'results.csv'}, {out / 'table.md'}, {out / 'heatmap.png'} and {out / 'curves.png'}")

@@ -37,13 +37,13 @@ from ..algorithms.btard.redteam import RedTeam
 from ..algorithms.robust.reducers import make_reducer
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
-from ..runs.config import override
 from ..runs.dp.swarm import peer_identity
 from ..runtime.dp.peer import DataParallelPeer, TrainConfig, task_of
 from ..runtime.rounds.btard import BTARDConfig
 from ..runtime.rounds.butterfly import AllReduceConfig, part_bounds
 from ..training.task import flat_params
 from ..transport.sim import SimConfig, SimNetwork, run_simulation
+from .common import bench_config
 
 TAU = 1.0
 SLACK = 1e-4  # relative float slack on CenteredClip's bound (its own eps and float32 rounding are far below)
@@ -188,10 +188,7 @@ def run_bench(config: RedTeamConfig, out: Path) -> list[Trial]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.preset not in PRESETS:
-        raise ConfigError(f"unknown btard-redteam preset {args.preset!r}; allowed: {', '.join(PRESETS)}")
-    config = override(PRESETS[args.preset](), args.set or [])
-    out = Path(args.out) if args.out else Path("runs") / f"bench-btard-redteam-{args.preset}"
+    config, out = bench_config(args, "btard-redteam", PRESETS)
     cpu_before = resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime
     trials = run_bench(config, out)
     usage = resource.getrusage(resource.RUSAGE_SELF)

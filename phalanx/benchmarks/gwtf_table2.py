@@ -34,6 +34,7 @@ from ..runs.config import override  # noqa: E402
 from ..runs.pipeline.config import ChurnConfig, PipelineRunConfig  # noqa: E402
 from ..runs.pipeline.presets import gwtf_table2  # noqa: E402
 from ..runs.pipeline.run import simulate_pipeline  # noqa: E402
+from .common import CsvRows
 
 METRICS = ("time_per_microbatch", "throughput", "communication", "wasted_compute")
 
@@ -157,18 +158,14 @@ def run_cli(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     start = time.perf_counter()
     with open(out / "table2_runs.csv", "w", newline="") as f:
-        writer = None
+        runs = CsvRows(f)
         for seed in range(config.seeds):  # seeds outermost: a cut-short run still covers every cell
             for setting in config.settings.split(","):
                 for churn in rates:
                     for policy in config.policies.split(","):
                         row = run_one(setting, churn, policy, seed, config.steps)
                         rows.append(row)
-                        if writer is None:
-                            writer = csv.DictWriter(f, fieldnames=list(row))
-                            writer.writeheader()
-                        writer.writerow(row)
-                        f.flush()
+                        runs.write(row)
                         print(f"[{time.perf_counter() - start:7.0f}s] {setting} churn={churn} {policy} seed={seed}: "
                               f"{row['time_per_microbatch']:.2f} s/microbatch, {row['throughput']:.2f} per iteration",
                               flush=True)

@@ -41,6 +41,7 @@ from ..runs.pipeline.presets import (
     gwtf_table2_paper,
 )
 from ..runs.pipeline.run import simulate_pipeline
+from .common import CsvRows
 from .gwtf_table2 import cell_config, probabilities, table2_metrics
 
 POLICIES = ("swarm-paper", "swarm", "gwtf")
@@ -219,17 +220,13 @@ def run_cli(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     start = time.perf_counter()
     with open(out / "table2_paper_runs.csv", "w", newline="") as f:
-        writer = None
+        runs = CsvRows(f)
         pool = multiprocessing.get_context("fork").Pool(config.jobs) if config.jobs > 1 else None
         try:
             results = pool.imap(paper_run, tasks) if pool is not None else map(paper_run, tasks)
             for row in results:
                 rows.append(row)
-                if writer is None:
-                    writer = csv.DictWriter(f, fieldnames=list(row))
-                    writer.writeheader()
-                writer.writerow(row)
-                f.flush()
+                runs.write(row)
                 print(f"[{time.perf_counter() - start:6.0f}s] {row['setting']} churn={row['churn']} {row['policy']} "
                       f"seed={row['seed']}: {row['time_per_microbatch'] / 60:.2f} min/microbatch, "
                       f"{row['throughput']:.2f} per iteration", flush=True)

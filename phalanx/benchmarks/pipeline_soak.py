@@ -32,10 +32,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..core.errors import ConfigError
-from ..runs.config import override
 from ..runs.pipeline.config import ChurnConfig, PipelineRunConfig
 from ..runs.pipeline.presets import PIPELINE_PRESETS
 from ..runs.pipeline.run import simulate_pipeline
+from .common import bench_config
 from .gwtf_table2 import probabilities
 
 
@@ -64,8 +64,8 @@ class SoakConfig:
 
 
 PRESETS = {
-    "quick": SoakConfig(iterations=60, seeds=2),
-    "full": SoakConfig(),
+    "quick": lambda: SoakConfig(iterations=60, seeds=2),
+    "full": SoakConfig,
 }
 
 
@@ -174,10 +174,7 @@ def format_table(rows: list[dict], config: SoakConfig) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     """`phalanx bench pipeline-soak --preset quick|full [--set iterations=100 ...]`."""
-    if args.preset not in PRESETS:
-        raise ConfigError(f"unknown pipeline-soak preset {args.preset!r}; allowed: {', '.join(PRESETS)}")
-    config = override(PRESETS[args.preset], args.set or [])
-    out = Path(args.out) if args.out else Path("runs") / f"bench-pipeline-soak-{args.preset}"
+    config, out = bench_config(args, "pipeline-soak", PRESETS)
     rows = run_soak(config, out)
     table = format_table(rows, config)
     (out / "soak.txt").write_text(table + "\n")

@@ -22,8 +22,8 @@ import torch
 from ..algorithms.robust.aggregators import make_aggregator, rule_parameters
 from ..algorithms.robust.attacks import AttackSchedule, AttackView, make_attack
 from ..core.errors import ConfigError
-from ..runs.config import override
 from ..training.task import TASKS, compute_gradient, make_task, set_flat_grad
+from .common import bench_config
 
 # label -> (attack registry name, parameters); "none" is the no-attack reference.
 ATTACKS: dict[str, tuple[str, dict]] = {
@@ -230,10 +230,7 @@ def format_table(config: RobustnessConfig, rows: list[dict]) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.preset not in PRESETS:
-        raise ConfigError(f"unknown robustness preset {args.preset!r}; allowed: {', '.join(PRESETS)}")
-    config = override(PRESETS[args.preset](), args.set or [])
-    out = Path(args.out) if args.out else Path("runs") / f"bench-robustness-{args.preset}"
+    config, out = bench_config(args, "robustness", PRESETS)
     rows = run_grid(config, out)
     print(format_table(config, rows))
     print(f"wrote {out / 'results.csv'} and {out / 'heatmap.png'}")

@@ -53,8 +53,8 @@ from ..algorithms.sentinel.statistics import BACKWARD, FORWARD, Sentinel, Sentin
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
 from ..runs.attack_axes import check_name
-from ..runs.config import override
 from ..training.task import CharGPTTask
+from .common import bench_config
 from .sentinel_variants import apply_variant, format_cell
 
 TABLE_ATTACKS = ("zeros", "random", "scaling", "sign_flip", "delay", "bias", "invisible_noise", "mixed", "adaptive",
@@ -366,10 +366,7 @@ def format_table(config: SentinelBenchConfig, rows: list[dict]) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.preset not in PRESETS:
-        raise ConfigError(f"unknown sentinel preset {args.preset!r}; allowed: {', '.join(PRESETS)}")
-    config = override(PRESETS[args.preset](), args.set or [])
-    out = Path(args.out) if args.out else Path("runs") / f"bench-sentinel-{args.preset}"
+    config, out = bench_config(args, "sentinel", PRESETS)
     if config.engine == "simulator":
         from . import sentinel_sim
 
