@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LocalError) as exc:
         print(f"phalanx: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`phalanx presets | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail again
+        return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -96,3 +96,15 @@ def test_robustness_bench_config_errors_are_one_line(assignment, capsys):
     assert main(["bench", "robustness", "--set", assignment]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("phalanx: error: ") and "\n" not in err
+
+
+def test_cli_output_into_a_closed_pipe_stops_without_a_traceback():
+    """`phalanx attacks | head -1`: the reader goes away; the command stops quietly (exit 1), as cat does."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "attacks"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err

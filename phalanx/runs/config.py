@@ -18,6 +18,7 @@ import tomllib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Self
 
 from ..core.errors import ConfigError
 
@@ -42,6 +43,23 @@ class NetworkConfig:
         check(self.detection_delay >= 0, "network.detection_delay", self.detection_delay, "must be >= 0")
         check(self.flops > 0, "network.flops", self.flops, "must be > 0")
         check(self.flops_spread >= 0, "network.flops_spread", self.flops_spread, "must be >= 0")
+
+
+class KindConfig:
+    """What every run kind's config does with config.json: `to_dict` writes the kind (`KIND`) beside the fields,
+    `from_dict` refuses another kind's config and rebuilds (and so validates) every section."""
+
+    KIND: ClassVar[str]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.KIND, **dataclasses.asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Self:
+        return build_config(cls, without_kind(data, cls.KIND), "")
 
 
 def kind_name(data: dict) -> str:

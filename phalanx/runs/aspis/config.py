@@ -5,9 +5,8 @@ The presets are in `presets.py`, the run itself in `run.py`.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ...algorithms.aspis.attacks import DISTORTIONS
 from ...core.errors import ConfigError
@@ -15,7 +14,7 @@ from ...runtime.aspis.roles import AspisConfig
 from ...runtime.dp.peer import TrainConfig
 from ...training.plugin import TaskConfig
 from ..attack_axes import check_name
-from ..config import NetworkConfig, build_config, without_kind
+from ..config import KindConfig, NetworkConfig
 
 
 @dataclass(frozen=True)
@@ -35,8 +34,9 @@ class AspisAttackConfig:
 
 
 @dataclass(frozen=True)
-class AspisRunConfig:
+class AspisRunConfig(KindConfig):
     """An Aspis run: 1 coordinator + K = peers - 1 workers for `steps` iterations."""
+    KIND: ClassVar[str] = "aspis"
 
     preset: str = "aspis-custom"
     peers: int = 16
@@ -67,12 +67,3 @@ class AspisRunConfig:
     def byzantine_count(self) -> int:
         return self.aspis.q if self.attack.count < 0 else self.attack.count
 
-    def to_dict(self) -> dict:
-        return {"kind": "aspis", **dataclasses.asdict(self)}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "AspisRunConfig":
-        return build_config(cls, without_kind(data, "aspis"), "")

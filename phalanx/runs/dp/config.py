@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from functools import partial
+from typing import ClassVar
 
 from ...algorithms.btard.attacks import PROTOCOL_ATTACKS, make_policy
 from ...algorithms.robust.attacks import AttackSchedule, make_attack
@@ -18,7 +17,7 @@ from ...runtime.rounds.butterfly import AllReduceConfig
 from ...runtime.rounds.mprng import MPRNGConfig
 from ...training.plugin import TaskConfig
 from ..attack_axes import check_name, check_params
-from ..config import NetworkConfig, build_config, check, without_kind
+from ..config import KindConfig, NetworkConfig, check
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,8 @@ class ByzantineConfig:
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(KindConfig):
+    KIND: ClassVar[str] = "data-parallel"
     preset: str = "custom"
     peers: int = 16
     steps: int = 100
@@ -112,12 +112,3 @@ class RunConfig:
             f" and running (peers={self.peers})",
         )
 
-    def to_dict(self) -> dict:
-        return {"kind": "data-parallel", **dataclasses.asdict(self)}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "RunConfig":
-        return build_config(cls, without_kind(data, "data-parallel"), "")

@@ -7,11 +7,10 @@ from [capacity_min, capacity_max] per relay (heterogeneous, GWTF's 1-3).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from functools import partial
+from typing import ClassVar
 
 from ...algorithms.btard.attacks import ProtocolPolicy, make_policy
 from ...algorithms.robust.attacks import AttackSchedule
@@ -23,7 +22,7 @@ from ...runtime.rounds.btard import SECURE_REDUCERS, BTARDConfig
 from ...runtime.rounds.butterfly import AllReduceConfig
 from ...training.plugin import TaskConfig
 from ..attack_axes import check_name, check_params
-from ..config import build_config, check, without_kind
+from ..config import KindConfig, check
 
 
 @dataclass(frozen=True)
@@ -146,7 +145,8 @@ class StageByzantineConfig:
 
 
 @dataclass(frozen=True)
-class PipelineRunConfig:
+class PipelineRunConfig(KindConfig):
+    KIND: ClassVar[str] = "pipeline"
     preset: str = "custom-pipeline"
     peers: int = 7  # data nodes + relays
     data_nodes: int = 1
@@ -208,12 +208,3 @@ class PipelineRunConfig:
         """The initial stage of peer `index` (data nodes are stage 0)."""
         return 0 if index < self.data_nodes else 1 + (index - self.data_nodes) % self.pipeline.stages
 
-    def to_dict(self) -> dict:
-        return {"kind": "pipeline", **dataclasses.asdict(self)}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "PipelineRunConfig":
-        return build_config(cls, without_kind(data, "pipeline"), "")
