@@ -131,7 +131,7 @@ def join(
 
 def report(run_dir: str | Path) -> str:
     """Draw a finished run's plots into `run_dir` (loss.png, accuracy.png, timeline.png ...); return its summary table."""
-    from .runs.dp.report import read_summary
+    from .runs.records import read_summary
 
     run_dir = Path(run_dir)
     summary = read_summary(run_dir)

@@ -7,4 +7,5 @@
 - launcher, processes: one process launcher for every kind (markers, watchdog, parent-death signal, sweeps)
 - netns, tap_link: the multi-host test bed (namespaces, bridge, shaped links) for `launch --netns`
 - live, watch, watch_page: records written as a run goes, and the live page that follows them
+- records: reading a finished run's files (summary, .jsonl records) for the reports
 """

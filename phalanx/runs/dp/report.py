@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -11,39 +10,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 import numpy as np  # noqa: E402
 
-from ...core.errors import LocalError  # noqa: E402
-
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise LocalError(f"{path} line {exc.lineno} is not JSON: is this a phalanx run directory?") from None
-    if not all(isinstance(row, dict) for row in rows):
-        raise LocalError(f"{path} holds something other than JSON objects: is this a phalanx run directory?")
-    return rows
-
-
-def read_summary(run_dir: Path) -> dict:
-    """A finished run's summary.json, checked to be a phalanx run summary."""
-    summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
-        raise LocalError(f"{summary_path} not found: pass the --out directory of a finished run")
-    try:
-        summary = json.loads(summary_path.read_text())
-    except json.JSONDecodeError:
-        summary = None
-    if not isinstance(summary, dict) or not {"preset", "peers", "seed"} <= set(summary):
-        raise LocalError(f"{summary_path} is not a phalanx run summary: pass the --out directory of a finished run")
-    return summary
+from ..records import format_value, read_jsonl  # noqa: E402
 
 
 def report_run(run_dir: Path, summary: dict) -> str:
     """Draw loss.png, accuracy.png and timeline.png (binned, see draw_timeline) into `run_dir`; return a summary table."""
-    metrics = _jsonl(run_dir / "metrics.jsonl")
-    timeline = _jsonl(run_dir / "timeline.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    timeline = read_jsonl(run_dir / "timeline.jsonl")
     title = f"{summary['preset']} — {summary['peers']} peers, seed {summary['seed']} ({summary.get('mode', '?')})"
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -66,9 +39,9 @@ def report_run(run_dir: Path, summary: dict) -> str:
     fig.savefig(run_dir / "accuracy.png", dpi=110)
     plt.close(fig)
 
-    draw_timeline(run_dir / "timeline.png", timeline, summary, _jsonl(run_dir / "bans.jsonl"), title)
+    draw_timeline(run_dir / "timeline.png", timeline, summary, read_jsonl(run_dir / "bans.jsonl"), title)
 
-    bans = _jsonl(run_dir / "bans.jsonl")
+    bans = read_jsonl(run_dir / "bans.jsonl")
     if bans:
         _ban_timeline(run_dir, summary, bans, title)
 
@@ -78,10 +51,10 @@ def report_run(run_dir: Path, summary: dict) -> str:
         ("peers", summary["peers"]),
         ("steps", summary["steps"]),
         ("seed", summary["seed"]),
-        ("final train loss", _fmt(summary.get("final_loss"))),
-        ("final test accuracy", _fmt(summary.get("final_accuracy"))),
-        ("wall seconds", _fmt(summary.get("wall_seconds"))),
-        ("simulated seconds", _fmt(summary.get("simulated_seconds"))),
+        ("final train loss", format_value(summary.get("final_loss"))),
+        ("final test accuracy", format_value(summary.get("final_accuracy"))),
+        ("wall seconds", format_value(summary.get("wall_seconds"))),
+        ("simulated seconds", format_value(summary.get("simulated_seconds"))),
         ("byzantine", len(summary.get("byzantine", []))),
         ("crashed", len(summary.get("crashed", []))),
         ("banned", ", ".join(p[:8] for p in summary.get("banned", [])) or "none"),
@@ -178,9 +151,3 @@ def _ban_timeline(run_dir: Path, summary: dict, bans: list[dict], title: str) ->
     fig.tight_layout()
     fig.savefig(run_dir / "bans.png", dpi=110)
     plt.close(fig)
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.4f}" if isinstance(value, float) else str(value)

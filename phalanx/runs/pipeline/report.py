@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 
-from ..dp.report import _fmt, _jsonl  # noqa: E402
+from ..records import format_value, read_jsonl  # noqa: E402
 
 
 def first_bans(bans: list[dict]) -> dict[str, dict]:
@@ -22,8 +22,8 @@ def first_bans(bans: list[dict]) -> dict[str, dict]:
 
 def report_pipeline(run_dir: Path, summary: dict) -> str:
     """Draw loss.png, throughput.png and stages.png into `run_dir`; return a summary table."""
-    metrics = _jsonl(run_dir / "metrics.jsonl")
-    events = _jsonl(run_dir / "events.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
     title = f"{summary['preset']} — {summary['peers']} peers, {summary.get('routing', '?')}, seed {summary['seed']}"
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -62,7 +62,7 @@ def report_pipeline(run_dir: Path, summary: dict) -> str:
     for e in events:
         if e["kind"] == "aggregate" and (e["stage"], e["peer"]) in row:
             ax.broken_barh([(e["t0"], e["t1"] - e["t0"])], (row[(e["stage"], e["peer"])] - 0.4, 0.8), facecolor="tab:gray", alpha=0.3)
-    bans = _jsonl(run_dir / "bans.jsonl") if (run_dir / "bans.jsonl").exists() else []
+    bans = read_jsonl(run_dir / "bans.jsonl") if (run_dir / "bans.jsonl").exists() else []
     first = first_bans(bans)
     by_peer = {key[1]: key for key in peers}
     for peer, ban in first.items():
@@ -78,14 +78,14 @@ def report_pipeline(run_dir: Path, summary: dict) -> str:
     rows = [
         ("preset", summary["preset"]), ("mode", summary.get("mode", "?")), ("routing", summary.get("routing", "?")),
         ("peers", summary["peers"]), ("iterations", summary["steps"]), ("seed", summary["seed"]),
-        ("final train loss", _fmt(summary.get("final_loss"))),
+        ("final train loss", format_value(summary.get("final_loss"))),
         ("microbatches finished", summary.get("microbatches_ok")),
         ("microbatches deferred", summary.get("microbatches_deferred")),
-        ("throughput / iteration", _fmt(summary.get("throughput_per_iteration"))),
+        ("throughput / iteration", format_value(summary.get("throughput_per_iteration"))),
         ("restarts / repairs", f"{summary.get('restarts')} / {summary.get('repairs')}"),
-        ("wasted compute seconds", _fmt(summary.get("wasted_compute_seconds"))),
-        ("wall seconds", _fmt(summary.get("wall_seconds"))),
-        ("simulated seconds", _fmt(summary.get("simulated_seconds"))),
+        ("wasted compute seconds", format_value(summary.get("wasted_compute_seconds"))),
+        ("wall seconds", format_value(summary.get("wall_seconds"))),
+        ("simulated seconds", format_value(summary.get("simulated_seconds"))),
         ("bans (peer, iteration, reason)", "; ".join(f"{p[:8]} {b['step']} {b['reason']}" for p, b in first.items()) or "none"),
     ]
     width = max(len(k) for k, _ in rows)
