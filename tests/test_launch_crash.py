@@ -1,4 +1,5 @@
-"""One real launch over hivemind (digits-dp, 4 workers) that is checkpointed, loses a worker, and is resumed.
+"""One real launch over hivemind (BTARD digits with admission, 4 workers) that is checkpointed, loses a
+worker, takes it back through admission, and is resumed.
 
 Crash and rejoin: worker 3 is killed with SIGKILL mid-run. The run finishes,
 summary.json lists it under `crashed` with the last step it recorded, the
@@ -6,6 +7,11 @@ launcher exits 0 and names only that worker. The killed worker, restarted at
 once with the same identity (`phalanx peer --index 3 --run-token ...`), catches
 up (downloads the agreed state, replays the agreed updates), trains the rest
 of the run in the others' groups and ends with their state digest.
+
+Admission (BTARD App. F) over hivemind: the restarted worker is a peer joining
+the running launch. The killed trusted worker departs (not banned); back, it is
+untrusted, then trusted after T=2 approvals, and from then on in every group;
+every process holds the same admission sets at every step and nobody is banned.
 
 Checkpoint and resume: the run checkpoints its last step; the launcher seals
 that checkpoint with the three workers that wrote it (the killed one had
@@ -52,6 +58,10 @@ STEPS = 150
 PACE = 0.3  # min_step_seconds
 KILL_AFTER = 15
 MORE = 4  # steps the resumed run adds, checkpointed every 2
+T = 2  # approvals a joiner needs
+# Generous BTARD timeouts: on a loaded machine a descheduled process must not be taken for a silent one.
+SETS = ["seed=11", "byzantine.count=0", f"btard.admission_after={T}", "train.eval_every=100", "btard.timeout=20",
+        "allreduce.timeout=20", f"min_step_seconds={PACE}"]
 
 
 def _worker_pid(marker: str) -> int | None:
@@ -87,7 +97,7 @@ def test_killed_worker_rejoins_and_the_run_resumes_from_its_checkpoint(tmp_path)
     token = f"test-{uuid.uuid4().hex}"
     out, rejoin_out = tmp_path / "run", tmp_path / "rejoin"
     env = {**os.environ, MARKER_ENV: token, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    run = ["digits-dp", "--peers", str(PEERS), "--steps", str(STEPS), "--set", "train.eval_every=100", "--set", f"min_step_seconds={PACE}"]
+    run = ["btard-digits", "--peers", str(PEERS), "--steps", str(STEPS), *[x for s in SETS for x in ("--set", s)]]
     cmd = [sys.executable, "-m", "phalanx.cli", "launch", *run, "--checkpoint-every", str(STEPS), "--out", str(out),
            "--no-progress"]
     launcher = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
@@ -127,13 +137,20 @@ def test_killed_worker_rejoins_and_the_run_resumes_from_its_checkpoint(tmp_path)
         final = json.loads((rejoin_out / "summary.json").read_text())["final_digests"]
         assert list(final) == [victim], tail
         assert len(summary["final_digests"]) == 3 and set(summary["final_digests"].values()) == {final[victim]}, tail
+        # Admission: the restarted worker came back as a joiner and is trusted after T approvals.
+        events = _records(out / "admissions.jsonl")
+        assert [e["event"] for e in events if e["peer"] == victim] == ["departed", "untrusted", *["approved"] * T, "trusted"]
+        assert all(r["admission_agree"] for r in rows) and rows[-1]["trusted"] == PEERS and rows[-1]["untrusted"] == 0
+        trusted_at = next(e["step"] for e in events if e["event"] == "trusted")
+        assert all(r["group"] == PEERS for r in rows if r["step"] > trusted_at)
+        assert summary["banned"] == []
         _nothing_left(token)
 
         # The last step's checkpoint holds the three launched workers that reached it, in agreement.
         store = CheckpointStore(out / "checkpoints")
         assert store.latest().step == STEPS and len(_digests(store, STEPS, [0, 1, 2])) == 1
         saved = from_bytes((store.step_dir(STEPS) / "peer-0.pt").read_bytes(), "peer-0.pt")
-        resume = [sys.executable, "-m", "phalanx.cli", "launch", "digits-dp", "--peers", str(PEERS), "--steps",
+        resume = [sys.executable, "-m", "phalanx.cli", "launch", run[0], "--peers", str(PEERS), "--steps",
                   str(STEPS + MORE), "--checkpoint-every", "2", "--resume", str(out), "--no-progress"]
         resumed = subprocess.Popen(resume, env=env, stderr=subprocess.PIPE, text=True)
         _, stderr = resumed.communicate(timeout=300)

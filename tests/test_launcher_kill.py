@@ -35,8 +35,10 @@ def test_killing_the_launcher_ends_every_worker_process(tmp_path):
             launchers[kind] = subprocess.Popen(cmd, env={**env, MARKER_ENV: f"{token}-{kind}"}, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 180
         for kind, launcher in launchers.items():
-            # Each worker is up with its watchdog and its hivemind children (DHT child, p2pd): >= 3 processes.
-            while len(marked_processes(f"{token}-{kind}/", prefix=True)) < 3 * int(KINDS[kind][2]):
+            # Each worker is up with its watchdog and its hivemind children (DHT child, p2pd): >= 3 processes
+            # carry its own marker (the launcher starts all workers at once; all but the first wait for its address).
+            workers = [f"{token}-{kind}/{index}" for index in range(int(KINDS[kind][2]))]
+            while min(len(marked_processes(marker)) for marker in workers) < 3:
                 assert launcher.poll() is None, launcher.communicate()[1][-3000:]
                 assert time.monotonic() < deadline, f"the {kind} workers did not come up"
                 time.sleep(0.1)

@@ -10,10 +10,15 @@ discipline (see `processes.py` for the mechanisms):
   watchdog (`guard_worker`), so killing the launcher, even with SIGKILL, ends it;
 * a sweep of its group and marker once it exits, however it exited;
 * on the launcher's side, SIGTERM becomes a clean stop (`stop_on_sigterm`).
+
+All workers start at once: the first one writes its address file once it
+listens, the others (`--initial-peers-file`) import, load and then wait for
+that file (`first_address`), so a launch pays one worker start-up, not two.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -138,6 +143,16 @@ class ProcessLauncher:
         if not text:
             return " (no output)" if path is not None else "; see its output above"
         return f" ({path}), its last lines:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+async def first_address(address_file: Path, timeout: float) -> list[str]:
+    """Worker side of the parallel start: the first worker's multiaddrs, once it has written `address_file`."""
+    deadline = time.monotonic() + timeout
+    while not address_file.exists():
+        if time.monotonic() > deadline:
+            raise LocalError(f"the first peer wrote no address to {address_file} within {timeout:.0f} s")
+        await asyncio.sleep(0.1)
+    return address_file.read_text().split()
 
 
 def exit_text(code: int) -> str:

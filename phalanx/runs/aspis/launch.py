@@ -1,6 +1,7 @@
 """`phalanx launch` for Aspis runs: 1 coordinator + K workers as OS processes over hivemind.
 
-Process 0 is the coordinator; its address seeds the others. Workers are
+Process 0 is the coordinator; its address seeds the others (all start at
+once and the others read it from its address file). Workers are
 started by the common `ProcessLauncher` (`launcher.py`): each has its own
 marker, parent-death signal and watchdog, and nothing of it (the hivemind DHT
 child, the p2pd daemon) outlives the run.
@@ -30,7 +31,7 @@ from ..dp.launch import (
     run_id_of,
 )
 from ..dp.swarm import peer_identity
-from ..launcher import ProcessLauncher, exit_text, stop_on_sigterm
+from ..launcher import ProcessLauncher, exit_text, first_address, stop_on_sigterm
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import AspisRunConfig
 from .run import build_role, count_distortion, summarize, write_run
@@ -38,11 +39,17 @@ from .run import build_role, count_distortion, summarize, write_run
 EXIT_GRACE = 30.0  # seconds the workers get to leave after the coordinator is done
 
 
-async def run_process(config: AspisRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None) -> None:
-    """One Aspis peer over hivemind: join, wait for all, run the role, leave."""
+async def run_process(config: AspisRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None,
+                      initial_peers_file: Path | None = None) -> None:
+    """One Aspis peer over hivemind: join, wait for all, run the role, leave.
+
+    `initial_peers_file`: started with the coordinator, take its address from this file once it is written.
+    """
     from ...transport.p2p import HivemindTransport
 
     torch.set_num_threads(1)
+    if initial_peers_file is not None:
+        initial_peers = await first_address(initial_peers_file, JOIN_TIMEOUT)
     identity = peer_identity(config.seed, index)
     transport = HivemindTransport(identity, run_id=run_id_of(config), initial_peers=initial_peers)
     await transport.start()
@@ -83,12 +90,12 @@ def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True) -> di
     records_path = peer_dir / "0.jsonl"
     base = [sys.executable, "-m", "phalanx.runs.aspis.launch", "--config", str(config_path), "--out", str(records_path)]
     workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir)
-    coordinator = workers.start(0, "--index", "0", "--address-file", str(address_file))
     with stop_on_sigterm():
         try:
-            addrs = workers.address(0, address_file, JOIN_TIMEOUT, "the coordinator")
+            coordinator = workers.start(0, "--index", "0", "--address-file", str(address_file))
             for index in range(1, config.peers):
-                workers.start(index, "--index", str(index), "--initial-peers", *addrs)
+                workers.start(index, "--index", str(index), "--initial-peers-file", str(address_file))
+            workers.address(0, address_file, JOIN_TIMEOUT, "the coordinator")
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
             while coordinator.poll() is None and not workers.reap():
                 bar.update(_lines(records_path) - bar.n)
@@ -115,12 +122,14 @@ def _main() -> None:
     parser.add_argument("--out", required=True, help="the coordinator's records file")
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--initial-peers-file", help="wait for the coordinator to write its address here, then join it")
     parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = AspisRunConfig.from_dict(json.loads(Path(args.config).read_text()))
     address_file = Path(args.address_file) if args.address_file else None
-    asyncio.run(run_process(config, args.index, args.initial_peers, Path(args.out), address_file))
+    peers_file = Path(args.initial_peers_file) if args.initial_peers_file else None
+    asyncio.run(run_process(config, args.index, args.initial_peers, Path(args.out), address_file, peers_file))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`phalanx launch` and `phalanx peer`: real peers as OS processes over hivemind.
 
-`launch` starts N worker processes on loopback (the first one's address seeds
-the others), shows progress, and merges their per-peer records into the same
+`launch` starts N worker processes on loopback at once (the first one's
+address, read from its file, seeds the others), shows progress, and merges their per-peer records into the same
 files `simulate` writes. `peer` runs one worker that joins a swarm elsewhere.
 """
 
@@ -26,7 +26,7 @@ from ...core.identity import Identity
 from ...runtime.dp.admission import admission_for
 from ...runtime.dp.catchup import CatchupFailed, CatchupService, collect_offers
 from ...runtime.dp.peer import task_of
-from ..launcher import ProcessLauncher, exit_text, stop_on_sigterm
+from ..launcher import ProcessLauncher, exit_text, first_address, stop_on_sigterm
 from ..netns import NetnsConfig, Testbed
 from ..processes import MARKER_ENV, STOP_GRACE, guard_worker, kill_marked, new_marker
 from .checkpoints import (
@@ -98,10 +98,12 @@ async def run_worker(
     checkpoints: WorkerCheckpoints | None = None,
     token: str = "",
     append: bool = False,
+    initial_peers_file: Path | None = None,
 ) -> list[dict]:
     """One real peer: join, wait for the swarm, train, leave together (writing `checkpoints` if given).
 
     `append` adds to `records_path` (a worker the launcher started again) instead of replacing it.
+    `initial_peers_file`: started with the first worker, take its address from this file once it is written.
 
     SIGTERM stops it cleanly (like Ctrl-C): the transport, its DHT child and
     p2pd are shut down before it returns.
@@ -118,6 +120,8 @@ async def run_worker(
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     task_of(config.train, config.task)  # its imports and data loading block for seconds: do them before our record is visible
+    if initial_peers_file is not None:
+        initial_peers = await first_address(initial_peers_file, JOIN_TIMEOUT)
     identity = peer_identity(config.seed, index) if index is not None else Identity.generate()
     transport = HivemindTransport(
         identity, run_id=run_id_of(config, token), initial_peers=initial_peers, host_maddrs=[host], membership_ttl=MEMBERSHIP_TTL
@@ -239,9 +243,9 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
                 workers.bed = Testbed(netns)
                 workers.bed.up()
             workers.start(0, *extra, "--address-file", str(address_file))
-            addrs = workers.address(0, address_file, JOIN_TIMEOUT, "the first peer")
             for index in range(1, config.peers):
-                workers.start(index, *extra, "--initial-peers", *addrs)
+                workers.start(index, *extra, "--initial-peers-file", str(address_file))
+            addrs = workers.address(0, address_file, JOIN_TIMEOUT, "the first peer")
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
             churn = LaunchChurn(config, resume.step if resume is not None else 0) if LaunchChurn.wanted(config) else None
             rejoin = worker_args(config, out, None)  # a churned worker catches up: checkpoint args, never --resume-from
@@ -370,6 +374,7 @@ def _worker_main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--initial-peers-file", help="wait for the first worker to write its address here, then join it")
     parser.add_argument("--host", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     parser.add_argument("--run-token", default="")
     parser.add_argument("--append", action="store_true", help="add to this worker's records (a restarted worker)")
@@ -390,6 +395,7 @@ def _worker_main() -> None:
             run_worker(
                 config, args.index, args.initial_peers, records, args.host, address_file,
                 checkpoints=checkpoints, token=args.run_token, append=args.append,
+                initial_peers_file=Path(args.initial_peers_file) if args.initial_peers_file else None,
             )
         )
     except (KeyboardInterrupt, asyncio.CancelledError):

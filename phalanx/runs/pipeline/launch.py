@@ -33,7 +33,7 @@ from ...runtime.pipeline.relay import ask_for_stage
 from ...runtime.pipeline.verifier import VerifierNode
 from ..dp.launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
 from ..dp.swarm import peer_identity
-from ..launcher import ProcessLauncher, stop_on_sigterm
+from ..launcher import ProcessLauncher, first_address, stop_on_sigterm
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import PipelineRunConfig
 from .launch_churn import PipelineChurn
@@ -51,16 +51,19 @@ RUN_TIMEOUT = 3600.0
 
 async def run_pipeline_worker(
     config: PipelineRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None,
-    join: bool = False, host: str = "/ip4/127.0.0.1/tcp/0",
+    join: bool = False, host: str = "/ip4/127.0.0.1/tcp/0", initial_peers_file: Path | None = None,
 ) -> None:
     """One real pipeline node: join, build the role, train or serve, leave when the data nodes are done.
 
     With `join`, a fresh relay (identity `index` >= config.peers) joins a running pipeline: the leader
     places it, it downloads its stage's weights, then serves (GWTF V-B).
+    `initial_peers_file`: started with the first worker, take its address from this file once it is written.
     """
     from ...transport.p2p import HivemindTransport
 
     torch.set_num_threads(1)
+    if initial_peers_file is not None:
+        initial_peers = await first_address(initial_peers_file, JOIN_TIMEOUT)
     identity = peer_identity(config.seed, index)
     run_id = f"{config.preset}-pipeline-seed{config.seed}"
     transport = HivemindTransport(identity, run_id=run_id, initial_peers=initial_peers, host_maddrs=[host])
@@ -107,12 +110,15 @@ async def run_pipeline_worker(
         await transport.stop()
 
 
-async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peers: list[str], records_path: Path) -> None:
+async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peers: list[str], records_path: Path,
+                              initial_peers_file: Path | None = None) -> None:
     """One boundary verifier process (SENTINEL, placement=boundary): the VIA hop of `link` until the data
     nodes finish. Its verdicts and bans go to `records_path` as events."""
     from ...transport.p2p import HivemindTransport
 
     torch.set_num_threads(1)
+    if initial_peers_file is not None:
+        initial_peers = await first_address(initial_peers_file, JOIN_TIMEOUT)
     run_id = f"{config.preset}-pipeline-seed{config.seed}"
     transport = HivemindTransport(verifier_identity(config.seed, link), run_id=run_id, initial_peers=initial_peers,
                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -179,18 +185,17 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     # exits, so children sharing one (the three verifiers did) killed each other at the end of a run.
     workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir)
     links = sorted(verifier_ids(config))
-    nodes = ["0"]
-    workers.start("0", "--index", "0", "--address-file", str(address_file))
+    nodes = [str(index) for index in range(config.peers)]
     victim = str(config.data_nodes + config.faults.crash_relay) if config.faults.crash_relay >= 0 else None
     killed = False
     with stop_on_sigterm():
         try:
-            addrs = workers.address("0", address_file, JOIN_TIMEOUT, "the first peer")
-            for index in range(1, config.peers):
-                nodes.append(str(index))
-                workers.start(str(index), "--index", str(index), "--initial-peers", *addrs)
+            workers.start("0", "--index", "0", "--address-file", str(address_file))
+            for name in nodes[1:]:
+                workers.start(name, "--index", name, "--initial-peers-file", str(address_file))
             for link in links:
-                workers.start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers", *addrs)
+                workers.start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers-file", str(address_file))
+            addrs = workers.address("0", address_file, JOIN_TIMEOUT, "the first peer")
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
             churn = PipelineChurn(config, first_index=config.peers + (1 if config.faults.rejoin_after else 0)) \
                 if PipelineChurn.wanted(config) else None
@@ -366,6 +371,7 @@ def _worker_main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--initial-peers-file", help="wait for the first worker to write its address here, then join it")
     parser.add_argument("--join", action="store_true", help="join a running pipeline as a fresh relay")
     parser.add_argument("--verifier", type=int, help="run the SENTINEL boundary verifier of this link instead")
     parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
@@ -373,12 +379,14 @@ def _worker_main() -> None:
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = PipelineRunConfig.from_dict(json.loads(Path(args.config).read_text()))
     signal.signal(signal.SIGTERM, _say_where_stuck)
+    peers_file = Path(args.initial_peers_file) if args.initial_peers_file else None
     if args.verifier is not None:
-        asyncio.run(run_verifier_worker(config, args.verifier, args.initial_peers, Path(args.out) / f"v{args.verifier}.jsonl"))
+        asyncio.run(run_verifier_worker(config, args.verifier, args.initial_peers, Path(args.out) / f"v{args.verifier}.jsonl",
+                                        peers_file))
         return
     address_file = Path(args.address_file) if args.address_file else None
     asyncio.run(run_pipeline_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
-                                    address_file, args.join))
+                                    address_file, args.join, initial_peers_file=peers_file))
 
 
 if __name__ == "__main__":
