@@ -37,13 +37,7 @@ from ..launcher import ProcessLauncher, first_address, stop_on_sigterm
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import PipelineRunConfig
 from .launch_churn import PipelineChurn
-from .run import (
-    PipelineRecorder,
-    build_node,
-    pipeline_task,
-    verifier_identity,
-    verifier_ids,
-)
+from .run import PipelineRecorder, build_node, param_digest, pipeline_task, verifier_identity, verifier_ids
 
 FINISHED = "pp.finished"
 RUN_TIMEOUT = 3600.0
@@ -105,6 +99,7 @@ async def run_pipeline_worker(
                 await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
                 node.stop()
                 await serving
+            write("final", _final_state(node))
             await node.close()
     finally:
         await transport.stop()
@@ -173,7 +168,15 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
     await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
     node.stop()
     await serving
+    write("final", _final_state(node))
     await node.close()
+
+
+def _final_state(node) -> dict:
+    """What a node ends with: its stage, version and weights digest (replicas of a stage must agree) and
+    the peers it routes around and leaves out of groups (its bans: SENTINEL's, BTARD's, its own evidence)."""
+    return {"peer": node.me, "stage": node.stage, "version": node.version, "digest": param_digest(node),
+            "banned": sorted(node.banned)}
 
 
 def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
@@ -235,6 +238,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     recorder = PipelineRecorder(config, ids)
     names = nodes + [f"v{link}" for link in links]
     evidence: list[list[str]] = []  # [by, against, kind]: a run without attackers should have none
+    finals: list[dict] = []
     for name in names:
         path = peer_dir / f"{name}.jsonl"
         if not path.exists():
@@ -246,12 +250,17 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                 recorder.iterations.append(row)
             elif kind == "evidence":
                 evidence.append([row["by"], row["peer"], row["kind"]])
+            elif kind == "final":
+                finals.append(row)
             else:
                 recorder.on_event(row)
     _to_relative_time(recorder)
     extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, "verifier_ids": verifier_ids(config),
              "killed": ids[int(victim)] if killed and victim is not None else None,
-             "process_groups": [p.pid for p in workers.procs.values()], "evidence": evidence}
+             "process_groups": [p.pid for p in workers.procs.values()], "evidence": evidence,
+             # as `simulate`'s: stage, version and weights digest of every node that finished every iteration
+             "replicas": {f["peer"]: [f["stage"], f["version"], f["digest"]] for f in finals if f["version"] == config.steps},
+             "excluded": {f["peer"]: f["banned"] for f in finals}}  # node -> the peers it ended routing around
     if churn is not None:
         extra["churn"] = [{"it": e.it, "peer": ids[int(e.name)], "index": int(e.name), "event": e.event} for e in churn.events]
     return recorder.write(out, extra)

@@ -219,6 +219,8 @@ class PipelineNode:
     async def close(self) -> None:
         """Stop and cancel everything this node still runs (before its transport stops)."""
         self.stop()
+        if isinstance(self.allreduce, StageRound):
+            self.allreduce.close()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -134,6 +134,10 @@ class StageRound:
                 exclude(node, ban.peer)
         return result
 
+    def close(self) -> None:
+        """The run is over: drop the last iteration's verification, which the stopping group cannot finish."""
+        self.round.cancel_pending()
+
 
 class StageBanReports:
     """Bans that stage rounds resolved, as reported to this node; applied on a majority of the stage's group."""

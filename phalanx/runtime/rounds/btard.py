@@ -465,6 +465,13 @@ class SecureRound(ButterflyAllReduce):
         bans, self._unreported = self._unreported, []
         return SecureResult(torch.zeros(self.dim, dtype=torch.float32), tuple(st.members), (), (), tuple(bans))
 
+    def cancel_pending(self) -> None:
+        """Cancel the verifications still running in the background, unresolved: a peer that stops
+        while its group stops too (a pipeline's last iteration), so none of them sends after its transport is gone."""
+        for _, task in self._pending.values():
+            task.cancel()
+        self._pending.clear()
+
     async def settle(self, step: int | None = None) -> None:
         """Resolve the pending verifications of steps before `step` (all of them when None), in step order.
 
