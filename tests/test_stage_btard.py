@@ -96,6 +96,7 @@ def test_btard_on_a_pipeline_preset_is_one_override_and_bad_combinations_are_one
     assert config.btard.enabled and config.btard.validators == 0
     secure = get_preset("secure-gpt-pipeline")
     assert secure.btard.enabled and secure.sentinel.enabled and secure.pipeline.routing == "gwtf"
+    assert secure.btard.validators == 2  # stage gradients recomputed from sealed inputs (issue 18 item 2)
     assert (secure.peers - secure.data_nodes) // secure.pipeline.stages == 4 and secure.pipeline.stages == 3
     bad = [
         (["btard.enabled=true", "allreduce.reducer=median"], "allreduce.reducer='median' cannot be verified by BTARD"),
