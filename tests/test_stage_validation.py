@@ -113,3 +113,29 @@ def test_a_seal_binds_its_signer_tensor_microbatch_direction_and_stage():
     carry = m.Carry(key, 5, 2, ("data", "a"), tensor, seal=seal)
     parsed = m.parse_carry(carry.to_bytes(), "a", DEFAULT_LIMITS, 3)
     assert parsed.seal == seal and parsed.seal.valid(key, 5, "forward", 2, parsed.tensor)
+
+
+def test_a_sender_that_seals_two_activations_for_one_microbatch_is_reported_and_its_receiver_stays(monkeypatch):
+    # From START the liar (relay 0, stage 1) sends each output a second time to the same receiver, scaled
+    # by 1.01 under its own valid seal: the receiver holds two sealed activations for one microbatch, a
+    # proof against their signer, and keeps computing with the first (the one it committed to)
+    config = _config(validators=VALIDATORS)
+    liar = peer_identity(config.seed, 1).peer_id
+    honest_send = PipelineNode.send_forward
+
+    async def send_forward(self, key):
+        await honest_send(self, key)
+        h = self.held.get(key)
+        if self.me != liar or h is None or h.next_peer is None or h.carry.it < START:
+            return
+        tensor = h.out.detach() * 1.01
+        carry = m.Carry(key, h.carry.it, self.stage + 1, h.carry.path + (self.me,), tensor,
+                        seal=self.seal("forward", key, h.carry.it, self.stage + 1, tensor))
+        await self.deliver(h.next_peer, "forward", carry)
+
+    monkeypatch.setattr(PipelineNode, "send_forward", send_forward)
+    summary = simulate_pipeline(config, progress=False)
+    reported = {(accuser, peer, kind) for accuser, peer, kind in summary["evidence"]}
+    assert reported and all(peer == liar and kind == "equivocation" for _, peer, kind in reported)
+    assert summary["banned"] == []  # no stage round bans an honest receiver (nor the sender: it is not a stage-gradient lie)
+    _honest_agree(summary, liar)

@@ -285,11 +285,11 @@ class PipelineNode:
             self.check_seal(CHECK_FORWARD, c, sender)
         if c.it < self.version:
             return m.answer(m.STALE)
-        if c.key in self.held:
-            held = self.held[c.key].carry
-            if self.sealing and held.seal is not None and m.tensor_digest(held.tensor) != m.tensor_digest(c.tensor):
-                # two activations for one microbatch, both sealed: proof that their signer equivocates
+        if self.sealing:  # two sealed activations for one microbatch (held, or computed with): their signer equivocates
+            earlier = self.held[c.key].carry if c.key in self.held else self.received.get(c.key, (None, None))[0]
+            if earlier is not None and earlier.seal is not None and m.tensor_digest(earlier.tensor) != m.tensor_digest(c.tensor):
                 raise RemoteError(Evidence(c.seal.signer, "equivocation", f"two sealed activations for {m.key_name(c.key)}", c.it))
+        if c.key in self.held:
             return m.answer(m.OK)  # a resend of what we already hold
         if self.full():
             return m.answer(m.DENIED)
