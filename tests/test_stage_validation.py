@@ -139,3 +139,24 @@ def test_a_sender_that_seals_two_activations_for_one_microbatch_is_reported_and_
     assert reported and all(peer == liar and kind == "equivocation" for _, peer, kind in reported)
     assert summary["banned"] == []  # no stage round bans an honest receiver (nor the sender: it is not a stage-gradient lie)
     _honest_agree(summary, liar)
+
+
+def test_a_replica_that_withholds_its_inputs_is_eliminated_with_its_validator(monkeypatch):
+    # From START the liar answers no validator: only the validator saw the omission, so it eliminates the
+    # target and goes with it (App. D.3's price: one honest peer at most per Byzantine)
+    config = _config(validators=VALIDATORS)
+    liar = peer_identity(config.seed, 2).peer_id
+    honest_serve = stage_btard.StageInputs._serve
+
+    async def serve(self, sender, payload):
+        if self.node.me == liar and decode(payload, sender, DEFAULT_LIMITS)["it"] >= START:
+            return encode({"it": 0, "inputs": None})
+        return await honest_serve(self, sender, payload)
+
+    monkeypatch.setattr(stage_btard.StageInputs, "_serve", serve)
+    summary = simulate_pipeline(config, progress=False)
+    reasons = {b["peer"]: b["reason"] for b in summary["bans"]}
+    assert reasons[liar] == "btard:eliminated:no_inputs"
+    validators = [p for p, r in reasons.items() if p != liar]
+    assert len(validators) == 1 and reasons[validators[0]] == "btard:eliminator"
+    assert sorted(summary["banned"]) == sorted([liar, *validators])
