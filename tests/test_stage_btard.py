@@ -22,7 +22,8 @@ from phalanx.runtime.rounds.butterfly import AllReduceConfig
 START = 2  # the liar's first lying iteration
 
 
-def _config(btard: bool = True, attack: str = "none", relays: str = "1", **kw) -> PipelineRunConfig:
+def _config(btard: bool = True, attack: str = "none", relays: str = "1", validators: int = 0,
+            params: dict | None = None, **kw) -> PipelineRunConfig:
     # 1 data node + 2 stages x 4 relays (relay r is in stage 1 + r mod 2: relay 1 is in stage 2),
     # 8 microbatches of capacity 2, so every replica serves and contributes
     return PipelineRunConfig(
@@ -30,8 +31,9 @@ def _config(btard: bool = True, attack: str = "none", relays: str = "1", **kw) -
         train=TrainConfig(task="digits-mlp", batch_size=8, lr=0.1),
         pipeline=PipelineConfig(stages=2, microbatches=8, capacity=2),
         allreduce=AllReduceConfig(reducer="centered_clip", tau=1.0),
-        btard=BTARDConfig(enabled=btard, validators=0),
-        byzantine=StageByzantineConfig(attack=attack, relays=relays if attack != "none" else "", start_step=START),
+        btard=BTARDConfig(enabled=btard, validators=validators),
+        byzantine=StageByzantineConfig(attack=attack, relays=relays if attack != "none" else "", start_step=START,
+                                       params=params or {}),
         **kw,
     )
 
@@ -94,10 +96,10 @@ def test_btard_on_a_pipeline_preset_is_one_override_and_bad_combinations_are_one
     assert config.btard.enabled and config.btard.validators == 0
     secure = get_preset("secure-gpt-pipeline")
     assert secure.btard.enabled and secure.sentinel.enabled and secure.pipeline.routing == "gwtf"
+    assert secure.btard.validators == 2  # stage gradients recomputed from sealed inputs (issue 18 item 2)
     assert (secure.peers - secure.data_nodes) // secure.pipeline.stages == 4 and secure.pipeline.stages == 3
     bad = [
         (["btard.enabled=true", "allreduce.reducer=median"], "allreduce.reducer='median' cannot be verified by BTARD"),
-        (["btard.enabled=true", "btard.validators=1"], "btard.validators=1 must be 0 on a pipeline"),
         (["byzantine.attack=agg_shift", "byzantine.relays=0"], "is a BTARD protocol attack on the stage all-reduce"),
         (["btard.enabled=true", "byzantine.attack=agg_shift", "byzantine.relays=9"], "byzantine.relays='9' must list relay indices below"),
         (["byzantine.attack=sign_flip"], "byzantine.attack='sign_flip' is not known"),

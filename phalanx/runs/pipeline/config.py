@@ -162,7 +162,7 @@ class PipelineRunConfig(KindConfig):
     faults: ChurnConfig = field(default_factory=ChurnConfig)
     sentinel: VerifierConfig = field(default_factory=VerifierConfig)
     attack: LinkAttackConfig = field(default_factory=LinkAttackConfig)
-    # BTARD per relay stage; validators 0: a stage gradient cannot be recomputed from public data yet
+    # BTARD per relay stage; validators > 0: validators recompute stage gradients from committed, sealed inputs
     btard: BTARDConfig = field(default_factory=lambda: BTARDConfig(validators=0))
     byzantine: StageByzantineConfig = field(default_factory=StageByzantineConfig)
 
@@ -188,8 +188,6 @@ class PipelineRunConfig(KindConfig):
         if self.btard.enabled:
             check(self.allreduce.reducer in SECURE_REDUCERS, "allreduce.reducer", self.allreduce.reducer,
                    f"cannot be verified by BTARD; use one of {', '.join(SECURE_REDUCERS)} with btard.enabled")
-            check(self.btard.validators == 0, "btard.validators", self.btard.validators,
-                   "must be 0 on a pipeline: a stage gradient cannot be recomputed from public batches yet")
         check(self.byzantine.attack == "none" or self.btard.enabled, "byzantine.attack", self.byzantine.attack,
                "is a BTARD protocol attack on the stage all-reduce: set btard.enabled=true")
         check(all(i < self.relays for i in self.byzantine.indices), "byzantine.relays", self.byzantine.relays,

@@ -37,7 +37,14 @@ from ..launcher import ProcessLauncher, first_address, stop_on_sigterm
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import PipelineRunConfig
 from .launch_churn import PipelineChurn
-from .run import PipelineRecorder, build_node, param_digest, pipeline_task, verifier_identity, verifier_ids
+from .run import (
+    PipelineRecorder,
+    build_node,
+    param_digest,
+    pipeline_task,
+    verifier_identity,
+    verifier_ids,
+)
 
 FINISHED = "pp.finished"
 RUN_TIMEOUT = 3600.0

@@ -60,7 +60,10 @@ def secure_gpt_pipeline() -> PipelineRunConfig:
     stage. lr 0.001, as SENTINEL's tests use: at 0.003 the model still drifts fast when the verifiers'
     warm-up ends (200 tensors, iteration 17), and clean runs had whole stages banned (seed 1). Lying replicas: --set byzantine.attack=agg_shift --set byzantine.relays=0 (relay 0 is in
     stage 1); relays that corrupt activations: --set attack.name=... --set attack.relays=...
-    Stage gradients are not recomputed by validators yet (btard.validators=0, issue 18 item 2).
+    Stage gradients are recomputed: each iteration MPRNG draws 2 validator/target pairs per stage
+    (btard.validators=2 of 4 replicas), and a validator recomputes its target's stage gradient from
+    the sealed inputs it committed to (issue 18 item 2); a forging replica:
+    --set byzantine.attack=approve_all --set byzantine.relays=0.
     """
     return PipelineRunConfig(
         preset="secure-gpt-pipeline",
@@ -73,7 +76,7 @@ def secure_gpt_pipeline() -> PipelineRunConfig:
         allreduce=AllReduceConfig(reducer="centered_clip", tau=1.0),
         network=PipelineNetworkConfig(flops=200e9),
         sentinel=VerifierConfig(enabled=True, placement="boundary"),
-        btard=BTARDConfig(enabled=True, validators=0),
+        btard=BTARDConfig(enabled=True, validators=2),
     )
 
 

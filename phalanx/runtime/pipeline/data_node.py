@@ -30,6 +30,7 @@ from ...algorithms.gwtf.placement import (
     place_joiners,
     stage_utilization,
 )
+from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD
 from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, RemoteError
 from ...core.serialization import check_tensor, encode
@@ -358,7 +359,8 @@ class DataNode(PipelineNode):
         mb.loss, mb.t_loss, mb.path = float(loss.detach()), self.now(), c.path
         mb.t_progress = self.now()
         self._emit("loss", c.key, c.it, t0)
-        self.spawn(self.send_backward(m.Carry(c.key, c.it, self.last, c.path, grad, recomputed=c.recomputed)))
+        self.spawn(self.send_backward(m.Carry(c.key, c.it, self.last, c.path, grad, recomputed=c.recomputed,
+                                              seal=self.seal(CHECK_BACKWARD, c.key, c.it, self.last, grad))))
         return m.answer(m.OK)
 
     def finished(self, key: m.Key, carry: m.Carry) -> None:

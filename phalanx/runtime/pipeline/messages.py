@@ -54,6 +54,7 @@ class Carry:
     holder: str = ""  # forward repair only: who holds the gradient to resume
     recomputed: tuple[int, ...] = ()
     hops: tuple[Hop, ...] = ()  # signed hop records of this direction's journey so far (boundary verifiers)
+    seal: Seal | None = None  # its sender's signature on the tensor (BTARD per stage with validators)
 
     def to_bytes(self, pad: int = 0) -> bytes:
         """The wire form; `pad` zero bytes ride along (a simulated larger activation, ignored on receipt)."""
@@ -62,6 +63,8 @@ class Carry:
             "path": list(self.path), "t": self.tensor, "repair": self.repair, "holder": self.holder,
             "rec": list(self.recomputed), "hops": [h.to_obj() for h in self.hops],
         }
+        if self.seal is not None:
+            body["seal"] = self.seal.to_obj()
         if pad > 0:
             body["pad"] = bytes(pad)
         return encode(body)
@@ -116,6 +119,48 @@ class Hop:
         return {"src": self.key[0], "seq": self.key[1], "att": self.key[2], "it": self.it, "dir": self.direction,
                 "link": self.link, "by": self.signer, "from": self.sender, "in": self.received, "out": self.sent,
                 "to": self.to, "pk": self.public_key, "sig": self.signature}
+
+
+@dataclass(frozen=True)
+class Seal:
+    """A sender's signature on the tensor it sends for one microbatch, direction and stage (issue 18 item 2).
+
+    The receiving replica of `stage` keeps it with the tensor and commits to both in its stage's BTARD
+    round, so that a validator can recompute its stage gradient from inputs that their senders signed:
+    the replica cannot claim a tensor nobody sent, and the sender answers for what it signed. Stage:
+    forward, the stage that processes the activation; backward, the stage whose output it is the
+    gradient of (the same replica's stage in both directions). `to` is not bound: a repair resends the
+    same output to another peer, and under client routing the sender does not know the receiver.
+    """
+
+    signer: str
+    public_key: bytes
+    signature: bytes
+
+    @staticmethod
+    def statement(key: Key, it: int, direction: str, stage: int, tensor: torch.Tensor) -> bytes:
+        return digest(encode(["pp.seal", list(key), it, direction, stage, tensor_digest(tensor)]))
+
+    @classmethod
+    def make(cls, identity: Identity, key: Key, it: int, direction: str, stage: int, tensor: torch.Tensor) -> "Seal":
+        return cls(identity.peer_id, identity.public_key,
+                   identity.sign(cls.statement(key, it, direction, stage, tensor)))
+
+    def valid(self, key: Key, it: int, direction: str, stage: int, tensor: torch.Tensor) -> bool:
+        """The signer's signature (its public key hashes to its id) on exactly this tensor, microbatch, direction, stage."""
+        return peer_id_of(self.public_key) == self.signer and verify_signature(
+            self.public_key, self.statement(key, it, direction, stage, tensor), self.signature)
+
+    def to_obj(self) -> dict:
+        return {"by": self.signer, "pk": self.public_key, "sig": self.signature}
+
+
+def parse_seal(obj: object, sender: str) -> Seal:
+    """A seal, checked for types only (`Seal.valid` checks the signature)."""
+    if not (isinstance(obj, dict) and isinstance(obj.get("by"), str) and len(obj["by"]) <= 256
+            and all(isinstance(obj.get(k), bytes) and len(obj[k]) <= 128 for k in ("pk", "sig"))):
+        raise _bad(sender, "bad seal")
+    return Seal(obj["by"], obj["pk"], obj["sig"])
 
 
 def parse_hop(obj: object, sender: str) -> Hop:
@@ -173,7 +218,9 @@ def parse_carry(payload: bytes, sender: str, limits: Limits, max_stage: int) -> 
         raise _bad(sender, "bad recomputation list", it)
     if not (isinstance(hops, list) and len(hops) <= 4 * (max_stage + 1)):
         raise _bad(sender, "bad hop records", it)
-    return Carry(key, it, stage, tuple(path), tensor, repair, holder, tuple(rec), tuple(parse_hop(h, sender) for h in hops))
+    seal = parse_seal(obj["seal"], sender) if "seal" in obj else None
+    return Carry(key, it, stage, tuple(path), tensor, repair, holder, tuple(rec), tuple(parse_hop(h, sender) for h in hops),
+                 seal)
 
 
 def answer(word: str) -> bytes:

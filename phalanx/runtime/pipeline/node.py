@@ -53,7 +53,7 @@ from .config import PipelineConfig
 from .gwtf import FlowDriver
 from .routing import Router
 from .stage_btard import StageBanReports, StageRound
-from .stages import StagedModel, flat
+from .stages import StagedModel, contribution, flat
 from .verifier import BAN, parse_ban, via_bytes
 from .verifier import VIA as VIA_TOPIC
 
@@ -75,20 +75,6 @@ class Held:
     sent: torch.Tensor | None = None  # what goes forward (the output, unless the node's policy tampers)
     lost_reported: bool = False  # its next peer left the membership view and the data node was told
     refusals: int = 0  # next peers that refused it (routers that do not remember refusals)
-
-
-def contribution(total: torch.Tensor, work: int, replicas: int) -> torch.Tensor:
-    """One replica's vector for the stage all-reduce: `replicas * total / work`.
-
-    `total` sums the replica's gradients of the c finished microbatches it served, so this is its
-    mean gradient times its share `replicas * c / work` of the `work` microbatches the group served.
-    The mean of the group's vectors is then the mean gradient over all `work` microbatches (what
-    [sum, count] gave before), and a replica that served nothing sends zeros; with balanced routing
-    every honest vector is about one mean gradient, which is what a robust rule compares.
-    """
-    if work == 0:
-        return torch.zeros_like(total)
-    return total * (replicas / work)
 
 
 class PipelineNode:
@@ -139,6 +125,11 @@ class PipelineNode:
         self.optimizer = make_optimizer(train, self.params)
         self.groups: list[list[str]] = []  # the replica group of every stage, from the latest BEGIN
         secure = btard is not None and btard.enabled  # BTARD per relay stage (stage_btard.py); data nodes are trusted
+        # With validators every node signs the tensors it sends (a Seal), and relays keep what they received:
+        # the inputs a stage gradient is recomputed from (issue 18 item 2).
+        self.sealing = secure and btard.validators > 0
+        self.received: dict[m.Key, tuple[m.Carry, m.Carry]] = {}  # key -> (forward carry, backward carry) it computed with
+        self.finished_paths: dict[m.Key, list[str]] = {}  # the latest BEGIN's finished microbatches and their paths
         self.stage_bans = StageBanReports(self) if secure else None  # stage rounds' bans, applied on a stage majority
         if secure and stage > 0:
             self.allreduce = StageRound(self, num_params(self.part), allreduce, btard, policy)
@@ -298,8 +289,14 @@ class PipelineNode:
         if c.stage != self.stage or not self.entered or c.it < self.serving_from:
             return m.answer(m.DENIED)  # misrouted (views differ), or a joiner before its first iteration
         check_tensor(c.tensor, sender, shape=self.staged.input_shape(self.stage), dtype=torch.float32, step=c.it)
+        if self.sealing:
+            self.check_seal(CHECK_FORWARD, c, sender)
         if c.it < self.version:
             return m.answer(m.STALE)
+        if self.sealing:  # two sealed activations for one microbatch (held, or computed with): their signer equivocates
+            earlier = self.held[c.key].carry if c.key in self.held else self.received.get(c.key, (None, None))[0]
+            if earlier is not None and earlier.seal is not None and m.tensor_digest(earlier.tensor) != m.tensor_digest(c.tensor):
+                raise RemoteError(Evidence(c.seal.signer, "equivocation", f"two sealed activations for {m.key_name(c.key)}", c.it))
         if c.key in self.held:
             return m.answer(m.OK)  # a resend of what we already hold
         if self.full():
@@ -364,7 +361,8 @@ class PipelineNode:
                 await self.give_up(key)
                 return
             tensor = h.sent if h.sent is not None else h.out.detach()
-            carry = m.Carry(key, h.carry.it, nxt, path, tensor, h.carry.repair, h.carry.holder, h.recomputed)
+            carry = m.Carry(key, h.carry.it, nxt, path, tensor, h.carry.repair, h.carry.holder, h.recomputed,
+                            seal=self.seal(CHECK_FORWARD, key, h.carry.it, nxt, tensor))
             carry = self.signed(CHECK_FORWARD, carry, h.carry, peer)
             t0 = self.now()
             word = await self.deliver("" if client else peer, CHECK_FORWARD, carry)
@@ -439,6 +437,29 @@ class PipelineNode:
         hop = m.Hop.signed(self.transport.identity, out.key, out.it, direction, link, "",
                            m.tensor_digest(received.tensor), m.tensor_digest(out.tensor), to)
         return dataclasses.replace(out, hops=received.hops + (hop,))
+
+    def seal(self, direction: str, key: m.Key, it: int, stage: int, tensor: torch.Tensor) -> m.Seal | None:
+        """This node's signature on a tensor it sends (only when stage gradients are validated)."""
+        return m.Seal.make(self.transport.identity, key, it, direction, stage, tensor) if self.sealing else None
+
+    def check_seal(self, direction: str, c: m.Carry, sender: str) -> None:
+        """A carry must come sealed by its sender (or by the verifier hop or data node that delivered it
+        in its place): the receiving replica commits to it, and an unsealed input would make an honest
+        replica's stage gradient look forged. Evidence against the sender otherwise."""
+        if c.seal is None or not c.seal.valid(c.key, c.it, direction, c.stage, c.tensor) or (
+                c.seal.signer not in self.sealers(direction, c, sender)):
+            raise RemoteError(Evidence(sender, "bad_seal", f"{direction} of {m.key_name(c.key)} without its sender's seal", c.it))
+
+    def sealers(self, direction: str, c: m.Carry, sender: str) -> set[str]:
+        """Who may seal a carry that `sender` sent over its link: the sender, the link's verifier, the
+        microbatch's data node when it routes for relays."""
+        link = c.stage - 1 if direction == CHECK_FORWARD else c.stage
+        allowed = {sender}
+        if link in self.verifiers:
+            allowed.add(self.verifiers[link])
+        if self.client_routed:
+            allowed.add(c.key[0])
+        return allowed
 
     def tamper(self, kind: str, it: int, key: m.Key, tensor: torch.Tensor) -> torch.Tensor:
         """What this node sends for an outgoing activation or input gradient; honest nodes send it as it is."""
@@ -546,6 +567,8 @@ class PipelineNode:
                 return m.answer(m.STALE)
             raise RemoteError(Evidence(sender, "unknown_microbatch", f"never held {m.key_name(c.key)}", c.it))
         check_tensor(c.tensor, sender, shape=tuple(h.out.shape), dtype=torch.float32, step=c.it)
+        if self.sealing and self.stage > 0:
+            self.check_seal(CHECK_BACKWARD, c, sender)
         grad_out = await self.inbound(CHECK_BACKWARD, c)
         if grad_out is None:
             return m.answer(m.STALE)  # a verifying data node refused it: the attempt is being rerouted
@@ -559,13 +582,16 @@ class PipelineNode:
             await self._compute(2 * self.staged.forward_flops[self.stage])
         gx = grads[0] if h.x is not None else None
         self.grads[c.key] = flat(list(grads[len(grads) - len(self.params):]), self.params)
+        if self.sealing and self.stage > 0:
+            self.received[c.key] = (h.carry, c)
         self._emit("bwd", c.key, c.it, t0)
         recomputed = tuple(sorted(set(c.recomputed) | set(h.recomputed)))
         if self.stage == 0:
             self.finished(c.key, m.Carry(c.key, c.it, 0, c.path, c.tensor, recomputed=recomputed))
         else:
             sent = self.tamper(GRADIENT, c.it, c.key, gx.detach())
-            back = m.Carry(c.key, c.it, self.stage - 1, c.path, sent, recomputed=recomputed)
+            back = m.Carry(c.key, c.it, self.stage - 1, c.path, sent, recomputed=recomputed,
+                           seal=self.seal(CHECK_BACKWARD, c.key, c.it, self.stage - 1, sent))
             back = self.signed(CHECK_BACKWARD, back, c, c.path[self.stage - 1])
             self.spawn(self.send_backward(back))
         return m.answer(m.OK)
@@ -682,6 +708,7 @@ class PipelineNode:
         self.groups = groups
         group = sorted(groups[self.stage])
         finished = {(d[0], d[1], d[2]): d[3] for d in done}
+        self.finished_paths = finished
         total = torch.zeros(num_params(self.part))
         count = 0
         for key, grad in self.grads.items():
@@ -726,6 +753,7 @@ class PipelineNode:
         self.refused.clear()
         self.sent_to.clear()
         self.grads.clear()
+        self.received.clear()
         self.pending.clear()
         self.suspects.clear()
         self.rerouted.clear()

@@ -1,7 +1,7 @@
 """BTARD per pipeline stage: the replicas of a relay stage aggregate its parameters with BTARD's secure round.
 
 Each replica of stage s runs one `SecureRound` (runtime/rounds/btard.py, unchanged in substance) per
-iteration over its stage vector (`node.contribution`). The round sees the node's transport
+iteration over its stage vector (`stages.contribution`). The round sees the node's transport
 through a `StageView`:
 - broadcasts (joins, commitments, aggregate commitments, metadata, reports, MPRNG) go only to the
   replicas of the iteration's stage group, on a board of their own that keeps envelopes from peers
@@ -13,10 +13,20 @@ through a `StageView`:
 What is checked: commitments, parts against them, CenteredClip (or the mean) per partition, each
 owner's declaration, V1 (norms) and V2 (Σ s = 0 along MPRNG's direction) on every partition,
 V3 / CHECKAVERAGING, equivocation and MPRNG cheating; ACCUSE / ELIMINATE as in data-parallel BTARD.
-What is not: a replica's own vector. Validators recompute a peer's gradient from its public
-batch, and a stage gradient is not a function of public data (it depends on the activations and
-output gradients other relays sent), so stage rounds draw no validators (`recompute=None`): a
-forged stage vector is bounded by the reducer (CenteredClip's tau), never banned (issue 18 item 2).
+
+A replica's own vector (issue 18 item 2, with `btard.validators` > 0): a stage gradient is not a
+function of public data, it depends on the activations and output gradients other relays sent.
+So every sender seals what it sends (`messages.Seal`, checked on receipt), and each replica commits,
+in its BTARD commitment, to the digest of its inputs (`StageInputs`): for every microbatch of the
+BEGIN's finished list that it served, the activation and the output gradient it computed with, each
+with its sender's seal. A validator drawn by MPRNG fetches them (`sbt.inputs`), checks them against
+the commitment, that the microbatches are exactly those BEGIN says it served and that each seal is
+its sender's per the microbatch's path, recomputes the stage gradient at that iteration's weights
+(its own snapshot: honest replicas of a stage hold identical weights) and compares it with the
+committed parts within BTARD's GRAD_RTOL (1e-4 of the recomputed norm). A mismatch is an ACCUSE
+with the inputs and parts as proof, judged by every replica recomputing from them; inputs that prove
+a lie by themselves (a bad seal, a microbatch it did not serve) are an ACCUSE "inputs"; inputs the
+target will not give are the validator's ELIMINATE (only it saw the omission).
 
 Bans: every honest replica of the stage resolves the same bans at the same point (the end of the
 next iteration's round). Each one routes around the banned peer at once, records the ban as a
@@ -28,21 +38,26 @@ ban anyone; data nodes then leave the peer out of the next groups, and routers r
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger
+from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD
+from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.envelope import SignedEnvelope
-from ...core.errors import Evidence, RemoteError
-from ...core.serialization import encode
+from ...core.errors import Evidence, PhalanxError, RemoteError
+from ...core.serialization import decode, digest, encode
 from ...transport.base import BOARD_TOPIC, BROADCAST_TOPIC, Transport
 from ...transport.broadcast import BroadcastBoard
 from ..rounds.btard import BTARDConfig, SecureRound
 from ..rounds.butterfly import AllReduceConfig, AllReduceResult
 from . import messages as m
+from .stages import contribution, flat
 
 if TYPE_CHECKING:
     from .node import PipelineNode
@@ -50,6 +65,8 @@ if TYPE_CHECKING:
 STAGE_BROADCAST = "sbt.broadcast"  # a stage round's signed broadcast (kept apart from the node's own board)
 STAGE_BOARD = "sbt.board"  # a request for envelopes on a stage round's board
 STAGE_BAN = "sbt.ban"  # a stage replica reports a ban its stage's round resolved
+STAGE_INPUTS = "sbt.inputs"  # request: a replica's committed inputs of one iteration (validators)
+KEPT_ITERATIONS = 3  # iterations whose weights and inputs are kept for validation (k is verified during k + 1)
 
 
 class _StageBoard(BroadcastBoard):
@@ -113,8 +130,11 @@ class StageRound:
         self.node = node
         self.ledger = BanLedger()
         self.view = StageView(node.transport, lambda p: node.directory.get(p) == node.stage)
-        # recompute=None: a stage gradient cannot be recomputed from public data (no validators; item 2).
-        self.round = SecureRound(self.view, dim, allreduce, btard, self.ledger, None, policy, agreed_candidates=True)
+        # recompute=None: a stage gradient is not a function of public data; with validators it is
+        # recomputed from the inputs each replica commits to (StageInputs).
+        self.inputs = StageInputs(node, btard.timeout) if btard.validators > 0 else None
+        self.round = SecureRound(self.view, dim, allreduce, btard, self.ledger, None, policy, agreed_candidates=True,
+                                 inputs=self.inputs)
 
     async def __call__(self, it: int, vector: torch.Tensor, group: list[str]) -> AllReduceResult:
         node = self.node
@@ -122,6 +142,8 @@ class StageRound:
             return AllReduceResult(torch.zeros_like(vector), (), (), ())
         self.view.group = list(group)
         self.view.board.prune(it - 2)  # broadcasts older than two iterations are settled
+        if self.inputs is not None:
+            self.inputs.record(it, group)
         result = await self.round(it, vector, group)
         for ban in result.bans:
             node.on_event({"kind": "ban", "peer": ban.peer, "step": ban.step, "reason": f"btard:{ban.reason}",
@@ -170,3 +192,115 @@ def exclude(node: PipelineNode, peer: str) -> None:
     if node.flow is not None:
         node.spawn(node.flow.send(node.flow.lost(peer)))
 
+
+
+@dataclass
+class _Iteration:
+    """What a replica keeps of one iteration to validate its stage peers: the weights it computed with,
+    the BEGIN's finished microbatches with their paths, and the group size and work that scale each vector."""
+
+    part: torch.nn.Module
+    paths: dict[m.Key, tuple[str, ...]]
+    replicas: int
+    work: int
+
+
+class StageInputs:
+    """The inputs a replica's stage gradient is recomputed from (SecureRound's InputsHook; module docstring)."""
+
+    def __init__(self, node: PipelineNode, timeout: float) -> None:
+        self.node = node
+        self.timeout = timeout
+        self.mine: dict[int, bytes] = {}  # iteration -> my committed inputs (encoded records)
+        self.kept: dict[int, _Iteration] = {}
+        node.transport.add_request_handler(STAGE_INPUTS, self._serve)
+
+    def record(self, it: int, group: list[str]) -> None:
+        """Before iteration `it`'s round (weights not yet stepped): keep its weights and BEGIN, encode my inputs."""
+        node = self.node
+        paths = {k: tuple(p) for k, p in node.finished_paths.items() if len(p) > node.stage}
+        work = sum(1 for p in paths.values() if p[node.stage] in group)
+        self.kept[it] = _Iteration(copy.deepcopy(node.part), paths, len(group), work)
+        behind = node.version != it  # holds no gradients of `it`: contributes zeros, commits no inputs
+        served = [] if behind else sorted(k for k in node.grads if k in paths and paths[k][node.stage] == node.me)
+        records = []
+        for key in served:
+            fwd, bwd = node.received[key]
+            records.append({"src": key[0], "seq": key[1], "att": key[2], "x": fwd.tensor, "xs": fwd.seal.to_obj(),
+                            "g": bwd.tensor, "gs": bwd.seal.to_obj()})
+        self.mine[it] = encode(records)
+        for old in [k for k in self.kept if k <= it - KEPT_ITERATIONS]:
+            del self.kept[old]
+            self.mine.pop(old, None)
+
+    def commitment(self, step: int) -> bytes:
+        return digest(self.mine[step])
+
+    async def _serve(self, sender: str, payload: bytes) -> bytes:
+        obj = m.parse_mapping(payload, sender, self.node.transport.limits, "inputs request")
+        it = obj.get("it")
+        if type(it) is not int:
+            raise RemoteError(Evidence(sender, "malformed", "bad inputs request"))
+        return encode({"it": it, "inputs": self.mine.get(it)})
+
+    async def fetch(self, target: str, step: int, committed: bytes) -> bytes | None:
+        """The target's inputs of `step` if they match its commitment (None otherwise); the device is
+        charged for the recomputation that follows (a forward and a backward per microbatch)."""
+        node = self.node
+        try:
+            answer = decode(await node.transport.request(target, STAGE_INPUTS, encode({"it": step}), self.timeout),
+                            target, node.transport.limits)
+        except RemoteError as exc:
+            node.transport.report(exc.evidence)
+            return None
+        except PhalanxError:
+            return None
+        blob = answer.get("inputs") if isinstance(answer, dict) else None
+        if not isinstance(blob, bytes) or digest(blob) != committed:
+            return None
+        kept = self.kept.get(step)
+        served = sum(1 for p in kept.paths.values() if p[node.stage] == target) if kept is not None else 0
+        async with node.compute_lock:
+            await node.transport.charge_compute(3 * served * node.staged.forward_flops[node.stage] * node.config.flops_scale)
+        return blob
+
+    def recompute(self, target: str, step: int, inputs: bytes) -> torch.Tensor | None:
+        """The target's stage vector of `step` recomputed from its committed inputs; None when the inputs
+        prove a lie: not the microbatches BEGIN says it served, a tensor of the wrong shape, or a seal that
+        is not its sender's. Raises KeyError when this replica kept no weights of `step` (it cannot judge)."""
+        node, stage = self.node, self.node.stage
+        kept = self.kept[step]
+        records = decode(inputs, target, node.transport.limits)
+        expected = sorted(k for k, p in kept.paths.items() if p[stage] == target)
+        if not isinstance(records, list) or len(records) != len(expected):
+            return None
+        params = list(kept.part.parameters())
+        total = torch.zeros(sum(p.numel() for p in params))
+        for key, record in zip(expected, records):
+            if not (isinstance(record, dict) and (record.get("src"), record.get("seq"), record.get("att")) == key):
+                return None
+            x, g = record.get("x"), record.get("g")
+            shapes = (tuple(node.staged.input_shape(stage)), tuple(node.staged.out_shapes[stage]))
+            if not (isinstance(x, torch.Tensor) and isinstance(g, torch.Tensor) and (tuple(x.shape), tuple(g.shape)) == shapes
+                    and x.dtype == g.dtype == torch.float32 and bool(torch.isfinite(x).all()) and bool(torch.isfinite(g).all())):
+                return None
+            path = kept.paths[key]
+            downstream = path[stage + 1] if stage < node.last else path[0]
+            try:
+                seals = (m.parse_seal(record.get("xs"), target), m.parse_seal(record.get("gs"), target))
+            except RemoteError:
+                return None
+            fwd = m.Carry(key, step, stage, path[:stage], x, seal=seals[0])
+            bwd = m.Carry(key, step, stage, path, g, seal=seals[1])
+            if not (_sealed(node, CHECK_FORWARD, fwd, path[stage - 1]) and _sealed(node, CHECK_BACKWARD, bwd, downstream)):
+                return None
+            xin = x.clone().requires_grad_(True)
+            with torch.enable_grad():
+                grads = torch.autograd.grad(kept.part(xin), params, g, allow_unused=True)
+            total += flat(list(grads), params)
+        return contribution(total, kept.work, kept.replicas)
+
+
+def _sealed(node: PipelineNode, direction: str, c: m.Carry, sender: str) -> bool:
+    return c.seal is not None and c.seal.valid(c.key, c.it, direction, c.stage, c.tensor) and (
+        c.seal.signer in node.sealers(direction, c, sender))

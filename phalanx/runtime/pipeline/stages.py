@@ -57,3 +57,17 @@ def flat(tensors: list[Tensor | None], params: list[nn.Parameter]) -> Tensor:
     return torch.cat([
         (g.reshape(-1) if g is not None else torch.zeros(p.numel(), device=p.device)).float() for g, p in zip(tensors, params)
     ]).cpu()
+
+
+def contribution(total: torch.Tensor, work: int, replicas: int) -> torch.Tensor:
+    """One replica's vector for the stage all-reduce: `replicas * total / work`.
+
+    `total` sums the replica's gradients of the c finished microbatches it served, so this is its
+    mean gradient times its share `replicas * c / work` of the `work` microbatches the group served.
+    The mean of the group's vectors is then the mean gradient over all `work` microbatches (what
+    [sum, count] gave before), and a replica that served nothing sends zeros; with balanced routing
+    every honest vector is about one mean gradient, which is what a robust rule compares.
+    """
+    if work == 0:
+        return torch.zeros_like(total)
+    return total * (replicas / work)

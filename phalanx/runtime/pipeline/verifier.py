@@ -259,7 +259,10 @@ class VerifierHop:
         return hop.key == c.key and hop.it == c.it and hop.direction == direction and hop.valid()
 
     def signed_on(self, direction: str, c: m.Carry, sender: str, receiver: str, passed: torch.Tensor) -> m.Carry:
-        """The carry to deliver: the tensor passed on, with this verifier's signed hop record appended."""
+        """The carry to deliver: the tensor passed on, with this verifier's signed hop record appended.
+        A substitute goes on under this verifier's seal (the sender's seal covers only what it sent)."""
+        if c.seal is not None and passed is not c.tensor:
+            c = dataclasses.replace(c, seal=m.Seal.make(self.transport.identity, c.key, c.it, direction, c.stage, passed))
         if not self.signs:
             return dataclasses.replace(c, tensor=passed)
         hop = m.Hop.signed(self.transport.identity, c.key, c.it, direction, link_of(direction, c), sender,

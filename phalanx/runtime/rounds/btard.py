@@ -178,6 +178,22 @@ class SecureResult(AllReduceResult):
     bans: tuple[BanRecord, ...] = ()  # bans that took effect since the previous result (verifications of earlier steps)
 
 
+class InputsHook(Protocol):
+    """How a member's gradient is recomputed when it is not a function of public data (a pipeline
+    stage's: it depends on the activations and output gradients other relays sent it, issue 18 item 2).
+
+    Each member commits, beside its gradient, to the digest of its inputs (signed by their senders);
+    a validator fetches them from the target and recomputes; every peer judges an accusation by
+    recomputing from the inputs carried as its evidence.
+    """
+
+    def commitment(self, step: int) -> bytes: ...
+
+    async def fetch(self, target: str, step: int, committed: bytes) -> bytes | None: ...
+
+    def recompute(self, target: str, step: int, inputs: bytes) -> torch.Tensor | None: ...
+
+
 class AdmissionHook(Protocol):
     """What the round asks of admission (App. F): who does what in a step, and whom its verification approved."""
 
@@ -202,6 +218,7 @@ class _Step:
     committers: list[str] = field(default_factory=list)  # owners and untrusted members
     commits: dict[str, tuple[list[bytes], bytes]] = field(default_factory=dict)
     rcommits: dict[str, tuple[bytes, list[str], dict[str, str]]] = field(default_factory=dict)  # owner -> (hash, from, drop)
+    inputs: dict[str, bytes] = field(default_factory=dict)  # committer -> digest of its committed inputs (InputsHook)
     aggregates: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, tuple[dict, dict]] = field(default_factory=dict)
     z: torch.Tensor | None = None
@@ -235,6 +252,7 @@ class SecureRound(ButterflyAllReduce):
         mprng: MPRNGConfig = MPRNGConfig(),
         entropy: Callable[[int], bytes] = secrets.token_bytes,
         agreed_candidates: bool = False,
+        inputs: InputsHook | None = None,
     ) -> None:
         if allreduce.reducer not in SECURE_REDUCERS:
             raise ConfigError(f"allreduce.reducer={allreduce.reducer!r} cannot be verified by BTARD; use one of {', '.join(SECURE_REDUCERS)}")
@@ -246,6 +264,8 @@ class SecureRound(ButterflyAllReduce):
         # None: nobody can recompute a member's gradient (a pipeline stage's depends on what other
         # relays sent it): no validators are drawn, no metadata is filled in, no gradient claim holds.
         self.recompute = recompute
+        # Set (with recompute=None): a member's gradient is recomputed from inputs it committed to.
+        self.inputs = inputs
         # True: the caller's candidates are agreed by every honest member (a pipeline's BEGIN), so the
         # step's group is the candidates whose join arrived, never a peer outside them.
         self.agreed_candidates = agreed_candidates
@@ -310,13 +330,15 @@ class SecureRound(ButterflyAllReduce):
         # synchronisation before aggregation). Each names the group its sender settled on: another
         # group is a view mismatch, which excludes the sender from my step but proves nothing.
         # A queued member commits nothing.
-        payload = encode({"g": g, "parts": hashes, "whole": gradient_hash(hashes)})
+        bound = {"inputs": self.inputs.commitment(step)} if self.inputs is not None and me in committers else {}
+        payload = encode({"g": g, "parts": hashes, "whole": gradient_hash(hashes), **bound})
         if me in committers and self.policy.equivocate(step):
             negated = [tensor_hash(-p) for p in parts]
-            await self._split_broadcast("bt.commit", step, payload, encode({"g": g, "parts": negated, "whole": gradient_hash(negated)}))
+            await self._split_broadcast("bt.commit", step, payload, encode({"g": g, "parts": negated, "whole": gradient_hash(negated), **bound}))
         elif me in committers and self.policy.deadline_edge(step):
             self._edge = asyncio.ensure_future(self._edge_broadcast("bt.commit", step, payload, self.btard.timeout))
             st.commits[me] = (hashes, gradient_hash(hashes))  # it knows its own commitment: it goes on as a contributor
+            st.inputs.update({me: bound["inputs"]} if bound else {})
         elif me in committers:
             await tr.broadcast("bt.commit", step, payload)
 
@@ -344,6 +366,7 @@ class SecureRound(ButterflyAllReduce):
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
             else:
                 st.commits[peer] = parsed
+                _take_inputs(st, peer, obj)
         contributors_all = [p for p in committers if p in st.commits]
         trusted = [p for p in contributors_all if p in owners]  # contributors whose parts are aggregated
         rows, used = [], []
@@ -547,7 +570,8 @@ class SecureRound(ButterflyAllReduce):
         if r is not None:
             st.z = direction(r, self.dim)
             st.z64 = st.z.to(torch.float64)  # converted once: every projection of the step reads it
-            validators = min(self.btard.validators, len(trusted) // 2) if self.recompute is not None else 0
+            recomputable = self.recompute is not None or self.inputs is not None
+            validators = min(self.btard.validators, len(trusted) // 2) if recomputable else 0
             st.pairs = _pairs(r, trusted, drawn, validators)
             await self._send_meta(st, parts, me)
             # A peer may have waited the whole gather timeout for a silent owner's aggregate.
@@ -570,7 +594,10 @@ class SecureRound(ButterflyAllReduce):
                         claims.append(claim)
             for target in self.policy.slander(step, [p for p in contributors_all if p != me]):
                 parts = await self._committed_parts(st, target)
-                claims.append(Claim(ACCUSE, me, target, "gradient", tuple(sorted(parts.items(), key=lambda item: item[0]))))
+                evidence = tuple(sorted(parts.items(), key=lambda item: item[0]))
+                if self.inputs is not None and target in st.inputs:  # its true inputs: the recomputation clears it
+                    evidence = (await self.inputs.fetch(target, step, st.inputs[target]) or b"", *evidence)
+                claims.append(Claim(ACCUSE, me, target, "gradient", evidence))
         mine = [ev for ev in self._evidence if ev.step is None or ev.step <= step]
         self._evidence = [ev for ev in self._evidence if not (ev.step is None or ev.step <= step)]
         for ev in mine:
@@ -734,6 +761,7 @@ class SecureRound(ButterflyAllReduce):
             obj = decoded(env.payload, peer, self.transport)
             if peer in st.committers and peer not in st.commits and group_in(obj) == g and (parsed := commit_in(obj, len(st.group))):
                 st.commits[peer] = parsed
+                _take_inputs(st, peer, obj)
         for peer, env in board.get("bt.rcommit", st.step).items():
             obj = decoded(env.payload, peer, self.transport)
             if peer in st.group and peer not in st.rcommits and group_in(obj) == g and (parsed := rcommit_in(obj, st.group)):
@@ -916,6 +944,8 @@ class SecureRound(ButterflyAllReduce):
             return "skip"
         if target not in st.commits:
             return "unverified"  # no commitment reached me: it contributed nothing I could check
+        if self.inputs is not None:
+            return await self._validate_from_inputs(st, target)
         recomputed = self.recompute(target, st.step).reshape(-1)
         if recomputed.dtype == torch.float32 and self._matches_commit(st, target, recomputed):
             # bit-identical to the commitment (same build): nothing to fetch
@@ -926,6 +956,35 @@ class SecureRound(ButterflyAllReduce):
             return Claim(ACCUSE, me, target, "gradient", tuple(sorted(parts.items(), key=lambda item: item[0])))
         if len(parts) < len(st.bounds):
             return "unverified"  # what could be had is honest; the rest was aggregated by nobody else
+        return None
+
+    async def _validate_from_inputs(self, st: _Step, target: str) -> Claim | str | None:
+        """Alg. 7 for a gradient that is a function of committed inputs (InputsHook): fetch them from
+        the target, check them against its commitment, recompute, compare with the committed parts.
+
+        Inputs the target will not give (or that miss its commitment) are an omission only this
+        validator saw: ELIMINATE, as for a missing part. Inputs that prove a lie by themselves (a seal
+        that is not its sender's, a microbatch it did not serve) are an ACCUSE with the inputs as proof.
+        """
+        me = self.transport.peer_id
+        committed = st.inputs.get(target)
+        if committed is None:
+            return Claim(ACCUSE, me, target, "inputs", ())
+        blob = await self.inputs.fetch(target, st.step, committed)
+        if blob is None:
+            return Claim(ELIMINATE, me, target, "no_inputs")
+        try:
+            recomputed = self.inputs.recompute(target, st.step, blob)
+        except KeyError:  # this validator holds no weights of that step (it joined since): it cannot judge
+            return "unverified"
+        if recomputed is None:
+            return Claim(ACCUSE, me, target, "inputs", (blob,))
+        recomputed = recomputed.reshape(-1)
+        parts = await self._committed_parts(st, target)
+        if self._parts_guilty(st, target, parts, recomputed):
+            return Claim(ACCUSE, me, target, "gradient", (blob, *sorted(parts.items(), key=lambda item: item[0])))
+        if len(parts) < len(st.bounds):
+            return "unverified"
         return None
 
     def _parts_guilty(self, st: _Step, target: str, parts: dict[int, torch.Tensor], recomputed: torch.Tensor | None = None) -> bool:
@@ -1011,11 +1070,28 @@ class SecureRound(ButterflyAllReduce):
             return Verdict(target in st.declaration_failed)
         if claim.reason == "averaging":
             return Verdict(st.averaging.get(target, True) is False)
+        if claim.reason == "inputs":  # the target's committed inputs prove a lie by themselves
+            if target not in st.commits or self.inputs is None:
+                return Verdict(False)
+            if target not in st.inputs:  # it committed no inputs at all
+                return Verdict(True)
+            (blob,) = ev
+            ok = isinstance(blob, bytes) and digest(blob) == st.inputs[target]
+            return Verdict(ok and self.inputs.recompute(target, st.step, blob) is None)
         if claim.reason == "gradient":
-            if self.recompute is None:  # nobody can recompute it: the accusation cannot hold (a slander)
+            recomputed = None
+            if self.inputs is not None:  # evidence: (the target's committed inputs, its committed parts...)
+                blob, ev = ev[0], ev[1:]
+                if not (isinstance(blob, bytes) and digest(blob) == st.inputs.get(target)):
+                    return Verdict(False)
+                recomputed = self.inputs.recompute(target, st.step, blob)
+                if recomputed is None:
+                    return Verdict(False)
+                recomputed = recomputed.reshape(-1)
+            elif self.recompute is None:  # nobody can recompute it: the accusation cannot hold (a slander)
                 return Verdict(False)
             parts = parts_in(ev, st, target)
-            if parts is None or st.z is None or not self._parts_guilty(st, target, parts):
+            if parts is None or st.z is None or not self._parts_guilty(st, target, parts, recomputed):
                 return Verdict(False)
             approvers = [v for v, t in st.pairs if t == target and target in st.reports.get(v, {}).get("approve", [])]
             silent_owners = [
@@ -1061,3 +1137,9 @@ def _pairs(r: bytes, trusted: list[str], contributors: list[str], m: int) -> lis
     validators = choose(r, trusted, m)
     targets = choose(r + b"/targets", [p for p in contributors if p not in validators], m)
     return list(zip(validators, targets))
+
+
+def _take_inputs(st: _Step, peer: str, obj: dict) -> None:
+    """Keep the digest of the inputs a parsed commitment binds (InputsHook), if it names one."""
+    if "inputs" in obj:
+        st.inputs[peer] = obj["inputs"]

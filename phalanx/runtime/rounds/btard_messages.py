@@ -35,7 +35,9 @@ def group_in(obj) -> bytes | None:
 
 
 def commit_in(obj, n: int) -> tuple[list[bytes], bytes] | None:
-    if not isinstance(obj, dict) or set(obj) != {"g", "parts", "whole"}:
+    if not isinstance(obj, dict) or set(obj) - {"inputs"} != {"g", "parts", "whole"}:
+        return None
+    if "inputs" in obj and not (isinstance(obj["inputs"], bytes) and len(obj["inputs"]) == 32):
         return None
     parts, whole = obj["parts"], obj["whole"]
     if not isinstance(parts, list) or len(parts) != n or not all(isinstance(h, bytes) and len(h) == 32 for h in parts):
