@@ -234,6 +234,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                 if PipelineChurn.wanted(config) else None
             placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays whose stage we know
             opened_at = None
+            overtaken: set[str] = set()  # joiners that ended without serving after the data nodes' last iteration
             data = [workers.procs[n] for n in nodes[: config.data_nodes]]
             while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
                 done = _iterations(peer_dir / "0.jsonl")
@@ -248,11 +249,11 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                     nodes.append(str(config.peers))
                     workers.start(nodes[-1], "--index", nodes[-1], "--join", "--initial-peers", *addrs)
                 if churn is not None:
-                    _churn(churn, workers, nodes, placed, peer_dir, done, addrs)
+                    _churn(churn, workers, nodes, placed, peer_dir, done, addrs, overtaken)
                 time.sleep(0.02)
             bar.close()
-            starting = {n for n in nodes if int(n) >= config.peers and n not in workers.stopped
-                        and _joined_stage(peer_dir / f"{n}.jsonl") is None}  # joiners the end of the run overtook
+            starting = overtaken | {n for n in nodes if int(n) >= config.peers and n not in workers.stopped
+                                    and _joined_stage(peer_dir / f"{n}.jsonl") is None}  # the end of the run overtook them
             workers.wait([n for n in nodes if n != victim and n not in workers.stopped], 60)
             workers.wait([f"v{link}" for link in links], 30)
         finally:
@@ -269,7 +270,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
             code = workers.procs[name].returncode
             print(f"phalanx: joining relay {name} exited with code {code}{workers.tail(name, 5)}", file=sys.stderr)
     if starting:
-        print(f"phalanx: {len(starting)} joining relays were still starting when the data nodes finished "
+        print(f"phalanx: the end of the run overtook {len(starting)} joining relays before they served "
               f"({', '.join(sorted(starting, key=int))})", file=sys.stderr)
     ids = [peer_identity(config.seed, i).peer_id for i in range(1 + max(int(n) for n in nodes))]
     recorder = PipelineRecorder(config, ids)
@@ -300,7 +301,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
 
 
 def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], placed: dict[str, int], peer_dir: Path,
-           done: int, addrs: list[str]) -> None:
+           done: int, addrs: list[str], overtaken: set[str]) -> None:
     """Apply the churn decisions for the iterations finished so far: kill leaving relays, start new ones."""
     for name in nodes:
         if name not in placed and name not in workers.stopped and int(name) >= churn.config.peers:
@@ -310,6 +311,8 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], pla
     for name in nodes:
         if int(name) >= churn.config.peers and name not in workers.stopped and workers.procs[name].poll() is not None:
             workers.stopped.add(name)  # a new relay that ended (it could not be placed or download): it may come again
+            if done >= churn.config.steps and _joined_stage(peer_dir / f"{name}.jsonl") is None:
+                overtaken.add(name)  # the data nodes were done (their daemons closing): the run ended it
             placed.pop(name, None)
             churn.failed_join()
     live = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
