@@ -339,6 +339,29 @@ def test_departed_relay_is_out_of_the_next_aggregation():
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
 
 
+def test_a_late_aggregation_never_puts_a_replica_back():
+    # Stage 2 has relays R and S; S dies 0.9 s before iteration 1's BEGIN (inside the 2 s detection
+    # window), so R's all-reduce waits out S (two 5 s butterfly phases). With a 2 s aggregation timeout
+    # the data node moves on, R is found behind, catches up (v2) and aggregates iteration 2 (v3); then the
+    # stale all-reduce of iteration 1 ends. Applying it set R back to v2 (seen over hivemind: 5 -> 2, and
+    # the stage's only replica then refused every joiner's download for 70 s).
+    config = _mlp_config(
+        peers=5, data_nodes=1, steps=5,
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=2.0,
+                                aggregation_timeout=2.0),
+        faults=ChurnConfig(crash_relay=1, crash_iteration=1, crash_at=2.5),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    survivor = summary["peer_ids"][4]  # relay 3: stage 2
+    mine = sorted((e for e in summary["events"] if e["peer"] == survivor and e["kind"] in ("aggregate", "catch_up")),
+                  key=lambda e: e["t1"])
+    late = [e for e in mine if e["kind"] == "aggregate" and e["it"] == 1]
+    assert late and late[0]["t1"] > min(e["t1"] for e in mine if e["it"] == 2)  # the case arose
+    versions = [e["version"] for e in mine]
+    assert versions == sorted(versions) and versions[-1] == config.steps
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
 def test_gwtf_routes_by_the_flow_after_the_warm_up():
     # every hop records the routing rule that chose it; churn-free, after the flow warm-up, the
     # flow's paired units and next hops choose them all (the cheapest-peer fallback none)

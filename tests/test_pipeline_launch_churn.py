@@ -39,3 +39,46 @@ def test_decisions_are_seeded_and_none_without_rates():
     assert _run(0.1, 0.3, seed=4)[0].events == _run(0.1, 0.3, seed=4)[0].events
     assert _run(0.1, 0.3, seed=4)[0].events != _run(0.1, 0.3, seed=5)[0].events
     assert _run(0.0, 0.0)[0].events == []
+
+
+class _Joiner:
+    """A placed joiner whose download works only from replicas in its directory that still serve."""
+
+    def __init__(self, directory: dict[str, int], serving: set[str]) -> None:
+        self.me, self.directory, self.serving = "joiner", dict(directory), serving
+        self.clock, self.tries = 0.0, []
+
+    def now(self) -> float:
+        return self.clock
+
+    async def enter(self, version: int) -> bool:
+        self.tries.append(version)
+        self.clock += 5.0  # five tries a second apart, as PipelineNode.enter
+        return any(p in self.serving for p, s in self.directory.items() if s == 1)
+
+
+def _download(joiner: _Joiner, patience: float, ended=lambda: False) -> str:
+    import asyncio
+
+    from phalanx.runs.pipeline.launch import download
+
+    async def placement():
+        return 9, {"fresh": 1, "joiner": 2}  # the leader's view now: the iteration moved on, a new replica serves
+
+    return asyncio.run(download(joiner, 3, placement, ended, patience))
+
+
+def test_a_joiner_whose_placement_went_stale_asks_again_and_downloads():
+    # Measured over hivemind: a joiner takes 10-20 s from placement to its first download try under load;
+    # the stage's replicas it was told of could be gone by then. It used to give up after one round of tries.
+    assert _download(_Joiner({"gone": 1}, {"fresh"}), patience=0.0) == "failed"  # the old behaviour
+    joiner = _Joiner({"gone": 1}, {"fresh"})
+    assert _download(joiner, patience=60.0) == "served"
+    assert joiner.tries == [3, 9] and joiner.directory["fresh"] == 1 and "joiner" not in joiner.directory
+
+
+def test_a_joiner_overtaken_by_the_end_of_the_run_stops_without_failing():
+    # 11 of 13 joiners that "could not download" in soaks of 30-100 iterations tried after the data nodes finished
+    joiner = _Joiner({"gone": 1}, set())
+    assert _download(joiner, patience=60.0, ended=lambda: len(joiner.tries) >= 2) == "ended"
+    assert _download(_Joiner({"gone": 1}, set()), patience=60.0) == "failed"

@@ -4,10 +4,14 @@
   knowledge) under the synchronous driver for at most `rounds` rounds (the last
   `settle` of them with Request Change / Redirect paused so moves in flight
   land; the same run with T=0, i.e. without annealing, is reported next to it);
-  the total cost of the complete flows is compared with networkx's
-  min-cost flow for the same number of microbatches (settings 1-4: the true
-  optimum; 5-6: a lower bound, since each microbatch must return to its own
-  data node) and with SWARM's greedy "closest next-stage peer with room".
+  the total cost of the complete flows is compared with the optimum for the
+  same number of microbatches: networkx's min-cost flow with one data node
+  (settings 1-4), the multi-commodity optimum with several (5-6: each
+  microbatch returns to its own data node; an integer program, `flowgraph.
+  multi_commodity_optimal`), and with SWARM's greedy "closest next-stage peer
+  with room". `contended=true` gives every data node the graph's whole maximum
+  flow as demand, so that the data nodes compete for the bottleneck: the table
+  then shows how the units are split between them.
 - join: GWTF Table IV / Fig. 5 (see `phalanx.algorithms.gwtf.placement`).
 - table2: the runtime's crash benchmark (`phalanx.benchmarks.gwtf_table2`).
 - table2-paper: Table II in the paper's regime (`phalanx.benchmarks.gwtf_table2_paper`).
@@ -28,6 +32,7 @@ from ..algorithms.gwtf.flowgraph import (
     FlowGraph,
     build_nodes,
     max_flow,
+    multi_commodity_optimal,
     node_flows,
     optimal,
     random_graph,
@@ -65,6 +70,7 @@ class FlowBenchConfig:
     settle: int = 20
     settings: str = "1,2,3,4,5,6"
     seed: int = 0
+    contended: bool = False  # every data node demands the whole max flow (else the max flow is split between them)
     flow: FlowConfig = field(default_factory=FlowConfig)
 
     def __post_init__(self) -> None:
@@ -93,7 +99,17 @@ def run_flow_case(setting: int, seed: int, config: FlowBenchConfig) -> dict:
     graph = random_graph(py_stream(config.seed, "gwtf-flow-graph", setting, seed), sources, relays, stages,
                          capacity, link_cost, demand=10**6)
     best_value = max_flow(graph)
-    graph = replace(graph, demand=split_demand(best_value, sorted(graph.data)))
+    demand = {d: best_value for d in graph.data} if config.contended else split_demand(best_value, sorted(graph.data))
+    graph = replace(graph, demand=demand)
+    optimum: dict[int, tuple[dict[str, int], float]] = {}
+
+    def opt(units: int) -> float:
+        """The least total cost of `units` microbatches, each back at its own data node."""
+        if units not in optimum:
+            optimum[units] = ({graph.data[0]: units}, optimal(graph, units)[1]) if sources == 1 \
+                else multi_commodity_optimal(graph, units)
+        return optimum[units][1]
+
     start = time.perf_counter()
     driver = SyncDriver(build_nodes(graph, config.flow, config.seed * 1000 + seed))
     driver.run(config.rounds - config.settle)
@@ -101,29 +117,32 @@ def run_flow_case(setting: int, seed: int, config: FlowBenchConfig) -> dict:
     wall = time.perf_counter() - start
     paths = driver.paths()
     value, cost = len(paths), driver.total_cost()
-    _, opt_same = optimal(graph, value) if value else (0, 0.0)
+    per_source = [sum(1 for d, _, _ in paths if d == data) for data in sorted(graph.data)]
+    most = max_flow(graph) if sources == 1 else sum(multi_commodity_optimal(graph)[0].values())
+    opt_same = opt(value) if value else 0.0
     greedy_search = SyncDriver(build_nodes(graph, replace(config.flow, temperature=0.0), config.seed * 1000 + seed))
     greedy_search.run(config.rounds - config.settle)
     greedy_search.settle(config.settle)
     t0_value, t0_cost = greedy_search.flow_value(), greedy_search.total_cost()
-    _, opt_t0 = optimal(graph, t0_value) if t0_value else (0, 0.0)
-    _, opt_full = optimal(graph, sum(graph.demand.values()))
+    opt_t0 = opt(t0_value) if t0_value else 0.0
+    opt_full = opt(most)
     greedy = swarm_greedy(graph)
     g_value, g_cost = len(greedy), sum(c for _, _, c in greedy)
-    _, opt_greedy = optimal(graph, g_value) if g_value else (0, 0.0)
+    opt_greedy = opt(g_value) if g_value else 0.0
     return {
         "setting": setting, "seed": seed, "sources": sources, "relays": relays, "stages": stages,
-        "demand": sum(graph.demand.values()),
-        "gwtf_flow": value, "gwtf_cost": cost, "optimum_cost": opt_same,
+        "demand": most,  # the most units the graph carries home (the demands add up to it unless contended)
+        "gwtf_flow": value, "gwtf_min_share": min(per_source) / value if value else 0.0,
+        "gwtf_split": "/".join(map(str, per_source)),
+        "optimum_split": "/".join(str(optimum[value][0][d]) for d in sorted(graph.data)) if value else "", "gwtf_cost": cost, "optimum_cost": opt_same,
         "gwtf_ratio": cost / opt_same if opt_same else float("nan"),
         "t0_flow": t0_value, "t0_cost": t0_cost, "t0_ratio": t0_cost / opt_t0 if opt_t0 else float("nan"),
         "swarm_flow": g_value, "swarm_cost": g_cost,
         "swarm_ratio": g_cost / opt_greedy if opt_greedy else float("nan"),
         "gwtf_per_mb": cost / value if value else float("nan"),
         "swarm_per_mb": g_cost / g_value if g_value else float("nan"),
-        "optimum_per_mb": opt_full / sum(graph.demand.values()),
+        "optimum_per_mb": opt_full / most,
         "rounds": used, "messages": driver.messages, "wall_s": wall,
-        "optimum_exact": sources == 1,
     }
 
 
@@ -134,23 +153,26 @@ def _mean_std(values: list[float]) -> str:
 
 
 def format_flow_table(rows: list[dict]) -> str:
-    head = (f"{'set':>3} {'src':>3} {'relays':>6} {'stages':>6} {'flow/demand':>11} {'GWTF/opt':>13} "
+    head = (f"{'set':>3} {'src':>3} {'relays':>6} {'stages':>6} {'flow/most':>11} {'min share':>9} {'GWTF/opt':>13} "
             f"{'SWARM/opt':>13} {'GWTF c/mb':>9} {'SWARM c/mb':>10} {'opt c/mb':>8} {'rounds':>6} "
             f"{'T=0 flow':>8} {'GWTF T=0/opt':>13}")
     lines = [head, "-" * len(head)]
     for s in sorted({r["setting"] for r in rows}):
         rs = [r for r in rows if r["setting"] == s]
-        mark = "" if rs[0]["optimum_exact"] else "*"
+        share = min(r["gwtf_min_share"] for r in rs) if rs[0]["sources"] > 1 else float("nan")
         lines.append(
             f"{s:>3} {rs[0]['sources']:>3} {rs[0]['relays']:>6} {rs[0]['stages']:>6} "
-            f"{sum(r['gwtf_flow'] for r in rs):>5}/{sum(r['demand'] for r in rs):<5} "
-            f"{_mean_std([r['gwtf_ratio'] for r in rs]) + mark:>13} {_mean_std([r['swarm_ratio'] for r in rs]) + mark:>13} "
+            f"{sum(r['gwtf_flow'] for r in rs):>5}/{sum(r['demand'] for r in rs):<5} {share:>9.2f} "
+            f"{_mean_std([r['gwtf_ratio'] for r in rs]):>13} {_mean_std([r['swarm_ratio'] for r in rs]):>13} "
             f"{statistics.mean(r['gwtf_per_mb'] for r in rs):>9.2f} {statistics.mean(r['swarm_per_mb'] for r in rs):>10.2f} "
             f"{statistics.mean(r['optimum_per_mb'] for r in rs):>8.2f} {max(r['rounds'] for r in rs):>6} "
-            f"{sum(r['t0_flow'] for r in rs):>8} {_mean_std([r['t0_ratio'] for r in rs]) + mark:>13}"
+            f"{sum(r['t0_flow'] for r in rs):>8} {_mean_std([r['t0_ratio'] for r in rs]):>13}"
         )
-    lines.append("ratios: total cost / networkx min-cost flow for the same number of microbatches (mean±std over seeds)")
-    lines.append("* settings 5-6: the reference is a lower bound (any source may feed any sink); GWTF returns each microbatch home")
+    lines.append("ratios: total cost / the optimum for the same number of microbatches, each back at its own data node "
+                 "(mean±std over seeds)")
+    lines.append("optimum: networkx min-cost flow with one data node; with several, the multi-commodity integer program")
+    lines.append("flow/most: GWTF's complete flows / the most the graph carries home; min share: the smallest fraction "
+                 "of GWTF's flows any data node got (worst seed)")
     lines.append("GWTF: the configured annealing (paper: T=1.7, alpha=0.95); GWTF T=0: the same moves without worsening ones")
     return "\n".join(lines)
 

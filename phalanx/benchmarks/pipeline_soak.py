@@ -81,7 +81,7 @@ def measure(summary: dict) -> dict:
     finished = sum(mb["outcome"] == "ok" for mb in mbs)
     versions: dict[tuple[int, int], set[int]] = defaultdict(set)
     for e in summary["events"]:
-        if e["kind"] == "aggregate":
+        if e["kind"] == "aggregate" and not e.get("stale"):  # a stale one reports the newer version it kept
             versions[(e["it"], e["stage"])].add(e["version"])
     digests: dict[int, set[str]] = defaultdict(set)
     for stage, _version, digest in summary["replicas"].values():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from ...core.errors import LocalError
 from ...core.rng import py_stream
 from .flow import FlowConfig, FlowNode
 
@@ -172,3 +173,54 @@ def swarm_greedy(graph: FlowGraph) -> list[tuple[str, list[str], float]]:
             left[d] -= 1
             paths.append((d, hops, graph.path_cost(d, hops)))
     return paths
+
+
+def multi_commodity_optimal(graph: FlowGraph, value: int | None = None) -> tuple[dict[str, int], float]:
+    """The multi-commodity optimum, in which each microbatch returns to its own data node, as an
+    integer program (scipy's HiGHS): (units per data node, min total cost). With `value` None it
+    first finds the most units the graph carries home (each data node at most its demand), then the
+    cheapest way to carry that many; otherwise exactly `value` units. One integer variable per data
+    node and link: small graphs (Table V's settings take well under a second)."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    layers = [graph.data, *graph.stages, graph.data]
+    links = [(a, b) for a_layer, b_layer in zip(layers, layers[1:]) for a in a_layer for b in b_layer]
+    relays = [r for members in graph.stages for r in members]
+    # variable (k, a, b): units of data node k's microbatches on link a -> b; only k's own data links
+    var = [(k, a, b) for k in graph.data for a, b in links
+           if not (a in graph.data and a != k) and not (b in graph.data and b != k)]
+    cons = {(k, r): i for i, (k, r) in enumerate((k, r) for k in graph.data for r in relays)}  # conservation
+    sent = {k: len(cons) + i for i, k in enumerate(graph.data)}  # units data node k sends
+    cap = {r: len(cons) + len(sent) + i for i, r in enumerate(relays)}  # shared relay capacity
+    total = len(cons) + len(sent) + len(cap)  # all units sent
+    rows, cols, vals = [], [], []
+    for j, (k, a, b) in enumerate(var):
+        entries = [(total, 1.0), (sent[k], 1.0)] if a == k else [(cons[(k, a)], -1.0), (cap[a], 1.0)]
+        if b != k:
+            entries.append((cons[(k, b)], 1.0))
+        for i, v in entries:
+            rows.append(i)
+            cols.append(j)
+            vals.append(v)
+    matrix = coo_matrix((vals, (rows, cols)), shape=(total + 1, len(var))).tocsr()
+    lower = np.zeros(total + 1)
+    upper = np.array([0.0] * len(cons) + [graph.demand[k] for k in graph.data] + [graph.capacity[r] for r in relays]
+                     + [np.inf])
+    cost = np.array([graph.d(a, b) for _, a, b in var])
+    integral = np.ones(len(var))
+    bounds = Bounds(np.zeros(len(var)), np.full(len(var), np.inf))
+    if value is None:
+        most = milp(-matrix[total].toarray().ravel(), integrality=integral, bounds=bounds,
+                    constraints=LinearConstraint(matrix, lower, upper))
+        if not most.success:
+            raise LocalError(f"multi-commodity max flow: {most.message}")
+        value = int(round(-most.fun))
+    lower[total] = upper[total] = value
+    best = milp(cost, integrality=integral, bounds=bounds, constraints=LinearConstraint(matrix, lower, upper))
+    if not best.success:
+        raise LocalError(f"no multi-commodity flow of {value} units: {best.message}")
+    x = np.round(best.x)
+    per = {k: int(sum(x[j] for j, (kk, a, _) in enumerate(var) if kk == k and a == k)) for k in graph.data}
+    return per, float(cost @ x)

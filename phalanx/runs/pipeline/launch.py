@@ -22,6 +22,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -156,18 +157,33 @@ async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peer
 async def _join_and_serve(config: PipelineRunConfig, transport, index: int, directory: dict[str, int], write,
                           data_nodes: list[str]) -> None:
     await transport.wait_for_members(2, JOIN_TIMEOUT)
+    task = pipeline_task(config)  # built before the placement, so that the placement is fresh when the download starts
     placed = None
     for _ in range(10):
         placed = await ask_for_stage(transport, directory, config.pipeline.capacity, 2 * config.pipeline.complete_timeout)
-        if placed is not None and placed[0] > 0:
+        if placed is not None and placed[0] > 0 or _run_ended(transport, data_nodes):
             break
         await asyncio.sleep(1.0)
+    if _run_ended(transport, data_nodes):
+        print("phalanx: the run ended before this relay was placed", file=sys.stderr)
+        return
     if placed is None or placed[0] == 0:
         raise LocalError("no data node placed this joiner")
     stage, it, known = placed
-    node = build_node(config, transport, index, known, pipeline_task(config), lambda e: write("event", e), stage=stage)
+    node = build_node(config, transport, index, known, task, lambda e: write("event", e), stage=stage)
     placed_at = node.now()
-    if not await node.enter(it):
+
+    async def placement() -> tuple[int, dict[str, int]] | None:
+        again = await ask_for_stage(transport, node.directory, config.pipeline.capacity, 2 * config.pipeline.complete_timeout)
+        return None if again is None else (again[1], again[2])
+
+    outcome = await download(node, it, placement, lambda: _run_ended(transport, data_nodes),
+                             JOIN_PATIENCE * config.pipeline.aggregation_timeout)
+    if outcome == "ended":
+        print("phalanx: the run ended before this relay had its stage's weights", file=sys.stderr)
+        await node.close()
+        return
+    if outcome == "failed":
         raise LocalError(f"could not download the weights of stage {stage}")
     # Written once it serves (t0: placed, t1: weights in): the launcher's churn counts it as a live replica from here.
     write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": placed_at, "t1": node.now()})
@@ -184,6 +200,34 @@ def _final_state(node) -> dict:
     the peers it routes around and leaves out of groups (its bans: SENTINEL's, BTARD's, its own evidence)."""
     return {"peer": node.me, "stage": node.stage, "version": node.version, "digest": param_digest(node),
             "banned": sorted(node.banned)}
+
+
+JOIN_PATIENCE = 2  # a joiner tries to download its stage's weights for this many aggregation timeouts
+
+
+async def download(node, version: int, placement: Callable[[], Awaitable[tuple[int, dict[str, int]] | None]],
+                   ended: Callable[[], bool], patience: float) -> str:
+    """A placed joiner's download: "served" once it has its stage's weights, "ended" when the data nodes
+    finished first, "failed" after `patience` seconds. Between tries it asks the leader again for the
+    current iteration and stage directory: under load a joiner takes tens of seconds from its placement
+    to its first try, and the replicas it was told of may have left by then."""
+    deadline = node.now() + patience
+    while True:
+        if await node.enter(version):
+            return "served"
+        if ended():
+            return "ended"
+        if node.now() >= deadline:
+            return "failed"
+        fresh = await placement()
+        if fresh is not None:
+            version = fresh[0]
+            node.directory.update({p: s for p, s in fresh[1].items() if p != node.me})
+
+
+def _run_ended(transport, data_nodes: list[str]) -> bool:
+    """The data nodes broadcast FINISHED: nothing is left to train."""
+    return bool(transport.board.get(FINISHED, 0).keys() & set(data_nodes))
 
 
 def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
@@ -211,6 +255,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                 if PipelineChurn.wanted(config) else None
             placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays whose stage we know
             opened_at = None
+            overtaken: set[str] = set()  # joiners that ended without serving after the data nodes' last iteration
             data = [workers.procs[n] for n in nodes[: config.data_nodes]]
             while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
                 done = _iterations(peer_dir / "0.jsonl")
@@ -225,9 +270,11 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
                     nodes.append(str(config.peers))
                     workers.start(nodes[-1], "--index", nodes[-1], "--join", "--initial-peers", *addrs)
                 if churn is not None:
-                    _churn(churn, workers, nodes, placed, peer_dir, done, addrs)
+                    _churn(churn, workers, nodes, placed, peer_dir, done, addrs, overtaken)
                 time.sleep(0.02)
             bar.close()
+            starting = overtaken | {n for n in nodes if int(n) >= config.peers and n not in workers.stopped
+                                    and _joined_stage(peer_dir / f"{n}.jsonl") is None}  # the end of the run overtook them
             workers.wait([n for n in nodes if n != victim and n not in workers.stopped], 60)
             workers.wait([f"v{link}" for link in links], 30)
         finally:
@@ -238,9 +285,14 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
     failed = [(who, name, code) for who, name, code in ended if code != 0 and name not in joiners]
     if failed:
         raise LocalError("; ".join(f"{who} exited with code {code}{workers.tail(name)}" for who, name, code in failed))
-    for who, name, code in ended:
-        if code != 0 and name in joiners:  # a volunteer that could not join; the run went on without it
+    outcomes = _joiner_outcomes(joiners, starting, peer_dir)
+    for name in sorted(joiners, key=int):
+        if outcomes[name] == "failed":  # a volunteer that could not join; the run went on without it
+            code = workers.procs[name].returncode
             print(f"phalanx: joining relay {name} exited with code {code}{workers.tail(name, 5)}", file=sys.stderr)
+    if starting:
+        print(f"phalanx: the end of the run overtook {len(starting)} joining relays before they served "
+              f"({', '.join(sorted(starting, key=int))})", file=sys.stderr)
     ids = [peer_identity(config.seed, i).peer_id for i in range(1 + max(int(n) for n in nodes))]
     recorder = PipelineRecorder(config, ids)
     names = nodes + [f"v{link}" for link in links]
@@ -268,13 +320,15 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
              # as `simulate`'s: stage, version and weights digest of every node that finished every iteration
              "replicas": {f["peer"]: [f["stage"], f["version"], f["digest"]] for f in finals if f["version"] == config.steps},
              "excluded": {f["peer"]: f["banned"] for f in finals}}  # node -> the peers it ended routing around
+    if joiners:
+        extra["joiners"] = {name: outcomes[name] for name in sorted(joiners, key=int)}
     if churn is not None:
         extra["churn"] = [{"it": e.it, "peer": ids[int(e.name)], "index": int(e.name), "event": e.event} for e in churn.events]
     return recorder.write(out, extra)
 
 
 def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], placed: dict[str, int], peer_dir: Path,
-           done: int, addrs: list[str]) -> None:
+           done: int, addrs: list[str], overtaken: set[str]) -> None:
     """Apply the churn decisions for the iterations finished so far: kill leaving relays, start new ones."""
     for name in nodes:
         if name not in placed and name not in workers.stopped and int(name) >= churn.config.peers:
@@ -284,6 +338,8 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], pla
     for name in nodes:
         if int(name) >= churn.config.peers and name not in workers.stopped and workers.procs[name].poll() is not None:
             workers.stopped.add(name)  # a new relay that ended (it could not be placed or download): it may come again
+            if done >= churn.config.steps and _joined_stage(peer_dir / f"{name}.jsonl") is None:
+                overtaken.add(name)  # the data nodes were done (their daemons closing): the run ended it
             placed.pop(name, None)
             churn.failed_join()
     live = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
@@ -295,6 +351,13 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], pla
         else:
             nodes.append(event.name)
             workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
+
+
+def _joiner_outcomes(joiners: set[str], starting: set[str], peer_dir: Path) -> dict[str, str]:
+    """Each joining relay: "served" (it had its stage's weights), "late" (still starting when the data nodes
+    finished: the run, not the download, ended it) or "failed" (it ended during the run without serving)."""
+    return {name: "served" if _joined_stage(peer_dir / f"{name}.jsonl") is not None
+            else "late" if name in starting else "failed" for name in joiners}
 
 
 def _joined_stage(path: Path) -> int | None:

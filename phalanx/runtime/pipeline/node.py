@@ -727,7 +727,7 @@ class PipelineNode:
             vector = self.contribute(it, vector)
             result = await self.allreduce(it, vector, group)
             missing = len(result.missing_parts)
-            if work > 0 and not behind:
+            if work > 0 and not behind and self.version == it:
                 norm = float(result.vector.norm())
                 offset = 0
                 for p in self.params:
@@ -737,6 +737,15 @@ class PipelineNode:
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
         fetched = behind or self.me not in group
+        if self.version > it:
+            # Caught up meanwhile (this all-reduce waited out a member that died, and a forward for a later
+            # iteration found this replica behind): this result is stale. Applying it put the version back
+            # (5 -> 2 over hivemind), so the stage's only replica refused every joiner for 70 s.
+            self.on_event({"kind": "aggregate", "peer": self.me, "stage": self.stage, "it": it, "t0": t0,
+                           "t1": self.now(), "group": len(group), "count": count, "in_group": self.me in group,
+                           "version": self.version, "fetched": False, "missing": missing, "norm": 0.0, "stale": True})
+            self.aggregated_event(it).set()
+            return
         if fetched:
             # Left out (suspected) or behind: take the stepped weights from the group; failing that,
             # catch up in the background from any stage peer (serving nothing until then).
