@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ...core.errors import LocalError
 from ..dp.launch import BARRIER_TIMEOUT, JOIN_TIMEOUT, _lines, prepare_run_dir, run_id_of
 from ..dp.swarm import peer_identity
-from ..launcher import ProcessLauncher, exit_text, first_address, stop_on_sigterm
+from ..launcher import ProcessLauncher, exit_done, exit_text, first_address, stop_on_sigterm
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import AspisRunConfig
 from .run import build_role, count_distortion, summarize, write_run
@@ -124,6 +124,7 @@ def _main() -> None:
     address_file = Path(args.address_file) if args.address_file else None
     peers_file = Path(args.initial_peers_file) if args.initial_peers_file else None
     asyncio.run(run_process(config, args.index, args.initial_peers, Path(args.out), address_file, peers_file))
+    exit_done()
 
 
 if __name__ == "__main__":
