@@ -27,8 +27,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Hashable, Iterator, Sequence
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 from ..core.errors import LocalError
 from .processes import MARKER_ENV, STOP_GRACE, kill_group, kill_marked

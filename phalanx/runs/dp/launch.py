@@ -1,8 +1,8 @@
 """`phalanx launch` and `phalanx peer`: real peers as OS processes over hivemind.
 
 `launch` starts N worker processes on loopback at once (the first one's
-address, read from its file, seeds the others), shows progress, and merges their per-peer records into the same
-files `simulate` writes. `peer` runs one worker that joins a swarm elsewhere.
+address, read from its file, seeds the others), shows progress, and merges
+their per-peer records into the same files `simulate` writes. `peer` runs one worker that joins a swarm elsewhere.
 """
 
 from __future__ import annotations
