@@ -31,7 +31,7 @@ from ..dp.launch import (
     run_id_of,
 )
 from ..dp.swarm import peer_identity
-from ..launcher import ProcessLauncher, exit_text, first_address, stop_on_sigterm
+from ..launcher import ProcessLauncher, exit_done, exit_text, first_address, stop_on_sigterm
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import AspisRunConfig
 from .run import build_role, count_distortion, summarize, write_run
@@ -130,6 +130,7 @@ def _main() -> None:
     address_file = Path(args.address_file) if args.address_file else None
     peers_file = Path(args.initial_peers_file) if args.initial_peers_file else None
     asyncio.run(run_process(config, args.index, args.initial_peers, Path(args.out), address_file, peers_file))
+    exit_done()
 
 
 if __name__ == "__main__":

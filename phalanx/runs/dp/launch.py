@@ -1,8 +1,8 @@
 """`phalanx launch` and `phalanx peer`: real peers as OS processes over hivemind.
 
 `launch` starts N worker processes on loopback at once (the first one's
-address, read from its file, seeds the others), shows progress, and merges their per-peer records into the same
-files `simulate` writes. `peer` runs one worker that joins a swarm elsewhere.
+address, read from its file, seeds the others), shows progress, and merges
+their per-peer records into the same files `simulate` writes. `peer` runs one worker that joins a swarm elsewhere.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ...core.identity import Identity
 from ...runtime.dp.admission import admission_for
 from ...runtime.dp.catchup import CatchupFailed, CatchupService, collect_offers
 from ...runtime.dp.peer import task_of
-from ..launcher import ProcessLauncher, exit_text, first_address, stop_on_sigterm
+from ..launcher import ProcessLauncher, exit_done, exit_text, first_address, stop_on_sigterm
 from ..netns import NetnsConfig, Testbed
 from ..processes import MARKER_ENV, STOP_GRACE, guard_worker, kill_marked, new_marker
 from .checkpoints import (
@@ -400,6 +400,7 @@ def _worker_main() -> None:
         )
     except (KeyboardInterrupt, asyncio.CancelledError):
         sys.exit(128 + signal.SIGTERM)
+    exit_done()
 
 
 if __name__ == "__main__":

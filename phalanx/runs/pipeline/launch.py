@@ -34,7 +34,7 @@ from ...runtime.pipeline.relay import ask_for_stage
 from ...runtime.pipeline.verifier import VerifierNode
 from ..dp.launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
 from ..dp.swarm import peer_identity
-from ..launcher import ProcessLauncher, first_address, stop_on_sigterm
+from ..launcher import ProcessLauncher, exit_done, first_address, stop_on_sigterm
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import PipelineRunConfig
 from .launch_churn import PipelineChurn
@@ -462,10 +462,11 @@ def _worker_main() -> None:
     if args.verifier is not None:
         asyncio.run(run_verifier_worker(config, args.verifier, args.initial_peers, Path(args.out) / f"v{args.verifier}.jsonl",
                                         peers_file))
-        return
+        exit_done()
     address_file = Path(args.address_file) if args.address_file else None
     asyncio.run(run_pipeline_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
                                     address_file, args.join, initial_peers_file=peers_file))
+    exit_done()
 
 
 if __name__ == "__main__":
