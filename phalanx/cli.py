@@ -22,6 +22,7 @@ BENCHES = {
     "aspis": "aspis",
     "sentinel": "sentinel",
     "pipeline-soak": "pipeline_soak",
+    "secure-pipeline": "secure_pipeline",
 }
 
 
