@@ -166,6 +166,8 @@ def measure(run: PipelineRunConfig, summary: dict, byzantine: dict[int, tuple[st
         "steps_to_ban": " ".join(f"{r}:{first_ban[r] - start}" if r in first_ban else f"{r}:-"
                                  for r, (_, start) in sorted(byzantine.items())),
         "honest_banned": len(set(first_ban) - set(byzantine)),
+        # tensors (or all-reduce vectors) the link-attack relays tampered: 0 means the attacker never lied
+        "tampered": sum(bool(a["tampered"]) for a in summary["attacks"]) if run.attack.name != "none" else None,
         "finished": sum(mb["outcome"] == "ok" for mb in mbs), "slots": len(mbs),
         "simulated_seconds": summary["simulated_seconds"],
         "leaves": sum(e["kind"] == "leave" for e in summary["events"]),
@@ -216,15 +218,19 @@ def run_bench(config: SecurePipelineConfig, out: Path, log=print) -> list[dict]:
 
 def read_rows(path: Path) -> list[dict]:
     """The rows of a runs.csv written by `run_bench` (finished runs only), with their types back."""
-    numbers = {"seed": int, "final_loss": float, "honest_banned": int, "finished": int, "slots": int,
+    numbers = {"seed": int, "final_loss": float, "honest_banned": int, "tampered": int, "finished": int, "slots": int,
                "simulated_seconds": float, "leaves": int, "joins": int, "wall_seconds": float}
     with open(path, newline="") as f:
-        return [{**r, **{k: cast(r[k]) if r[k] != "" else None for k, cast in numbers.items()}, "exact": r["exact"] == "True"}
+        return [{**r, **{k: cast(r[k]) if r[k] != "" else None for k, cast in numbers.items() if k in r}, "exact": r["exact"] == "True"}
                 for r in csv.DictReader(f)]
 
 
 def _pct(value: float | None, reference: float | None) -> str:
     return "-" if value is None or not reference else f"{100 * (value / reference - 1):+.2f}"
+
+
+def _lies(row: dict) -> str:
+    return "?" if "tampered" not in row else "-" if row["tampered"] is None else str(row["tampered"])
 
 
 def _ratio(value: float | None, reference: float | None) -> str:
@@ -242,9 +248,10 @@ def format_table(rows: list[dict], config: SecurePipelineConfig) -> str:
         f"{'' if config.forge_available() else ' (not available: no protocol attack of that name)'}; "
         f"all: link + protocol at churn leave {config.leave_rate} / join {config.join_rate}",
         "loss %: final loss against the clean run of the same side and seed (clean secure: against clean plain); "
-        "x plain: simulated time over the plain run of the same cell; x clean: over the plain clean run",
-        f"{'cell':>8} {'seed':>4} | {'loss %':>7} {'byz':>5} {'banned':>9} {'exact':>5} {'steps to ban':>12} "
-        f"{'honest':>6} {'sim s':>7} {'x plain':>7} {'x clean':>7} | {'plain loss %':>12} {'banned':>7} {'sim s':>7}",
+        "x plain: simulated time over the plain run of the same cell; x clean: over the plain clean run; "
+        "lies: tensors the link-attack relays tampered (0: the attacker was on no path; '-': no link attacker)",
+        f"{'cell':>8} {'seed':>4} | {'loss %':>7} {'byz':>5} {'lies':>5} {'banned':>9} {'exact':>5} {'steps to ban':>12} "
+        f"{'honest':>6} {'sim s':>7} {'x plain':>7} {'x clean':>7} | {'plain loss %':>12} {'lies':>5} {'banned':>7} {'sim s':>7}",
     ]
     for cell in CELLS:
         for seed in sorted({r["seed"] for r in rows}):
@@ -253,11 +260,11 @@ def format_table(rows: list[dict], config: SecurePipelineConfig) -> str:
                 continue
             cs, cp = by.get(("clean", "secure", seed)), by.get(("clean", "plain", seed))
             ref = cp if cell == "clean" else cs
-            left = (f"{_pct(s['final_loss'], ref and ref['final_loss']):>7} {s['byzantine'] or '-':>5} {s['banned'] or '-':>9} "
+            left = (f"{_pct(s['final_loss'], ref and ref['final_loss']):>7} {s['byzantine'] or '-':>5} {_lies(s):>5} {s['banned'] or '-':>9} "
                     f"{'yes' if s['exact'] else 'NO':>5} {s['steps_to_ban'] or '-':>12} {s['honest_banned']:>6} "
                     f"{s['simulated_seconds']:>7.1f} {_ratio(s['simulated_seconds'], p and p['simulated_seconds']):>7} "
-                    f"{_ratio(s['simulated_seconds'], cp and cp['simulated_seconds']):>7}") if s else f"{'-':>78}"
-            right = (f"{_pct(p['final_loss'], cp and cp['final_loss']):>12} {p['banned'] or '-':>7} "
+                    f"{_ratio(s['simulated_seconds'], cp and cp['simulated_seconds']):>7}") if s else f"{'-':>84}"
+            right = (f"{_pct(p['final_loss'], cp and cp['final_loss']):>12} {_lies(p):>5} {p['banned'] or '-':>7} "
                      f"{p['simulated_seconds']:>7.1f}") if p else "-"
             lines.append(f"{cell:>8} {seed:>4} | {left} | {right}")
     lines.append("")
