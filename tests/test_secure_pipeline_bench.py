@@ -3,7 +3,7 @@
 import pytest
 
 from phalanx.benchmarks.secure_pipeline import (PRESETS, SecurePipelineConfig, attackers, format_table, read_rows, run_bench,
-                                                run_config)
+                                                run_config, runs_of)
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 
@@ -19,7 +19,11 @@ def test_each_cell_sets_its_attackers_on_each_side():
     assert (plain.attack.name, plain.attack.target, plain.attack.factor, plain.attack.indices) == ("scaling", "aggregation", -10.0, [0])
     assert attackers(config, "all", "secure") == {4: ("link", 20), 0: ("protocol", 10)}
     assert attackers(config, "all", "plain") == {4: ("link", 20)}
-    assert not config.forge_available()  # no protocol attack of that name: the cell is left out, not run
+    forger = run_config(config, "forge", "secure", 0)
+    assert (forger.byzantine.attack, forger.byzantine.indices, forger.byzantine.start_step) == ("approve_all", [8], 10)
+    assert ("forge", "secure", 0) in runs_of(config)
+    unknown = override(config, ["forge_attack=no_such_attack"])  # not registered: the cell is left out, not run
+    assert not unknown.forge_available() and all(cell != "forge" for cell, _, _ in runs_of(unknown))
     with pytest.raises(ConfigError, match="cells"):
         override(config, ["cells=clean,bogus"])
     with pytest.raises(ConfigError, match="clean"):

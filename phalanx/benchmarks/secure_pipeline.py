@@ -5,9 +5,9 @@ verifiers, BTARD per stage) it runs, per seed, these cells:
 - clean: no attacker;
 - link: relay `link_relays` corrupts what it sends on its links (`attack.name`, a link attack);
 - protocol: relay `protocol_relays` lies in its stage all-reduce (`byzantine.attack`, a protocol attack);
-- forge: relay `forge_relays` forges its stage gradient (`byzantine.attack=forge_attack`); the cell runs
-  only once an attack of that name is registered on the protocol axis (issue 18 item 2), else it is
-  listed as not available;
+- forge: relay `forge_relays` forges its stage gradient (`byzantine.attack=forge_attack`, default
+  approve_all, issue 18 item 2's forger); the cell runs only if an attack of that name is registered on
+  the protocol axis, else it is listed as not run (caught only where the preset has btard.validators > 0);
 - all: every available attacker at once (the forger only when it is not the protocol liar's key:
   `byzantine.attack` holds one name per run), under relay churn (`leave_rate`, `join_rate` per relay
   and iteration).
@@ -65,7 +65,7 @@ class SecurePipelineConfig:
     protocol_attack: str = "agg_shift"
     protocol_relays: str = "0"  # relay 0 starts in stage 1
     protocol_start: int = 10
-    forge_attack: str = "forge_gradient"  # issue 18 item 2's role, picked up once registered
+    forge_attack: str = "approve_all"  # item 2's forger: commits -scale x its stage vector (a protocol attack)
     forge_relays: str = "8"  # relay 8 starts in stage 3
     forge_start: int = 10
     plain_factor: float = -10.0  # plain protocol / forge cells: the liar sends this x its stage vector
