@@ -23,6 +23,7 @@ BENCHES = {
     "aspis": "aspis",
     "sentinel": "sentinel",
     "pipeline-soak": "pipeline_soak",
+    "secure-pipeline": "secure_pipeline",
 }
 
 

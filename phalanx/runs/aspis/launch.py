@@ -31,7 +31,13 @@ from ..dp.launch import (
     run_id_of,
 )
 from ..dp.swarm import peer_identity
-from ..launcher import ProcessLauncher, exit_done, exit_text, first_address, stop_on_sigterm
+from ..launcher import (
+    ProcessLauncher,
+    exit_done,
+    exit_text,
+    first_address,
+    stop_on_sigterm,
+)
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import AspisRunConfig
 from .run import build_role, count_distortion, summarize, write_run

@@ -26,7 +26,13 @@ from ...core.identity import Identity
 from ...runtime.dp.admission import admission_for
 from ...runtime.dp.catchup import CatchupFailed, CatchupService, collect_offers
 from ...runtime.dp.peer import task_of
-from ..launcher import ProcessLauncher, exit_done, exit_text, first_address, stop_on_sigterm
+from ..launcher import (
+    ProcessLauncher,
+    exit_done,
+    exit_text,
+    first_address,
+    stop_on_sigterm,
+)
 from ..netns import NetnsConfig, Testbed
 from ..processes import MARKER_ENV, STOP_GRACE, guard_worker, kill_marked, new_marker
 from .checkpoints import (

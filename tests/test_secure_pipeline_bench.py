@@ -1,0 +1,52 @@
+"""`phalanx bench secure-pipeline` (issue 18 item 5): its runs, and a tiny slice of its table."""
+
+import pytest
+
+from phalanx.benchmarks.secure_pipeline import (
+    PRESETS,
+    SecurePipelineConfig,
+    attackers,
+    format_table,
+    read_rows,
+    run_bench,
+    run_config,
+    runs_of,
+)
+from phalanx.core.errors import ConfigError
+from phalanx.runs.config import override
+
+
+def test_each_cell_sets_its_attackers_on_each_side():
+    config = PRESETS["full"]()
+    secure = run_config(config, "all", "secure", 2)
+    assert (secure.seed, secure.btard.enabled, secure.sentinel.enabled) == (2, True, True)
+    assert (secure.attack.name, secure.attack.indices, secure.byzantine.attack, secure.byzantine.indices) == ("zeros", [4], "agg_shift", [0])
+    assert (secure.faults.leave_rate, secure.faults.join_rate) == (0.1, 0.1)
+    plain = run_config(config, "protocol", "plain", 0)
+    assert (plain.btard.enabled, plain.sentinel.enabled, plain.allreduce.reducer) == (False, False, "mean")
+    assert (plain.attack.name, plain.attack.target, plain.attack.factor, plain.attack.indices) == ("scaling", "aggregation", -10.0, [0])
+    assert attackers(config, "all", "secure") == {4: ("link", 20), 0: ("protocol", 10)}
+    assert attackers(config, "all", "plain") == {4: ("link", 20)}
+    forger = run_config(config, "forge", "secure", 0)
+    assert (forger.byzantine.attack, forger.byzantine.indices, forger.byzantine.start_step) == ("approve_all", [8], 10)
+    assert ("forge", "secure", 0) in runs_of(config)
+    unknown = override(config, ["forge_attack=no_such_attack"])  # not registered: the cell is left out, not run
+    assert not unknown.forge_available() and all(cell != "forge" for cell, _, _ in runs_of(unknown))
+    with pytest.raises(ConfigError, match="cells"):
+        override(config, ["cells=clean,bogus"])
+    with pytest.raises(ConfigError, match="clean"):
+        SecurePipelineConfig(cells="link")
+
+
+def test_the_lying_replica_is_banned_alone_and_the_clean_run_bans_nobody(tmp_path):
+    # 3 iterations, the stage-1 replica (relay 0) shifts its partition of the stage aggregate from iteration 1.
+    config = SecurePipelineConfig(steps=3, seeds=1, cells="clean,protocol", sides="secure", protocol_start=1, jobs=1)
+    rows = run_bench(config, tmp_path, log=lambda line: None)
+    clean, liar = rows
+    assert (clean["cell"], clean["banned"], clean["honest_banned"]) == ("clean", "", 0)
+    assert (liar["cell"], liar["byzantine"], liar["banned"], liar["exact"]) == ("protocol", "0", "0", True)
+    assert liar["steps_to_ban"] == "0:0" and liar["honest_banned"] == 0
+    assert abs(liar["final_loss"] / clean["final_loss"] - 1) < 0.03
+    table = format_table(rows, config)
+    assert "goal exact bans: met" in table and "goal no honest ban: met" in table
+    assert read_rows(tmp_path / "runs.csv") == rows  # read_only=true tabulates what a run wrote
