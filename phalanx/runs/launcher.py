@@ -18,6 +18,7 @@ that file (`first_address`), so a launch pays one worker start-up, not two.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -146,6 +147,19 @@ class ProcessLauncher:
         if not text:
             return " (no output)" if path is not None else "; see its output above"
         return f" ({path}), its last lines:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+def worker_parser(description: str, first: str = "the first worker") -> argparse.ArgumentParser:
+    """The command line every kind's worker process takes from `ProcessLauncher` (a kind adds its own options)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--address-file")
+    parser.add_argument("--initial-peers-file", help=f"wait for {first} to write its address here, then join it")
+    parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
+    return parser
 
 
 async def first_address(address_file: Path, timeout: float) -> list[str]:

@@ -11,7 +11,6 @@ the same files `simulate` writes for an Aspis run.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -37,6 +36,7 @@ from ..launcher import (
     exit_text,
     first_address,
     stop_on_sigterm,
+    worker_parser,
 )
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import AspisRunConfig
@@ -122,14 +122,7 @@ def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True) -> di
 
 
 def _main() -> None:
-    parser = argparse.ArgumentParser(description="one Aspis peer process (started by `phalanx launch`)")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--out", required=True, help="the coordinator's records file")
-    parser.add_argument("--initial-peers", nargs="*", default=[])
-    parser.add_argument("--address-file")
-    parser.add_argument("--initial-peers-file", help="wait for the coordinator to write its address here, then join it")
-    parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
+    parser = worker_parser("one Aspis peer process (started by `phalanx launch`)", first="the coordinator")
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = AspisRunConfig.from_dict(json.loads(Path(args.config).read_text()))

@@ -32,6 +32,7 @@ from ..launcher import (
     exit_text,
     first_address,
     stop_on_sigterm,
+    worker_parser,
 )
 from ..netns import NetnsConfig, Testbed
 from ..processes import MARKER_ENV, STOP_GRACE, guard_worker, kill_marked, new_marker
@@ -374,17 +375,10 @@ def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:
 
 
 def _worker_main() -> None:
-    parser = argparse.ArgumentParser(description="one phalanx worker process (started by `phalanx launch`)")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--initial-peers", nargs="*", default=[])
-    parser.add_argument("--address-file")
-    parser.add_argument("--initial-peers-file", help="wait for the first worker to write its address here, then join it")
+    parser = worker_parser("one phalanx worker process (started by `phalanx launch`)")
     parser.add_argument("--host", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     parser.add_argument("--run-token", default="")
     parser.add_argument("--append", action="store_true", help="add to this worker's records (a restarted worker)")
-    parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     parser.add_argument("--checkpoint-dir", help="write this worker's checkpoints under this directory")
     parser.add_argument("--resume-from", help="a complete checkpoint directory (step-NNNNNN) to start from")
     args = parser.parse_args()

@@ -34,7 +34,13 @@ from ...runtime.pipeline.relay import ask_for_stage
 from ...runtime.pipeline.verifier import VerifierNode
 from ..dp.launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
 from ..dp.swarm import peer_identity
-from ..launcher import ProcessLauncher, exit_done, first_address, stop_on_sigterm
+from ..launcher import (
+    ProcessLauncher,
+    exit_done,
+    first_address,
+    stop_on_sigterm,
+    worker_parser,
+)
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import PipelineRunConfig
 from .launch_churn import PipelineChurn
@@ -444,16 +450,9 @@ def _say_where_stuck(signum, frame) -> None:
 
 
 def _worker_main() -> None:
-    parser = argparse.ArgumentParser(description="one phalanx pipeline worker (started by `phalanx launch`)")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--initial-peers", nargs="*", default=[])
-    parser.add_argument("--address-file")
-    parser.add_argument("--initial-peers-file", help="wait for the first worker to write its address here, then join it")
+    parser = worker_parser("one phalanx pipeline worker (started by `phalanx launch`)")
     parser.add_argument("--join", action="store_true", help="join a running pipeline as a fresh relay")
     parser.add_argument("--verifier", type=int, help="run the SENTINEL boundary verifier of this link instead")
-    parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
     config = PipelineRunConfig.from_dict(json.loads(Path(args.config).read_text()))
