@@ -32,9 +32,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..core.errors import LocalError
+from ..transport.base import Transport
 from .processes import MARKER_ENV, STOP_GRACE, kill_group, kill_marked
 
 GONE_TIMEOUT = 10.0  # seconds to wait for killed process groups to be reaped
+
+BARRIER_TIMEOUT = 120.0  # seconds a launch's workers wait for each other at a barrier
+BARRIER_STEP = 1 << 40  # the broadcast slot of barriers: beyond any training step, so never pruned
 
 
 class ProcessLauncher:
@@ -147,6 +151,17 @@ class ProcessLauncher:
         if not text:
             return " (no output)" if path is not None else "; see its output above"
         return f" ({path}), its last lines:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+async def barrier(transport: Transport, name: str, peers: list[str]) -> None:
+    """Wait until every peer of a launch has announced `name` (or the timeout passes): workers of every kind
+    start training together.
+
+    The slot's step is beyond any training step, so pruning old broadcasts never
+    drops the announcement of a peer that left early (a banned peer stops at once).
+    """
+    await transport.broadcast(f"barrier.{name}", BARRIER_STEP, b"")
+    await transport.board.wait(f"barrier.{name}", BARRIER_STEP, peers, BARRIER_TIMEOUT)
 
 
 def worker_parser(description: str, first: str = "the first worker") -> argparse.ArgumentParser:

@@ -41,3 +41,12 @@ def format_value(value: object) -> str:
     if value is None:
         return "-"
     return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def count_lines(path: Path) -> int:
+    """How many records a .jsonl file holds so far (0 before it exists): a launch's progress."""
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0

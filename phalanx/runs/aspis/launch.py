@@ -22,15 +22,10 @@ import torch
 from tqdm import tqdm
 
 from ...core.errors import LocalError
-from ..dp.launch import (
-    BARRIER_TIMEOUT,
-    JOIN_TIMEOUT,
-    _lines,
-    prepare_run_dir,
-    run_id_of,
-)
+from ..dp.launch import JOIN_TIMEOUT, prepare_run_dir, run_id_of
 from ..dp.swarm import peer_identity
 from ..launcher import (
+    BARRIER_TIMEOUT,
     ProcessLauncher,
     exit_done,
     exit_text,
@@ -39,6 +34,7 @@ from ..launcher import (
     worker_parser,
 )
 from ..processes import MARKER_ENV, guard_worker, new_marker
+from ..records import count_lines
 from .config import AspisRunConfig
 from .run import build_role, count_distortion, summarize, write_run
 
@@ -104,7 +100,7 @@ def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True) -> di
             workers.address(0, address_file, JOIN_TIMEOUT, "the coordinator")
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
             while coordinator.poll() is None and not workers.reap():
-                bar.update(_lines(records_path) - bar.n)
+                bar.update(count_lines(records_path) - bar.n)
                 time.sleep(0.5)
             bar.close()
             if coordinator.returncode == 0:

@@ -27,7 +27,10 @@ from ...runtime.dp.admission import admission_for
 from ...runtime.dp.catchup import CatchupFailed, CatchupService, collect_offers
 from ...runtime.dp.peer import task_of
 from ..launcher import (
+    BARRIER_STEP,
+    BARRIER_TIMEOUT,
     ProcessLauncher,
+    barrier,
     exit_done,
     exit_text,
     first_address,
@@ -36,6 +39,7 @@ from ..launcher import (
 )
 from ..netns import NetnsConfig, Testbed
 from ..processes import MARKER_ENV, STOP_GRACE, guard_worker, kill_marked, new_marker
+from ..records import count_lines
 from .checkpoints import (
     Checkpoint,
     LaunchSealer,
@@ -48,24 +52,12 @@ from .launch_churn import LaunchChurn
 from .swarm import Recorder, build_peer, peer_identity, run_peer
 
 JOIN_TIMEOUT = 120.0  # seconds for all peers to appear in the membership view
-BARRIER_TIMEOUT = 120.0
-BARRIER_STEP = 1 << 40
 MEMBERSHIP_TTL = 20.0  # seconds a dead peer's membership record outlives it (its detection delay)
 
 
 def run_id_of(config: RunConfig, token: str = "") -> str:
     """The run's DHT namespace; `token` (random per launch) keeps concurrent runs on one host apart."""
     return f"{config.preset}-seed{config.seed}{'-' + token if token else ''}"
-
-
-async def _barrier(transport, name: str, peers: list[str]) -> None:
-    """Wait until every peer has announced `name` (or the timeout passes).
-
-    The slot's step is beyond any training step, so pruning old broadcasts never
-    drops the announcement of a peer that left early (a banned peer stops at once).
-    """
-    await transport.broadcast(f"barrier.{name}", BARRIER_STEP, b"")
-    await transport.board.wait(f"barrier.{name}", BARRIER_STEP, peers, BARRIER_TIMEOUT)
 
 
 async def _leave_together(transport) -> None:
@@ -161,7 +153,7 @@ async def run_worker(
                     " (a launch writes its token to OUT/run_token)"
                 ) from None
             service.set_roster(peers)
-            await _barrier(transport, "start", peers)
+            await barrier(transport, "start", peers)
         records_path.parent.mkdir(parents=True, exist_ok=True)
         append = append or (checkpoints is not None and checkpoints.resuming)
         cut = append and records_path.exists() and not records_path.read_bytes().endswith(b"\n")
@@ -266,7 +258,7 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
                         f"phalanx: peer {index} {exit_text(workers.failed[index])} after step {last}; the others go on",
                         file=sys.stderr,
                     )
-                bar.update(max(_lines(peer_dir / f"{i}.jsonl") for i in workers.procs) - bar.n)
+                bar.update(max(count_lines(peer_dir / f"{i}.jsonl") for i in workers.procs) - bar.n)
                 if sealer is not None:
                     sealer.poll(set(workers.running()))
                 time.sleep(0.5)
@@ -345,13 +337,6 @@ def _to_relative_time(records: list[dict]) -> None:
         for r in records:
             for key in ("t_start", "t_computed", "t_end"):
                 r[key] -= origin
-
-
-def _lines(path: Path) -> int:
-    try:
-        return sum(1 for _ in open(path))
-    except FileNotFoundError:
-        return 0
 
 
 def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:

@@ -32,10 +32,11 @@ from ...core.errors import ConfigError, LocalError
 from ...runtime.pipeline import DataNode
 from ...runtime.pipeline.relay import ask_for_stage
 from ...runtime.pipeline.verifier import VerifierNode
-from ..dp.launch import JOIN_TIMEOUT, _barrier, prepare_run_dir
+from ..dp.launch import JOIN_TIMEOUT, prepare_run_dir
 from ..dp.swarm import peer_identity
 from ..launcher import (
     ProcessLauncher,
+    barrier,
     exit_done,
     first_address,
     stop_on_sigterm,
@@ -101,7 +102,7 @@ async def run_pipeline_worker(
                 peers = await transport.wait_for_members(members, JOIN_TIMEOUT)
             except TimeoutError:
                 raise LocalError(f"only {len(transport.members())} of {members} peers joined within {JOIN_TIMEOUT:.0f} s") from None
-            await _barrier(transport, "start", peers)
+            await barrier(transport, "start", peers)
             data_nodes = ids[: config.data_nodes]
             if isinstance(node, DataNode):
                 await node.run(config.steps, lambda r: write("iteration", r))
@@ -149,7 +150,7 @@ async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peer
                 peers = await transport.wait_for_members(members, JOIN_TIMEOUT)
             except TimeoutError:
                 raise LocalError(f"only {len(transport.members())} of {members} peers joined within {JOIN_TIMEOUT:.0f} s") from None
-            await _barrier(transport, "start", peers)
+            await barrier(transport, "start", peers)
             serving = asyncio.create_task(node.serve())
             await transport.board.wait(FINISHED, 0, ids[: config.data_nodes], RUN_TIMEOUT)
             await asyncio.sleep(1.0)  # let the last bans leave
