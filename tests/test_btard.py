@@ -38,7 +38,7 @@ from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.dp.swarm import peer_identity
 from phalanx.runs.presets import get_preset
 from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
-from phalanx.runtime.rounds.btard import SecureRound
+from phalanx.runtime.rounds import btard_verify
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
@@ -349,7 +349,7 @@ def test_red_team_finds_a_weakened_sum_check(monkeypatch):
     # An owner that commits and sends a shifted aggregate, declaring every part: only Σ s = 0 sees it.
     config = RedTeamConfig(steps=3, points="aggregate")
     assert run_trial(14, config).violations == []
-    monkeypatch.setattr(SecureRound, "_sum_checks", lambda self, st, skip: None)
+    monkeypatch.setattr(btard_verify, "sum_checks", lambda state, st, skip: None)
     assert any("honest-only CenteredClip" in v for v in run_trial(14, config).violations)
 
 

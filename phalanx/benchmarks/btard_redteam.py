@@ -39,7 +39,7 @@ from ..core.errors import ConfigError
 from ..core.rng import py_stream
 from ..runs.dp.swarm import peer_identity
 from ..runtime.dp.peer import DataParallelPeer, TrainConfig, task_of
-from ..runtime.rounds.btard import BTARDConfig
+from ..runtime.rounds.btard_state import BTARDConfig
 from ..runtime.rounds.butterfly import AllReduceConfig, part_bounds
 from ..training.task import flat_params
 from ..transport.sim import SimConfig, SimNetwork, run_simulation
@@ -119,7 +119,7 @@ def run_trial(seed: int, config: RedTeamConfig) -> Trial:
             peer.allreduce.entropy = py_stream(seed, identity.peer_id, "mprng").randbytes
             peers.append(peer)
             if i not in byzantine:
-                peer.on_result.append(lambda step, result, peer=peer: gradients.setdefault(step, {}).update({peer.transport.peer_id: peer.allreduce._grads[step].clone()}))
+                peer.on_result.append(lambda step, result, peer=peer: gradients.setdefault(step, {}).update({peer.transport.peer_id: peer.allreduce.state.grads[step].clone()}))
         watcher = next(p for i, p in enumerate(peers) if i not in byzantine)
         watcher.on_result.append(lambda step, result: updates.__setitem__(step, (list(result.group), result.vector.clone())))
         tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(config.steps)) for i in range(n)]

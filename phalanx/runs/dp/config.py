@@ -12,7 +12,7 @@ from ...algorithms.robust.attacks import AttackSchedule, make_attack
 from ...runtime.dp.catchup import CatchupConfig
 from ...runtime.dp.checkpoint import CheckpointConfig
 from ...runtime.dp.peer import TrainConfig
-from ...runtime.rounds.btard import SECURE_REDUCERS, BTARDConfig
+from ...runtime.rounds.btard_state import SECURE_REDUCERS, BTARDConfig
 from ...runtime.rounds.butterfly import AllReduceConfig
 from ...runtime.rounds.mprng import MPRNGConfig
 from ...training.plugin import TaskConfig

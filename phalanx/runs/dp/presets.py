@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ...runtime.dp.peer import TrainConfig
-from ...runtime.rounds.btard import BTARDConfig
+from ...runtime.rounds.btard_state import BTARDConfig
 from ...runtime.rounds.butterfly import AllReduceConfig
 from ..config import NetworkConfig
 from .config import ByzantineConfig, FaultsConfig, RunConfig

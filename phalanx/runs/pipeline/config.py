@@ -18,7 +18,7 @@ from ...algorithms.sentinel.attacks import TARGETS, LinkAttack, make_link_attack
 from ...runtime.dp.peer import TrainConfig
 from ...runtime.pipeline.config import PipelineConfig
 from ...runtime.pipeline.verifier import VerifierConfig
-from ...runtime.rounds.btard import SECURE_REDUCERS, BTARDConfig
+from ...runtime.rounds.btard_state import SECURE_REDUCERS, BTARDConfig
 from ...runtime.rounds.butterfly import AllReduceConfig
 from ...training.plugin import TaskConfig
 from ..attack_axes import check_name, check_params

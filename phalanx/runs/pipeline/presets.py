@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...runtime.dp.peer import TrainConfig
 from ...runtime.pipeline.config import PipelineConfig
 from ...runtime.pipeline.verifier import VerifierConfig
-from ...runtime.rounds.btard import BTARDConfig
+from ...runtime.rounds.btard_state import BTARDConfig
 from ...runtime.rounds.butterfly import AllReduceConfig
 from .config import PipelineNetworkConfig, PipelineRunConfig
 

@@ -93,7 +93,7 @@ class AdmissionService:
             self.state = Admission(first or self.peer.group(0), self.config)
         else:
             self.state = await self._fetch(step)
-            if self.peer.allreduce.btard.background:
+            if self.peer.allreduce.state.btard.background:
                 # The others settle step - 1's verification (which this replica did not take part in) during
                 # round `step`: before round step + 1 it takes the state they then hold.
                 self._resync = step + 1

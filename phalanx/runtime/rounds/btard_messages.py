@@ -17,7 +17,7 @@ from ...core.serialization import DEFAULT_LIMITS, decode
 from ...transport.base import Transport
 
 if TYPE_CHECKING:
-    from .btard import _Step
+    from .btard_state import StepState
 
 DROP_REASONS = ("missing_part", "part_hash", "bad_part", "late_commit")  # why an owner left a committed part out
 
@@ -84,7 +84,7 @@ def report_in(obj) -> dict | None:
     return obj
 
 
-def parts_in(evidence, st: "_Step", target: str) -> dict[int, torch.Tensor] | None:
+def parts_in(evidence, st: "StepState", target: str) -> dict[int, torch.Tensor] | None:
     """A gradient accusation's evidence, {partition: committed part}; None unless every part matches
     the target's commitment."""
     if target not in st.commits or not evidence:

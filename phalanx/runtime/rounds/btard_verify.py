@@ -1,0 +1,377 @@
+"""BTARD's background verification of one step (App. B, the second synchronisation point; Alg. 6-7).
+
+It runs while the next step computes and all-reduces:
+
+4. MPRNG commits during the scatter and reveals once every aggregate commitment is in (r must not be
+   known before them); r gives the direction z (Verification 2) and m validator/target pairs, drawn
+   from the step's roles, not from the commitments that reached each peer.
+5. meta: each contributor broadcasts norm_ij and s_ij for every partition that did not drop it. Owners
+   run V1 and V2 on their contributors; V3 flags trigger CHECKAVERAGING; validators check their targets
+   (`btard_validate`).
+6. report: each peer broadcasts its claims (ACCUSE with evidence, ELIMINATE), approvals and seen-set
+   digests of the commitments, aggregate commitments and metadata it holds; each peer fetches what
+   others hold and it lacks (split views become equivocation proofs) and only then runs the checks that
+   decide on sets: every declaration against the agreed contributors, and Σ_i s_i^j = 0 over every
+   agreed contributor of every partition.
+
+`verify` returns every claim of the step; `btard_judge` resolves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from ...algorithms.btard.bans import BanLedger
+from ...algorithms.btard.checks import (
+    ACCUSE,
+    ELIMINATE,
+    Claim,
+    averaging_matches,
+    direction,
+    project,
+    sum_holds,
+    sum_tolerance,
+    tensor_hash,
+    v3_flags,
+)
+from ...algorithms.btard.mprng import choose
+from ...core.errors import PhalanxError
+from ...core.serialization import decode, digest, encode
+from .btard_judge import META_REASONS
+from .btard_messages import commit_in, decoded, group_in, meta_in, rcommit_in, report_in
+from .btard_state import RoundState, StepState
+from .btard_validate import committed_part, committed_parts, validate
+from .mprng import MPRNGConfig, MPRNGFailed, run_mprng
+
+log = logging.getLogger(__name__)
+
+HANDLED_EVIDENCE = ("wrong_shape", "wrong_dtype", "non_finite", "equivocation", "no_reveal", "bad_reveal")
+SEEN_TOPICS = ("bt.commit", "bt.rcommit", "bt.meta")  # what honest peers exchange seen-set digests of before deciding
+
+
+async def draw(
+    state: RoundState, mprng: MPRNGConfig, entropy: Callable[[int], bytes], step: int, group: list[str],
+    before_reveal: Callable[[], Awaitable[None]],
+) -> tuple[bytes | None, list[Claim]]:
+    """The step's MPRNG output (drawn among the step's group) and claims against its cheaters.
+
+    Among the group, not every member: a joiner still catching up is not waited for.
+
+    MPRNG runs on a copy of the ledger, so its bans (no reveal, bad
+    reveal, equivocation: each derived from signed broadcasts every honest
+    peer holds) are resolved with the step's other claims in `settle`
+    instead of changing the ledger in the middle of the next step.
+    """
+    shadow = BanLedger()
+    shadow.restore(state.ledger.records)
+    before = set(shadow.banned)
+    try:
+        value = (await run_mprng(state.transport, shadow, step, mprng, entropy, before_reveal=before_reveal, among=group)).value
+    except MPRNGFailed as exc:
+        log.warning("BTARD step %d has no random value (%s): V2 and validation are skipped", step, exc)
+        value = None
+    return value, [Claim(ACCUSE, "", rec.peer, rec.reason) for rec in shadow.records if rec.peer not in before]
+
+
+async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], drawn: asyncio.Future) -> list[Claim]:
+    """Steps 5-6 of one step: metadata, V1-V3, validators, reports; returns every claim to resolve."""
+    tr, me = state.transport, state.transport.peer_id
+    step, group, g = st.step, st.members, st.g
+    claims = st.claims
+    r, mprng_claims = await drawn
+    approvals, unverified = await _check(state, st, parts, r) if r is not None else ([], [])
+    mine = [ev for ev in state.evidence if ev.step is None or ev.step <= step]
+    state.evidence = [ev for ev in state.evidence if not (ev.step is None or ev.step <= step)]
+    for ev in mine:
+        if ev.peer in group and ev.peer != me and ev.kind not in HANDLED_EVIDENCE:
+            claims.append(Claim(ELIMINATE, me, ev.peer, ev.kind))
+
+    # 6. reports, equivocation proofs; resolution happens in `settle`
+    await tr.broadcast("bt.report", step, encode({
+        "g": g,
+        "claims": [{"kind": c.kind, "target": c.target, "reason": c.reason, "ev": list(c.evidence)} for c in claims],
+        "approve": approvals,
+        "unverified": unverified,
+        "seen": _seen(state, st),
+    }))
+    # A validator may have waited one timeout for a silent target and one for CHECKAVERAGING.
+    envelopes = await tr.collect_broadcasts("bt.report", step, group, 3 * state.btard.timeout, relays=len(group))
+    everyone: list[Claim] = list(mprng_claims)
+    for peer, env in envelopes.items():
+        obj = decoded(env.payload, peer, tr)
+        if group_in(obj) != g:
+            continue  # a peer that settled on another group judged another step: its claims do not apply here
+        report = report_in(obj)
+        if report is None:
+            everyone.append(Claim(ACCUSE, me, peer, "bad_report", (env.to_bytes(),)))
+            continue
+        st.reports[peer] = report
+        everyone += [
+            Claim(c["kind"], peer, c["target"], c["reason"], tuple(c["ev"]))
+            for c in report["claims"]
+            if c["kind"] != ELIMINATE or peer in st.group  # an untrusted peer cannot eliminate
+        ]
+    st.silent = {p for p in group if p not in st.reports and p != me}
+    await _compare_views(state, st)
+    equivocators = {
+        proof.first.sender for proof in tr.board.proofs
+        if proof.first.topic in SEEN_TOPICS and proof.first.step == step and proof.first.sender in group
+    }
+    everyone += [Claim(ACCUSE, "", peer, "equivocation") for peer in sorted(equivocators)]
+    _absorb(state, st)
+    if st.z is not None:
+        await _agreed_checks(state, st, equivocators)
+    return everyone + _derived_claims(st, equivocators)
+
+
+async def _check(state: RoundState, st: StepState, parts: list[torch.Tensor], r: bytes) -> tuple[list[str], list[str]]:
+    """Step 5 once r is known: metadata, V1-V3, this peer's validations and its attacker's slander.
+    Returns the targets it approves and those it could not fully check (the rest are claims)."""
+    tr, me = state.transport, state.transport.peer_id
+    step, group = st.step, st.members
+    contributors_all = [p for p in st.committers if p in st.commits]
+    # Validator/target pairs are drawn from the step's roles (fixed by the group), not from the
+    # commitments that reached me by my deadline: a commitment timed at the deadline must not give
+    # honest peers different pairs (and each other's validators as not_validating).
+    drawn = list(st.committers)
+    trusted = [p for p in drawn if p in st.group]  # validators are drawn among these (App. F)
+    claims = st.claims
+    approvals: list[str] = []
+    unverified: list[str] = []  # targets whose parts at hand are honest, the rest held by nobody but them
+    st.z = direction(r, state.dim)
+    st.z64 = st.z.to(torch.float64)  # converted once: every projection of the step reads it
+    recomputable = state.recompute is not None or state.inputs is not None
+    validators = min(state.btard.validators, len(trusted) // 2) if recomputable else 0
+    st.pairs = validator_pairs(r, trusted, drawn, validators)
+    await _send_meta(state, st, parts, me)
+    # A peer may have waited the whole gather timeout for a silent owner's aggregate.
+    wait = state.allreduce.timeout + state.btard.timeout
+    envelopes = await tr.collect_broadcasts("bt.meta", step, contributors_all, wait, relays=len(group))
+    for peer, env in envelopes.items():
+        parsed = meta_in(env.payload, peer, tr)
+        if parsed is not None:
+            st.meta[peer] = parsed
+    claims += _owner_checks(state, st, me)
+    await _v3(state, st)
+    for validator, target in st.pairs:
+        if validator == me:
+            claim = await validate(state, st, target)
+            if claim is None:
+                approvals.append(target)
+            elif claim == "unverified":
+                unverified.append(target)
+            elif claim != "skip":
+                claims.append(claim)
+    for target in state.policy.slander(step, [p for p in contributors_all if p != me]):
+        held = await committed_parts(state, st, target)
+        evidence = tuple(sorted(held.items(), key=lambda item: item[0]))
+        if state.inputs is not None and target in st.inputs:  # its true inputs: the recomputation clears it
+            evidence = (await state.inputs.fetch(target, step, st.inputs[target]) or b"", *evidence)
+        claims.append(Claim(ACCUSE, me, target, "gradient", evidence))
+    return approvals, unverified
+
+
+def _derived_claims(st: StepState, equivocators: set[str]) -> list[Claim]:
+    """Failures every honest peer derives from the same broadcasts, claimed by nobody in particular
+    (accuser ""), so that agreeing peers are never banned as slanderers; and the owners' signed drops."""
+    claims = [Claim(ACCUSE, "", o, "declaration") for o in sorted(st.declaration_failed)]
+    claims += [Claim(ACCUSE, "", o, "v2_sum") for o in st.sum_failed]
+    # A committed owner's part left out: the owner's signed drop is its ELIMINATE of that owner.
+    for owner, (_, _, drop) in st.rcommits.items():
+        if owner not in equivocators:
+            claims += [Claim(ELIMINATE, owner, p, reason) for p, reason in drop.items() if p in st.commits and p != owner]
+    claims += [Claim(ACCUSE, "", o, "averaging") for o, ok in st.averaging.items() if not ok]
+    for validator, target in st.pairs:
+        report = st.reports.get(validator)
+        judged = report is not None and (
+            target in report["approve"] or target in report["unverified"] or any(c["target"] == target for c in report["claims"])
+        )
+        if not judged:
+            claims.append(Claim(ACCUSE, "", validator, "not_validating"))
+    return claims
+
+
+def validator_pairs(r: bytes, trusted: list[str], contributors: list[str], m: int) -> list[tuple[str, str]]:
+    """m (validator, target) pairs from r: validators among trusted contributors, targets among all (App. F).
+
+    Without untrusted contributors this is plain BTARD's draw of 2m distinct contributors.
+    """
+    if len(trusted) == len(contributors):
+        chosen = choose(r, contributors, 2 * m)
+        return list(zip(chosen[:m], chosen[m:]))
+    validators = choose(r, trusted, m)
+    targets = choose(r + b"/targets", [p for p in contributors if p not in validators], m)
+    return list(zip(validators, targets))
+
+
+async def _send_meta(state: RoundState, st: StepState, parts: list[torch.Tensor], me: str) -> None:
+    norms, s = {}, {}
+    for j, owner in enumerate(st.group):
+        if owner in st.aggregates and me in st.contributors(owner):
+            proj = project(parts[j], st.aggregates[owner], st.z64[st.slice(owner)], state.tau)
+            norms[owner], s[owner] = proj.norm, proj.s
+    norms, s = state.policy.report(st.step, norms, s)
+    await state.transport.broadcast("bt.meta", st.step, encode({"norm": norms, "s": s}))
+
+
+def _owner_checks(state: RoundState, st: StepState, me: str) -> list[Claim]:
+    """V1 and V2 on the parts this peer aggregated (none unless it owns a partition)."""
+    if me not in st.group:
+        return []
+    index = st.group.index(me)
+    claims = []
+    contributors = st.contributors(me)
+    for peer, part in state.used.get(st.step, {}).items():
+        if peer != me and peer in contributors and (lie := st.meta_lie(peer, me, part, state.tau)) is not None:
+            claims.append(Claim(ACCUSE, me, peer, lie, (index, part)))
+    return claims
+
+
+def _seen(state: RoundState, st: StepState) -> dict[str, dict[str, bytes]]:
+    """Digests of the step's commitments, aggregate commitments and metadata this peer holds, by topic."""
+    members = set(st.members)
+    return {
+        topic: {peer: digest(env.payload) for peer, env in sorted(state.transport.board.get(topic, st.step).items()) if peer in members}
+        for topic in SEEN_TOPICS
+    }
+
+
+async def _compare_views(state: RoundState, st: StepState) -> None:
+    """Fetch what a reporter holds and I lack or hold otherwise: I decide on the union, and a
+    split view becomes an equivocation proof."""
+    members = set(st.members)
+    mine = _seen(state, st)
+    fetches = []
+    for topic in SEEN_TOPICS:
+        for reporter, report in sorted(st.reports.items()):
+            wanted = [p for p, d in sorted(report["seen"].get(topic, {}).items()) if p in members and mine[topic].get(p) != d]
+            if wanted and reporter != state.transport.peer_id:
+                fetches.append(state.transport.fetch_broadcasts(topic, st.step, wanted, [reporter], state.btard.timeout / 2))
+    await asyncio.gather(*fetches)
+
+
+def _absorb(state: RoundState, st: StepState) -> None:
+    """Take in the signed commitments, aggregate commitments and metadata the seen-set exchange brought.
+
+    The step's agreed contributors are every committer whose commitment (naming this step's
+    group) some honest peer holds: honest peers report what they hold, so after the exchange
+    each holds the union. A malformed one found this way was already claimed by whoever got it.
+    """
+    tr, g = state.transport, st.g
+    for peer, env in tr.board.get("bt.commit", st.step).items():
+        obj = decoded(env.payload, peer, tr)
+        if peer in st.committers and peer not in st.commits and group_in(obj) == g and (parsed := commit_in(obj, len(st.group))):
+            st.commits[peer] = parsed
+            st.take_inputs(peer, obj)
+    for peer, env in tr.board.get("bt.rcommit", st.step).items():
+        obj = decoded(env.payload, peer, tr)
+        if peer in st.group and peer not in st.rcommits and group_in(obj) == g and (parsed := rcommit_in(obj, st.group)):
+            st.rcommits[peer] = parsed
+    for peer, env in tr.board.get("bt.meta", st.step).items():
+        if peer in st.committers and peer not in st.meta and (parsed := meta_in(env.payload, peer, tr)) is not None:
+            st.meta[peer] = parsed
+
+
+async def _agreed_checks(state: RoundState, st: StepState, equivocators: set[str]) -> None:
+    """Declaration and Σ_i s_i^j = 0 over every agreed contributor of every partition.
+
+    An owner's declaration (the parts it used) must be exactly the agreed contributors less the
+    owners it dropped; anything else is a claim against it that every honest peer derives.
+    An owner that signed two declarations is left to its equivocation proof.
+    """
+    for owner, (_, declared, _) in st.rcommits.items():
+        if owner not in equivocators and set(declared) != set(st.contributors(owner)):
+            st.declaration_failed.add(owner)
+    _fill_missing_meta(state, st)
+    sum_checks(state, st, equivocators | st.declaration_failed)
+    for owner in sorted(st.sum_failed):
+        # The owner blames a contributor's metadata (its report's V1/V2 claim): the sum cannot
+        # judge the partition, so everyone reruns the owner's rule on the committed parts instead.
+        if any(c["reason"] in META_REASONS for c in st.reports.get(owner, {}).get("claims", [])) and owner not in st.averaging:
+            st.averaging[owner] = await _check_averaging(state, st, owner)
+
+
+def _fill_missing_meta(state: RoundState, st: StepState) -> None:
+    """Metadata a contributor never sent (it crashed, or withholds it), recomputed where possible.
+
+    Its minibatch is public: anyone can recompute its gradient, and a part whose hash equals the
+    commitment is the committed part itself, so its norm and s are exact. Used by the Σ check
+    only (the owner's V1/V2 claim about the missing report is judged on what was sent).
+    """
+    if state.recompute is None:
+        return  # a missing report is left to the owners' no_meta claims
+    for peer in sorted(st.commits):
+        owners = [o for o in st.aggregates if peer in st.contributors(o) and o not in st.meta.get(peer, ({}, {}))[1]]
+        if not owners:
+            continue
+        recomputed = state.recompute(peer, st.step).reshape(-1).to(torch.float32)
+        for owner in owners:
+            j, sl = st.group.index(owner), st.slice(owner)
+            if tensor_hash(recomputed[sl].contiguous()) == st.commits[peer][0][j]:
+                proj = project(recomputed[sl], st.aggregates[owner], st.z64[sl], state.tau)
+                norms, s = st.filled.setdefault(peer, ({}, {}))
+                norms[owner], s[owner] = proj.norm, proj.s
+
+
+def sum_checks(state: RoundState, st: StepState, skip: set[str]) -> None:
+    """Owners whose partition fails Σ_i s_i^j = 0 (everyone checks every partition it holds)."""
+    failed = []
+    for owner, aggregate in st.aggregates.items():
+        if owner in skip:
+            continue
+        contributors = st.contributors(owner)
+        if not contributors:  # nothing to aggregate: the only honest aggregate is zero
+            if bool(aggregate.any()):
+                failed.append(owner)
+            continue
+        s_values, deltas = [], []
+        for peer in contributors:
+            meta = st.meta.get(peer)
+            if (meta is None or owner not in meta[1]) and owner in st.filled.get(peer, ({}, {}))[1]:
+                meta = st.filled[peer]
+            s_values.append(meta[1].get(owner, math.nan) if meta else math.nan)
+            deltas.append(min(meta[0].get(owner, math.inf), state.tau) if meta else math.inf)
+        z = st.z[st.slice(owner)]
+        tolerance = sum_tolerance(len(contributors), state.eps, float(aggregate.norm()), float(z.norm()), deltas)
+        if not sum_holds(s_values, tolerance):
+            failed.append(owner)
+    st.sum_failed = set(failed)
+
+
+async def _v3(state: RoundState, st: StepState) -> None:
+    """V3: run CHECKAVERAGING on partitions where over half the reported norms exceed Δ_max."""
+    for owner in st.aggregates:
+        contributors = st.contributors(owner)
+        norms = [st.meta[p][0].get(owner, math.inf) for p in contributors if p in st.meta]
+        if contributors and v3_flags(norms, state.btard.delta_max) > len(contributors) / 2:
+            st.averaging[owner] = await _check_averaging(state, st, owner)
+
+
+async def _check_averaging(state: RoundState, st: StepState, owner: str) -> bool:
+    """CHECKAVERAGING(j): fetch the committed parts the owner used, rerun its rule, compare."""
+    tr = state.transport
+    contributors = st.contributors(owner)
+    j = st.group.index(owner)
+    if owner == tr.peer_id:
+        parts = state.used.get(st.step, {})
+    else:
+        try:
+            answer = decode(await tr.request(owner, "bt.parts", encode({"step": st.step}), state.btard.timeout), owner, tr.limits)
+            parts = answer.get("parts") if isinstance(answer, dict) else None
+        except PhalanxError:
+            parts = None
+    if not isinstance(parts, dict):
+        return False
+    rows = []
+    for peer in contributors:
+        part = parts.get(peer)
+        if not isinstance(part, torch.Tensor) or peer not in st.commits or not committed_part(state, st, peer, j, part):
+            return False
+        rows.append(part)
+    recomputed = state.reducer(torch.stack(rows)).to(torch.float32)
+    return averaging_matches(st.aggregates[owner], recomputed, state.eps)
