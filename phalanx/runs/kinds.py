@@ -8,8 +8,9 @@ so that this table imports none of the runs it names until one is used.
 
 Adding a kind: its config class (with `to_dict` naming the kind and `from_dict`),
 its simulate and launch functions `(config, out, progress)`, optionally a report
-`(run_dir, summary)` and, for `launch --netns`, the number of hosts its launch starts with
-(its launch then takes `netns` and hands it to `ProcessLauncher`), one row here, and its presets in its own `presets.py`, merged in `runs/presets.py`.
+`(run_dir, summary)` and, for `launch --netns`, the number of hosts its launch
+starts with (its launch then takes `netns` and hands it to `ProcessLauncher`),
+one row here, and its presets in its own `presets.py`, merged in `runs/presets.py`.
 """
 
 from __future__ import annotations
