@@ -72,18 +72,35 @@ def test_killing_the_launcher_ends_every_worker_process(tmp_path):
 def _namespaced(marker: str, workers: int) -> str:
     """Assert worker i's processes all run in namespace `<bed>-h<i>` and its p2pd listens on host i's address,
     and host 1's link is shaped; return the bed's prefix."""
+    deadline = time.monotonic() + 120
+    while not all(_p2pd(marked_processes(f"{marker}/{index}")) for index in range(workers)):
+        assert time.monotonic() < deadline, "the pipeline workers' p2pd did not start"
+        time.sleep(0.1)
     beds = set()
     for index in range(workers):
         pids = marked_processes(f"{marker}/{index}")
-        spaces = {os.readlink(f"/proc/{pid}/ns/net") for pid in pids}
+        spaces = {_read(lambda: os.readlink(f"/proc/{pid}/ns/net")) for pid in pids} - {None}
         named = [n for n in namespaces() if n.endswith(f"-h{index}")
-                 and spaces == {f"net:[{os.stat(f'/run/netns/{n}').st_ino}]"}]
+                 and spaces == {_read(lambda: f"net:[{os.stat(f'/run/netns/{n}').st_ino}]")}]
         assert len(named) == 1, f"worker {index}'s processes are in namespaces {spaces}, none of them its own"
         beds.add(named[0].rsplit("-h", 1)[0])
-        p2pd = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in pids]
-        assert [c for c in p2pd if c[0].endswith(b"p2pd") and f"-hostAddrs=/ip4/10.77.0.{index + 1}/tcp/0".encode() in c]
+        assert any(f"-hostAddrs=/ip4/10.77.0.{index + 1}/tcp/0".encode() in c for c in _p2pd(pids))
     assert len(beds) == 1
     bed = beds.pop()
     shaping = subprocess.run(["tc", "-n", f"{bed}-h1", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True)
     assert "tbf" in shaping.stdout and "rate 100Mbit" in shaping.stdout, shaping
     return bed
+
+
+def _read(get):
+    """`get()`, or None when what it reads is gone (a process that ended, another bed's namespace deleted)."""
+    try:
+        return get()
+    except OSError:
+        return None
+
+
+def _p2pd(pids: list[int]) -> list[list[bytes]]:
+    """The command lines of the p2pd daemons among `pids`."""
+    lines = [_read(lambda: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")) or [b""] for pid in pids]
+    return [line for line in lines if line[0].endswith(b"p2pd")]
