@@ -88,20 +88,23 @@ def simulate(config: AnyConfig, out: str | Path | None = None, *, progress: bool
 def launch(config: AnyConfig, out: str | Path | None = None, *, progress: bool = False, resume=None, netns: str | None = None) -> dict:
     """Run config.peers real peers as OS processes on loopback over hivemind; write the run's files to `out`.
 
-    `netns` (data-parallel runs, root only): a link spec such as "1:rate=10mbit", "" for plain namespaces.
+    `netns` (root only): each process in its own network namespace; a link spec such as "1:rate=10mbit", "" for
+    plain namespaces (hosts are numbered in the order the launch starts its processes: see the kind's launch).
     """
     kind = kind_of(config)
     out = Path(out) if out is not None else default_out(config, "launch")
-    if netns is not None and not kind.netns:
-        raise ConfigError(f"--netns runs data-parallel presets only, not {config.preset!r} (a {kind.name} run)")
+    if netns is not None and kind.hosts is None:
+        raise ConfigError(f"--netns is not supported for {config.preset!r} (a {kind.name} run)")
     if resume is not None and not kind.resumes:
         raise ConfigError(f"--resume continues data-parallel runs only, not a {kind.name} run ({config.preset!r})")
-    if not kind.resumes:
-        return kind.entry("launch")(config, out, progress=progress)
-    from .runs.netns import parse_spec
+    options: dict = {}
+    if resume is not None:
+        options["resume"] = resume
+    if netns is not None:
+        from .runs.netns import parse_spec
 
-    spec = None if netns is None else parse_spec(netns, config.peers)
-    return kind.entry("launch")(config, out, progress=progress, resume=resume, netns=spec)
+        options["netns"] = parse_spec(netns, kind.entry("hosts")(config))
+    return kind.entry("launch")(config, out, progress=progress, **options)
 
 
 def join(

@@ -1,4 +1,7 @@
-"""Aspis+ over hivemind: a coordinator and 7 worker processes on the Fano plane; one Byzantine is detected."""
+"""Aspis+ over hivemind: a coordinator and 7 worker processes on the Fano plane; one Byzantine is detected.
+
+Where a netns test bed can be built (root, `ip netns`: on CI) each process runs in its own network namespace,
+worker 1 behind a 10 Mbit link: the run must say so (summary.json `netns`) and listen on the bed's addresses."""
 
 import os
 
@@ -7,6 +10,7 @@ import pytest
 from phalanx.api import launch
 from phalanx.runs.aspis.config import AspisAttackConfig, AspisRunConfig
 from phalanx.runs.aspis.run import coalition
+from phalanx.runs.netns import unavailable_reason
 from phalanx.runtime.aspis.roles import AspisConfig
 from phalanx.runtime.dp.peer import TrainConfig
 
@@ -23,7 +27,8 @@ def test_fano_plane_coordinator_and_seven_workers_detect_the_byzantine(tmp_path)
         attack=AspisAttackConfig(orchestration="att1", distortion="constant"),
         train=TrainConfig(task="digits-mlp", lr=0.1, eval_every=3),
     )
-    summary = launch(config, tmp_path / "run", progress=False)
+    netns = unavailable_reason() is None
+    summary = launch(config, tmp_path / "run", progress=False, netns="1:rate=10mbit" if netns else None)
     byzantine = sorted(coalition(config).byzantine)
     assert summary["mode"] == "launch" and summary["steps"] == 3
     assert summary["detection_delays"] == [1]  # flagged in the first iteration
@@ -34,3 +39,10 @@ def test_fano_plane_coordinator_and_seven_workers_detect_the_byzantine(tmp_path)
     rows = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     assert summary["final_accuracy"] is not None and summary["final_loss"] < 2.3
+    first = (tmp_path / "run" / "peers" / "0.addr").read_text()
+    if netns:  # the coordinator listened on host 0's address, every process had its host, worker 1's link was shaped
+        assert first.startswith("/ip4/10.77.0.1/tcp/")
+        assert summary["netns_hosts"] == {str(i): f"10.77.0.{i + 1}" for i in range(8)}
+        assert summary["netns"]["1"].startswith("rate 10mbit (") and summary["netns"]["2"] == "unshaped"
+    else:
+        assert first.startswith("/ip4/127.0.0.1/tcp/") and "netns" not in summary

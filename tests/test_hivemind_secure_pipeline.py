@@ -2,7 +2,9 @@
 relays, GWTF routing, SENTINEL's 3 boundary verifier processes, BTARD in each stage's all-reduce. One relay is
 killed mid-iteration, one corrupts its activations, one lies in its stage all-reduce; each defence bans its own
 attacker, nobody bans an honest peer, and the run finishes every microbatch.
-(It replaces test_hivemind_pipeline.py and test_hivemind_sentinel.py, whose assertions it keeps.)"""
+(It replaces test_hivemind_pipeline.py and test_hivemind_sentinel.py, whose assertions it keeps.)
+Where a netns test bed can be built (root, `ip netns`: on CI) every process runs in its own network namespace,
+the verifiers on hosts of their own."""
 
 import dataclasses
 import json
@@ -11,8 +13,9 @@ import os
 import pytest
 
 from phalanx.runs.config import override
+from phalanx.runs.netns import parse_spec, unavailable_reason
 from phalanx.runs.pipeline.config import ChurnConfig
-from phalanx.runs.pipeline.launch import launch_pipeline
+from phalanx.runs.pipeline.launch import launch_hosts, launch_pipeline
 from phalanx.runs.pipeline.run import simulate_pipeline
 from phalanx.runs.presets import get_preset
 
@@ -40,7 +43,8 @@ def test_combined_pipeline_over_real_processes_bans_each_attacker_by_its_own_def
         f"faults.crash_relay={VICTIM}", f"faults.crash_iteration={KILL_AT}", "faults.crash_at=0.0",
     ])
     out = tmp_path / "launch"
-    summary = launch_pipeline(config, out, progress=False)
+    netns = parse_spec("", launch_hosts(config)) if unavailable_reason() is None else None
+    summary = launch_pipeline(config, out, progress=False, netns=netns)
     ids = summary["peer_ids"]
     corrupt, liar, victim = (ids[config.data_nodes + r] for r in (CORRUPT, LIAR, VICTIM))
     stage_of = {peer: config.stage_of(i) for i, peer in enumerate(ids)}
@@ -94,6 +98,10 @@ def test_combined_pipeline_over_real_processes_bans_each_attacker_by_its_own_def
     simulated = simulate_pipeline(dataclasses.replace(config, steps=early, faults=ChurnConfig()), progress=False)
     assert [r["loss"] for r in rows[:early]] == pytest.approx([r["loss"] for r in simulated["metrics"]], rel=0.01)
 
+    if netns is not None:  # node i on host i, the verifiers of links 0-2 on hosts 7-9, each listening on its address
+        assert (out / "peers" / "0.addr").read_text().startswith("/ip4/10.77.0.1/tcp/")
+        assert summary["netns_hosts"] == {**{str(i): f"10.77.0.{i + 1}" for i in range(7)},
+                                          **{f"v{link}": f"10.77.0.{8 + link}" for link in range(3)}}
     assert len(summary["process_groups"]) == 7 + 3
     for pgid in summary["process_groups"]:  # every worker and verifier, its DHT child and its p2pd are gone
         with pytest.raises(ProcessLookupError):

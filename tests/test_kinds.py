@@ -46,8 +46,12 @@ def test_features_a_kind_lacks_are_config_errors_that_name_the_kind(tmp_path):
         api.join(get_preset("aspis-digits"), ["/ip4/127.0.0.1/tcp/1"])
     with pytest.raises(ConfigError, match="--index 2 names a launched node"):
         api.join(pipeline, ["/ip4/127.0.0.1/tcp/1"], index=2)
-    with pytest.raises(ConfigError, match="--netns runs data-parallel presets only"):
-        api.launch(get_preset("aspis-digits"), tmp_path, netns="")
+    # --netns: one host per process a launch starts (a pipeline's boundary verifiers included), named in the spec
+    with pytest.raises(ConfigError, match=r"--netns names hosts \[4\]; each at most once and in \[0, 4\)"):
+        api.launch(api.config("aspis-digits", peers=4, set=["aspis.q=1"]), tmp_path, netns="4:rate=1mbit")
+    secure = api.config("secure-gpt-pipeline", peers=7, set=["pipeline.stages=2"])
+    with pytest.raises(ConfigError, match=r"in \[0, 10\)"):
+        api.launch(secure, tmp_path, netns="10:rate=1mbit")
     with pytest.raises(ConfigError, match="--resume continues data-parallel runs only"):
         api.simulate(pipeline, tmp_path, resume=object())
 

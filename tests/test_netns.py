@@ -33,6 +33,7 @@ from phalanx.runs.netns import (
     plan_link,
     unavailable_reason,
 )
+from phalanx.runs.launcher import ProcessLauncher
 from phalanx.runs.processes import MARKER_ENV, kill_marked, marked_processes
 from phalanx.runs.tap_link import forward
 
@@ -80,12 +81,36 @@ needs_netns = pytest.mark.skipif(bool(reason := unavailable_reason()), reason=f"
 _BED_HOLDER = """
 import subprocess, sys, time
 from phalanx.runs.netns import NetnsConfig, Testbed
-bed = Testbed(NetnsConfig(2), log=lambda line: None)
+bed = Testbed(NetnsConfig(1), log=lambda line: None)
 bed.up()
-subprocess.Popen(bed.exec_prefix(1) + ["sleep", "600"])
+subprocess.Popen(bed.exec_prefix(bed.add_host()) + ["sleep", "600"])  # a host added to the running bed (a joiner's)
 print(bed.prefix, flush=True)
 time.sleep(600)
 """
+
+
+def test_a_worker_keeps_its_host_and_a_new_worker_gets_a_host_added():
+    class Bed:  # a running bed of 2 hosts, as `ProcessLauncher` sees it
+        hosts = 2
+
+        def add_host(self) -> int:
+            self.hosts += 1
+            return self.hosts - 1
+
+        def exec_prefix(self, host: int) -> list[str]:
+            return ["ip", "netns", "exec", f"phx-test-h{host}"]
+
+        def listen_maddr(self, host: int) -> str:
+            return f"/ip4/10.77.0.{host + 1}/tcp/0"
+
+    workers = ProcessLauncher(["worker"], "marker", netns=NetnsConfig(2))
+    workers.bed = Bed()
+    assert workers.command("0", ["--index", "0"]) == ["ip", "netns", "exec", "phx-test-h0", "worker", "--index", "0",
+                                                      "--die-with-parent", "--host", "/ip4/10.77.0.1/tcp/0"]
+    assert workers.command("v0", [])[3] == "phx-test-h1" and workers.bed.hosts == 2
+    assert workers.command("7", ["--join"])[3:5] == ["phx-test-h2", "worker"] and workers.bed.hosts == 3  # a joiner
+    assert workers.command("0", ["--append"])[-1] == "/ip4/10.77.0.1/tcp/0" and workers.bed.hosts == 3  # a restart
+    assert ProcessLauncher(["worker"], "marker").command("0", []) == ["worker", "--die-with-parent"]
 
 
 @needs_netns

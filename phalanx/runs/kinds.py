@@ -8,7 +8,9 @@ so that this table imports none of the runs it names until one is used.
 
 Adding a kind: its config class (with `to_dict` naming the kind and `from_dict`),
 its simulate and launch functions `(config, out, progress)`, optionally a report
-`(run_dir, summary)`, one row here, and its presets in its own `presets.py`, merged in `runs/presets.py`.
+`(run_dir, summary)` and, for `launch --netns`, the number of hosts its launch
+starts with (its launch then takes `netns` and hands it to `ProcessLauncher`),
+one row here, and its presets in its own `presets.py`, merged in `runs/presets.py`.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ class RunKind:
     name: str
     config: str  # the config class
     simulate: str  # (config, out, progress[, resume]) -> summary
-    launch: str  # (config, out, progress[, resume, netns]) -> summary
+    launch: str  # (config, out, progress[, resume][, netns]) -> summary
     report: str  # (run_dir, summary) -> the printed table; draws the PNGs
     join: str | None = None  # (config, args) -> summary: one real peer joining a running swarm
     resumes: bool = False  # simulate and launch take `resume` (a checkpoint)
-    netns: bool = False  # launch takes `netns` (a namespaced test bed)
+    hosts: str | None = None  # (config) -> the hosts `launch --netns` builds, one per process it starts; None: no --netns
 
     def entry(self, name: str) -> Callable:
         module, _, function = getattr(self, name).partition(":")
@@ -51,7 +53,7 @@ KINDS: dict[str, RunKind] = {
             report="phalanx.runs.dp.report:report_run",
             join="phalanx.runs.dp.launch:run_single_peer",
             resumes=True,
-            netns=True,
+            hosts="phalanx.runs.dp.launch:launch_hosts",
         ),
         RunKind(
             "pipeline",
@@ -60,6 +62,7 @@ KINDS: dict[str, RunKind] = {
             launch="phalanx.runs.pipeline.launch:launch_pipeline",
             report="phalanx.runs.pipeline.report:report_pipeline",
             join="phalanx.runs.pipeline.launch:join_pipeline",
+            hosts="phalanx.runs.pipeline.launch:launch_hosts",
         ),
         RunKind(
             "aspis",
@@ -67,6 +70,7 @@ KINDS: dict[str, RunKind] = {
             simulate="phalanx.runs.aspis.run:simulate_aspis",
             launch="phalanx.runs.aspis.launch:launch_aspis",
             report="phalanx.runs.dp.report:report_run",
+            hosts="phalanx.runs.aspis.launch:launch_hosts",
         ),
     )
 }

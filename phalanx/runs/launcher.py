@@ -9,7 +9,12 @@ discipline (see `processes.py` for the mechanisms):
 * `--die-with-parent`: the worker arms a parent-death signal and starts a
   watchdog (`guard_worker`), so killing the launcher, even with SIGKILL, ends it;
 * a sweep of its group and marker once it exits, however it exited;
-* on the launcher's side, SIGTERM becomes a clean stop (`stop_on_sigterm`).
+* on the launcher's side, SIGTERM becomes a clean stop (`stop_on_sigterm`);
+* with `netns` (`launch --netns`), its own network namespace of a test bed
+  (`netns.Testbed`) that the first start builds and `stop` tears down: a
+  worker runs on the host of its name (hosts go in first-start order, so a
+  worker started again keeps its host and a new one, a joiner, gets a new
+  host) and listens on that host's address (`--host`).
 
 All workers start at once: the first one writes its address file once it
 listens, the others (`--initial-peers-file`) import, load and then wait for
@@ -33,6 +38,7 @@ from typing import NoReturn
 
 from ..core.errors import LocalError
 from ..transport.base import Transport
+from .netns import NetnsConfig, Testbed
 from .processes import MARKER_ENV, STOP_GRACE, kill_group, kill_marked
 
 GONE_TIMEOUT = 10.0  # seconds to wait for killed process groups to be reaped
@@ -44,20 +50,38 @@ BARRIER_STEP = 1 << 40  # the broadcast slot of barriers: beyond any training st
 class ProcessLauncher:
     """A run's worker processes, by name: each in its own process group, with its own marker."""
 
-    def __init__(self, base: Sequence[str], marker: str, err_dir: Path | None = None) -> None:
+    def __init__(self, base: Sequence[str], marker: str, err_dir: Path | None = None, netns: NetnsConfig | None = None) -> None:
         self.base = list(base)  # the worker's command line, before its own arguments
         self.token = marker
         self.err_dir = err_dir  # with it, each worker's stderr goes to `err_dir/<name>.err` (quoted on failure)
+        self.netns = netns
+        self.bed: Testbed | None = None
+        self.hosts: dict[Hashable, int] = {}  # worker -> its host in the test bed
         self.procs: dict[Hashable, subprocess.Popen] = {}
         self.failed: dict[Hashable, int] = {}  # name -> exit status, for workers that ended by themselves
         self.stopped: set[Hashable] = set()  # workers the launcher killed on purpose
         self.stopping = False
 
     def command(self, name: Hashable, args: Sequence[str]) -> list[str]:
-        """The full command line of worker `name` (a subclass wraps it, e.g. into a network namespace)."""
-        return [*self.base, *args, "--die-with-parent"]
+        """The full command line of worker `name`: inside its host's namespace when there is a test bed."""
+        cmd = [*self.base, *args, "--die-with-parent"]
+        if self.bed is None:
+            return cmd
+        host = self.host(name)
+        return [*self.bed.exec_prefix(host), *cmd, "--host", self.bed.listen_maddr(host)]
+
+    def host(self, name: Hashable) -> int:
+        """Worker `name`'s host: the one it had, else the next one (the bed adds it when its own are taken)."""
+        if name not in self.hosts:
+            self.hosts[name] = len(self.hosts)
+            if self.hosts[name] >= self.bed.hosts:
+                self.bed.add_host()
+        return self.hosts[name]
 
     def start(self, name: Hashable, *args: str) -> subprocess.Popen:
+        if self.netns is not None and self.bed is None:
+            self.bed = Testbed(self.netns)
+            self.bed.up()
         self.stopped.discard(name)
         env = {**os.environ, MARKER_ENV: self.marker(name)}
         cmd = self.command(name, args)
@@ -132,6 +156,15 @@ class ProcessLauncher:
             self.sweep(name)
         kill_marked(f"{self.token}/", prefix=True)  # anything a worker started that left its group
         self._wait_gone()
+        if self.bed is not None:
+            self.bed.down()
+
+    def netns_record(self) -> dict:
+        """For summary.json under --netns: per host the shaping its link got, per worker its host's address."""
+        if self.bed is None:
+            return {}
+        return {"netns": {str(host): line for host, line in self.bed.applied.items()},
+                "netns_hosts": {str(name): self.bed.address(host) for name, host in self.hosts.items()}}
 
     def _wait_gone(self) -> None:
         """Until the swept groups are reaped (a dead worker's watchdog is reaped by init a moment after its kill)."""
@@ -172,6 +205,7 @@ def worker_parser(description: str, first: str = "the first worker") -> argparse
     parser.add_argument("--out", required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--address-file")
+    parser.add_argument("--host", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     parser.add_argument("--initial-peers-file", help=f"wait for {first} to write its address here, then join it")
     parser.add_argument("--die-with-parent", action="store_true", help="stop (SIGTERM) when the launcher dies")
     return parser

@@ -5,7 +5,9 @@ Topology (the root namespace is left untouched):
 * a hub namespace ``<prefix>-hub`` holds a bridge ``br0``;
 * host i lives in namespace ``<prefix>-h<i>``; its interface ``eth0`` has
   address ``<subnet>.<i+1>/24`` and is one end of a veth pair whose other end,
-  ``v<i>``, sits in the hub, enslaved to the bridge.
+  ``v<i>``, sits in the hub, enslaved to the bridge;
+* a running bed takes further (unshaped) hosts, up to 250 in all (`add_host`):
+  a launch's joiners get theirs as they start.
 
 Traffic between hosts crosses the hub and nowhere else: no namespace has a
 route out. A link's shape applies to both directions: to ``eth0``'s egress
@@ -49,6 +51,7 @@ TBF_LATENCY_MS = 100  # how long a packet may wait in tbf's queue before it is d
 JANITOR_INTERVAL = 0.2  # seconds between the janitor's looks at its parent
 EXAMPLE_SPEC = "1:rate=10mbit;2:delay=40ms,jitter=10ms;3:loss=1%"
 CLONE_NEWNET = 0x40000000
+MAX_HOSTS = 250  # host i has address <subnet>.<i+1>
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,8 @@ class NetnsConfig:
     subnet: str = "10.77.0"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.hosts <= 250:
-            raise ConfigError(f"a netns test bed has 1 to 250 hosts, got {self.hosts}")
+        if not 1 <= self.hosts <= MAX_HOSTS:
+            raise ConfigError(f"a netns test bed has 1 to {MAX_HOSTS} hosts, got {self.hosts}")
         indices = [i for i, _ in self.shapes]
         if len(set(indices)) != len(indices) or not all(0 <= i < self.hosts for i in indices):
             raise ConfigError(f"--netns names hosts {indices}; each at most once and in [0, {self.hosts})")
@@ -270,6 +273,7 @@ class Testbed:
         self.hub = f"{self.prefix}-hub"
         self.log = log or (lambda line: print(f"phalanx: netns: {line}", file=sys.stderr))
         self.qdiscs: set[str] = set()
+        self.hosts = 0  # hosts built so far: the config's, then those `add_host` adds
         self.applied: dict[int, str] = {}
         self._janitor: subprocess.Popen | None = None
         self._links: list[subprocess.Popen] = []  # user-space tap links (tap_link processes)
@@ -289,7 +293,7 @@ class Testbed:
         return ["ip", "netns", "exec", self.namespace(host)]
 
     def names(self) -> list[str]:
-        return [self.namespace(i) for i in range(self.config.hosts)] + [self.hub]
+        return [self.namespace(i) for i in range(self.hosts)] + [self.hub]
 
     def __enter__(self) -> "Testbed":
         self.up()
@@ -317,16 +321,25 @@ class Testbed:
             for host in range(self.config.hosts):
                 self._add_host(host)
             for host in range(self.config.hosts):
-                self.applied[host] = self._shape(host)
-                self.log(f"host {host} ({self.namespace(host)}, {self.address(host)}): {self.applied[host]}")
+                self._shape(host)
         except BaseException:
             self.down()
             raise
         return self.applied
 
+    def add_host(self) -> int:
+        """One more host on the running bed (unshaped: a spec names only the config's hosts); returns its index."""
+        host = self.hosts
+        if host >= MAX_HOSTS:
+            raise LocalError(f"the netns test bed has room for {MAX_HOSTS} hosts (one /24), all taken")
+        self._add_host(host)
+        self._shape(host)
+        return host
+
     def _add_host(self, host: int) -> None:
         ns, hub_end = self.namespace(host), f"v{host}"
         _ip("netns", "add", ns)
+        self.hosts = host + 1
         shape = self.config.shape(host)
         if uses_tap_link(shape, self.qdiscs):
             self._start_tap_link(host, shape)
@@ -349,14 +362,16 @@ class Testbed:
         if link.stdout.readline().strip() != "ready":
             raise LocalError(f"the user-space link of host {host} did not start (exit code {link.wait()})")
 
-    def _shape(self, host: int) -> str:
+    def _shape(self, host: int) -> None:
+        """Shape `host`'s link; note and log what was applied."""
         shape = self.config.shape(host)
         description = "unshaped"
         for ns, device in ((self.namespace(host), HOST_DEVICE), (self.hub, f"v{host}")):
             commands, description = plan_link(shape, device, self.qdiscs)
             for command in commands:
                 _in(ns, command)
-        return description
+        self.applied[host] = description
+        self.log(f"host {host} ({self.namespace(host)}, {self.address(host)}): {description}")
 
     def down(self) -> None:
         """Kill what runs in the namespaces and delete them; safe to call twice."""

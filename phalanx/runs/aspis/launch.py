@@ -4,7 +4,7 @@ Process 0 is the coordinator; its address seeds the others (all start at
 once and the others read it from its address file). Workers are
 started by the common `ProcessLauncher` (`launcher.py`): each has its own
 marker, parent-death signal and watchdog, and nothing of it (the hivemind DHT
-child, the p2pd daemon) outlives the run.
+child, the p2pd daemon) outlives the run. With `--netns` process i runs on host i.
 The coordinator writes one record per iteration; the launcher turns them into
 the same files `simulate` writes for an Aspis run.
 """
@@ -33,6 +33,7 @@ from ..launcher import (
     stop_on_sigterm,
     worker_parser,
 )
+from ..netns import NetnsConfig
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from ..records import count_lines
 from .config import AspisRunConfig
@@ -42,7 +43,7 @@ EXIT_GRACE = 30.0  # seconds the workers get to leave after the coordinator is d
 
 
 async def run_process(config: AspisRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None,
-                      initial_peers_file: Path | None = None) -> None:
+                      initial_peers_file: Path | None = None, host: str = "/ip4/127.0.0.1/tcp/0") -> None:
     """One Aspis peer over hivemind: join, wait for all, run the role, leave.
 
     `initial_peers_file`: started with the coordinator, take its address from this file once it is written.
@@ -53,7 +54,7 @@ async def run_process(config: AspisRunConfig, index: int, initial_peers: list[st
     if initial_peers_file is not None:
         initial_peers = await first_address(initial_peers_file, JOIN_TIMEOUT)
     identity = peer_identity(config.seed, index)
-    transport = HivemindTransport(identity, run_id=run_id_of(config), initial_peers=initial_peers)
+    transport = HivemindTransport(identity, run_id=run_id_of(config), initial_peers=initial_peers, host_maddrs=[host])
     await transport.start()
     try:
         if address_file is not None:
@@ -85,13 +86,19 @@ async def run_process(config: AspisRunConfig, index: int, initial_peers: list[st
         await transport.stop()
 
 
-def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True) -> dict:
-    """Run `config` as config.peers processes on loopback; write the run's files to `out`."""
+def launch_hosts(config: AspisRunConfig) -> int:
+    """The hosts of `launch --netns`: the coordinator on host 0, worker i on host i."""
+    return config.peers
+
+
+def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True, netns: NetnsConfig | None = None) -> dict:
+    """Run `config` as config.peers processes on loopback (or, with `netns`, each in its own network namespace:
+    `launch_hosts`); write the run's files to `out`."""
     wall_start = time.perf_counter()
     config_path, peer_dir, address_file = prepare_run_dir(config, out)
     records_path = peer_dir / "0.jsonl"
     base = [sys.executable, "-m", "phalanx.runs.aspis.launch", "--config", str(config_path), "--out", str(records_path)]
-    workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir)
+    workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir, netns=netns)
     with stop_on_sigterm():
         try:
             coordinator = workers.start(0, "--index", "0", "--address-file", str(address_file))
@@ -113,7 +120,7 @@ def launch_aspis(config: AspisRunConfig, out: Path, progress: bool = True) -> di
     records = [json.loads(line) for line in records_path.read_text().splitlines()]
     count_distortion(config, records)
     extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start,
-             "process_groups": [p.pid for p in workers.procs.values()]}
+             "process_groups": [p.pid for p in workers.procs.values()], **workers.netns_record()}
     return write_run(config, records, out, summarize(config, records, extra))
 
 
@@ -124,7 +131,7 @@ def _main() -> None:
     config = AspisRunConfig.from_dict(json.loads(Path(args.config).read_text()))
     address_file = Path(args.address_file) if args.address_file else None
     peers_file = Path(args.initial_peers_file) if args.initial_peers_file else None
-    asyncio.run(run_process(config, args.index, args.initial_peers, Path(args.out), address_file, peers_file))
+    asyncio.run(run_process(config, args.index, args.initial_peers, Path(args.out), address_file, peers_file, args.host))
     exit_done()
 
 

@@ -37,7 +37,7 @@ from ..launcher import (
     stop_on_sigterm,
     worker_parser,
 )
-from ..netns import NetnsConfig, Testbed
+from ..netns import NetnsConfig
 from ..processes import MARKER_ENV, STOP_GRACE, guard_worker, kill_marked, new_marker
 from ..records import count_lines
 from .checkpoints import (
@@ -189,21 +189,6 @@ def _exit_after(seconds: float, code: int) -> None:
         timer.start()
 
 
-class _Workers(ProcessLauncher):
-    """The data-parallel launcher's workers, by index; with a netns test bed, worker i runs in host i's namespace."""
-
-    def __init__(self, config_path: Path, peer_dir: Path, token: str, run_token: str) -> None:
-        base = [sys.executable, "-m", "phalanx.runs.dp.launch", "--config", str(config_path), "--out", str(peer_dir)]
-        super().__init__([*base, "--run-token", run_token], token)
-        self.bed: Testbed | None = None
-
-    def command(self, name: int, args) -> list[str]:
-        cmd = [*self.base, "--index", str(name), "--die-with-parent", *args]
-        if self.bed is not None:
-            cmd = [*self.bed.exec_prefix(name), *cmd, "--host", self.bed.listen_maddr(name)]
-        return cmd
-
-
 def prepare_run_dir(config, out: Path, clear: bool = True) -> tuple[Path, Path, Path]:
     """Write `out`/config.json and empty `out`/peers (unless not `clear`); return (config file, peers dir, peer 0's address file)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -216,11 +201,16 @@ def prepare_run_dir(config, out: Path, clear: bool = True) -> tuple[Path, Path, 
     return config_path, peer_dir, peer_dir / "0.addr"
 
 
+def launch_hosts(config: RunConfig) -> int:
+    """The hosts of `launch --netns`: worker i on host i (a restarted worker on its own again)."""
+    return config.peers
+
+
 def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoint | None = None, netns: NetnsConfig | None = None) -> dict:
     """Run `config` as config.peers OS processes on loopback; write the run's files to `out`.
 
-    With `netns`, each worker runs in its own network
-    namespace of a test bed built for the run and torn down after it.
+    With `netns`, each worker runs in its own network namespace (`launch_hosts`)
+    of a test bed built for the run and torn down after it.
 
     A worker that dies (killed, out of memory, an exception) is dropped by
     the others and the run goes on; it is listed under `crashed` with the
@@ -235,15 +225,13 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
     extra = worker_args(config, out, resume)
     token = secrets.token_hex(4)
     (out / "run_token").write_text(token + "\n")  # `phalanx peer --run-token` joins this run
-    workers = _Workers(config_path, peer_dir, os.environ.get(MARKER_ENV) or new_marker(), token)
+    base = [sys.executable, "-m", "phalanx.runs.dp.launch", "--config", str(config_path), "--out", str(peer_dir)]
+    workers = ProcessLauncher([*base, "--run-token", token], os.environ.get(MARKER_ENV) or new_marker(), netns=netns)
     with stop_on_sigterm():
         try:
-            if netns is not None:
-                workers.bed = Testbed(netns)
-                workers.bed.up()
-            workers.start(0, *extra, "--address-file", str(address_file))
+            workers.start(0, "--index", "0", *extra, "--address-file", str(address_file))
             for index in range(1, config.peers):
-                workers.start(index, *extra, "--initial-peers-file", str(address_file))
+                workers.start(index, "--index", str(index), *extra, "--initial-peers-file", str(address_file))
             addrs = workers.address(0, address_file, JOIN_TIMEOUT, "the first peer")
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
             churn = LaunchChurn(config, resume.step if resume is not None else 0) if LaunchChurn.wanted(config) else None
@@ -266,8 +254,6 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
             bar.close()
         finally:
             workers.stop()
-            if workers.bed is not None:
-                workers.bed.down()
             if sealer is not None:
                 sealer.poll(set())  # every worker has exited: seal what they wrote
     ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
@@ -286,14 +272,13 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
     _to_relative_time(recorder.records)
     recorder.crashed = [ids[i] for i in sorted(workers.failed)]
     extra = {"mode": "launch", "run_token": token, "wall_seconds": time.perf_counter() - wall_start}
-    if workers.bed is not None:
-        extra["netns"] = {str(i): line for i, line in workers.bed.applied.items()}
+    extra.update(workers.netns_record())
     if churn is not None:
         extra["churn"] = [{"step": e.step, "peer": ids[e.index], "index": e.index, "event": e.event} for e in churn.events]
     return recorder.write(out, extra)
 
 
-def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, args: list[str], last_at: dict[int, int | None]) -> None:
+def _churn(churn: LaunchChurn, workers: ProcessLauncher, peer_dir: Path, args: list[str], last_at: dict[int, int | None]) -> None:
     """Apply the churn decisions for the steps finished so far: kill leavers, start returners again.
 
     `last_at` holds, per worker started again, the last step it had recorded then (to see it train).
@@ -313,7 +298,7 @@ def _churn(churn: LaunchChurn, workers: _Workers, peer_dir: Path, args: list[str
             workers.kill(event.index)
         else:
             last_at[event.index] = _last_step(peer_dir / f"{event.index}.jsonl")
-            workers.start(event.index, *args, "--append")
+            workers.start(event.index, "--index", str(event.index), *args, "--append")
 
 
 def _last_step(path: Path) -> int | None:
@@ -361,7 +346,6 @@ def run_single_peer(config: RunConfig, args: argparse.Namespace) -> dict:
 
 def _worker_main() -> None:
     parser = worker_parser("one phalanx worker process (started by `phalanx launch`)")
-    parser.add_argument("--host", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on")
     parser.add_argument("--run-token", default="")
     parser.add_argument("--append", action="store_true", help="add to this worker's records (a restarted worker)")
     parser.add_argument("--checkpoint-dir", help="write this worker's checkpoints under this directory")

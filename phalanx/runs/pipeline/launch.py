@@ -9,7 +9,8 @@ With SENTINEL's boundary placement the launcher also starts one verifier
 process per stage boundary (`--verifier LINK`, records in peers/vLINK.jsonl).
 Workers are started by the common `ProcessLauncher` (`launcher.py`): each
 carries its own marker, arms a parent-death signal and has a watchdog, and
-the launcher sweeps each group and marker at the end.
+the launcher sweeps each group and marker at the end. With `--netns` each
+process gets a host of its own (`launch_hosts`), joining relays too.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ..launcher import (
     stop_on_sigterm,
     worker_parser,
 )
+from ..netns import NetnsConfig
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import PipelineRunConfig
 from .launch_churn import PipelineChurn
@@ -121,7 +123,7 @@ async def run_pipeline_worker(
 
 
 async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peers: list[str], records_path: Path,
-                              initial_peers_file: Path | None = None) -> None:
+                              initial_peers_file: Path | None = None, host: str = "/ip4/127.0.0.1/tcp/0") -> None:
     """One boundary verifier process (SENTINEL, placement=boundary): the VIA hop of `link` until the data
     nodes finish. Its verdicts and bans go to `records_path` as events."""
     from ...transport.p2p import HivemindTransport
@@ -131,7 +133,7 @@ async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peer
         initial_peers = await first_address(initial_peers_file, JOIN_TIMEOUT)
     run_id = f"{config.preset}-pipeline-seed{config.seed}"
     transport = HivemindTransport(verifier_identity(config.seed, link), run_id=run_id, initial_peers=initial_peers,
-                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                                  host_maddrs=[host])
     await transport.start()
     records_path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -237,14 +239,22 @@ def _run_ended(transport, data_nodes: list[str]) -> bool:
     return bool(transport.board.get(FINISHED, 0).keys() & set(data_nodes))
 
 
-def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True) -> dict:
-    """Run a pipeline config as config.peers processes on loopback; write the run's files to `out`."""
+def launch_hosts(config: PipelineRunConfig) -> int:
+    """The hosts of `launch --netns`: node i on host i, then the boundary verifiers by link; each joining
+    relay (`faults.rejoin_after`, churn) gets a further, unshaped host as it starts."""
+    return config.peers + len(verifier_ids(config))
+
+
+def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True, netns: NetnsConfig | None = None) -> dict:
+    """Run a pipeline config as config.peers processes on loopback; write the run's files to `out`.
+
+    With `netns`, each process runs in its own network namespace (`launch_hosts`)."""
     wall_start = time.perf_counter()
     config_path, peer_dir, address_file = prepare_run_dir(config, out)
     base = [sys.executable, "-m", "phalanx.runs.pipeline.launch", "--config", str(config_path), "--out", str(peer_dir)]
     # One marker per child: a worker's watchdog SIGKILLs everything carrying its marker when the worker
     # exits, so children sharing one (the three verifiers did) killed each other at the end of a run.
-    workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir)
+    workers = ProcessLauncher(base, os.environ.get(MARKER_ENV) or new_marker(), err_dir=peer_dir, netns=netns)
     links = sorted(verifier_ids(config))
     nodes = [str(index) for index in range(config.peers)]
     victim = str(config.data_nodes + config.faults.crash_relay) if config.faults.crash_relay >= 0 else None
@@ -326,7 +336,8 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True)
              "process_groups": [p.pid for p in workers.procs.values()], "evidence": evidence,
              # as `simulate`'s: stage, version and weights digest of every node that finished every iteration
              "replicas": {f["peer"]: [f["stage"], f["version"], f["digest"]] for f in finals if f["version"] == config.steps},
-             "excluded": {f["peer"]: f["banned"] for f in finals}}  # node -> the peers it ended routing around
+             "excluded": {f["peer"]: f["banned"] for f in finals},  # node -> the peers it ended routing around
+             **workers.netns_record()}
     if joiners:
         extra["joiners"] = {name: outcomes[name] for name in sorted(joiners, key=int)}
     if churn is not None:
@@ -461,11 +472,11 @@ def _worker_main() -> None:
     peers_file = Path(args.initial_peers_file) if args.initial_peers_file else None
     if args.verifier is not None:
         asyncio.run(run_verifier_worker(config, args.verifier, args.initial_peers, Path(args.out) / f"v{args.verifier}.jsonl",
-                                        peers_file))
+                                        peers_file, args.host))
         exit_done()
     address_file = Path(args.address_file) if args.address_file else None
     asyncio.run(run_pipeline_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
-                                    address_file, args.join, initial_peers_file=peers_file))
+                                    address_file, args.join, args.host, peers_file))
     exit_done()
 
 
