@@ -8,21 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from phalanx.algorithms.gwtf.flow import (
-    MESSAGE_TYPES,
-    Approve,
-    FlowConfig,
-    FlowNode,
-    FlowQuery,
-    FlowReport,
-    Offer,
-    ReportedUnit,
-    RequestFlow,
-    SyncDriver,
-    edge_cost,
-    from_wire,
-    to_wire,
-)
+from phalanx.algorithms.gwtf.config import FlowConfig
+from phalanx.algorithms.gwtf.costs import edge_cost
+from phalanx.algorithms.gwtf.flow import FlowNode
 from phalanx.algorithms.gwtf.flowgraph import (
     FlowGraph,
     build_nodes,
@@ -31,6 +19,18 @@ from phalanx.algorithms.gwtf.flowgraph import (
     random_graph,
     swarm_greedy,
 )
+from phalanx.algorithms.gwtf.messages import (
+    MESSAGE_TYPES,
+    Approve,
+    FlowQuery,
+    FlowReport,
+    Offer,
+    ReportedUnit,
+    RequestFlow,
+    from_wire,
+    to_wire,
+)
+from phalanx.algorithms.gwtf.sync import SyncDriver
 from phalanx.benchmarks.gwtf import split_demand
 from phalanx.core.errors import ConfigError, RemoteError
 from phalanx.core.rng import py_stream

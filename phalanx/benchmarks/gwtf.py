@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..algorithms.gwtf.flow import FlowConfig, SyncDriver
+from ..algorithms.gwtf.config import FlowConfig
 from ..algorithms.gwtf.flowgraph import (
     FlowGraph,
     build_nodes,
@@ -48,6 +48,7 @@ from ..algorithms.gwtf.placement import (
     place_random,
     stage_utilization,
 )
+from ..algorithms.gwtf.sync import SyncDriver
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
 from ..runs.config import override
