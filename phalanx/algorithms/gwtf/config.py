@@ -22,6 +22,7 @@ class FlowConfig:
     offer_every: int = 8
     min_gain: float = 1e-6
     sink_slack: float = 0.0  # a sink grants ceil(demand * (1 + slack)) units: spare chains for repairs
+    handover: bool = True  # stage-0 relays offer chains to data nodes they would cost less (see `handover`)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

@@ -7,6 +7,7 @@ measured edge costs d(i, j) (Eq. 1). The concepts live in their own modules:
 - state: a node's units, links, pending requests and offers;
 - request_flow: Request Flow, building pipelines back to front, with switches, repairs and audits;
 - moves: Request Change / Redirect with the stage's peers;
+- handover: a chain changes data node, rebalancing sources that share a bottleneck;
 - annealing: the temperature schedule that lets a move worsen the objective;
 - costs: Eq. 1 and the objective; config: the knobs; messages: the wire format and its checks;
 - sync: a synchronous driver for tests and benches.
@@ -21,14 +22,14 @@ from ...core.errors import Evidence, LocalError, RemoteError
 from .config import FlowConfig
 from .costs import edge_cost
 from .messages import DATA, FlowMessage, from_wire, to_wire, validate
+from .handover import HandoverRules
 from .moves import MoveRules
-from .request_flow import RequestFlowRules
 
 # The runtime (runtime/pipeline/gwtf.py, runs/pipeline/run.py) imports these from here.
 __all__ = ["DATA", "FlowConfig", "FlowMessage", "FlowNode", "edge_cost", "from_wire", "to_wire"]
 
 
-class FlowNode(RequestFlowRules, MoveRules):
+class FlowNode(HandoverRules, MoveRules):
     """One peer's share of the GWTF flow algorithm (a data node if `stage` is None)."""
 
     def tick(self) -> list[FlowMessage]:
@@ -36,7 +37,7 @@ class FlowNode(RequestFlowRules, MoveRules):
         self._now += 1
         out: list[FlowMessage] = []
         for req, p in list(self._pending.items()):
-            if self._now - p.born > self.config.pending_timeout:
+            if self._now - p.born > p.extra.get("timeout", self.config.pending_timeout):
                 self._drop_pending(req)
         for u in self._units.values():
             u.age += 1
@@ -49,7 +50,7 @@ class FlowNode(RequestFlowRules, MoveRules):
             requested = bool(out_req)
             out += out_req
             if not requested:
-                out += self._optimise()
+                out += self._optimise() + self._handover_probe()
         self._cleanup()
         out += self._offer_messages(force=self._now % self.config.offer_every == self._phase % self.config.offer_every)
         if self._now % self.config.audit_every == self._phase:

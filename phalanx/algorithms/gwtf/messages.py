@@ -178,11 +178,33 @@ class RedirectReply(FlowMessage):
     cont: float = 0.0
 
 
+@dataclass(frozen=True)
+class HandoverQuery(FlowMessage):
+    """Down a chain: would the chain on `link` cost less returning to data node `new` instead of `old`?
+    `delta` is the change of its first hop's cost (see `handover`)."""
+
+    link: str
+    old: str
+    new: str
+    delta: float
+
+
+@dataclass(frozen=True)
+class Handover(FlowMessage):
+    """Up a chain, the answer to a HandoverQuery: if `done`, the chain on `link` now returns to `sink`,
+    and src's cost to it is `cost`; else nothing changed (unlock)."""
+
+    link: str
+    sink: str
+    cost: float
+    done: bool
+
+
 MESSAGE_TYPES: dict[str, type[FlowMessage]] = {
     cls.__name__: cls
     for cls in (
         Offer, RequestFlow, Approve, Reject, CostUpdate, Release, Deny, Rewire, Audit,
-        FlowQuery, FlowReport, ChangeRequest, ChangeReply, RedirectRequest, RedirectReply,
+        FlowQuery, FlowReport, ChangeRequest, ChangeReply, RedirectRequest, RedirectReply, HandoverQuery, Handover,
     )
 }
 

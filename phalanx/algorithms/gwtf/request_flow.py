@@ -40,8 +40,8 @@ class RequestFlowRules(FlowState):
         entry = self._offers.get(peer, {}).get(sink)
         if entry is None:
             return 0
-        asked = sum(1 for p in self._pending.values() if p.peer == peer and p.sink == sink and p.kind != "change"
-                    and p.kind != "redirect")
+        asked = sum(1 for p in self._pending.values() if p.peer == peer and p.sink == sink
+                    and p.kind in ("flow", "attach", "switch"))
         return entry[1] - asked
 
     def _best_offer(self, sink: str, avoid: str | None = None) -> tuple[float, str, float] | None:

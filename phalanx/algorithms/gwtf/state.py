@@ -86,6 +86,8 @@ class FlowState:
         self.config = config
         self.rng = rng
         self.annealing = Annealing(config)
+        self.handovers = 0  # chains this node handed to another data node (as the last stage)
+        self._handover_turn = 0  # which (unit, data node) pair a stage-0 relay asks about next
         self.optimising = True  # False pauses Request Change / Redirect (routes stay put during training)
         self._stages: dict[str, int] = {}
         self._costs: dict[str, float] = {}
@@ -123,8 +125,9 @@ class FlowState:
 
     @property
     def stable(self) -> bool:
-        """No pending request and no unit waiting for a next hop."""
-        return not self._pending and not any(u.kind == "relay" and u.downstream is None for u in self._units.values())
+        """No pending request (but handovers passing through) and no unit waiting for a next hop."""
+        waiting = any(u.kind == "relay" and u.downstream is None for u in self._units.values())
+        return all(p.kind == "handover" for p in self._pending.values()) and not waiting
 
     def next_hops(self, sink: str) -> dict[str, int]:
         """Next-stage peer -> number of this node's units towards `sink` (paired or not)."""
