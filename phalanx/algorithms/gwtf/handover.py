@@ -17,7 +17,8 @@ chains). The move, in three steps along the chain:
    locks its unit (no Change, Redirect or switch touches it) and passes it on.
 2. xL adds its half. If the sum lowers the cost and B grants a sink unit, xL switches its last link
    from A to B (a Request Flow with `replaces`, which releases A's sink unit); otherwise it answers
-   `Handover(done=False)` and the relays unlock.
+   `Handover(done=False)` and the relays unlock; if B had no free grant the answer names B, and x0
+   does not ask about B again for a while (with demands the graph meets, nobody is short for long).
 3. On B's Approve, xL relabels its unit to B and sends `Handover(done=True)` back up; each relay
    relabels and unlocks; x0 relabels and DENYs A's source link, so that its unit is an unpaired
    outflow towards B, which B (short of chains) takes by Request Flow.
@@ -48,7 +49,7 @@ class HandoverRules(RequestFlowRules):
             for u in self._units.values()
             if u.kind == "relay" and u.upstream == u.sink and u.sink in self._costs and u.downstream is not None
             and not u.locked and u.age >= self.config.pending_timeout
-            for new in data if new != u.sink
+            for new in data if new != u.sink and self._full_until.get(new, 0) <= self._now
         )
         if not candidates:
             return []
@@ -61,31 +62,36 @@ class HandoverRules(RequestFlowRules):
         u = self._unit_by("in_link", msg.link, msg.src)
         if (self.is_data or u is None or u.kind != "relay" or u.sink != msg.old or u.locked
                 or u.downstream is None or u.downstream not in self._costs):
-            return [Handover(self.peer, msg.src, msg.link, msg.old, 0.0, False)]
+            return [Handover(self.peer, msg.src, msg.link, "", 0.0, False)]
         return self._pass_query(u, msg)
 
     def _pass_query(self, u: UnitState, msg: HandoverQuery) -> list[FlowMessage]:
         """Lock `u` and pass the query on; at the last stage, decide and ask the new data node."""
-        no = [Handover(self.peer, msg.src, msg.link, msg.old, 0.0, False)] if msg.src != u.sink else []
         if u.downstream != msg.old:
             req = self._new_id()
             self._pending[req] = Pending("handover", u.downstream, msg.old, u.uid, self._now,
                                         {"timeout": self._handover_timeout()})
             u.locked = req
             return [HandoverQuery(self.peer, u.downstream, u.out_link, msg.old, msg.new, msg.delta)]
-        if self._stages.get(msg.new) != DATA or msg.new not in self._costs or self._avail(msg.new, msg.new) <= 0:
-            return no
+        if self._stages.get(msg.new) != DATA or msg.new not in self._costs:
+            return self._unlock_upstream(msg)
+        if self._avail(msg.new, msg.new) <= 0:
+            return self._unlock_upstream(msg, full=msg.new)
         delta = msg.delta + self._costs[msg.new] - self._costs[msg.old]
         if delta >= -max(self.annealing.min_gain(), 1e-9):
-            return no
+            return self._unlock_upstream(msg)
         request = self._request("switch", msg.new, msg.new, 0.0, uid=u.uid, replaces=u.out_link)
         self._pending[request.req].extra["handover"] = msg
         return [request]
 
     def _handover_timeout(self) -> int:
-        """Ticks a lock is held: the query's round trip along the chain, plus a request's patience. A stage-0
-        relay also waits this long after its unit's links last changed before asking (the chain is settled)."""
+        """Ticks a lock is held: the query's round trip along the chain, plus a request's patience."""
         return 2 * (self.num_stages + 1) + self.config.pending_timeout
+
+    def _note_full(self, data: str) -> None:
+        """The head learnt that `data` had no free grant: it asks about it again only after a while."""
+        if data:
+            self._full_until[data] = self._now + 4 * self._handover_timeout()
 
     def _lose_downstream(self, u: UnitState) -> list[FlowMessage]:
         return self._abandon(u) + super()._lose_downstream(u)
@@ -100,7 +106,7 @@ class HandoverRules(RequestFlowRules):
         if lock is None or lock.kind != "handover":
             return []
         self._drop_pending(u.locked)
-        return [Handover(self.peer, u.upstream, u.in_link, u.sink, 0.0, False)] if self._probed_by(u) else []
+        return [Handover(self.peer, u.upstream, u.in_link, "", 0.0, False)] if self._probed_by(u) else []
 
     def _on_Approve(self, msg: Approve) -> list[FlowMessage]:
         p = self._pending.get(msg.req)
@@ -120,11 +126,15 @@ class HandoverRules(RequestFlowRules):
         p = self._pending.get(msg.req)
         out = super()._on_Reject(msg)
         if p is not None and "handover" in p.extra and p.peer == msg.src:
-            out += self._unlock_upstream(p.extra["handover"])
+            out += self._unlock_upstream(p.extra["handover"], full=msg.src)
         return out
 
-    def _unlock_upstream(self, query: HandoverQuery) -> list[FlowMessage]:
-        return [Handover(self.peer, query.src, query.link, query.old, 0.0, False)] if query.src != query.old else []
+    def _unlock_upstream(self, query: HandoverQuery, full: str = "") -> list[FlowMessage]:
+        """No handover: unlock the relay that sent `query`; `full` names a data node that had no free grant."""
+        if query.src != query.old:
+            return [Handover(self.peer, query.src, query.link, full, 0.0, False)]
+        self._note_full(full)  # the query came from the data node: this relay is the head (and the last stage)
+        return []
 
     def _relabelled(self, u: UnitState, query: HandoverQuery) -> list[FlowMessage]:
         """`u` now returns to its new data node: tell the sender, or (stage 0) let the old data node go."""
@@ -146,7 +156,10 @@ class HandoverRules(RequestFlowRules):
         elif not msg.done:
             return []
         if not msg.done:
-            return [Handover(self.peer, u.upstream, u.in_link, u.sink, 0.0, False)] if self._probed_by(u) else []
+            if self._probed_by(u):
+                return [Handover(self.peer, u.upstream, u.in_link, msg.sink, 0.0, False)]
+            self._note_full(msg.sink)  # the head
+            return []
         old = u.sink
         u.sink, u.cont, u.age = msg.sink, msg.cost, 0
         query = HandoverQuery(u.upstream or "", self.peer, u.in_link or "", old, msg.sink, 0.0)

@@ -192,7 +192,8 @@ class HandoverQuery(FlowMessage):
 @dataclass(frozen=True)
 class Handover(FlowMessage):
     """Up a chain, the answer to a HandoverQuery: if `done`, the chain on `link` now returns to `sink`,
-    and src's cost to it is `cost`; else nothing changed (unlock)."""
+    and src's cost to it is `cost`; else nothing changed (unlock), and `sink` names the data node that
+    had no free grant ("" if the chain would not cost less)."""
 
     link: str
     sink: str
