@@ -30,8 +30,6 @@ from .state import FlowState, Pending, UnitState
 class MoveRules(FlowState):
     """Request Change / Redirect: discovery, choice, and both ends of each move."""
 
-    # ------------------------------------------------------------ optimisation (Change / Redirect)
-
     def _optimise(self) -> list[FlowMessage]:
         if not self.stable or not self.optimising:
             return []
