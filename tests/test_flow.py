@@ -8,21 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from phalanx.algorithms.gwtf.flow import (
-    MESSAGE_TYPES,
-    Approve,
-    FlowConfig,
-    FlowNode,
-    FlowQuery,
-    FlowReport,
-    Offer,
-    ReportedUnit,
-    RequestFlow,
-    SyncDriver,
-    edge_cost,
-    from_wire,
-    to_wire,
-)
+from phalanx.algorithms.gwtf.config import FlowConfig
+from phalanx.algorithms.gwtf.costs import edge_cost
+from phalanx.algorithms.gwtf.flow import FlowNode
 from phalanx.algorithms.gwtf.flowgraph import (
     FlowGraph,
     build_nodes,
@@ -31,6 +19,18 @@ from phalanx.algorithms.gwtf.flowgraph import (
     random_graph,
     swarm_greedy,
 )
+from phalanx.algorithms.gwtf.messages import (
+    MESSAGE_TYPES,
+    Approve,
+    FlowQuery,
+    FlowReport,
+    Offer,
+    ReportedUnit,
+    RequestFlow,
+    from_wire,
+    to_wire,
+)
+from phalanx.algorithms.gwtf.sync import SyncDriver
 from phalanx.benchmarks.gwtf import split_demand
 from phalanx.core.errors import ConfigError, RemoteError
 from phalanx.core.rng import py_stream
@@ -294,3 +294,25 @@ def test_multi_commodity_optimum_returns_each_microbatch_home():
     per, home = multi_commodity_optimal(g)
     assert sum(per.values()) == 2 and home == pytest.approx(_brute_force_home(g, 2))
     assert multi_commodity_optimal(g, 1)[1] == pytest.approx(_brute_force_home(g, 1))
+
+
+def test_a_shared_bottleneck_goes_to_the_data_node_it_costs_least():
+    # d0 and d1 both want the one chain through the bottleneck b; d0's Offer reaches b first (ids tick in
+    # order), so b builds the chain towards d0, though it costs 21 there and 3 for d1. The chain must be
+    # handed to d1 (the multi-commodity optimum), keeping its relays.
+    from phalanx.algorithms.gwtf.flowgraph import multi_commodity_optimal
+
+    cost = {("d0", "a"): 10.0, ("d1", "a"): 1.0, ("d0", "c"): 12.0, ("d1", "c"): 12.0,
+            ("a", "b"): 1.0, ("c", "b"): 1.0, ("b", "d0"): 10.0, ("b", "d1"): 1.0}
+    g = FlowGraph(("d0", "d1"), (("a", "c"), ("b",)), {"a": 1, "c": 1, "b": 1}, {"d0": 1, "d1": 1}, cost)
+    assert multi_commodity_optimal(g) == ({"d0": 0, "d1": 1}, 3.0)
+    for seed in range(3):
+        drv = _converge(g, seed, rounds=60)
+        assert drv.paths() == [("d1", ["a", "b"], 3.0)]
+        assert sum(n.handovers for n in drv.nodes.values()) == 1  # handed over once, not rebuilt
+        assert all(not n._pending for n in drv.nodes.values())  # every lock released
+    # with room for both, each data node keeps the chain it asked for: nobody is short, nothing is handed over
+    g = replace(g, capacity={"a": 1, "c": 1, "b": 2})
+    drv = _converge(g, 0, rounds=60)
+    assert sorted(d for d, _, _ in drv.paths()) == ["d0", "d1"]
+    assert sum(n.handovers for n in drv.nodes.values()) == 0

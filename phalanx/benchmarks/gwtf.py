@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..algorithms.gwtf.flow import FlowConfig, SyncDriver
+from ..algorithms.gwtf.config import FlowConfig
 from ..algorithms.gwtf.flowgraph import (
     FlowGraph,
     build_nodes,
@@ -48,6 +48,7 @@ from ..algorithms.gwtf.placement import (
     place_random,
     stage_utilization,
 )
+from ..algorithms.gwtf.sync import SyncDriver
 from ..core.errors import ConfigError
 from ..core.rng import py_stream
 from ..runs.config import override
@@ -120,6 +121,9 @@ def run_flow_case(setting: int, seed: int, config: FlowBenchConfig) -> dict:
     per_source = [sum(1 for d, _, _ in paths if d == data) for data in sorted(graph.data)]
     most = max_flow(graph) if sources == 1 else sum(multi_commodity_optimal(graph)[0].values())
     opt_same = opt(value) if value else 0.0
+    # the optimum with GWTF's split between data nodes fixed: what is lost to the split, and what within it
+    at_split = multi_commodity_optimal(replace(graph, demand=dict(zip(sorted(graph.data), per_source))), value)[1] \
+        if value and sources > 1 else opt_same
     greedy_search = SyncDriver(build_nodes(graph, replace(config.flow, temperature=0.0), config.seed * 1000 + seed))
     greedy_search.run(config.rounds - config.settle)
     greedy_search.settle(config.settle)
@@ -136,6 +140,8 @@ def run_flow_case(setting: int, seed: int, config: FlowBenchConfig) -> dict:
         "gwtf_split": "/".join(map(str, per_source)),
         "optimum_split": "/".join(str(optimum[value][0][d]) for d in sorted(graph.data)) if value else "", "gwtf_cost": cost, "optimum_cost": opt_same,
         "gwtf_ratio": cost / opt_same if opt_same else float("nan"),
+        "optimum_at_split": at_split, "split_ratio": at_split / opt_same if opt_same else float("nan"),
+        "handovers": sum(n.handovers for n in driver.nodes.values()),
         "t0_flow": t0_value, "t0_cost": t0_cost, "t0_ratio": t0_cost / opt_t0 if opt_t0 else float("nan"),
         "swarm_flow": g_value, "swarm_cost": g_cost,
         "swarm_ratio": g_cost / opt_greedy if opt_greedy else float("nan"),
@@ -154,8 +160,8 @@ def _mean_std(values: list[float]) -> str:
 
 def format_flow_table(rows: list[dict]) -> str:
     head = (f"{'set':>3} {'src':>3} {'relays':>6} {'stages':>6} {'flow/most':>11} {'min share':>9} {'GWTF/opt':>13} "
-            f"{'SWARM/opt':>13} {'GWTF c/mb':>9} {'SWARM c/mb':>10} {'opt c/mb':>8} {'rounds':>6} "
-            f"{'T=0 flow':>8} {'GWTF T=0/opt':>13}")
+            f"{'split/opt':>9} {'handovers':>9} {'SWARM/opt':>13} {'GWTF c/mb':>9} {'SWARM c/mb':>10} {'opt c/mb':>8} "
+            f"{'rounds':>6} {'T=0 flow':>8} {'GWTF T=0/opt':>13}")
     lines = [head, "-" * len(head)]
     for s in sorted({r["setting"] for r in rows}):
         rs = [r for r in rows if r["setting"] == s]
@@ -163,7 +169,8 @@ def format_flow_table(rows: list[dict]) -> str:
         lines.append(
             f"{s:>3} {rs[0]['sources']:>3} {rs[0]['relays']:>6} {rs[0]['stages']:>6} "
             f"{sum(r['gwtf_flow'] for r in rs):>5}/{sum(r['demand'] for r in rs):<5} {share:>9.2f} "
-            f"{_mean_std([r['gwtf_ratio'] for r in rs]):>13} {_mean_std([r['swarm_ratio'] for r in rs]):>13} "
+            f"{_mean_std([r['gwtf_ratio'] for r in rs]):>13} {statistics.mean(r['split_ratio'] for r in rs):>9.3f} "
+            f"{statistics.mean(r['handovers'] for r in rs):>9.1f} {_mean_std([r['swarm_ratio'] for r in rs]):>13} "
             f"{statistics.mean(r['gwtf_per_mb'] for r in rs):>9.2f} {statistics.mean(r['swarm_per_mb'] for r in rs):>10.2f} "
             f"{statistics.mean(r['optimum_per_mb'] for r in rs):>8.2f} {max(r['rounds'] for r in rs):>6} "
             f"{sum(r['t0_flow'] for r in rs):>8} {_mean_std([r['t0_ratio'] for r in rs]):>13}"
@@ -173,6 +180,9 @@ def format_flow_table(rows: list[dict]) -> str:
     lines.append("optimum: networkx min-cost flow with one data node; with several, the multi-commodity integer program")
     lines.append("flow/most: GWTF's complete flows / the most the graph carries home; min share: the smallest fraction "
                  "of GWTF's flows any data node got (worst seed)")
+    lines.append("split/opt: the optimum with GWTF's split between data nodes fixed / the optimum (1: the split costs "
+                 "nothing; the rest of GWTF/opt is within each data node's flows); handovers: chains handed to "
+                 "another data node per run (mean)")
     lines.append("GWTF: the configured annealing (paper: T=1.7, alpha=0.95); GWTF T=0: the same moves without worsening ones")
     return "\n".join(lines)
 

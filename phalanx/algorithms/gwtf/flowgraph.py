@@ -17,7 +17,8 @@ import networkx as nx
 
 from ...core.errors import LocalError
 from ...core.rng import py_stream
-from .flow import FlowConfig, FlowNode
+from .config import FlowConfig
+from .flow import FlowNode
 
 _SCALE = 1000  # network_simplex wants integer weights: costs are rounded to 1/1000
 

@@ -1,0 +1,170 @@
+"""Handover: a chain changes data node, rebalancing sources that share a bottleneck (issue 15 item 4).
+
+Which data node gets a shared bottleneck's capacity is decided while pipelines form, by the order in
+which Offers arrive, and Request Change / Redirect never move a unit to another data node (a unit's
+path must return home). Yet only a chain's first hop (data node -> stage 0) and last hop (last stage
+-> data node) depend on its data node; the relays in between cost the same whoever's microbatch they
+carry. So a chain can be handed from data node A to data node B, keeping every relay and its
+capacity, and the total cost changes by
+
+    d(B, x0) - d(A, x0) + d(xL, B) - d(xL, A)
+
+where x0 is the chain's stage-0 relay and xL its last-stage relay. x0 knows the first two costs, xL
+the last two, and xL also knows from B's Offers whether B has a free sink grant (B is short of
+chains). The move, in three steps along the chain:
+
+1. x0 sends `HandoverQuery(old=A, new=B, delta=d(B, x0) - d(A, x0))` down its unit's links; each relay
+   locks its unit (no Change, Redirect or switch touches it) and passes it on.
+2. xL adds its half. If the sum lowers the cost and B grants a sink unit, xL switches its last link
+   from A to B (a Request Flow with `replaces`, which releases A's sink unit); otherwise it answers
+   `Handover(done=False)` and the relays unlock; if B had no free grant the answer names B, and x0
+   does not ask about B again for a while (with demands the graph meets, nobody is short for long).
+3. On B's Approve, xL relabels its unit to B and sends `Handover(done=True)` back up; each relay
+   relabels and unlocks; x0 relabels and DENYs A's source link, so that its unit is an unpaired
+   outflow towards B, which B (short of chains) takes by Request Flow.
+
+Only improving handovers are made (no annealing), so with fixed costs they end. A data node is
+handed a chain only while it is short, so with demands that the graph can meet they do not move.
+"""
+
+from __future__ import annotations
+
+from .messages import DATA, Approve, Deny, FlowMessage, Handover, HandoverQuery, Reject, Release
+from .request_flow import RequestFlowRules
+from .state import Pending, UnitState
+
+
+class HandoverRules(RequestFlowRules):
+    """Both ends and the middle of a handover (the head probes; see the module docstring)."""
+
+    def _handover_probe(self) -> list[FlowMessage]:
+        """A stage-0 relay asks, for one (unit, other data node) pair at a time in turn, whether the chain
+        would cost less as the other data node's; a unit is asked about once its links held for a while."""
+        asking = any(p.kind == "handover" for p in self._pending.values())
+        if not self.config.handover or self.stage != 0 or not self.optimising or asking:
+            return []
+        data = self._peers_at(DATA)
+        candidates = sorted(
+            (self._costs[new] - self._costs[u.sink], u.uid, new)
+            for u in self._units.values()
+            if u.kind == "relay" and u.upstream == u.sink and u.sink in self._costs and u.downstream is not None
+            and not u.locked and u.age >= self.config.pending_timeout
+            for new in data if new != u.sink and self._full_until.get(new, 0) <= self._now
+        )
+        if not candidates:
+            return []
+        self._handover_turn += 1
+        delta, uid, new = candidates[self._handover_turn % len(candidates)]
+        u = self._units[uid]
+        return self._pass_query(u, HandoverQuery(u.upstream, self.peer, u.in_link, u.sink, new, delta))
+
+    def _on_HandoverQuery(self, msg: HandoverQuery) -> list[FlowMessage]:
+        u = self._unit_by("in_link", msg.link, msg.src)
+        if (self.is_data or u is None or u.kind != "relay" or u.sink != msg.old or u.locked
+                or u.downstream is None or u.downstream not in self._costs):
+            return [Handover(self.peer, msg.src, msg.link, "", 0.0, False)]
+        return self._pass_query(u, msg)
+
+    def _pass_query(self, u: UnitState, msg: HandoverQuery) -> list[FlowMessage]:
+        """Lock `u` and pass the query on; at the last stage, decide and ask the new data node."""
+        if u.downstream != msg.old:
+            req = self._new_id()
+            self._pending[req] = Pending("handover", u.downstream, msg.old, u.uid, self._now,
+                                        {"timeout": self._handover_timeout()})
+            u.locked = req
+            return [HandoverQuery(self.peer, u.downstream, u.out_link, msg.old, msg.new, msg.delta)]
+        if self._stages.get(msg.new) != DATA or msg.new not in self._costs:
+            return self._unlock_upstream(msg)
+        if self._avail(msg.new, msg.new) <= 0:
+            return self._unlock_upstream(msg, full=msg.new)
+        delta = msg.delta + self._costs[msg.new] - self._costs[msg.old]
+        if delta >= -max(self.annealing.min_gain(), 1e-9):
+            return self._unlock_upstream(msg)
+        request = self._request("switch", msg.new, msg.new, 0.0, uid=u.uid, replaces=u.out_link)
+        self._pending[request.req].extra["handover"] = msg
+        return [request]
+
+    def _handover_timeout(self) -> int:
+        """Ticks a lock is held: the query's round trip along the chain, plus a request's patience."""
+        return 2 * (self.num_stages + 1) + self.config.pending_timeout
+
+    def _note_full(self, data: str) -> None:
+        """The head learnt that `data` had no free grant: it asks about it again only after a while."""
+        if data:
+            self._full_until[data] = self._now + 4 * self._handover_timeout()
+
+    def _lose_downstream(self, u: UnitState) -> list[FlowMessage]:
+        return self._abandon(u) + super()._lose_downstream(u)
+
+    def _lose_upstream(self, u: UnitState) -> None:
+        self._abandon(u)
+        super()._lose_upstream(u)
+
+    def _abandon(self, u: UnitState) -> list[FlowMessage]:
+        """A locked unit lost a link: the handover through it cannot happen; unlock it and the relays above."""
+        lock = self._pending.get(u.locked)
+        if lock is None or lock.kind != "handover":
+            return []
+        self._drop_pending(u.locked)
+        return [Handover(self.peer, u.upstream, u.in_link, "", 0.0, False)] if self._probed_by(u) else []
+
+    def _on_Approve(self, msg: Approve) -> list[FlowMessage]:
+        p = self._pending.get(msg.req)
+        if p is None or "handover" not in p.extra or p.peer != msg.src:
+            return super()._on_Approve(msg)
+        self._drop_pending(msg.req)
+        query: HandoverQuery = p.extra["handover"]
+        u = self._units.get(p.uid)
+        if u is None or u.sink != query.old or u.downstream != query.old or msg.src not in self._costs:
+            return [Release(self.peer, msg.src, msg.link)] + self._unlock_upstream(query)
+        out: list[FlowMessage] = [Release(self.peer, u.downstream, u.out_link)]
+        u.sink, u.downstream, u.out_link, u.cont, u.age, u.idle = msg.src, msg.src, msg.link, msg.cost, 0, 0
+        self.handovers += 1
+        return out + self._relabelled(u, query)
+
+    def _on_Reject(self, msg: Reject) -> list[FlowMessage]:
+        p = self._pending.get(msg.req)
+        out = super()._on_Reject(msg)
+        if p is not None and "handover" in p.extra and p.peer == msg.src:
+            out += self._unlock_upstream(p.extra["handover"], full=msg.src)
+        return out
+
+    def _unlock_upstream(self, query: HandoverQuery, full: str = "") -> list[FlowMessage]:
+        """No handover: unlock the relay that sent `query`; `full` names a data node that had no free grant."""
+        if query.src != query.old:
+            return [Handover(self.peer, query.src, query.link, full, 0.0, False)]
+        self._note_full(full)  # the query came from the data node: this relay is the head (and the last stage)
+        return []
+
+    def _relabelled(self, u: UnitState, query: HandoverQuery) -> list[FlowMessage]:
+        """`u` now returns to its new data node: tell the sender, or (stage 0) let the old data node go."""
+        if u.upstream is None:
+            return []
+        if u.upstream == query.old:  # the head: A's source link goes, the unit is offered to B
+            out: list[FlowMessage] = [Deny(self.peer, u.upstream, u.in_link)]
+            self._lose_upstream(u)
+            return out
+        return [Handover(self.peer, u.upstream, u.in_link, u.sink, self._cost(u), True)]
+
+    def _on_Handover(self, msg: Handover) -> list[FlowMessage]:
+        u = self._unit_by("out_link", msg.link, msg.src)
+        if self.is_data or u is None or u.kind != "relay":
+            return []
+        lock = self._pending.get(u.locked)
+        if lock is not None and lock.kind == "handover":
+            self._drop_pending(u.locked)
+        elif not msg.done:
+            return []
+        if not msg.done:
+            if self._probed_by(u):
+                return [Handover(self.peer, u.upstream, u.in_link, msg.sink, 0.0, False)]
+            self._note_full(msg.sink)  # the head
+            return []
+        old = u.sink
+        u.sink, u.cont, u.age = msg.sink, msg.cost, 0
+        query = HandoverQuery(u.upstream or "", self.peer, u.in_link or "", old, msg.sink, 0.0)
+        return self._relabelled(u, query)
+
+    def _probed_by(self, u: UnitState) -> bool:
+        """Whether the query reached `u` from an upstream relay (which holds a lock), not from a data node."""
+        return u.upstream is not None and self._stages.get(u.upstream) != DATA
