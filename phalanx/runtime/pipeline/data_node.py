@@ -35,7 +35,8 @@ from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, RemoteError
 from ...core.serialization import check_tensor, encode
 from . import messages as m
-from .node import Held, PipelineNode
+from .forward import Held
+from .node import PipelineNode
 from .relay import parse_util, util_bytes
 from .verifier import VerifierConfig, VerifierHop
 
