@@ -54,8 +54,8 @@ class Membership:
         seq = obj.get("seq", 0)
         if type(seq) is not int:
             raise RemoteError(Evidence(sender, "malformed", "hello with a bad sequence number"))
-        if seq < self.membership.get(sender, -1):
-            return  # an older announcement than one already applied
+        if seq < self.membership.get(sender, -1) or sender in self.banned:
+            return  # an older announcement than one already applied, or a banned peer's: it serves no stage
         since = obj.get("since", 0)
         if type(since) is not int:
             raise RemoteError(Evidence(sender, "malformed", "hello with a bad first iteration"))

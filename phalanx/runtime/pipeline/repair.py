@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, RemoteError
 from ...core.serialization import encode
 from . import messages as m
@@ -63,6 +64,9 @@ class Repair:
         body = {"src": key[0], "seq": key[1], "att": key[2], "path": [*h.carry.path, self.me], "rec": list(h.recomputed)}
         if h.carry.holder == self.me:
             return
+        if self.sealing:  # my seal on the output I recomputed: the holder computed with the same tensor, from a dead sender
+            tensor = h.sent if h.sent is not None else h.out.detach()
+            body["seal"] = self.seal(CHECK_FORWARD, key, h.carry.it, self.stage + 1, tensor).to_obj()
         word = await self._ask(h.carry.holder, m.RESUME, encode(body))
         if word != m.OK:
             log.debug("resume of %s at %s failed", m.key_name(key), h.carry.holder[:8])
@@ -83,8 +87,19 @@ class Repair:
             raise RemoteError(Evidence(sender, "malformed", "bad resume request"))
         if self.directory.get(sender, carry.stage) != carry.stage:
             return m.answer(m.UNKNOWN)  # our views of its stage differ (a move not yet seen here): not evidence
+        if self.sealing and "seal" in obj:
+            self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)
         del self.pending[key]
         path = tuple(prefix) + carry.path[carry.stage + 1:]
         recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
         self.spawn(self.send_backward(dataclasses.replace(carry, path=path, recomputed=recomputed)))
         return m.answer(m.OK)
+
+    def reseal(self, key: m.Key, prefix: tuple[str, ...], seal: m.Seal, sender: str) -> None:
+        """The peer that rebuilt my upstream stage sealed the output it recomputed. When that is exactly the
+        activation I computed with (the same weights and input give the same tensor), it becomes the forward
+        input I commit to, under the repaired path: the dead sender's seal would not match the path that
+        BEGIN names, and my stage gradient would look computed from inputs nobody on the path sent."""
+        forward, backward = self.received.get(key, (None, None))
+        if forward is not None and seal.signer == sender and seal.valid(key, forward.it, CHECK_FORWARD, self.stage, forward.tensor):
+            self.received[key] = (dataclasses.replace(forward, path=prefix, seal=seal), backward)

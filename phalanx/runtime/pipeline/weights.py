@@ -27,8 +27,8 @@ class WeightTransfer:
         stage, wait = obj.get("stage", self.stage), obj.get("wait", True)
         if type(version) is not int or not isinstance(full, bool) or type(stage) is not int or not isinstance(wait, bool):
             raise RemoteError(Evidence(sender, "malformed", "bad weights request"))
-        if stage != self.stage or not self.entered:
-            return encode({"version": -1})  # not (or not yet) a replica of that stage: not evidence
+        if stage != self.stage or not self.entered or sender in self.banned:
+            return encode({"version": -1})  # not (or not yet) a replica of that stage, or a banned asker: not evidence
         if version > self.version and wait:
             await self.wait_version(version, self.config.aggregation_timeout)
         if version > self.version or full and not self.ready_event(self.version).is_set():
