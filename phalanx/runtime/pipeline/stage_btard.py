@@ -249,7 +249,7 @@ class StageRound:
         """A departure settled in this replica's ledger: an event; a retired one is also reported and routed around."""
         node = self.node
         node.on_event({"kind": "retire" if retired else "depart", "peer": peer, "step": step, "reason": reason,
-                       "by": node.me, "stage": node.stage, "t": node.now()})
+                       "by": node.me, "stage": node.stage, "t0": node.now(), "t1": node.now()})
         if retired:
             await self.report(peer, step)
 
