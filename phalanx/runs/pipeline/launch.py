@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from ...core.errors import ConfigError, LocalError
 from ...runtime.pipeline import DataNode
-from ...runtime.pipeline.relay import ask_for_stage
+from ...runtime.pipeline.relay import JoinRefused, ask_for_stage
 from ...runtime.pipeline.verifier import VerifierNode
 from ..dp.launch import JOIN_TIMEOUT, prepare_run_dir
 from ..dp.swarm import peer_identity
@@ -168,23 +168,31 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
     await transport.wait_for_members(2, JOIN_TIMEOUT)
     task = pipeline_task(config)  # built before the placement, so that the placement is fresh when the download starts
     placed = None
-    for _ in range(10):
-        placed = await ask_for_stage(transport, directory, config.pipeline.capacity, 2 * config.pipeline.complete_timeout)
-        if placed is not None and placed[0] > 0 or _run_ended(transport, data_nodes):
-            break
-        await asyncio.sleep(1.0)
+    try:
+        for _ in range(10):
+            placed = await ask_for_stage(transport, directory, config.pipeline.capacity, 2 * config.pipeline.complete_timeout)
+            if placed is not None or _run_ended(transport, data_nodes):
+                break
+            await asyncio.sleep(1.0)
+    except JoinRefused as exc:
+        print(f"phalanx: {exc}", file=sys.stderr)
+        return
     if _run_ended(transport, data_nodes):
         print("phalanx: the run ended before this relay was placed", file=sys.stderr)
         return
-    if placed is None or placed[0] == 0:
+    if placed is None:
         raise LocalError("no data node placed this joiner")
-    stage, it, known = placed
-    node = build_node(config, transport, index, known, task, lambda e: write("event", e), stage=stage)
+    stage, it = placed.stage, placed.it
+    node = build_node(config, transport, index, placed.directory, task, lambda e: write("event", e), stage=stage)
+    node.banned.update(placed.banned)
     placed_at = node.now()
 
     async def placement() -> tuple[int, dict[str, int]] | None:
-        again = await ask_for_stage(transport, node.directory, config.pipeline.capacity, 2 * config.pipeline.complete_timeout)
-        return None if again is None else (again[1], again[2])
+        try:
+            again = await ask_for_stage(transport, node.directory, config.pipeline.capacity, 2 * config.pipeline.complete_timeout)
+        except JoinRefused:
+            return None
+        return None if again is None else (again.it, again.directory)
 
     outcome = await download(node, it, placement, lambda: _run_ended(transport, data_nodes),
                              JOIN_PATIENCE * config.pipeline.aggregation_timeout)

@@ -30,7 +30,7 @@ from ...runtime.dp.peer import task_of
 from ...runtime.pipeline import DataNode, Relay, StagedModel, SwarmRouter
 from ...runtime.pipeline.attacker import AttackingRelay
 from ...runtime.pipeline.gwtf import FlowDriver, FlowRouter
-from ...runtime.pipeline.relay import ask_for_stage
+from ...runtime.pipeline.relay import JoinRefused, ask_for_stage
 from ...runtime.pipeline.routing import RepairRouter, Router
 from ...runtime.pipeline.stage_btard import StageRound
 from ...runtime.pipeline.verifier import VerifierNode
@@ -180,6 +180,13 @@ class PipelineRecorder:
                 counts[e["branch"]] = counts.get(e["branch"], 0) + 1
         return dict(sorted(counts.items()))
 
+    def departures(self) -> dict[str, list[str]]:
+        """Stage rounds' departures: `departed` (left while their round was open, not banned), `retired`
+        (departed leaving a check unjudged: out for good, not counted as banned) and `refused` (a banned or
+        retired identity that asked to join again)."""
+        return {name: sorted({e["peer"] for e in self.events if e["kind"] == kind})
+                for name, kind in (("departed", "depart"), ("retired", "retire"), ("refused", "refuse"))}
+
     def microbatches(self) -> list[dict]:
         return [mb for r in self.iterations for mb in r["microbatches"]]
 
@@ -215,6 +222,7 @@ class PipelineRecorder:
             "restarts": sum(mb["restarts"] for mb in mbs), "repairs": sum(mb["repairs"] for mb in mbs),
             "wasted_compute_seconds": self.wasted_compute(), "peer_ids": self.ids,
             "banned": sorted({b["peer"] for b in self.bans}),
+            **self.departures(),
             "routing_branches": self.routing_branches(),
             **extra,
         }
@@ -298,13 +306,16 @@ def simulate_pipeline(
                 network.schedule(event["t1"] + f.crash_at, lambda: _crash(event["peer"]))
 
         def _leave(pid: str) -> None:
-            """Churn takes a relay, unless it is the last live one of its stage (the stage's weights
-            would be gone: GWTF does not say how a wiped-out stage recovers)."""
+            """Churn takes a relay, unless it is the last live one of its stage that is not banned (the stage's
+            weights would be gone: GWTF does not say how a wiped-out stage recovers; a banned replica serves
+            nobody, as the first data node sees it)."""
             node = nodes.get(pid)
             if node is None or pid in crashed:
                 return
-            peers = [p for p, n in nodes.items() if n.stage == node.stage and p not in crashed and n.version >= node.version]
-            if len(peers) > 1:
+            out = nodes[ids[starter]].banned if ids[starter] in nodes else set()
+            peers = [p for p, n in nodes.items() if n.stage == node.stage and p not in crashed and p not in out
+                     and n.version >= node.version]
+            if pid in out or len(peers) > 1:
                 _crash(pid)
 
         def _crash(pid: str) -> None:
@@ -338,16 +349,19 @@ def simulate_pipeline(
 
         async def join(index: int) -> None:
             transport = transports[index]
-            placed = await ask_for_stage(transport, directory, capacities(config)[index], 2 * config.pipeline.complete_timeout)
-            if placed is None or placed[0] == 0:
+            try:
+                placed = await ask_for_stage(transport, directory, capacities(config)[index], 2 * config.pipeline.complete_timeout)
+            except JoinRefused:
+                return  # a banned identity: stays out
+            if placed is None:
                 return  # no leader answered or no stage can take it: stays idle
-            stage, it, known = placed
-            node = build_node(config, transport, index, known, task, on_event, stage=stage)
+            node = build_node(config, transport, index, placed.directory, task, on_event, stage=placed.stage)
+            node.banned.update(placed.banned)
             seed_mprng(node, config.seed, incarnations[index])
             nodes[ids[index]] = node
-            recorder.events.append({"kind": "join", "peer": ids[index], "stage": stage, "it": it,
+            recorder.events.append({"kind": "join", "peer": ids[index], "stage": placed.stage, "it": placed.it,
                                     "t0": asyncio.get_running_loop().time(), "t1": asyncio.get_running_loop().time()})
-            if await node.enter(it):
+            if await node.enter(placed.it):
                 await node.serve()
 
         verifiers = verifier_ids(config)
@@ -398,6 +412,7 @@ def simulate_pipeline(
         summary["verdicts"] = recorder.verdicts
         summary["attacks"] = recorder.attacks
         summary["banned"] = sorted({b["peer"] for b in recorder.bans})
+        summary.update(recorder.departures())
         summary["wasted_compute_seconds"] = recorder.wasted_compute()
         summary["peer_ids"] = ids
         summary["verifier_ids"] = verifiers_of_run

@@ -35,9 +35,13 @@ from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.errors import Evidence, RemoteError
 from ...core.serialization import check_tensor, encode
 from . import messages as m
-from .node import Held, PipelineNode
+from .forward import Held
+from .node import PipelineNode
 from .relay import parse_util, util_bytes
 from .verifier import VerifierConfig, VerifierHop
+
+
+MIN_STAGE_GROUP = 3  # under BTARD per stage a joiner goes to a stage with fewer live replicas than this first
 
 
 @dataclass
@@ -247,11 +251,18 @@ class DataNode(PipelineNode):
             self.utilization.update(merge_entries([query]))
 
     async def _on_join(self, sender: str, payload: bytes) -> bytes:
-        """A joiner's capacity: place it in the most utilized stage that still has a live relay (GWTF V-B)."""
+        """A joiner's capacity: place it in the most utilized stage that still has a live relay (GWTF V-B),
+        under BTARD per stage in the thinnest stage first while one has fewer than MIN_STAGE_GROUP live
+        replicas (churn left stage groups of one, the liar, whose ban emptied the stage for good); a banned
+        identity is refused."""
         obj = m.parse_mapping(payload, sender, self.transport.limits, "join request")
         capacity = obj.get("capacity")
         if type(capacity) is not int or not 1 <= capacity <= 1024:
             raise RemoteError(Evidence(sender, "malformed", "join request without a capacity"))
+        if sender in self.banned:  # banned (or retired) in the run's one ledger: no stage takes it again
+            self.on_event({"kind": "refuse", "peer": sender, "by": self.me, "it": self.version, "t0": self.now(),
+                           "t1": self.now()})
+            return encode({"refused": True})
         # It came back as a fresh process: out of every group and route until its HELLO says where it serves.
         self.directory.pop(sender, None)
         self.since.pop(sender, None)
@@ -265,10 +276,16 @@ class DataNode(PipelineNode):
         if not util:
             return encode({"stage": 0, "it": self.version})
         stage = place_joiners({sender: capacity}, util)[sender] + 1
+        if self.stage_bans is not None:  # BTARD per stage: a stage group needs an honest majority against a liar
+            sizes = {k + 1: len(self.live(k + 1)) for k in util}
+            thin = [s for s, n in sizes.items() if n < MIN_STAGE_GROUP]
+            if thin:
+                stage = min(thin, key=lambda s: (sizes[s], s))
         self.utilization[sender] = (stage - 1, capacity, 0)  # the next joiner sees this one placed
         self.placed += 1
         known = {p: s for p, s in self.directory.items() if p in members}
-        return encode({"stage": stage, "it": self.version, "directory": known})
+        # the ledger the joiner starts from: a fresh process knows no ban, and would route to banned peers
+        return encode({"stage": stage, "it": self.version, "directory": known, "banned": sorted(self.banned)})
 
     def _store_report(self, sender: str, report: dict) -> None:
         self.reports.setdefault(report["it"], {})[sender] = report

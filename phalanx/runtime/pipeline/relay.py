@@ -5,12 +5,14 @@ period opens a short window in which copies from other previous-stage peers
 are merged; then the relay adds its own (stage, capacity, microbatches served
 in that iteration) and forwards the merged query to the next stage (the last
 stage returns it to the leader). A joining relay first asks the leader for a
-stage (`ask_for_stage`), then downloads that stage's weights (`enter`).
+stage (`ask_for_stage`: refused when its identity is banned), then downloads that
+stage's weights (`enter`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from ...algorithms.gwtf.placement import UtilQuery, flood_step, leader
 from ...core.errors import Evidence, PhalanxError, RemoteError
@@ -72,10 +74,25 @@ def parse_util(payload: bytes, sender: str, transport: Transport) -> UtilQuery:
     return UtilQuery(sender, transport.peer_id, lead, period, tuple(tuple(e) for e in entries))
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a joiner serves: its stage, the iteration under way, and the leader's stage directory and
+    bans, which the joiner starts from instead of its own stale (or empty) ones."""
+
+    stage: int
+    it: int
+    directory: dict[str, int]
+    banned: frozenset[str]
+
+
+class JoinRefused(PhalanxError):
+    """A data node refused this joiner: its identity is banned."""
+
+
 async def ask_for_stage(transport: Transport, directory: dict[str, int], capacity: int,
-                        timeout: float) -> tuple[int, int, dict[str, int]] | None:
-    """A joiner asks the leader (then the other data nodes) where to serve: (stage, current iteration,
-    the leader's stage directory, which the joiner starts from instead of its own stale one)."""
+                        timeout: float) -> Placement | None:
+    """A joiner asks the leader (then the other data nodes) where to serve; None when none answers or no
+    stage can take it (stage 0). Raises JoinRefused when a data node refuses its (banned) identity."""
     members = set(transport.members())
     data_nodes = sorted(p for p, s in directory.items() if s == 0 and p in members)
     if not data_nodes:
@@ -90,11 +107,14 @@ async def ask_for_stage(transport: Transport, directory: dict[str, int], capacit
             continue
         except PhalanxError:
             continue
+        if isinstance(obj, dict) and obj.get("refused") is True:
+            raise JoinRefused(f"data node {node[:8]} refused this joiner: its identity is banned")
         if isinstance(obj, dict) and type(obj.get("stage")) is int and type(obj.get("it")) is int and obj["stage"] >= 1:
-            known = obj.get("directory", {})
+            known, banned = obj.get("directory", {}), obj.get("banned", [])
             if not (isinstance(known, dict) and all(isinstance(p, str) and type(s) is int and s >= 0
-                                                    for p, s in known.items())):
+                                                    for p, s in known.items())
+                    and isinstance(banned, list) and all(isinstance(p, str) for p in banned)):
                 transport.report(Evidence(node, "malformed", "join answer with a bad directory"))
                 continue
-            return obj["stage"], obj["it"], {**directory, **known}
+            return Placement(obj["stage"], obj["it"], {**directory, **known}, frozenset(banned))
     return None

@@ -28,6 +28,20 @@ with the inputs and parts as proof, judged by every replica recomputing from the
 a lie by themselves (a bad seal, a microbatch it did not serve) are an ACCUSE "inputs"; inputs the
 target will not give are the validator's ELIMINATE (only it saw the omission).
 
+Departures (App. F): a replica that is silent through its stage's verification of an iteration (no
+report of it reached anyone: it crashed or left while the round was open) departs instead of being
+banned for what it left undone: omission claims against it (no metadata, no MPRNG reveal, no parts,
+not validating) ban nobody, neither it nor who eliminated it (`StageAdmission`, SecureRound's
+admission path). A departure never excuses a lie: every claim with evidence (a declaration, a
+judgeable sum, equivocation, an MPRNG cheat, false metadata, a forged vector whose inputs were
+fetched) bans a replica that departs after it. Two things a departure can leave unjudged: the sum of
+a departed owner's partition when a departed contributor's (often its own) metadata is missing, and
+the stage vector of a departed validation target whose inputs no validator got. Either would let a
+liar escape by leaving, so such a replica is retired (`retire` event, reason `departed:unverifiable`):
+out of the stage's ledger and groups for good and refused when it asks to join, as a ban would, but
+not counted as a ban (nothing proves it lied). A replica that departs with nothing unjudged comes back
+through the join path with its identity.
+
 Bans: every honest replica of the stage resolves the same bans at the same point (the end of the
 next iteration's round). Each one routes around the banned peer at once, records the ban as a
 `ban` event (the run's one ledger, beside SENTINEL's) and reports it to every other node
@@ -38,6 +52,7 @@ ban anyone; data nodes then leave the peer out of the next groups, and routers r
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,8 +60,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
-from ...algorithms.btard.bans import BanLedger
+from ...algorithms.btard.bans import BanLedger, BanRecord
+from ...algorithms.btard.checks import Claim
 from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD
 from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.envelope import SignedEnvelope
@@ -64,9 +81,11 @@ if TYPE_CHECKING:
 
 STAGE_BROADCAST = "sbt.broadcast"  # a stage round's signed broadcast (kept apart from the node's own board)
 STAGE_BOARD = "sbt.board"  # a request for envelopes on a stage round's board
-STAGE_BAN = "sbt.ban"  # a stage replica reports a ban its stage's round resolved
+STAGE_BAN = "sbt.ban"  # a stage replica reports a ban (or a retirement) its stage's round resolved
 STAGE_INPUTS = "sbt.inputs"  # request: a replica's committed inputs of one iteration (validators)
 KEPT_ITERATIONS = 3  # iterations whose weights and inputs are kept for validation (k is verified during k + 1)
+RETIRED = "departed:unverifiable"  # the ledger reason of a departed replica that left a check unjudged
+DEPARTED_INPUTS = b""  # what `StageInputs.fetch` returns for a target that left: its validator cannot judge
 
 
 class _StageBoard(BroadcastBoard):
@@ -122,6 +141,74 @@ class StageView(Transport):
         return None
 
 
+class StageSecureRound(SecureRound):
+    """The secure round of a stage group: SecureRound with the departures of the module docstring.
+
+    After the verification of a step it notes what a departure could leave unjudged: a failed sum of a
+    partition whose owner is silent and one of whose contributors' metadata is missing with its sender
+    silent (no claim then: nobody can judge it, and the owner is retired, `StageAdmission`), and the
+    targets that their validator reported unverified (retired if they depart in that step or the next).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.unjudged: dict[int, set[str]] = {}  # step -> silent owners whose sum nobody can judge
+        self.unvalidated: dict[int, set[str]] = {}  # step -> targets their validator could not judge
+
+    async def _verify(self, st, parts: list[torch.Tensor], draw) -> list[Claim]:
+        claims = await super()._verify(st, parts, draw)
+        unjudged = {o for o in st.sum_failed if o in st.silent and any(
+            p in st.silent and o not in st.meta.get(p, ({}, {}))[1] for p in st.contributors(o))}
+        self.unjudged[st.step] = unjudged
+        self.unvalidated[st.step] = {t for v, t in st.pairs  # a target with no agreed commitment contributed nothing
+                                     if t in st.commits and t in st.reports.get(v, {}).get("unverified", [])}
+        return [c for c in claims if not (c.reason == "v2_sum" and c.accuser == "" and c.target in unjudged)]
+
+
+class StageAdmission:
+    """SecureRound's admission hook for a stage group: every member trusted (a joiner too, as before), and
+    each settled step's departures recorded. A departed member is retired when it left a check unjudged:
+    its sum, or its validation (it departs in the step it was unverified in, or in the next one, or is
+    no longer in the next one's group: a target can send its report and leave before its validator
+    fetches its inputs)."""
+
+    def __init__(self, stage_round: StageRound) -> None:
+        self.stage_round = stage_round
+        self.carried: dict[int, set[str]] = {}  # step -> unverified targets of the step before, still here
+
+    async def roles(self, step: int, group: list[str]) -> Roles:
+        return Roles(tuple(group), tuple(group))
+
+    async def settle(self, step: int, approved: tuple[str, ...], departed: tuple[str, ...] = ()) -> None:
+        secure, groups = self.stage_round.round, self.stage_round.groups
+        unverified = secure.unvalidated.pop(step, set())
+        owed = secure.unjudged.pop(step, set()) | unverified | self.carried.pop(step, set())
+        if step in groups:  # an earlier unverified target that is not in this step's group has left
+            for peer in sorted(owed - set(groups[step]) - set(departed)):
+                await self.retire(peer, step)
+        self.carried[step + 1] = {p for p in unverified if p not in departed}
+        for table in (secure.unjudged, secure.unvalidated, groups, self.carried):
+            for old in [k for k in table if k < step]:
+                del table[old]
+        for peer in departed:
+            if peer in owed:
+                await self.retire(peer, step)
+            else:
+                await self.stage_round.record(peer, step, "departed", False)
+
+    async def retire(self, peer: str, step: int) -> None:
+        ledger = self.stage_round.ledger
+        if not ledger.is_banned(peer):
+            ledger.apply([BanRecord(step, peer, RETIRED)])
+            await self.stage_round.record(peer, step, RETIRED, True)
+
+    def checkpoint_state(self) -> dict:
+        return {}  # pipelines take no checkpoints
+
+    def load_checkpoint_state(self, saved: dict) -> None:
+        return None
+
+
 class StageRound:
     """A relay's stage all-reduce under BTARD; called like `ButterflyAllReduce` by `PipelineNode.aggregate`."""
 
@@ -133,28 +220,48 @@ class StageRound:
         # recompute=None: a stage gradient is not a function of public data; with validators it is
         # recomputed from the inputs each replica commits to (StageInputs).
         self.inputs = StageInputs(node, btard.timeout) if btard.validators > 0 else None
-        self.round = SecureRound(self.view, dim, allreduce, btard, self.ledger, None, policy, agreed_candidates=True,
-                                 inputs=self.inputs)
+        self.round = StageSecureRound(self.view, dim, allreduce, btard, self.ledger, None, policy,
+                                      agreed_candidates=True, inputs=self.inputs)
+        self.round.admission = StageAdmission(self)
+        # One round at a time: a round that outlives the aggregation timeout (it waits out departed
+        # members) must settle before the next one starts, or both would settle the same step.
+        self.lock = asyncio.Lock()
+        self.groups: dict[int, list[str]] = {}  # iteration -> its BEGIN group of this stage (agreed)
 
     async def __call__(self, it: int, vector: torch.Tensor, group: list[str]) -> AllReduceResult:
         node = self.node
-        if self.ledger.is_banned(node.me):  # this replica's own stage banned it: it takes no further round
-            return AllReduceResult(torch.zeros_like(vector), (), (), ())
-        self.view.group = list(group)
-        self.view.board.prune(it - 2)  # broadcasts older than two iterations are settled
-        if self.inputs is not None:
-            self.inputs.record(it, group)
-        result = await self.round(it, vector, group)
-        for ban in result.bans:
-            node.on_event({"kind": "ban", "peer": ban.peer, "step": ban.step, "reason": f"btard:{ban.reason}",
-                           "by": node.me, "stage": node.stage, "accuser": ban.accuser, "t": node.now()})
-            body = encode({"peer": ban.peer, "it": ban.step, "stage": node.stage})
-            for peer in sorted(node.directory):
-                if peer != node.me:
-                    await node.transport.send(peer, STAGE_BAN, body)
-            if ban.peer != node.me:
-                exclude(node, ban.peer)
-        return result
+        async with self.lock:
+            if self.ledger.is_banned(node.me):  # this replica's own stage banned (or retired) it: no further round
+                return AllReduceResult(torch.zeros_like(vector), (), (), ())
+            self.view.group = list(group)
+            self.groups[it] = list(group)
+            self.view.board.prune(it - 2)  # broadcasts older than two iterations are settled
+            if self.inputs is not None:
+                self.inputs.record(it, group)
+            result = await self.round(it, vector, group)
+            for ban in result.bans:
+                node.on_event({"kind": "ban", "peer": ban.peer, "step": ban.step, "reason": f"btard:{ban.reason}",
+                               "by": node.me, "stage": node.stage, "accuser": ban.accuser, "t": node.now()})
+                await self.report(ban.peer, ban.step)
+            return result
+
+    async def record(self, peer: str, step: int, reason: str, retired: bool) -> None:
+        """A departure settled in this replica's ledger: an event; a retired one is also reported and routed around."""
+        node = self.node
+        node.on_event({"kind": "retire" if retired else "depart", "peer": peer, "step": step, "reason": reason,
+                       "by": node.me, "stage": node.stage, "t0": node.now(), "t1": node.now()})
+        if retired:
+            await self.report(peer, step)
+
+    async def report(self, peer: str, step: int) -> None:
+        """Tell every node that `peer` is out of this stage's ledger; route around it."""
+        node = self.node
+        body = encode({"peer": peer, "it": step, "stage": node.stage})
+        for other in sorted(node.directory):
+            if other != node.me:
+                await node.transport.send(other, STAGE_BAN, body)
+        if peer != node.me:
+            exclude(node, peer)
 
     def close(self) -> None:
         """The run is over: drop the last iteration's verification, which the stopping group cannot finish."""
@@ -175,8 +282,9 @@ class StageBanReports:
         peer, it, stage = obj.get("peer"), obj.get("it"), obj.get("stage")
         if not (isinstance(peer, str) and type(it) is int and type(stage) is int):
             raise RemoteError(Evidence(sender, "malformed", "bad stage ban"))
-        if node.directory.get(sender) != stage or node.directory.get(peer) != stage or stage < 1:
+        if node.directory.get(sender) != stage or node.directory.get(peer, stage) != stage or stage < 1:
             return  # not a replica of the stage it reports on (or a view that lags): proves nothing
+        # (a banned peer that is asking to join again is in no stage here: the report still counts)
         self.reports.setdefault(peer, set()).add(sender)
         group = node.groups[stage] if len(node.groups) > stage else []
         reporters = self.reports[peer] & set(group)
@@ -241,11 +349,16 @@ class StageInputs:
         it = obj.get("it")
         if type(it) is not int:
             raise RemoteError(Evidence(sender, "malformed", "bad inputs request"))
-        return encode({"it": it, "inputs": self.mine.get(it)})
+        node = self.node
+        fresh = not node.entered or node.serving_from > it  # a process that restarted since `it`: it holds nothing of it
+        return encode({"it": it, "inputs": self.mine.get(it), "fresh": fresh})
 
     async def fetch(self, target: str, step: int, committed: bytes) -> bytes | None:
-        """The target's inputs of `step` if they match its commitment (None otherwise); the device is
-        charged for the recomputation that follows (a forward and a backward per microbatch)."""
+        """The target's inputs of `step` if they match its commitment (None otherwise: the validator
+        eliminates it); DEPARTED_INPUTS when the target departed without giving them: it left the
+        membership view, or says it is a fresh process that entered after `step` (`recompute` then
+        cannot judge; the target is retired when it departs, `StageAdmission`). The device is charged
+        for the recomputation that follows (a forward and a backward per microbatch)."""
         node = self.node
         try:
             answer = decode(await node.transport.request(target, STAGE_INPUTS, encode({"it": step}), self.timeout),
@@ -254,8 +367,10 @@ class StageInputs:
             node.transport.report(exc.evidence)
             return None
         except PhalanxError:
-            return None
+            return DEPARTED_INPUTS if await self._departs(target) else None
         blob = answer.get("inputs") if isinstance(answer, dict) else None
+        if blob is None and isinstance(answer, dict) and answer.get("fresh") is True:
+            return DEPARTED_INPUTS  # it crashed and came back as a fresh process: a departure
         if not isinstance(blob, bytes) or digest(blob) != committed:
             return None
         kept = self.kept.get(step)
@@ -264,11 +379,25 @@ class StageInputs:
             await node.transport.charge_compute(3 * served * node.staged.forward_flops[node.stage] * node.config.flops_scale)
         return blob
 
+    async def _departs(self, target: str) -> bool:
+        """Whether a target that did not answer leaves the membership view within the timeout (it crashed
+        or left: failure detection takes a while) rather than staying and withholding its inputs."""
+        node = self.node
+        deadline = node.now() + self.timeout
+        while target in node.transport.members():
+            if node.now() >= deadline:
+                return False
+            await asyncio.sleep(self.timeout / 10)
+        return True
+
     def recompute(self, target: str, step: int, inputs: bytes) -> torch.Tensor | None:
         """The target's stage vector of `step` recomputed from its committed inputs; None when the inputs
         prove a lie: not the microbatches BEGIN says it served, a tensor of the wrong shape, or a seal that
-        is not its sender's. Raises KeyError when this replica kept no weights of `step` (it cannot judge)."""
+        is not its sender's. Raises KeyError when this replica cannot judge: it kept no weights of `step`,
+        or the target departed without giving its inputs (DEPARTED_INPUTS)."""
         node, stage = self.node, self.node.stage
+        if inputs == DEPARTED_INPUTS:
+            raise KeyError(target)
         kept = self.kept[step]
         records = decode(inputs, target, node.transport.limits)
         expected = sorted(k for k, p in kept.paths.items() if p[stage] == target)

@@ -162,7 +162,7 @@ class SecureRound(ButterflyAllReduce):
 
         # 5-6. verification of this step runs in the background of the next step's compute and
         # all-reduce (App. B); the previous step's verdicts are applied now (`settle`).
-        self._pending[step] = (st, asyncio.ensure_future(verify(state, st, parts, drawn)))
+        self._pending[step] = (st, asyncio.ensure_future(self._verify(st, parts, drawn)))
         await self.settle(step if state.btard.background else step + 1)
         bans, self._unreported = self._unreported, []
         return SecureResult(
@@ -357,6 +357,10 @@ class SecureRound(ButterflyAllReduce):
         return SecureResult(torch.zeros(self.dim, dtype=torch.float32), tuple(st.members), (), (), tuple(bans))
 
     # --- settling, checkpoints --------------------------------------------------
+
+    async def _verify(self, st: StepState, parts: list[torch.Tensor], drawn: asyncio.Future) -> list[Claim]:
+        """A step's background verification (`btard_verify.verify`); a subclass may filter its claims."""
+        return await verify(self.state, st, parts, drawn)
 
     def cancel_pending(self) -> None:
         """Cancel the verifications still running in the background, unresolved: a peer that stops

@@ -1,0 +1,105 @@
+"""Repair (GWTF V-D): a microbatch whose next peer left is reported lost; a broken backward is repaired
+by resending a stored activation to a new peer, which recomputes only the missing stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
+from ...core.errors import Evidence, RemoteError
+from ...core.serialization import encode
+from . import messages as m
+
+log = logging.getLogger(__name__)
+
+class Repair:
+    """Lost and broken microbatches (a part of `PipelineNode`, node.py)."""
+
+    def check_next_peers(self) -> None:
+        """A microbatch I passed on is lost when the peer I passed it to leaves before its output came
+        home: tell its data node (it restarts the microbatch, or watches its backward) instead of
+        letting it wait out the microbatch timeout. Checked whenever pipeline traffic wakes the node
+        (no timer of its own, so that a run without churn is scheduled exactly as before)."""
+        members = set(self.transport.members())
+        for key, h in list(self.held.items()):
+            if h.next_peer is not None and h.next_peer not in members and not h.lost_reported:
+                h.lost_reported = True
+                self.spawn(self.report_lost(key, self.stage + 1))
+
+    async def report_lost(self, key: m.Key, stage: int) -> None:
+        body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "lost": True}
+        await self.transport.send(key[0], m.BROKEN, encode(body))
+
+    async def _on_ping(self, sender: str, payload: bytes) -> bytes:
+        key = m.parse_key(m.parse_mapping(payload, sender, self.transport.limits, "ping"), sender)
+        return m.answer(m.OK if key in self.held else m.UNKNOWN)
+
+    async def _on_reforward(self, sender: str, payload: bytes) -> bytes:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "reforward")
+        key = m.parse_key(obj, sender)
+        upto, holder = obj.get("upto"), obj.get("holder")
+        if sender != key[0] or type(upto) is not int or not self.stage < upto <= self.last or not isinstance(holder, str):
+            raise RemoteError(Evidence(sender, "malformed", "bad reforward request"))
+        return m.answer(m.OK if self.reforward(key, upto, holder) else m.UNKNOWN)
+
+    def reforward(self, key: m.Key, upto: int, holder: str) -> bool:
+        """Resend my stored output to a new peer of the next stage, which recomputes up to `upto`."""
+        h = self.held.get(key)
+        if h is None:
+            return False
+        dead = h.next_peer
+        c = h.carry
+        h.carry = dataclasses.replace(c, repair=upto, holder=holder)
+        if dead is not None:
+            h.excluded.add(dead)
+        h.next_peer = None
+        self.spawn(self.send_forward(key))
+        return True
+
+    async def _resume(self, key: m.Key) -> None:
+        """I rebuilt the last broken stage: ask the holder to send its stored gradient to me."""
+        h = self.held[key]
+        body = {"src": key[0], "seq": key[1], "att": key[2], "path": [*h.carry.path, self.me], "rec": list(h.recomputed)}
+        if h.carry.holder == self.me:
+            return
+        if self.sealing:  # my seal on the output I recomputed: the holder computed with the same tensor, from a dead sender
+            tensor = h.sent if h.sent is not None else h.out.detach()
+            body["seal"] = self.seal(CHECK_FORWARD, key, h.carry.it, self.stage + 1, tensor).to_obj()
+        word = await self._ask(h.carry.holder, m.RESUME, encode(body))
+        if word != m.OK:
+            log.debug("resume of %s at %s failed", m.key_name(key), h.carry.holder[:8])
+
+    async def _on_resume(self, sender: str, payload: bytes) -> bytes:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "resume")
+        key = m.parse_key(obj, sender)
+        prefix, rec = obj.get("path"), obj.get("rec")
+        carry = self.pending.get(key)
+        if carry is None:
+            return m.answer(m.UNKNOWN)
+        ok = (
+            isinstance(prefix, list) and len(prefix) == carry.stage + 1 and all(isinstance(p, str) for p in prefix)
+            and prefix[-1] == sender and prefix[0] == key[0]
+            and isinstance(rec, list) and all(type(s) is int for s in rec)
+        )
+        if not ok:
+            raise RemoteError(Evidence(sender, "malformed", "bad resume request"))
+        if self.directory.get(sender, carry.stage) != carry.stage:
+            return m.answer(m.UNKNOWN)  # our views of its stage differ (a move not yet seen here): not evidence
+        if self.sealing and "seal" in obj:
+            self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)
+        del self.pending[key]
+        path = tuple(prefix) + carry.path[carry.stage + 1:]
+        recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
+        self.spawn(self.send_backward(dataclasses.replace(carry, path=path, recomputed=recomputed)))
+        return m.answer(m.OK)
+
+    def reseal(self, key: m.Key, prefix: tuple[str, ...], seal: m.Seal, sender: str) -> None:
+        """The peer that rebuilt my upstream stage sealed the output it recomputed. When that is exactly the
+        activation I computed with (the same weights and input give the same tensor), it becomes the forward
+        input I commit to, under the repaired path: the dead sender's seal would not match the path that
+        BEGIN names, and my stage gradient would look computed from inputs nobody on the path sent."""
+        forward, backward = self.received.get(key, (None, None))
+        if forward is not None and seal.signer == sender and seal.valid(key, forward.it, CHECK_FORWARD, self.stage, forward.tensor):
+            self.received[key] = (dataclasses.replace(forward, path=prefix, seal=seal), backward)

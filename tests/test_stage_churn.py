@@ -1,0 +1,77 @@
+"""Churn in stage rounds (issue 18): a replica that leaves while its stage's round is open departs (App. F),
+it is not banned; a banned identity is refused when it asks to join again."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from phalanx.runs.pipeline.config import ChurnConfig, PipelineRunConfig, StageByzantineConfig
+from phalanx.runs.pipeline.run import simulate_pipeline
+from phalanx.runtime.dp.peer import TrainConfig
+from phalanx.runtime.pipeline.config import PipelineConfig
+from phalanx.runtime.rounds.btard import BTARDConfig
+from phalanx.runtime.rounds.butterfly import AllReduceConfig
+
+CRASH = 3  # the iteration in which relay 1 (stage 2) crashes, while its stage verifies iteration 2
+
+
+def _config(faults: ChurnConfig, attack: str = "none", steps: int = 6) -> PipelineRunConfig:
+    # 1 data node + 2 stages x 4 relays (relay r is in stage 1 + r mod 2), validators as in secure-gpt-pipeline;
+    # btard.timeout 2.5 s outlasts failure detection (2 s), so a validator sees its target leave
+    return PipelineRunConfig(
+        peers=9, data_nodes=1, steps=steps,
+        train=TrainConfig(task="digits-mlp", batch_size=8, lr=0.1),
+        pipeline=PipelineConfig(stages=2, microbatches=8, capacity=2),
+        allreduce=AllReduceConfig(reducer="centered_clip", tau=1.0),
+        btard=BTARDConfig(enabled=True, validators=2, timeout=2.5),
+        byzantine=StageByzantineConfig(attack=attack, relays="1" if attack != "none" else "", start_step=2),
+        faults=faults,
+    )
+
+
+@pytest.mark.parametrize("crash_at", [0.0, 0.01, 0.07])
+def test_a_replica_that_crashes_while_its_stage_verifies_departs_and_nobody_is_banned(crash_at):
+    # Without departures these crashes ban: 0.0 the crashed owner (btard:v2_sum: its partition's sum lacks
+    # its own metadata), 0.01 the crashed target AND its live validator (eliminated:no_inputs, eliminator),
+    # 0.07 the crashed replica (no_reveal). Each leaves a check unjudged (its sum, or its validation), so
+    # the crashed identity is retired: out for good, refused when it asks to join again, not banned.
+    summary = simulate_pipeline(_config(ChurnConfig(crash_relay=1, crash_iteration=CRASH, crash_at=crash_at,
+                                                    join_rate=1.0)), progress=False)
+    crashed = summary["peer_ids"][2]
+    assert summary["bans"] == [] and summary["banned"] == []
+    assert summary["retired"] == [crashed]
+    retirements = [e for e in summary["events"] if e["kind"] == "retire"]
+    assert {e["by"] for e in retirements} == {summary["peer_ids"][i] for i in (4, 6, 8)}  # its stage's live replicas
+    assert all(m["completed"] == 8 for m in summary["metrics"])
+    assert all(len({d for p, (s, _, d) in summary["replicas"].items() if s == stage}) == 1 for stage in (0, 1, 2))
+    assert sum(1 for p, (s, _, _) in summary["replicas"].items() if s == 2) == 3
+
+
+def test_a_banned_identity_is_refused_when_it_asks_to_join_again():
+    # relay 1 lies in its stage's all-reduce from iteration 2 (banned at the end of 3's round), crashes in 4 and,
+    # at join_rate 1, asks to join again at the start of 5: the data node refuses it, so it never serves again
+    faults = ChurnConfig(crash_relay=1, crash_iteration=4, join_rate=1.0)
+    summary = simulate_pipeline(_config(faults, attack="agg_shift", steps=7), progress=False)
+    liar = summary["peer_ids"][2]
+    assert summary["banned"] == [liar] and summary["refused"] == [liar]
+    assert not [e for e in summary["events"] if e["kind"] == "join" and e["peer"] == liar]
+    assert max(e["it"] for e in summary["events"] if e["kind"] == "fwd" and e["peer"] == liar) <= 3
+    assert all(m["completed"] == 8 for m in summary["metrics"])
+
+
+def test_a_replica_whose_upstream_sender_died_and_was_rebuilt_is_not_banned_for_its_inputs():
+    # GWTF repair with validators: the first stage-2 relay to finish a forward in iteration 1 dies, its
+    # microbatch's backward breaks at the stage-3 replica that holds it, a new stage-2 peer recomputes and the
+    # path that BEGIN names is the repaired one. The holder computed with the dead sender's activation: the
+    # rebuilding peer seals its recomputed (identical) output, so the holder's committed inputs match the path
+    # (at seed 1 the holder is a validation target: without that seal it is banned, btard:inputs)
+    pipeline = PipelineConfig(stages=3, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=4.0, routing="gwtf")
+    config = replace(_config(ChurnConfig(crash_stage=2, crash_iteration=1, crash_at=0.1), steps=3),
+                     seed=1, peers=7, pipeline=pipeline)
+    summary = simulate_pipeline(config, progress=False)
+    assert [mb for mb in summary["microbatches"] if mb["it"] == 1 and mb["repairs"]]
+    victim = next(e["peer"] for e in summary["events"] if e["kind"] == "fwd" and e["stage"] == 2 and e["it"] == 1)
+    assert summary["bans"] == [] and set(summary["retired"]) <= {victim}
+    assert all(m["completed"] == 4 for m in summary["metrics"])
