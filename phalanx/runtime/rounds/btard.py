@@ -70,7 +70,7 @@ import torch
 from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, tensor_hash
+from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, passed_over, tensor_hash
 from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, PhalanxError
 from ...core.serialization import encode
@@ -297,17 +297,33 @@ class SecureRound(ButterflyAllReduce):
 
     async def _gather(self, st: StepState, mine: torch.Tensor | None, rcommitted: asyncio.Event) -> torch.Tensor:
         """4. Gather the aggregates while their commitments arrive; once they are in, MPRNG may reveal.
-        Returns the step's update, each partition's aggregate checked against its commitment."""
+        Returns the step's update, each partition's aggregate checked against its commitment.
+
+        An owner that every other owner declares `late_commit` (its commitment reached none of them
+        in time: it crashed, or is far behind) is passed over (`passed_over`): its partition is left
+        out on every peer, so nobody waits for its aggregate commitment or its aggregate."""
         tr, me, step, g, owners, claims = self.transport, self.transport.peer_id, st.step, st.g, st.group, st.claims
+
+        def declarations(held: dict[str, SignedEnvelope]) -> dict[str, dict[str, str]]:
+            parsed = {peer: rcommit_in(obj, owners) for peer, env in held.items() if group_in(obj := decoded(env.payload, peer, None)) == g}
+            return {peer: p[2] if p is not None else {} for peer, p in parsed.items()}
 
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
         async def aggregate_commitments():
-            held = await tr.collect_broadcasts("bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members))
+            held = await tr.collect_broadcasts(
+                "bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members),
+                enough=lambda got: passed_over(owners, declarations(got)) is not None,
+            )
             rcommitted.set()
             return held
 
         others = {o: (st.slice(o).stop - st.slice(o).start,) for o in owners if o != me}
-        envelopes, results = await asyncio.gather(aggregate_commitments(), self._collect(step, REDUCED, others))
+        committing = asyncio.ensure_future(aggregate_commitments())
+        collecting = asyncio.ensure_future(self._collect(step, REDUCED, others))
+        envelopes = await committing
+        st.passed = passed_over(owners, declarations(envelopes)) or set()
+        self._give_up(step, REDUCED, st.passed)
+        results = await collecting
         for peer, env in envelopes.items():
             obj = decoded(env.payload, peer, tr)
             if group_in(obj) != g:
@@ -325,10 +341,10 @@ class SecureRound(ButterflyAllReduce):
                 st.rcommits[peer] = parsed
         rbox = self._inbox.get((step, REDUCED), {})
         out = torch.zeros(self.dim, dtype=torch.float32)
-        if mine is not None:
+        if mine is not None and me not in st.passed:
             st.aggregates[me] = mine
         for owner in others:
-            if owner not in st.rcommits:
+            if owner not in st.rcommits or owner in st.passed:
                 continue
             held = rbox.get(owner)
             raw = held[0] if held is not None and held[1] == g else None
