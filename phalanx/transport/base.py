@@ -114,8 +114,8 @@ class Transport(ABC):
             await self.fetch_broadcasts(topic, step, missing, [*missing, *others], min(patience, deadline - clock.now()))
 
     async def collect_passing_over(
-        self, topic: str, step: int, senders: list[str], timeout: float, quiet: Callable[[dict[str, SignedEnvelope]], set[str]],
-        relays: int = 2, grace: float | None = None,
+        self, topic: str, step: int, senders: list[str], timeout: float,
+        quiet: Callable[[dict[str, SignedEnvelope]], set[str]], relays: int = 2, grace: float | None = None,
     ) -> dict[str, SignedEnvelope]:
         """`collect_broadcasts`, except that the senders `quiet(arrived)` names (silent in an earlier phase)
         are waited for only a `grace` (default timeout / 4) once every other sender's envelope is in, and
@@ -130,7 +130,8 @@ class Transport(ABC):
         got = await self.collect_broadcasts(topic, step, senders, timeout, relays, enough)
         missing = [p for p in senders if p not in got and p != self.peer_id]
         if missing and clock.now() < deadline:
-            got.update(await self.collect_broadcasts(topic, step, missing, min(timeout / 4 if grace is None else grace, deadline - clock.now()), relays))
+            wait = min(timeout / 4 if grace is None else grace, deadline - clock.now())
+            got.update(await self.collect_broadcasts(topic, step, missing, wait, relays))
         return got
 
     async def fetch_broadcasts(self, topic: str, step: int, senders: list[str], sources: list[str], timeout: float) -> None:

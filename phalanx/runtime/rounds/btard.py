@@ -24,7 +24,10 @@ The critical path has one synchronisation before aggregation (App. B):
    drops, and each drop of a committed owner is the dropper's ELIMINATE (a
    commitment that reached the owner late included: lateness is unprovable,
    so it is priced like a missing part). The step's result (the SGD update) is
-   returned as soon as the aggregates are gathered and hash-checked.
+   returned as soon as the aggregates are gathered and hash-checked. An owner
+   that every other owner drops as silent (`late_commit`, `missing_part`) is
+   passed over: its partition is left out on every peer and nobody waits for
+   it (a crashed peer costs one timeout, not one per phase).
 
 Steps 4-6 (MPRNG, metadata, V1-V3, validators, reports) run in the background
 while the next step computes and all-reduces (App. B): `btard_verify`, with the
@@ -299,14 +302,19 @@ class SecureRound(ButterflyAllReduce):
         """4. Gather the aggregates while their commitments arrive; once they are in, MPRNG may reveal.
         Returns the step's update, each partition's aggregate checked against its commitment.
 
-        An owner that every other owner declares `late_commit` (its commitment reached none of them
-        in time: it crashed, or is far behind) is passed over (`passed_over`): its partition is left
-        out on every peer, so nobody waits for its aggregate commitment or its aggregate."""
+        An owner that every other owner drops as silent (its commitment or its parts reached none of
+        them in time: it crashed, or is far behind) is passed over (`passed_over`): its partition is
+        left out on every peer, so nobody waits for its aggregate commitment or its aggregate."""
         tr, me, step, g, owners, claims = self.transport, self.transport.peer_id, st.step, st.g, st.group, st.claims
 
         def declarations(held: dict[str, SignedEnvelope]) -> dict[str, dict[str, str]]:
-            parsed = {peer: rcommit_in(obj, owners) for peer, env in held.items() if group_in(obj := decoded(env.payload, peer, None)) == g}
-            return {peer: p[2] if p is not None else {} for peer, p in parsed.items()}
+            drops = {}
+            for peer, env in held.items():
+                obj = decoded(env.payload, peer, None)
+                if group_in(obj) == g:
+                    parsed = rcommit_in(obj, owners)
+                    drops[peer] = parsed[2] if parsed is not None else {}  # malformed: a hash without drops
+            return drops
 
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
         async def aggregate_commitments():

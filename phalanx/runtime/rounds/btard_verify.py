@@ -14,6 +14,10 @@ It runs while the next step computes and all-reduces:
    decide on sets: every declaration against the agreed contributors, and Σ_i s_i^j = 0 over every
    agreed contributor of every partition.
 
+A member silent in an earlier phase of the step (no MPRNG commitment, no reveal, no commitment or metadata
+in any report at hand) is waited for only a grace of btard.timeout / 4 in the later waits, once every other
+member's message is in (`Transport.collect_passing_over`), not the whole timeout again.
+
 `verify` returns every claim of the step; `btard_judge` resolves them.
 """
 
