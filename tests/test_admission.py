@@ -137,3 +137,22 @@ def test_a_restarted_trusted_peer_comes_back_through_admission(tmp_path):
     assert metrics[-1]["trusted"] == 5 and metrics[-1]["untrusted"] == 0
     assert len(set(summary["final_digests"].values())) == 1 and peer in summary["final_digests"]
     _agree(summary, metrics)
+
+
+def test_a_crashed_trusted_peer_costs_the_survivors_about_one_timeout(tmp_path):
+    # The peer dies after step 2, mid-verification of it: it is waited for in full once in each step (its
+    # MPRNG reveal of step 2, its commitment of step 3), and after that only a grace: the survivors' step 3
+    # takes ~1 timeout of simulated time (before the pass-over rules: 6, as long as their every later wait).
+    timeout = 5.0
+    crash = ["peers=4", "steps=5", "train.eval_every=5", f"btard.timeout={timeout}", f"allreduce.timeout={timeout}",
+             "faults.crash=1", "faults.crash_after_step=2", "faults.restart_after=10"]  # no restart: churn on, for App. F
+    summary, metrics, admissions = _run(tmp_path, *crash)
+    victim = next(iter(summary["crashed"]))
+    survivors = [i for i, p in enumerate(summary["peer_ids"][:4]) if p != victim]
+    for i in survivors:
+        steps = {r["step"]: r["t_end"] - r["t_start"] for r in map(json.loads, (tmp_path / "peers" / f"{i}.jsonl").read_text().splitlines())}
+        assert steps[3] <= 2 * timeout and steps[4] <= timeout, steps
+    assert [(a["peer"], a["event"], a["step"]) for a in admissions if a["event"] == "departed"] == [(victim, "departed", 3)]
+    assert summary["banned"] == []
+    assert len({summary["final_digests"][p] for p in summary["final_digests"] if p != victim}) == 1
+    _agree(summary, metrics)

@@ -23,6 +23,7 @@ from phalanx.algorithms.btard.checks import (
     Verdict,
     gradient_matches,
     norm_matches,
+    passed_over,
     project,
     resolve,
     s_matches,
@@ -375,3 +376,22 @@ def test_a_commitment_timed_at_the_deadline_splits_nobody(tmp_path):
     assert all(r["reason"] in ("eliminator", "eliminated:late_commit") or r["peer"] == byzantine for r in rows)
     digests = summary["final_digests"]
     assert len({digests[p] for p in honest if p not in view}) == 1
+
+
+def test_an_owner_every_other_owner_dropped_as_silent_is_passed_over_whether_or_not_its_own_declaration_came():
+    owners = ["a", "b", "c", "x"]
+    late = {"x": "late_commit"}
+    # Crashed x: the three others' declarations decide it, before and after x's (slow) own arrives.
+    assert passed_over(owners, {"a": late, "b": late}) is None  # c has not declared yet
+    assert passed_over(owners, {"a": late, "b": late, "c": late}) == {"x"}
+    assert passed_over(owners, {"a": late, "b": late, "c": late, "x": {}}) == {"x"}
+    # Crashed after its commitment, before its parts: dropped as missing_part (or late) by all of them.
+    assert passed_over(owners, {"a": {"x": "missing_part"}, "b": late, "c": {"x": "missing_part"}}) == {"x"}
+    # One owner that used x's part (deadline_edge's in-time half), or got a wrong one: x is waited for, as before.
+    assert passed_over(owners, {"a": late, "b": late, "c": {}}) is None
+    assert passed_over(owners, {"a": late, "b": late, "c": {"x": "part_hash"}}) is None
+    assert passed_over(owners, {"a": late, "b": late, "c": {}, "x": {}}) == set()
+    # A lone declaration that calls every other owner late decides nothing (a majority must have declared).
+    everyone_late = {o: "late_commit" for o in owners}
+    assert passed_over(owners, {"a": everyone_late}) is None
+    assert passed_over(["a", "x"], {"a": late}) is None

@@ -50,17 +50,17 @@ from phalanx.training.task import compute_gradient
 pytestmark = pytest.mark.hivemind
 
 PEERS = 4
-# Killed once it has recorded 15 steps, the worker is back within ~11 steps (departed at step 16, untrusted at 18,
-# trusted at 26, measured under load 20-26). The survivors' step after the kill waits out the dead peer's BTARD
-# phases (~8 timeouts over that step and the next), which covers the restart's start-up (~25 s pinned to one
-# busy core); the pace keeps the ~45 steps after it at >= 13 s.
+# Killed once it has recorded 15 steps, the worker is back within ~11 steps (departed at step 16, untrusted at
+# 18-25, trusted at 23-31). The survivors wait for the dead peer two or three timeouts (its commitment of step 15,
+# then its join while it is still a candidate: 16-25 s, issue-14 notes "Session 17"); the pace keeps the ~43
+# steps after that at >= 21 s, so together they cover the restart's start-up (~25 s pinned to one busy core).
 STEPS = 60
-PACE = 0.3  # min_step_seconds
+PACE = 0.5  # min_step_seconds
 KILL_AFTER = 15
 MORE = 4  # steps the resumed run adds, checkpointed every 2
 T = 2  # approvals a joiner needs
 # BTARD timeouts above the 5 s default, so that a descheduled process is not taken for a silent one; each costs
-# the survivors ~8 waits after the kill, so not more.
+# the survivors ~2 waits after the kill.
 SETS = ["seed=11", "byzantine.count=0", f"btard.admission_after={T}", f"train.eval_every={STEPS}", "btard.timeout=8",
         "allreduce.timeout=8", f"min_step_seconds={PACE}"]
 

@@ -91,9 +91,11 @@ class Transport(ABC):
         return envelope
 
     async def collect_broadcasts(
-        self, topic: str, step: int, senders: list[str], timeout: float, relays: int = 2
+        self, topic: str, step: int, senders: list[str], timeout: float, relays: int = 2,
+        enough: Callable[[dict[str, SignedEnvelope]], bool] | None = None,
     ) -> dict[str, SignedEnvelope]:
-        """Envelopes of `senders` for (topic, step), waiting up to `timeout`.
+        """Envelopes of `senders` for (topic, step), waiting up to `timeout`, or until `enough`
+        holds for what arrived (asked at each arrival).
 
         Broadcast is best effort, so what has not arrived halfway through is
         fetched from its sender and from `relays` other members: envelopes are
@@ -104,12 +106,33 @@ class Transport(ABC):
         deadline = clock.now() + timeout
         patience = timeout / 4
         while True:
-            got = await self.board.wait(topic, step, senders, min(patience, max(0.0, deadline - clock.now())))
+            got = await self.board.wait(topic, step, senders, min(patience, max(0.0, deadline - clock.now())), enough)
             missing = [s for s in senders if s not in got and s != self.peer_id]
-            if not missing or clock.now() >= deadline:
+            if not missing or clock.now() >= deadline or (enough is not None and enough(got)):
                 return got
             others = [p for p in self.members() if p != self.peer_id and p not in missing][:relays]
             await self.fetch_broadcasts(topic, step, missing, [*missing, *others], min(patience, deadline - clock.now()))
+
+    async def collect_passing_over(
+        self, topic: str, step: int, senders: list[str], timeout: float,
+        quiet: Callable[[dict[str, SignedEnvelope]], set[str]], relays: int = 2, grace: float | None = None,
+    ) -> dict[str, SignedEnvelope]:
+        """`collect_broadcasts`, except that the senders `quiet(arrived)` names (silent in an earlier phase)
+        are waited for only a `grace` (default timeout / 4) once every other sender's envelope is in, and
+        those others are more than half of `senders` (so a few early arrivals never pass over the rest)."""
+        clock = self.clock
+        deadline = clock.now() + timeout
+
+        def enough(got: dict[str, SignedEnvelope]) -> bool:
+            rest = [p for p in senders if p not in quiet(got)]
+            return 2 * len(rest) > len(senders) and all(p in got or p == self.peer_id for p in rest)
+
+        got = await self.collect_broadcasts(topic, step, senders, timeout, relays, enough)
+        missing = [p for p in senders if p not in got and p != self.peer_id]
+        if missing and clock.now() < deadline:
+            wait = min(timeout / 4 if grace is None else grace, deadline - clock.now())
+            got.update(await self.collect_broadcasts(topic, step, missing, wait, relays))
+        return got
 
     async def fetch_broadcasts(self, topic: str, step: int, senders: list[str], sources: list[str], timeout: float) -> None:
         """Ask `sources` for the envelopes they hold from `senders` for (topic, step); add them to the board."""

@@ -59,9 +59,11 @@ class BroadcastBoard:
         return dict(self._slots.get((topic, step), {}))
 
     async def wait(
-        self, topic: str, step: int, senders: Iterable[str], timeout: float
+        self, topic: str, step: int, senders: Iterable[str], timeout: float,
+        enough: Callable[[dict[str, SignedEnvelope]], bool] | None = None,
     ) -> dict[str, SignedEnvelope]:
-        """Wait until every sender's envelope for (topic, step) is here or `timeout` passes.
+        """Wait until every sender's envelope for (topic, step) is here, `enough` holds for what is
+        here (it is asked again at each arrival), or `timeout` passes.
 
         Returns what arrived from `senders` (possibly not all of them).
         """
@@ -72,7 +74,7 @@ class BroadcastBoard:
         event = self._events.setdefault(key, asyncio.Event())
         while True:
             slot = self._slots.get(key, {})
-            if all(s in slot for s in wanted):
+            if all(s in slot for s in wanted) or (enough is not None and enough({s: slot[s] for s in wanted if s in slot})):
                 break
             remaining = deadline - loop.time()
             if remaining <= 0:

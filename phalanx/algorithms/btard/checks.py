@@ -161,6 +161,28 @@ def v3_flags(norms: list[float], delta_max: float) -> int:
     return sum(1 for norm in norms if not norm <= delta_max)
 
 
+SILENT_DROPS = ("late_commit", "missing_part")  # an owner's drop of a sender that sent it nothing in time
+
+
+def passed_over(owners: list[str], drops: dict[str, dict[str, str]]) -> set[str] | None:
+    """Owners whose partition a step leaves out because they sent no owner anything in time (their
+    commitment or their parts); None while the declarations at hand do not decide it.
+
+    `drops`: the aggregate commitments held so far, owner -> {dropped owner: reason}. An owner is
+    passed over when every other declaration held drops it as silent (`SILENT_DROPS`); that is decided once
+    the owners not passed over have all declared and are more than half of the owners (so a lone
+    declaration that calls every other owner late decides nothing). The outcome reads signed
+    declarations only, never when an aggregate arrived: a crashed owner is not waited for, and a
+    slow one whose aggregate reaches some peers in time is left out by all of them (itself too).
+    """
+    passed = {
+        o for o in owners
+        if (others := [d for d in drops if d != o]) and all(drops[d].get(o) in SILENT_DROPS for d in others)
+    }
+    rest = [o for o in owners if o not in passed]
+    return passed if all(o in drops for o in rest) and 2 * len(rest) > len(owners) else None
+
+
 # --- claims and their canonical order (BTARD App. D.3) ------------------------
 
 ACCUSE, ELIMINATE = "accuse", "eliminate"  # sorted: every ACCUSE is processed before any ELIMINATE

@@ -24,7 +24,10 @@ The critical path has one synchronisation before aggregation (App. B):
    drops, and each drop of a committed owner is the dropper's ELIMINATE (a
    commitment that reached the owner late included: lateness is unprovable,
    so it is priced like a missing part). The step's result (the SGD update) is
-   returned as soon as the aggregates are gathered and hash-checked.
+   returned as soon as the aggregates are gathered and hash-checked. An owner
+   that every other owner drops as silent (`late_commit`, `missing_part`) is
+   passed over: its partition is left out on every peer and nobody waits for
+   it (a crashed peer costs one timeout, not one per phase).
 
 Steps 4-6 (MPRNG, metadata, V1-V3, validators, reports) run in the background
 while the next step computes and all-reduces (App. B): `btard_verify`, with the
@@ -70,7 +73,7 @@ import torch
 from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, tensor_hash
+from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, passed_over, tensor_hash
 from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, PhalanxError
 from ...core.serialization import encode
@@ -297,17 +300,38 @@ class SecureRound(ButterflyAllReduce):
 
     async def _gather(self, st: StepState, mine: torch.Tensor | None, rcommitted: asyncio.Event) -> torch.Tensor:
         """4. Gather the aggregates while their commitments arrive; once they are in, MPRNG may reveal.
-        Returns the step's update, each partition's aggregate checked against its commitment."""
+        Returns the step's update, each partition's aggregate checked against its commitment.
+
+        An owner that every other owner drops as silent (its commitment or its parts reached none of
+        them in time: it crashed, or is far behind) is passed over (`passed_over`): its partition is
+        left out on every peer, so nobody waits for its aggregate commitment or its aggregate."""
         tr, me, step, g, owners, claims = self.transport, self.transport.peer_id, st.step, st.g, st.group, st.claims
+
+        def declarations(held: dict[str, SignedEnvelope]) -> dict[str, dict[str, str]]:
+            drops = {}
+            for peer, env in held.items():
+                obj = decoded(env.payload, peer, None)
+                if group_in(obj) == g:
+                    parsed = rcommit_in(obj, owners)
+                    drops[peer] = parsed[2] if parsed is not None else {}  # malformed: a hash without drops
+            return drops
 
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
         async def aggregate_commitments():
-            held = await tr.collect_broadcasts("bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members))
+            held = await tr.collect_broadcasts(
+                "bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members),
+                enough=lambda got: passed_over(owners, declarations(got)) is not None,
+            )
             rcommitted.set()
             return held
 
         others = {o: (st.slice(o).stop - st.slice(o).start,) for o in owners if o != me}
-        envelopes, results = await asyncio.gather(aggregate_commitments(), self._collect(step, REDUCED, others))
+        committing = asyncio.ensure_future(aggregate_commitments())
+        collecting = asyncio.ensure_future(self._collect(step, REDUCED, others))
+        envelopes = await committing
+        st.passed = passed_over(owners, declarations(envelopes)) or set()
+        self._give_up(step, REDUCED, st.passed)
+        results = await collecting
         for peer, env in envelopes.items():
             obj = decoded(env.payload, peer, tr)
             if group_in(obj) != g:
@@ -325,10 +349,10 @@ class SecureRound(ButterflyAllReduce):
                 st.rcommits[peer] = parsed
         rbox = self._inbox.get((step, REDUCED), {})
         out = torch.zeros(self.dim, dtype=torch.float32)
-        if mine is not None:
+        if mine is not None and me not in st.passed:
             st.aggregates[me] = mine
         for owner in others:
-            if owner not in st.rcommits:
+            if owner not in st.rcommits or owner in st.passed:
                 continue
             held = rbox.get(owner)
             raw = held[0] if held is not None and held[1] == g else None

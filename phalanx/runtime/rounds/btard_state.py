@@ -130,6 +130,7 @@ class StepState:
     rcommits: dict[str, tuple[bytes, list[str], dict[str, str]]] = field(default_factory=dict)  # owner -> (hash, from, drop)
     inputs: dict[str, bytes] = field(default_factory=dict)  # committer -> digest of its committed inputs (InputsHook)
     aggregates: dict[str, torch.Tensor] = field(default_factory=dict)
+    passed: set[str] = field(default_factory=set)  # owners every other owner declared late_commit: partitions left out
     meta: dict[str, tuple[dict, dict]] = field(default_factory=dict)
     z: torch.Tensor | None = None
     z64: torch.Tensor | None = None

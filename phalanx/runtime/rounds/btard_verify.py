@@ -14,6 +14,10 @@ It runs while the next step computes and all-reduces:
    decide on sets: every declaration against the agreed contributors, and Σ_i s_i^j = 0 over every
    agreed contributor of every partition.
 
+A member silent in an earlier phase of the step (no MPRNG commitment, no reveal, no commitment or metadata
+in any report at hand) is waited for only a grace of btard.timeout / 4 in the later waits, once every other
+member's message is in (`Transport.collect_passing_over`), not the whole timeout again.
+
 `verify` returns every claim of the step; `btard_judge` resolves them.
 """
 
@@ -40,6 +44,7 @@ from ...algorithms.btard.checks import (
     v3_flags,
 )
 from ...algorithms.btard.mprng import choose
+from ...core.envelope import SignedEnvelope
 from ...core.errors import PhalanxError
 from ...core.serialization import decode, digest, encode
 from .btard_judge import META_REASONS
@@ -84,7 +89,8 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
     step, group, g = st.step, st.members, st.g
     claims = st.claims
     r, mprng_claims = await drawn
-    approvals, unverified = await _check(state, st, parts, r) if r is not None else ([], [])
+    unrevealed = {c.target for c in mprng_claims if c.reason == "no_reveal"}
+    approvals, unverified = await _check(state, st, parts, r, unrevealed) if r is not None else ([], [])
     mine = [ev for ev in state.evidence if ev.step is None or ev.step <= step]
     state.evidence = [ev for ev in state.evidence if not (ev.step is None or ev.step <= step)]
     for ev in mine:
@@ -99,8 +105,12 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
         "unverified": unverified,
         "seen": _seen(state, st),
     }))
-    # A validator may have waited one timeout for a silent target and one for CHECKAVERAGING.
-    envelopes = await tr.collect_broadcasts("bt.report", step, group, 3 * state.btard.timeout, relays=len(group))
+    # A validator may have waited one timeout for a silent target and one for CHECKAVERAGING. A member
+    # silent earlier in the step by every report at hand is passed over after a grace (`_unheard`).
+    envelopes = await tr.collect_passing_over(
+        "bt.report", step, group, 3 * state.btard.timeout, lambda got: _unheard(st, got), relays=len(group),
+        grace=state.btard.timeout / 4,
+    )
     everyone: list[Claim] = list(mprng_claims)
     for peer, env in envelopes.items():
         obj = decoded(env.payload, peer, tr)
@@ -129,9 +139,13 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
     return everyone + _derived_claims(st, equivocators)
 
 
-async def _check(state: RoundState, st: StepState, parts: list[torch.Tensor], r: bytes) -> tuple[list[str], list[str]]:
+async def _check(
+    state: RoundState, st: StepState, parts: list[torch.Tensor], r: bytes, unrevealed: set[str],
+) -> tuple[list[str], list[str]]:
     """Step 5 once r is known: metadata, V1-V3, this peer's validations and its attacker's slander.
-    Returns the targets it approves and those it could not fully check (the rest are claims)."""
+    Returns the targets it approves and those it could not fully check (the rest are claims).
+    `unrevealed`: the members that withheld their MPRNG reveal (banned for it or departed in this
+    step's verdict): their metadata gets a grace once everyone else's is in, not the whole wait."""
     tr, me = state.transport, state.transport.peer_id
     step, group = st.step, st.members
     contributors_all = [p for p in st.committers if p in st.commits]
@@ -151,7 +165,9 @@ async def _check(state: RoundState, st: StepState, parts: list[torch.Tensor], r:
     await _send_meta(state, st, parts, me)
     # A peer may have waited the whole gather timeout for a silent owner's aggregate.
     wait = state.allreduce.timeout + state.btard.timeout
-    envelopes = await tr.collect_broadcasts("bt.meta", step, contributors_all, wait, relays=len(group))
+    envelopes = await tr.collect_passing_over(
+        "bt.meta", step, contributors_all, wait, lambda got: unrevealed, relays=len(group), grace=state.btard.timeout / 4
+    )
     for peer, env in envelopes.items():
         parsed = meta_in(env.payload, peer, tr)
         if parsed is not None:
@@ -174,6 +190,22 @@ async def _check(state: RoundState, st: StepState, parts: list[torch.Tensor], r:
             evidence = (await state.inputs.fetch(target, step, st.inputs[target]) or b"", *evidence)
         claims.append(Claim(ACCUSE, me, target, "gradient", evidence))
     return approvals, unverified
+
+
+def _unheard(st: StepState, got: dict[str, SignedEnvelope]) -> set[str]:
+    """Members silent earlier in the step by every report at hand: no report (mine included) holds
+    their commitment (a committer) or, once r was drawn, their metadata. Read from signed reports,
+    so honest peers that hold the same reports pass over the same members."""
+    objs = [decoded(env.payload, peer, None) for peer, env in got.items()]
+    reports = [rep for obj in objs if group_in(obj) == st.g and (rep := report_in(obj)) is not None]
+    if not reports:
+        return set()
+    seen = {topic: set().union(*(rep["seen"].get(topic, {}) for rep in reports)) for topic in ("bt.commit", "bt.meta")}
+    committers = set(st.committers)
+    return {
+        p for p in st.members
+        if p not in got and ((p in committers and p not in seen["bt.commit"]) or (st.z is not None and p not in seen["bt.meta"]))
+    }
 
 
 def _derived_claims(st: StepState, equivocators: set[str]) -> list[Claim]:

@@ -113,6 +113,7 @@ class ButterflyAllReduce:
         self._group: dict[int, bytes] = {}  # step -> digest of the group this peer used
         self._inbox: dict[tuple[int, str], dict[str, tuple[torch.Tensor, bytes]]] = {}
         self._waiters: dict[tuple[int, str], tuple[set[str], asyncio.Future]] = {}
+        self._given_up: dict[tuple[int, str], set[str]] = {}  # (step, kind) -> senders a collect no longer waits for
         self._outbox: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self._ready: dict[tuple[int, str], asyncio.Event] = {}
         transport.add_message_handler("ar.part", self._on_part)
@@ -197,7 +198,8 @@ class ButterflyAllReduce:
     async def _wait(self, step: int, kind: str, peers: list[str], until: float) -> None:
         key = (step, kind)
         box = self._inbox.get(key, {})
-        wanted = {p for p in peers if p not in box}
+        given_up = self._given_up.get(key, set())
+        wanted = {p for p in peers if p not in box and p not in given_up}
         remaining = until - self.transport.clock.now()
         if not wanted or remaining <= 0:
             return
@@ -215,7 +217,7 @@ class ButterflyAllReduce:
         mine = self._group[step]
         request = encode({"step": step, "kind": kind, "g": mine, "wait": self.config.pull_timeout / 2})
         attempt = self.config.pull_timeout + nbytes / self.config.pull_bandwidth
-        while (remaining := deadline - clock.now()) > 0:
+        while (remaining := deadline - clock.now()) > 0 and peer not in self._given_up.get((step, kind), ()):
             held = self._inbox.get((step, kind), {}).get(peer)
             if held is not None and held[1] == mine:
                 return held[0]
@@ -234,12 +236,22 @@ class ButterflyAllReduce:
             await asyncio.sleep(min(max(deadline - clock.now(), 0), self.config.pull_timeout / 4))
         return None
 
+    def _give_up(self, step: int, kind: str, peers: set[str]) -> None:
+        """A running `_collect` of (step, kind) stops waiting for (and pulling from) `peers`."""
+        key = (step, kind)
+        self._given_up.setdefault(key, set()).update(peers)
+        waiter = self._waiters.get(key)
+        if waiter is not None:
+            waiter[0].difference_update(peers)
+            if not waiter[0] and not waiter[1].done():
+                waiter[1].set_result(None)
+
     # --- bookkeeping ------------------------------------------------------
 
     def _begin(self, step: int, g: bytes) -> None:
         self._step = step
         self._group[step] = g
-        for table in (self._inbox, self._outbox, self._ready, self._group):
+        for table in (self._inbox, self._outbox, self._ready, self._group, self._given_up):
             for key in [k for k in table if (k if isinstance(k, int) else k[0]) < step - 1]:
                 del table[key]
 

@@ -157,7 +157,12 @@ async def run_mprng(
         # Reveals are read from every participant, not only from those whose
         # commitment reached us: a peer we missed must still be able to tell us
         # that it saw another set, or we would settle on a different value.
-        envelopes = await transport.collect_broadcasts(reveal_topic, round_id, participants, config.timeout)
+        # A participant whose commitment missed my deadline was silent already: once every committed
+        # participant has revealed it gets a grace, not the whole timeout. Its reveal only matters when
+        # it names another seen set, and one sent on time reaches everyone within the grace.
+        envelopes = await transport.collect_passing_over(
+            reveal_topic, round_id, participants, config.timeout, lambda got: {p for p in participants if p not in commits}
+        )
         reveals, disagreeing = {}, []
         for peer, env in envelopes.items():
             x = _field(transport, env.payload, peer, "x", VALUE_BYTES)
