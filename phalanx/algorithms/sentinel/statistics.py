@@ -40,7 +40,7 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   times too large, which are flagged against that honest stage (measured:
   honest head relays banned at 37.5%). Honest activations keep their scale
   from one microbatch to the next (log IQR 0.03-0.1 here), gradients less so
-  (0.1-0.15), so ``scale`` bounds the shrink (to 0.71 in the white-box test).
+  (0.08-0.15), so ``scale`` bounds the shrink (to 0.71 in the white-box test).
   On gradients only the lower side counts: shrinking is the harm there
   (``align`` forbids negating, ``swd``'s log fence inflating), while honest
   gradients grow whenever the loss does, and a flagged tensor never updates
