@@ -60,6 +60,7 @@ def test_distances_against_direct_computation():
     levels = (np.arange(4) + 0.5) / 4
     q = np.quantile(projected, levels, axis=0)  # numpy's linear interpolation, as torch.quantile
     assert got["swd"] == pytest.approx(np.abs(q - ref.quantiles.numpy()).mean(), rel=1e-4)
+    assert got["scale"] == pytest.approx(math.log(np.abs(q).mean() / ref.quantiles.abs().mean().item()), rel=1e-4)
 
 
 def test_sliced_wasserstein_of_shifted_copy_is_the_projected_shift():
@@ -350,6 +351,25 @@ def test_align_sees_the_sign_that_bind_does_not_and_ignores_scale():
     assert verdict.flagged and verdict.outside == ("align",)
 
 
+def test_scale_flags_a_shrunk_tensor_that_sign_accepts_and_a_grown_one_only_forward():
+    """A shrunk tensor keeps its signs (``sign`` accepts it); ``scale`` is log c for a tensor scaled by c and flags
+    it. A grown tensor is flagged forward, not backward (honest gradients grow with the loss)."""
+    gen = torch.Generator().manual_seed(15)
+    x = _honest(gen, _center())
+    proj = projections(0, 1, FORWARD, 16, 4)
+    assert distances(summarize(0.3 * x, proj, 8), summarize(x, proj, 8), ("scale",))["scale"] == pytest.approx(math.log(0.3))
+    verifier = Sentinel(SentinelConfig(warmup=20, window=16, distances="sign,scale"))
+    for i in range(30):
+        verifier.check_forward(1, f"w{i % 3}", i, _honest(gen, _center()))
+        verifier.check_backward(1, f"w{i % 3}", i, _honest(gen, _center()))
+    for direction, check in ((FORWARD, verifier.check_forward), (BACKWARD, verifier.check_backward)):
+        assert not check(1, "a", (direction, "honest"), _honest(gen, _center())).flagged
+        shrunk = check(1, "b", (direction, "shrunk"), 0.3 * _honest(gen, _center()))
+        assert shrunk.flagged and shrunk.outside == ("scale",)
+        grown = check(1, "c", (direction, "grown"), 3 * _honest(gen, _center()))
+        assert grown.flagged == (direction == FORWARD) and dict(grown.distances)["scale"] > 1
+
+
 def test_on_a_tainted_microbatch_only_outputs_with_no_relation_to_their_input_count():
     """The stricter floor of the tainted case: with `tainted_bind_floor` at 1 nothing there can be flagged."""
     gen = torch.Generator().manual_seed(13)
@@ -368,15 +388,16 @@ def test_on_a_tainted_microbatch_only_outputs_with_no_relation_to_their_input_co
     assert not verdict.flagged and verdict.reason == "tainted" and dict(verdict.distances)["bind"] > 0.9
 
 
-def test_the_white_box_attacker_cannot_send_a_reversed_tensor_once_align_is_measured():
+def test_the_white_box_attacker_cannot_reverse_a_tensor_once_align_is_measured_nor_shrink_it_once_scale_is():
     """The adaptive attacker (largest step towards -x the verifier accepts) against a residual stage: the sign-blind
-    distances accept the full negation; with ``align`` whatever it gets accepted still points along x."""
+    distances accept the full negation; with ``align`` whatever it gets accepted still points along x, but may be
+    shrunk to about 0.4 of it; with ``scale`` as well, no further than about 0.7."""
     from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
 
     gen = torch.Generator().manual_seed(14)
     weight = torch.randn(16, 16, generator=gen) / 4
     sent = {}
-    for distances in ("sign,swd,bind", "sign,swd,bind,align"):
+    for distances in ("sign,swd,bind", "sign,swd,bind,align", "sign,swd,bind,align,scale"):
         verifier = Sentinel(SentinelConfig(warmup=16, window=16, distances=distances, bind_projections=8))
         attack = make_link_attack("adaptive", steps=10)
         scales = []
@@ -390,4 +411,5 @@ def test_the_white_box_attacker_cannot_send_a_reversed_tensor_once_align_is_meas
                 scales.append(float((out * honest).sum() / (honest * honest).sum()))
             verifier.check_forward(1, "w", i, out)
         sent[distances] = min(scales)
-    assert sent["sign,swd,bind"] < -0.5 and sent["sign,swd,bind,align"] > 0
+    assert sent["sign,swd,bind"] < -0.5 and 0 < sent["sign,swd,bind,align"] < 0.6
+    assert sent["sign,swd,bind,align,scale"] > 0.65

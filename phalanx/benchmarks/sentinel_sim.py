@@ -162,8 +162,15 @@ def replay_votes(summary: dict, rules: list[str]) -> dict[str, dict]:
 
 
 REPLAY_RULES = ["l1+l2+sign+swd:any", "l1+l2+sign+swd:majority", "l1+l2+sign+swd:unanimous", "l1:any", "l2:any",
-                "sign:any", "swd:any", "sign+swd:any", "sign+swd:unanimous", "bind:any", "sign+bind:any",
-                "sign+swd+bind:any", "l1+l2+sign+swd+bind:any", "l1+l2+sign+swd+bind:majority"]
+                "sign:any", "swd:any", "scale:any", "bind:any", "align:any", "sign+swd:any", "sign+swd:unanimous",
+                "sign+bind:any", "sign+swd+bind:any", "sign+swd+bind+align:any", "sign+swd+bind+scale:any",
+                "sign+swd+bind+align+scale:any", "sign+swd+bind+align+scale:majority", "l1+l2+sign+swd+bind:any",
+                "l1+l2+sign+swd+bind:majority"]
+
+
+def replay_rules(measured: tuple[str, ...]) -> list[str]:
+    """The rules of `REPLAY_RULES` a run can replay: those whose distances the run measured."""
+    return [rule for rule in REPLAY_RULES if set(rule.split(":")[0].split("+")) <= set(measured)]
 
 
 def run_one(config, attack: str, defended: bool, variant: str = "all") -> dict:
@@ -173,7 +180,7 @@ def run_one(config, attack: str, defended: bool, variant: str = "all") -> dict:
     row = {"attack": attack, "defended": defended, "variant": variant,
            **score(summary, ids, config.attack_start, summary["peer_ids"][run.data_nodes:])}
     if defended and "detect" in variant.split("/"):
-        row["replay"] = replay_votes(summary, REPLAY_RULES)
+        row["replay"] = replay_votes(summary, replay_rules(run.sentinel.distance_names))
     return row
 
 

@@ -30,6 +30,24 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   |Q_x - Q|, where Q is the EMA of the projected quantile functions (in 1-D the
   average of quantile functions is the Wasserstein barycentre, so Q is the
   EMA's distribution).
+* **``scale``**: log(mean |Q_x| / mean |Q|) over the projected quantiles,
+  i.e. log c for a tensor scaled by c, fenced linearly on both sides. The
+  distances above saturate when a tensor shrinks (a tensor scaled by c -> 0 is
+  at most as far from the EMA as zeros), so their log fences let a white-box
+  attacker shrink its activations about tenfold (and its gradients, once
+  ``align`` forbids negating them); the honest stage after it that normalises
+  its input (the head's LayerNorm) then answers with input gradients as many
+  times too large, which are flagged against that honest stage (measured:
+  honest head relays banned at 37.5%). Honest activations keep their scale
+  from one microbatch to the next (log IQR 0.03-0.1 here), gradients less so
+  (0.08-0.15), so ``scale`` bounds the shrink (to 0.71 in the white-box test).
+  On gradients only the lower side counts: shrinking is the harm there
+  (``align`` forbids negating, ``swd``'s log fence inflating), while honest
+  gradients grow whenever the loss does, and a flagged tensor never updates
+  the fence: measured two-sided, a detect-only run whose attackers kept
+  damaging the model flagged 35 honest gradients and convicted 3 honest relays.
+  Measured on activations only, it let the attackers' shrunk gradients
+  through (37.5%: fewer attackers banned, one honest relay banned).
 * **Staleness: ``bind``.** The distances above compare a tensor with the
   link's history, so a replayed tensor (delay: an honest tensor of another
   microbatch, sent many steps earlier) passes them all. ``bind`` ties a
@@ -45,7 +63,7 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   honest stage's gradient can drift far from the window (CKA 0.1-0.5) while
   still far from unrelated; below its lower fence (an output that copies its
   input) it counts as usual.
-* **``align``** (optional): the cosine of the same two sketches. Sign-aware
+* **``align``**: the cosine of the same two sketches. Sign-aware
   where ``bind`` is not: a white-box attacker's negated gradient passes
   ``sign`` (noise on a gradient's near-zero per-feature means), ``swd`` and
   ``bind``, not ``align``.
@@ -104,7 +122,7 @@ from torch import Tensor
 from ...core.errors import ConfigError
 from ...core.rng import torch_stream
 
-DISTANCES = ("l1", "l2", "sign", "swd", "bind", "align")
+DISTANCES = ("l1", "l2", "sign", "swd", "scale", "bind", "align")
 BOUND = ("bind", "align")  # distances between a stage's output and its own input for the same microbatch
 MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
 VOTES = ("any", "majority", "all")
@@ -118,7 +136,7 @@ class SentinelConfig:
 
     beta_h: float = 0.9  # EMA factor of activations (paper's default; 0 = last accepted tensor)
     beta_g: float = 0.8  # EMA factor of activation gradients (paper's default)
-    distances: str = "sign,swd,bind"  # comma-separated subset of DISTANCES (chosen by the vote ablation: docs/notes/issue-16.md)
+    distances: str = "sign,swd,bind,align,scale"  # comma-separated subset of DISTANCES (vote ablation: docs/notes/issue-16.md)
     vote: str = "any"  # how many out-of-fence distances flag a tensor: any, majority or all
     k: float = 5.0  # Tukey multiplier; 3 ("far out") gave ~0.4% false flags on the GPT's traffic, 5 about 0.1%
     window: int = 64  # accepted distances kept per link, direction and distance
@@ -290,6 +308,8 @@ def distances(x: Summary, ref: Summary, names: tuple[str, ...] = DISTANCES) -> d
             out[name] = (torch.sign(x.mean) != torch.sign(ref.mean)).float().mean().item()
         elif name == "swd":
             out[name] = (x.quantiles - ref.quantiles).abs().mean().item()
+        elif name == "scale":
+            out[name] = math.log(max(x.quantiles.abs().mean().item(), 1e-30) / max(ref.quantiles.abs().mean().item(), 1e-30))
         elif name in BOUND:
             continue  # needs the stage's input for the same microbatch: see `binding` and `align`
         else:
@@ -383,7 +403,8 @@ def _scaled(name: str, value: float, config: SentinelConfig) -> float:
 class _Track:
     """EMA, projections and distance windows of one link and direction."""
 
-    def __init__(self, names: tuple[str, ...], window: int) -> None:
+    def __init__(self, names: tuple[str, ...], window: int, direction: str) -> None:
+        self.direction = direction
         self.ref: Summary | None = None
         self.proj: Tensor | None = None
         self.accepted = 0
@@ -584,7 +605,7 @@ class Sentinel:
                learn: bool) -> Verdict:
         if worker in self._banned:
             return Verdict(link, direction, worker, microbatch, True, "banned")
-        track = self._tracks.setdefault((link, direction), _Track(self._names, self.config.window))
+        track = self._tracks.setdefault((link, direction), _Track(self._names, self.config.window, direction))
         if not self._well_formed(track, tensor):
             return self._strike(Verdict(link, direction, worker, microbatch, True, "malformed"))
         if track.proj is None:
@@ -679,7 +700,9 @@ class Sentinel:
         sketch was missing for most tensors, is not fenced yet)."""
         return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
                      and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
-                     and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high))
+                     and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high)
+                     # a gradient counts on ``scale`` only when shrunk (honest gradients grow with the loss)
+                     and not (n == "scale" and track.direction == BACKWARD and dist[n] > self._fence(track, n).high))
 
     def _fence(self, track: _Track, name: str, k: float | None = None) -> Fence:
         fence = median_fence if self.config.fence == "median" else tukey_fence
