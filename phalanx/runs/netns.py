@@ -326,7 +326,8 @@ class Testbed:
         except BaseException:
             self.down()
             raise
-        self.log(f"the hosts ({self.config.subnet}.0/24) reach each other only: a peer outside the bed cannot reach them")
+        self.log(f"the hosts ({self.config.subnet}.0/24) reach only each other: a peer started outside the bed cannot"
+                 f" reach them; start it inside one (`ip netns exec {self.namespace(0)} ...`)")
         return self.applied
 
     def add_host(self) -> int:
