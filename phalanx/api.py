@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .core.errors import ConfigError
+from .core.errors import ConfigError, LocalError
 from .runs.config import apply_file, override
 from .runs.dp.config import RunConfig
 from .runs.kinds import kind_named, kind_of
@@ -90,6 +90,7 @@ def launch(config: AnyConfig, out: str | Path | None = None, *, progress: bool =
 
     `netns` (root only): each process in its own network namespace; a link spec such as "1:rate=10mbit", "" for
     plain namespaces (hosts are numbered in the order the launch starts its processes: see the kind's launch).
+    The bed is closed: a peer outside it (`join`, `phalanx peer`) cannot reach its processes.
     """
     kind = kind_of(config)
     out = Path(out) if out is not None else default_out(config, "launch")
@@ -101,9 +102,12 @@ def launch(config: AnyConfig, out: str | Path | None = None, *, progress: bool =
     if resume is not None:
         options["resume"] = resume
     if netns is not None:
-        from .runs.netns import parse_spec
+        from .runs.netns import parse_spec, unavailable_reason
 
         options["netns"] = parse_spec(netns, kind.entry("hosts")(config))
+        reason = unavailable_reason()  # before the launch clears `out`
+        if reason is not None:
+            raise LocalError(f"--netns: cannot build the test bed here: {reason} (leave out --netns to run on loopback)")
     return kind.entry("launch")(config, out, progress=progress, **options)
 
 

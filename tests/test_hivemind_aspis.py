@@ -42,7 +42,8 @@ def test_fano_plane_coordinator_and_seven_workers_detect_the_byzantine(tmp_path)
     first = (tmp_path / "run" / "peers" / "0.addr").read_text()
     if netns:  # the coordinator listened on host 0's address, every process had its host, worker 1's link was shaped
         assert first.startswith("/ip4/10.77.0.1/tcp/")
-        assert summary["netns_hosts"] == {str(i): f"10.77.0.{i + 1}" for i in range(8)}
-        assert summary["netns"]["1"].startswith("rate 10mbit (") and summary["netns"]["2"] == "unshaped"
+        hosts = summary["netns"]
+        assert {name: (h["host"], h["address"]) for name, h in hosts.items()} == {str(i): (i, f"10.77.0.{i + 1}") for i in range(8)}
+        assert hosts["1"]["link"].startswith("rate 10mbit (") and hosts["2"]["link"] == "unshaped"
     else:
         assert first.startswith("/ip4/127.0.0.1/tcp/") and "netns" not in summary

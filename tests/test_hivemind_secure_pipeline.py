@@ -100,8 +100,8 @@ def test_combined_pipeline_over_real_processes_bans_each_attacker_by_its_own_def
 
     if netns is not None:  # node i on host i, the verifiers of links 0-2 on hosts 7-9, each listening on its address
         assert (out / "peers" / "0.addr").read_text().startswith("/ip4/10.77.0.1/tcp/")
-        assert summary["netns_hosts"] == {**{str(i): f"10.77.0.{i + 1}" for i in range(7)},
-                                          **{f"v{link}": f"10.77.0.{8 + link}" for link in range(3)}}
+        assert {name: h["address"] for name, h in summary["netns"].items()} == {
+            **{str(i): f"10.77.0.{i + 1}" for i in range(7)}, **{f"v{link}": f"10.77.0.{8 + link}" for link in range(3)}}
     assert len(summary["process_groups"]) == 7 + 3
     for pgid in summary["process_groups"]:  # every worker and verifier, its DHT child and its p2pd are gone
         with pytest.raises(ProcessLookupError):

@@ -13,6 +13,7 @@ an untrained model's (0.1) as the check needs.
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.core.errors import ConfigError
+from phalanx import api
+from phalanx.core.errors import ConfigError, LocalError
 from phalanx.runs.netns import (
     EXAMPLE_SPEC,
     LinkShape,
@@ -33,6 +35,7 @@ from phalanx.runs.netns import (
     plan_link,
     unavailable_reason,
 )
+from phalanx.runs.netns import Testbed as NetnsBed  # not Test*: pytest would try to collect it
 from phalanx.runs.launcher import ProcessLauncher
 from phalanx.runs.processes import MARKER_ENV, kill_marked, marked_processes
 from phalanx.runs.tap_link import forward
@@ -89,22 +92,37 @@ time.sleep(600)
 """
 
 
+class _Bed:
+    """A running bed of `hosts` hosts as `ProcessLauncher` sees it, without namespaces (`namespaced`: the
+    command lines say which namespace a worker would run in)."""
+
+    def __init__(self, hosts: int, namespaced: bool = True) -> None:
+        self.hosts = hosts
+        self.namespaced = namespaced
+        self.applied = {host: "rate 10mbit (tbf, each direction)" if host == 1 else "unshaped" for host in range(hosts)}
+        self.downs = 0
+
+    def add_host(self) -> int:
+        self.applied[self.hosts] = "unshaped"
+        self.hosts += 1
+        return self.hosts - 1
+
+    def exec_prefix(self, host: int) -> list[str]:
+        return ["ip", "netns", "exec", f"phx-test-h{host}"] if self.namespaced else []
+
+    def address(self, host: int) -> str:
+        return f"10.77.0.{host + 1}"
+
+    def listen_maddr(self, host: int) -> str:
+        return f"/ip4/{self.address(host)}/tcp/0"
+
+    def down(self) -> None:
+        self.downs += 1
+
+
 def test_a_worker_keeps_its_host_and_a_new_worker_gets_a_host_added():
-    class Bed:  # a running bed of 2 hosts, as `ProcessLauncher` sees it
-        hosts = 2
-
-        def add_host(self) -> int:
-            self.hosts += 1
-            return self.hosts - 1
-
-        def exec_prefix(self, host: int) -> list[str]:
-            return ["ip", "netns", "exec", f"phx-test-h{host}"]
-
-        def listen_maddr(self, host: int) -> str:
-            return f"/ip4/10.77.0.{host + 1}/tcp/0"
-
     workers = ProcessLauncher(["worker"], "marker", netns=NetnsConfig(2))
-    workers.bed = Bed()
+    workers.bed = _Bed(2)
     assert workers.command("0", ["--index", "0"]) == ["ip", "netns", "exec", "phx-test-h0", "worker", "--index", "0",
                                                       "--die-with-parent", "--host", "/ip4/10.77.0.1/tcp/0"]
     assert workers.command("v0", [])[3] == "phx-test-h1" and workers.bed.hosts == 2
@@ -113,6 +131,83 @@ def test_a_worker_keeps_its_host_and_a_new_worker_gets_a_host_added():
     assert ProcessLauncher(["worker"], "marker").command("0", []) == ["worker", "--die-with-parent"]
 
 
+def test_a_joiner_takes_the_host_of_a_worker_that_has_exited_and_a_restart_keeps_its_own():
+    """Real (sleeping) worker processes on a bed of 2 hosts: joiners reuse hosts instead of adding one each."""
+    workers = ProcessLauncher(["sh", "-c", "exec sleep 60"], f"test-hosts-{uuid.uuid4().hex}", netns=NetnsConfig(2))
+    workers.bed = bed = _Bed(2, namespaced=False)
+    try:
+        for name in ("0", "1", "2"):  # "2", a joiner, on an added host
+            workers.start(name)
+        assert workers.hosts == {"0": 0, "1": 1, "2": 2} and bed.hosts == 3
+        workers.kill("1")  # left: killed and swept
+        workers.start("3")
+        assert workers.hosts["3"] == 1 and bed.hosts == 3
+        workers.procs["2"].terminate()  # exited by itself; the launcher sweeps it before it gives its host away
+        workers.procs["2"].wait()
+        workers.start("4")
+        assert workers.hosts["4"] == 2 and bed.hosts == 3
+        workers.start("5")  # no host free: one is added
+        assert workers.hosts["5"] == 3 and bed.hosts == 4
+        workers.kill("3")
+        workers.kill("5")
+        workers.start("5")  # a restart: its own host again, not the lowest free one
+        assert workers.hosts["5"] == 3 and workers.free == [1]
+        workers.start("6")  # the lowest free host
+        workers.kill("0")
+        workers.start("7")
+        workers.start("0")  # its host taken meanwhile, none free: one is added
+        assert (workers.hosts["6"], workers.hosts["7"], workers.hosts["0"], bed.hosts) == (1, 0, 4, 5)
+        record = workers.netns_record()["netns"]
+        assert record["1"] == record["3"] == record["6"] == {"host": 1, "address": "10.77.0.2",
+                                                           "link": "rate 10mbit (tbf, each direction)"}
+        assert record["0"] == {"host": 4, "address": "10.77.0.5", "link": "unshaped"} and len(record) == 8
+    finally:
+        workers.stop()
+    assert bed.downs == 1 and workers.running() == []
+
+
+def test_stop_tears_the_bed_down_when_a_second_sigterm_cuts_it_short():
+    workers = ProcessLauncher(["worker"], f"test-stop-{uuid.uuid4().hex}", netns=NetnsConfig(1))
+    workers.bed = bed = _Bed(1)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt("signal 15")  # as `stop_on_sigterm` raises it
+
+    workers._wait_gone = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        workers.stop()
+    assert bed.downs == 1
+
+
+def test_without_ip_a_launch_says_why_and_leaves_its_directory_and_nothing_to_tear_down(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no `ip`, no `tc`
+    NetnsBed(NetnsConfig(1)).down()  # never started: nothing to do (it ran `ip` before, and raised)
+    workers = ProcessLauncher(["worker"], f"test-no-ip-{uuid.uuid4().hex}", netns=NetnsConfig(1))
+    with pytest.raises(LocalError, match="`ip` .iproute2. is not installed"):
+        workers.start("0")
+    workers.stop()
+    out = tmp_path / "run"
+    (out / "peers").mkdir(parents=True)
+    (out / "peers" / "0.jsonl").write_text("{}\n")  # a former run's records
+    with pytest.raises(LocalError, match="--netns: cannot build the test bed here: `ip`"):
+        api.launch(api.config("digits-dp", peers=2), out, netns="")
+    assert sorted(p.name for p in out.rglob("*")) == ["0.jsonl", "peers"]
+
+
+@pytest.mark.hivemind  # builds a real bed: in the real-process group, never beside the swarm test
+@needs_netns
+def test_down_deletes_every_namespace_with_the_beds_prefix():
+    bed = NetnsBed(NetnsConfig(1), log=lambda line: None)
+    bed.up()
+    try:
+        subprocess.run(["ip", "netns", "add", f"{bed.prefix}-h1"], check=True)  # added, not yet counted (a signal)
+        assert len(namespaces(f"{bed.prefix}-")) == 3
+    finally:
+        bed.down()
+    assert namespaces(f"{bed.prefix}-") == []
+
+
+@pytest.mark.hivemind  # builds a real bed: in the real-process group, never beside the swarm test
 @needs_netns
 def test_namespaces_and_their_processes_go_when_the_builder_is_killed():
     holder = subprocess.Popen([sys.executable, "-c", _BED_HOLDER], stdout=subprocess.PIPE, text=True,
@@ -144,7 +239,6 @@ def _alive(pid: int) -> bool:
 @needs_netns
 def test_swarm_trains_across_four_shaped_namespaces(tmp_path):
     token = f"test-netns-{uuid.uuid4().hex}"
-    before = set(namespaces())
     out = tmp_path / "run"
     env = {**os.environ, MARKER_ENV: token, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "phalanx.cli", "launch", "digits-dp", "--peers", "4", "--steps", str(STEPS),
@@ -167,13 +261,16 @@ def test_swarm_trains_across_four_shaped_namespaces(tmp_path):
         assert [r["step"] for r in rows] == list(range(STEPS)) and rows[-1]["peers"] == 4
         # Every peer listened on its own namespace's address, not on loopback.
         assert (out / "peers" / "0.addr").read_text().startswith("/ip4/10.77.0.1/tcp/")
-        shaping = summary["netns"]
-        assert shaping["1"].startswith("rate 10mbit (")
+        hosts = summary["netns"]
+        assert [(hosts[str(i)]["host"], hosts[str(i)]["address"]) for i in range(4)] == [(i, f"10.77.0.{i + 1}") for i in range(4)]
+        assert hosts["1"]["link"].startswith("rate 10mbit (")
         for host, words in (("2", "delay 40ms jitter 10ms"), ("3", "loss 1%")):
             # netem, or else the user-space tap link; "NOT applied" only where neither exists.
-            assert words in shaping[host] and ("NOT applied" not in shaping[host] or not os.access("/dev/net/tun", os.W_OK))
-            assert f"host {host} " in output and shaping[host] in output
-        assert set(namespaces()) - before == set()
+            link = hosts[host]["link"]
+            assert words in link and ("NOT applied" not in link or not os.access("/dev/net/tun", os.W_OK))
+            assert f"host {host} " in output and link in output
+        bed = re.search(r"host 0 \((phx-[0-9a-f]+)-h0, ", output)
+        assert bed and namespaces(f"{bed.group(1)}-") == []  # this run's; another test's bed may be up meanwhile
         deadline = time.monotonic() + 10
         while marked_processes(token, prefix=True) and time.monotonic() < deadline:
             time.sleep(0.1)

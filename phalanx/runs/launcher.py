@@ -12,9 +12,10 @@ discipline (see `processes.py` for the mechanisms):
 * on the launcher's side, SIGTERM becomes a clean stop (`stop_on_sigterm`);
 * with `netns` (`launch --netns`), its own network namespace of a test bed
   (`netns.Testbed`) that the first start builds and `stop` tears down: a
-  worker runs on the host of its name (hosts go in first-start order, so a
-  worker started again keeps its host and a new one, a joiner, gets a new
-  host) and listens on that host's address (`--host`).
+  worker runs on the host of its name and listens on that host's address
+  (`--host`). The bed's hosts go in first-start order; a worker started again
+  keeps its host; a new one, a joiner, takes the host of a worker that has
+  exited and been swept, else a host added to the bed (see `host`).
 
 All workers start at once: the first one writes its address file once it
 listens, the others (`--initial-peers-file`) import, load and then wait for
@@ -56,7 +57,9 @@ class ProcessLauncher:
         self.err_dir = err_dir  # with it, each worker's stderr goes to `err_dir/<name>.err` (quoted on failure)
         self.netns = netns
         self.bed: Testbed | None = None
-        self.hosts: dict[Hashable, int] = {}  # worker -> its host in the test bed
+        self.hosts: dict[Hashable, int] = {}  # worker -> its host in the test bed (the last one it had)
+        self.holders: dict[int, Hashable] = {}  # host -> the worker on it (now, or last)
+        self.free: list[int] = []  # hosts whose worker has exited and been swept: a new worker may take one
         self.procs: dict[Hashable, subprocess.Popen] = {}
         self.failed: dict[Hashable, int] = {}  # name -> exit status, for workers that ended by themselves
         self.stopped: set[Hashable] = set()  # workers the launcher killed on purpose
@@ -71,12 +74,33 @@ class ProcessLauncher:
         return [*self.bed.exec_prefix(host), *cmd, "--host", self.bed.listen_maddr(host)]
 
     def host(self, name: Hashable) -> int:
-        """Worker `name`'s host: the one it had, else the next one (the bed adds it when its own are taken)."""
-        if name not in self.hosts:
-            self.hosts[name] = len(self.hosts)
-            if self.hosts[name] >= self.bed.hosts:
+        """Worker `name`'s host: the one it had, unless another worker has taken it since; else the next of the
+        bed's own hosts; once those are all given, the lowest host of a worker that has exited (swept first),
+        else one the bed adds. Reusing hosts keeps a long churn run within the bed's 250 hosts."""
+        own = self.hosts.get(name)
+        if own is not None and self.holders[own] == name:
+            if own in self.free:
+                self.free.remove(own)
+            return own
+        if len(self.holders) >= self.netns.hosts:
+            self._sweep_exited()
+        if self.free and len(self.holders) >= self.netns.hosts:
+            host = min(self.free)
+            self.free.remove(host)
+        else:
+            host = len(self.holders)
+            if host >= self.bed.hosts:
                 self.bed.add_host()
-        return self.hosts[name]
+        self.hosts[name] = host
+        self.holders[host] = name
+        return host
+
+    def _sweep_exited(self) -> None:
+        """Sweep every worker that holds a host and has exited by itself (a joiner that gave up): frees its host."""
+        for name, host in list(self.hosts.items()):
+            proc = self.procs.get(name)
+            if self.holders[host] == name and host not in self.free and proc is not None and proc.poll() is not None:
+                self.sweep(name)
 
     def start(self, name: Hashable, *args: str) -> subprocess.Popen:
         if self.netns is not None and self.bed is None:
@@ -129,8 +153,12 @@ class ProcessLauncher:
         self.sweep(name)
 
     def sweep(self, name: Hashable) -> None:
+        """Kill what worker `name` (which has exited, or is killed with its group here) left; its host is free."""
         kill_group(self.procs[name].pid)
         kill_marked(self.marker(name))
+        host = self.hosts.get(name)
+        if host is not None and self.holders[host] == name and host not in self.free:
+            self.free.append(host)
 
     def wait(self, names: Sequence[Hashable], timeout: float) -> None:
         """Give the workers `names` up to `timeout` seconds in all to exit by themselves."""
@@ -140,31 +168,35 @@ class ProcessLauncher:
                 self.procs[name].wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
-        """Ask workers that still run to stop, kill those that do not, sweep every group and marker, wait them gone."""
+        """Ask workers that still run to stop, kill those that do not, sweep every group and marker, wait them gone;
+        then tear the test bed down, even when a second SIGTERM (a KeyboardInterrupt) cuts the rest short."""
         self.stopping = True
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + STOP_GRACE
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for name in self.procs:
-            self.sweep(name)
-        kill_marked(f"{self.token}/", prefix=True)  # anything a worker started that left its group
-        self._wait_gone()
-        if self.bed is not None:
-            self.bed.down()
+        try:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + STOP_GRACE
+            for proc in self.procs.values():
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            for name in self.procs:
+                self.sweep(name)
+            kill_marked(f"{self.token}/", prefix=True)  # anything a worker started that left its group
+            self._wait_gone()
+        finally:
+            if self.bed is not None:
+                self.bed.down()  # kills whatever still runs in the namespaces too
 
     def netns_record(self) -> dict:
-        """For summary.json under --netns: per host the shaping its link got, per worker its host's address."""
+        """For summary.json under --netns: per worker (by name) its host, the host's address and the shaping
+        its link got (a host a joiner took over from a worker that left appears under both names)."""
         if self.bed is None:
             return {}
-        return {"netns": {str(host): line for host, line in self.bed.applied.items()},
-                "netns_hosts": {str(name): self.bed.address(host) for name, host in self.hosts.items()}}
+        return {"netns": {str(name): {"host": host, "address": self.bed.address(host), "link": self.bed.applied[host]}
+                          for name, host in self.hosts.items()}}
 
     def _wait_gone(self) -> None:
         """Until the swept groups are reaped (a dead worker's watchdog is reaped by init a moment after its kill)."""

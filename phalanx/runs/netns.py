@@ -7,18 +7,20 @@ Topology (the root namespace is left untouched):
   address ``<subnet>.<i+1>/24`` and is one end of a veth pair whose other end,
   ``v<i>``, sits in the hub, enslaved to the bridge;
 * a running bed takes further (unshaped) hosts, up to 250 in all (`add_host`):
-  a launch's joiners get theirs as they start.
+  a launch's joiners get theirs as they start (or the host of a worker that
+  has exited: see `launcher.ProcessLauncher.host`).
 
 Traffic between hosts crosses the hub and nowhere else: no namespace has a
-route out. A link's shape applies to both directions: to ``eth0``'s egress
+route out, and the root namespace has no route in (a peer outside the bed
+cannot reach one inside it). A link's shape applies to both directions: to ``eth0``'s egress
 (host to hub) and to ``v<i>``'s egress (hub to host). Delay, jitter and loss
 need ``sch_netem``; rate uses netem's own rate when netem shapes that link,
 otherwise ``tbf`` (or ``htb``). Which qdiscs the kernel has is probed on the
 first link, and every link's line says what was applied and what was not.
 
 Teardown (`Testbed.down`, also on an exception, Ctrl-C or SIGTERM through the
-caller's ``with``) kills every process left in the namespaces and deletes
-them, which deletes the veths and the bridge. A janitor process deletes them
+caller's ``with``) kills every process left in the namespaces named with the
+bed's prefix and deletes them, which deletes the veths and the bridge. A janitor process deletes them
 too when the process that built the bed dies without tearing it down (SIGKILL).
 
     python -m phalanx.runs.netns --probe          # what shaping this kernel supports
@@ -274,6 +276,7 @@ class Testbed:
         self.log = log or (lambda line: print(f"phalanx: netns: {line}", file=sys.stderr))
         self.qdiscs: set[str] = set()
         self.hosts = 0  # hosts built so far: the config's, then those `add_host` adds
+        self.started = False  # whether `up` got past its checks (before that there is nothing to tear down)
         self.applied: dict[int, str] = {}
         self._janitor: subprocess.Popen | None = None
         self._links: list[subprocess.Popen] = []  # user-space tap links (tap_link processes)
@@ -292,9 +295,6 @@ class Testbed:
         """Prepend to a command to run it inside `host`'s namespace (`ip netns exec` keeps the pid)."""
         return ["ip", "netns", "exec", self.namespace(host)]
 
-    def names(self) -> list[str]:
-        return [self.namespace(i) for i in range(self.hosts)] + [self.hub]
-
     def __enter__(self) -> "Testbed":
         self.up()
         return self
@@ -307,8 +307,9 @@ class Testbed:
         reason = unavailable_reason()
         if reason is not None:
             raise LocalError(f"cannot build the netns test bed: {reason}")
+        self.started = True
         self._janitor = subprocess.Popen(
-            [sys.executable, "-m", "phalanx.runs.netns", "--janitor", str(os.getpid()), "--cleanup", self.prefix],
+            [sys.executable, "-m", "phalanx.runs.netns", "--janitor", str(os.getpid()), "--cleanup", f"{self.prefix}-"],
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C in the terminal must not stop it before it has cleaned up
             env={k: v for k, v in os.environ.items() if k != MARKER_ENV},  # a sweep of the run's processes spares it
@@ -325,6 +326,8 @@ class Testbed:
         except BaseException:
             self.down()
             raise
+        self.log(f"the hosts ({self.config.subnet}.0/24) reach only each other: a peer started outside the bed cannot"
+                 f" reach them; start it inside one (`ip netns exec {self.namespace(0)} ...`)")
         return self.applied
 
     def add_host(self) -> int:
@@ -374,12 +377,19 @@ class Testbed:
         self.log(f"host {host} ({self.namespace(host)}, {self.address(host)}): {description}")
 
     def down(self) -> None:
-        """Kill what runs in the namespaces and delete them; safe to call twice."""
+        """Kill what runs in the bed's namespaces and delete them; safe to call twice, and nothing to do (no `ip`
+        run) for a bed that never started.
+
+        Deletes every namespace named with the bed's prefix, as the janitor does, not only the hosts counted so
+        far: one added by `ip netns add` just before a signal is gone too. The janitor stays until they are.
+        """
+        if not self.started:
+            return
         for link in self._links:
             link.kill()
             link.wait()
         self._links = []
-        delete_namespaces([n for n in self.names() if n in set(namespaces(self.prefix))])
+        delete_namespaces(namespaces(f"{self.prefix}-"))
         if self._janitor is not None:
             self._janitor.terminate()
             self._janitor.wait()

@@ -224,7 +224,7 @@ def launch(config: RunConfig, out: Path, progress: bool = True, resume: Checkpoi
     sealer = LaunchSealer(config, out) if config.checkpoint.every else None
     extra = worker_args(config, out, resume)
     token = secrets.token_hex(4)
-    (out / "run_token").write_text(token + "\n")  # `phalanx peer --run-token` joins this run
+    (out / "run_token").write_text(token + "\n")  # `phalanx peer --run-token` joins this run (not one under --netns: closed)
     base = [sys.executable, "-m", "phalanx.runs.dp.launch", "--config", str(config_path), "--out", str(peer_dir)]
     workers = ProcessLauncher([*base, "--run-token", token], os.environ.get(MARKER_ENV) or new_marker(), netns=netns)
     with stop_on_sigterm():
