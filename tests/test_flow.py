@@ -327,8 +327,8 @@ def _deliver(drv: SyncDriver, msgs) -> list:
 
 
 def test_a_forged_handover_answer_is_ignored():
-    # b (stage 1) tells its stage-0 upstream a that the chain is now "ghost"'s, though nobody asked it;
-    # a must keep the chain d0's (before the fix a DENYed d0 and kept a unit labelled "ghost" for good)
+    # b (stage 1) tells its stage-0 upstream a that the chain is now "ghost"'s, or d1's, though nobody asked
+    # it; a must keep the chain d0's (before the fix a DENYed d0 and kept a unit labelled "ghost" for good)
     from phalanx.algorithms.gwtf.messages import Handover, HandoverQuery
 
     cost = {("d0", "a"): 1.0, ("d1", "a"): 5.0, ("d0", "c"): 1.0, ("d1", "c"): 5.0,
@@ -339,7 +339,8 @@ def test_a_forged_handover_answer_is_ignored():
     before = drv.paths()
     assert before == [("d0", ["a", "b"], 3.0), ("d1", ["a", "b"], 11.0)]
     u = next(u for u in _units_of(drv, "a", "d0") if u.downstream == "b")
-    drv.queue += drv.nodes["a"].handle(Handover("b", "a", u.out_link, "ghost", 0.0, True))
+    for sink in ("ghost", "d1"):  # a name that is no data node, and one that is
+        drv.queue += drv.nodes["a"].handle(Handover("b", "a", u.out_link, sink, 0.0, True))
     drv.run(40)
     assert drv.paths() == before
     assert not any(x.sink == "ghost" for n in drv.nodes.values() for x in n.units)
