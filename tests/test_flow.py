@@ -296,15 +296,19 @@ def test_multi_commodity_optimum_returns_each_microbatch_home():
     assert multi_commodity_optimal(g, 1)[1] == pytest.approx(_brute_force_home(g, 1))
 
 
+def _bottleneck() -> FlowGraph:
+    cost = {("d0", "a"): 10.0, ("d1", "a"): 1.0, ("d0", "c"): 12.0, ("d1", "c"): 12.0,
+            ("a", "b"): 1.0, ("c", "b"): 1.0, ("b", "d0"): 10.0, ("b", "d1"): 1.0}
+    return FlowGraph(("d0", "d1"), (("a", "c"), ("b",)), {"a": 1, "c": 1, "b": 1}, {"d0": 1, "d1": 1}, cost)
+
+
 def test_a_shared_bottleneck_goes_to_the_data_node_it_costs_least():
     # d0 and d1 both want the one chain through the bottleneck b; d0's Offer reaches b first (ids tick in
     # order), so b builds the chain towards d0, though it costs 21 there and 3 for d1. The chain must be
     # handed to d1 (the multi-commodity optimum), keeping its relays.
     from phalanx.algorithms.gwtf.flowgraph import multi_commodity_optimal
 
-    cost = {("d0", "a"): 10.0, ("d1", "a"): 1.0, ("d0", "c"): 12.0, ("d1", "c"): 12.0,
-            ("a", "b"): 1.0, ("c", "b"): 1.0, ("b", "d0"): 10.0, ("b", "d1"): 1.0}
-    g = FlowGraph(("d0", "d1"), (("a", "c"), ("b",)), {"a": 1, "c": 1, "b": 1}, {"d0": 1, "d1": 1}, cost)
+    g = _bottleneck()
     assert multi_commodity_optimal(g) == ({"d0": 0, "d1": 1}, 3.0)
     for seed in range(3):
         drv = _converge(g, seed, rounds=60)
@@ -387,3 +391,22 @@ def test_a_handover_query_is_refused_while_paused():
     assert (reply.dst, reply.done) == ("a", False) and not m._pending
     _deliver(drv, [reply])
     assert not u.locked and not a._pending
+
+
+def test_a_lost_handover_answer_heals():
+    # b hands the chain to d1 but its Handover(done) to a is lost: a still says d0, b says d1. a never
+    # acknowledges, so b breaks the link and the chain is rebuilt for d1 (before, d1 got no chain for good)
+    from phalanx.algorithms.gwtf.messages import Handover
+
+    lost: list = []
+
+    def drop(msg) -> bool:
+        if isinstance(msg, Handover) and msg.done and not lost:
+            lost.append(msg)
+            return True
+        return False
+
+    drv = SyncDriver(build_nodes(_bottleneck(), FlowConfig(), 0), drop=drop)
+    drv.run(100)
+    drv.settle(10)
+    assert lost and drv.paths() == [("d1", ["a", "b"], 3.0)]

@@ -28,14 +28,16 @@ handed a chain only while it is short, so with demands that the graph can meet t
 
 What a relay accepts: a `Handover` only from the peer it passed a query to, on that query's link, and
 `done` only naming the data node it asked about (an answer after the lock expired or was abandoned is
-still taken for a grace period, so that a chain is not left labelled with two data nodes); a query only
-while optimising (no chain is relabelled during an iteration's microbatches). A relay that loses the
-next hop of a locked unit, or whose switch to the new data node times out, unlocks the relays above.
+still taken for a grace period); a query only while optimising (no chain is relabelled during an
+iteration's microbatches). A relay that loses the next hop of a locked unit, or whose switch to the new
+data node times out, unlocks the relays above. A relay that took a `done` acknowledges it
+(`HandoverAck`); a relay that sent one and gets no ack breaks that link (DENY), so that a lost or refused
+answer does not leave a chain that returns to two data nodes: both halves repair as after any broken link.
 """
 
 from __future__ import annotations
 
-from .messages import DATA, Approve, Deny, FlowMessage, Handover, HandoverQuery, Reject, Release
+from .messages import DATA, Approve, Deny, FlowMessage, Handover, HandoverAck, HandoverQuery, Reject, Release
 from .request_flow import RequestFlowRules
 from .state import Pending, UnitState
 
@@ -128,6 +130,13 @@ class HandoverRules(RequestFlowRules):
             self._retire(req)
             return []
         self._drop_pending(req)
+        if p is not None and p.kind == "confirm":  # the relay above did not take the done: break the link
+            u = self._units.get(p.uid)
+            if u is None or u.upstream != p.peer or u.in_link != p.extra["link"]:
+                return []
+            out: list[FlowMessage] = [Deny(self.peer, u.upstream, u.in_link)]
+            self._lose_upstream(u)
+            return out
         return self._unlock_upstream(p.extra["handover"]) if p is not None and "handover" in p.extra else []
 
     def _retire(self, req: int) -> None:
@@ -190,6 +199,9 @@ class HandoverRules(RequestFlowRules):
             out: list[FlowMessage] = [Deny(self.peer, u.upstream, u.in_link)]
             self._lose_upstream(u)
             return out
+        req = self._new_id()  # wait for the relay above to acknowledge
+        self._pending[req] = Pending("confirm", u.upstream, u.sink, u.uid, self._now, {"link": u.in_link})
+        u.locked = req
         return [Handover(self.peer, u.upstream, u.in_link, u.sink, self._cost(u), True)]
 
     def _on_Handover(self, msg: Handover) -> list[FlowMessage]:
@@ -207,13 +219,20 @@ class HandoverRules(RequestFlowRules):
         if msg.done and msg.sink == new and u.sink == lock.sink and self._may_be_data(new):
             u.sink, u.cont, u.age = new, msg.cost, 0
             query = HandoverQuery(u.upstream or "", self.peer, u.in_link or "", lock.sink, new, 0.0)
-            return self._relabelled(u, query)
+            return [HandoverAck(self.peer, msg.src, msg.link)] + self._relabelled(u, query)
         if late:  # a no (or a done that is not what was asked, read as a no) after the relays above gave up
             return []
         full = new if not msg.done and msg.sink == new else ""
         if self._probed_by(u):
             return [Handover(self.peer, u.upstream, u.in_link, full, 0.0, False)]
         self._note_full(full)  # the head
+        return []
+
+    def _on_HandoverAck(self, msg: HandoverAck) -> list[FlowMessage]:
+        u = self._unit_by("in_link", msg.link, msg.src)
+        p = self._pending.get(u.locked) if u is not None else None
+        if p is not None and p.kind == "confirm" and p.peer == msg.src:
+            self._drop_pending(u.locked)
         return []
 
     def _asked(self, u: UnitState, src: str) -> tuple[int, Pending] | None:

@@ -49,7 +49,7 @@ class UnitState:
 
 @dataclass
 class Pending:
-    kind: str  # flow | attach | switch | change | redirect
+    kind: str  # flow | attach | switch | change | redirect | handover | confirm
     peer: str
     sink: str
     uid: int
