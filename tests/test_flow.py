@@ -380,7 +380,7 @@ def test_a_relay_leaving_mid_handover_unlocks_the_relays_above_at_once():
     assert not u.locked and not a._pending and not m._pending
 
 
-def test_a_handover_query_is_refused_while_paused():
+def test_a_handover_query_is_refused_while_paused_and_ignored_when_off():
     from phalanx.algorithms.gwtf.messages import HandoverQuery
 
     drv = _chain3()
@@ -391,6 +391,9 @@ def test_a_handover_query_is_refused_while_paused():
     assert (reply.dst, reply.done) == ("a", False) and not m._pending
     _deliver(drv, [reply])
     assert not u.locked and not a._pending
+    m.optimising, m.config = True, replace(m.config, handover=False)  # handover off: queries are ignored
+    assert _deliver(drv, a._pass_query(u, HandoverQuery("d0", "a", u.in_link, "d0", "d1", -100.0))) == []
+    assert not m._pending
 
 
 def test_a_lost_handover_answer_heals():

@@ -67,8 +67,10 @@ class HandoverRules(RequestFlowRules):
         return self._pass_query(u, HandoverQuery(u.upstream, self.peer, u.in_link, u.sink, new, delta))
 
     def _on_HandoverQuery(self, msg: HandoverQuery) -> list[FlowMessage]:
+        if not self.config.handover:
+            return []
         u = self._unit_by("in_link", msg.link, msg.src)
-        if (not self.config.handover or not self.optimising or self.is_data or u is None or u.kind != "relay"
+        if (not self.optimising or self.is_data or u is None or u.kind != "relay"
                 or u.sink != msg.old or msg.new == msg.old or not self._may_be_data(msg.new) or u.locked
                 or u.downstream is None or u.downstream not in self._costs):
             return [Handover(self.peer, msg.src, msg.link, "", 0.0, False)]
