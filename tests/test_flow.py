@@ -296,15 +296,19 @@ def test_multi_commodity_optimum_returns_each_microbatch_home():
     assert multi_commodity_optimal(g, 1)[1] == pytest.approx(_brute_force_home(g, 1))
 
 
+def _bottleneck() -> FlowGraph:
+    cost = {("d0", "a"): 10.0, ("d1", "a"): 1.0, ("d0", "c"): 12.0, ("d1", "c"): 12.0,
+            ("a", "b"): 1.0, ("c", "b"): 1.0, ("b", "d0"): 10.0, ("b", "d1"): 1.0}
+    return FlowGraph(("d0", "d1"), (("a", "c"), ("b",)), {"a": 1, "c": 1, "b": 1}, {"d0": 1, "d1": 1}, cost)
+
+
 def test_a_shared_bottleneck_goes_to_the_data_node_it_costs_least():
     # d0 and d1 both want the one chain through the bottleneck b; d0's Offer reaches b first (ids tick in
     # order), so b builds the chain towards d0, though it costs 21 there and 3 for d1. The chain must be
     # handed to d1 (the multi-commodity optimum), keeping its relays.
     from phalanx.algorithms.gwtf.flowgraph import multi_commodity_optimal
 
-    cost = {("d0", "a"): 10.0, ("d1", "a"): 1.0, ("d0", "c"): 12.0, ("d1", "c"): 12.0,
-            ("a", "b"): 1.0, ("c", "b"): 1.0, ("b", "d0"): 10.0, ("b", "d1"): 1.0}
-    g = FlowGraph(("d0", "d1"), (("a", "c"), ("b",)), {"a": 1, "c": 1, "b": 1}, {"d0": 1, "d1": 1}, cost)
+    g = _bottleneck()
     assert multi_commodity_optimal(g) == ({"d0": 0, "d1": 1}, 3.0)
     for seed in range(3):
         drv = _converge(g, seed, rounds=60)
@@ -316,3 +320,96 @@ def test_a_shared_bottleneck_goes_to_the_data_node_it_costs_least():
     drv = _converge(g, 0, rounds=60)
     assert sorted(d for d, _, _ in drv.paths()) == ["d0", "d1"]
     assert sum(n.handovers for n in drv.nodes.values()) == 0
+
+
+def _units_of(drv: SyncDriver, peer: str, sink: str):
+    return [u for u in drv.nodes[peer]._units.values() if u.kind == "relay" and u.sink == sink]
+
+
+def _deliver(drv: SyncDriver, msgs) -> list:
+    return [reply for m in msgs if m.dst in drv.nodes for reply in drv.nodes[m.dst].handle(m)]
+
+
+def test_a_forged_handover_answer_is_ignored():
+    # b (stage 1) tells its stage-0 upstream a that the chain is now "ghost"'s, or d1's, though nobody asked
+    # it; a must keep the chain d0's (before the fix a DENYed d0 and kept a unit labelled "ghost" for good)
+    from phalanx.algorithms.gwtf.messages import Handover, HandoverQuery
+
+    cost = {("d0", "a"): 1.0, ("d1", "a"): 5.0, ("d0", "c"): 1.0, ("d1", "c"): 5.0,
+            ("a", "b"): 1.0, ("c", "b"): 1.0, ("a", "e"): 1.0, ("c", "e"): 1.0,
+            ("b", "d0"): 1.0, ("b", "d1"): 5.0, ("e", "d0"): 1.0, ("e", "d1"): 5.0}
+    g = FlowGraph(("d0", "d1"), (("a", "c"), ("b", "e")), {"a": 2, "c": 2, "b": 2, "e": 2}, {"d0": 1, "d1": 1}, cost)
+    drv = _converge(g, 0, rounds=80)
+    before = drv.paths()
+    assert before == [("d0", ["a", "b"], 3.0), ("d1", ["a", "b"], 11.0)]
+    u = next(u for u in _units_of(drv, "a", "d0") if u.downstream == "b")
+    for sink in ("ghost", "d1"):  # a name that is no data node, and one that is
+        drv.queue += drv.nodes["a"].handle(Handover("b", "a", u.out_link, sink, 0.0, True))
+    drv.run(40)
+    assert drv.paths() == before
+    assert not any(x.sink == "ghost" for n in drv.nodes.values() for x in n.units)
+    # asked about d1, b may answer for d1 only: a done naming another data node is a no, and unlocks a
+    a = drv.nodes["a"]
+    a._pass_query(u, HandoverQuery("d0", "a", u.in_link, "d0", "d1", -1.0))  # the query is not delivered
+    assert u.locked
+    assert a.handle(Handover("b", "a", u.out_link, "ghost", 0.0, True)) == []
+    assert (u.sink, u.upstream, u.locked) == ("d0", "d0", 0)
+
+
+def _chain3() -> SyncDriver:
+    # one chain d0 -> a -> m -> z -> d0; d1 is short of chains but costs more
+    cost = {("d0", "a"): 1.0, ("d1", "a"): 1.0, ("a", "m"): 1.0, ("m", "z"): 1.0, ("z", "d0"): 1.0, ("z", "d1"): 50.0}
+    g = FlowGraph(("d0", "d1"), (("a",), ("m",), ("z",)), {"a": 1, "m": 1, "z": 1}, {"d0": 1, "d1": 1}, cost)
+    drv = _converge(g, 0, rounds=60)
+    assert drv.paths() == [("d0", ["a", "m", "z"], 4.0)]
+    return drv
+
+
+def test_a_relay_leaving_mid_handover_unlocks_the_relays_above_at_once():
+    from phalanx.algorithms.gwtf.messages import Handover, HandoverQuery
+
+    drv = _chain3()
+    a, m = drv.nodes["a"], drv.nodes["m"]
+    (u,) = _units_of(drv, "a", "d0")
+    to_z = _deliver(drv, a._pass_query(u, HandoverQuery("d0", "a", u.in_link, "d0", "d1", -100.0)))
+    assert [type(x) for x in to_z] == [HandoverQuery] and u.locked and m._pending  # a and m hold locks
+    drv.nodes.pop("z")
+    replies = m.peer_left("z")
+    assert [(type(x), x.dst, x.done) for x in replies if isinstance(x, Handover)] == [(Handover, "a", False)]
+    _deliver(drv, replies)
+    assert not u.locked and not a._pending and not m._pending
+
+
+def test_a_handover_query_is_refused_while_paused_and_ignored_when_off():
+    from phalanx.algorithms.gwtf.messages import HandoverQuery
+
+    drv = _chain3()
+    a, m = drv.nodes["a"], drv.nodes["m"]
+    (u,) = _units_of(drv, "a", "d0")
+    m.optimising = False  # an iteration's microbatches are running: routes stay put
+    (reply,) = _deliver(drv, a._pass_query(u, HandoverQuery("d0", "a", u.in_link, "d0", "d1", -100.0)))
+    assert (reply.dst, reply.done) == ("a", False) and not m._pending
+    _deliver(drv, [reply])
+    assert not u.locked and not a._pending
+    m.optimising, m.config = True, replace(m.config, handover=False)  # handover off: queries are ignored
+    assert _deliver(drv, a._pass_query(u, HandoverQuery("d0", "a", u.in_link, "d0", "d1", -100.0))) == []
+    assert not m._pending
+
+
+def test_a_lost_handover_answer_heals():
+    # b hands the chain to d1 but its Handover(done) to a is lost: a still says d0, b says d1. a never
+    # acknowledges, so b breaks the link and the chain is rebuilt for d1 (before, d1 got no chain for good)
+    from phalanx.algorithms.gwtf.messages import Handover
+
+    lost: list = []
+
+    def drop(msg) -> bool:
+        if isinstance(msg, Handover) and msg.done and not lost:
+            lost.append(msg)
+            return True
+        return False
+
+    drv = SyncDriver(build_nodes(_bottleneck(), FlowConfig(), 0), drop=drop)
+    drv.run(100)
+    drv.settle(10)
+    assert lost and drv.paths() == [("d1", ["a", "b"], 3.0)]

@@ -38,7 +38,7 @@ class FlowNode(HandoverRules, MoveRules):
         out: list[FlowMessage] = []
         for req, p in list(self._pending.items()):
             if self._now - p.born > p.extra.get("timeout", self.config.pending_timeout):
-                self._drop_pending(req)
+                out += self._expire(req)
         for u in self._units.values():
             u.age += 1
         requested = False

@@ -25,11 +25,19 @@ chains). The move, in three steps along the chain:
 
 Only improving handovers are made (no annealing), so with fixed costs they end. A data node is
 handed a chain only while it is short, so with demands that the graph can meet they do not move.
+
+What a relay accepts: a `Handover` only from the peer it passed a query to, on that query's link, and
+`done` only naming the data node it asked about (an answer after the lock expired or was abandoned is
+still taken for a grace period); a query only while optimising (no chain is relabelled during an
+iteration's microbatches). A relay that loses the next hop of a locked unit, or whose switch to the new
+data node times out, unlocks the relays above. A relay that took a `done` acknowledges it
+(`HandoverAck`); a relay that sent one and gets no ack breaks that link (DENY), so that a lost or refused
+answer does not leave a chain that returns to two data nodes: both halves repair as after any broken link.
 """
 
 from __future__ import annotations
 
-from .messages import DATA, Approve, Deny, FlowMessage, Handover, HandoverQuery, Reject, Release
+from .messages import DATA, Approve, Deny, FlowMessage, Handover, HandoverAck, HandoverQuery, Reject, Release
 from .request_flow import RequestFlowRules
 from .state import Pending, UnitState
 
@@ -59,8 +67,11 @@ class HandoverRules(RequestFlowRules):
         return self._pass_query(u, HandoverQuery(u.upstream, self.peer, u.in_link, u.sink, new, delta))
 
     def _on_HandoverQuery(self, msg: HandoverQuery) -> list[FlowMessage]:
+        if not self.config.handover:
+            return []
         u = self._unit_by("in_link", msg.link, msg.src)
-        if (self.is_data or u is None or u.kind != "relay" or u.sink != msg.old or u.locked
+        if (not self.optimising or self.is_data or u is None or u.kind != "relay"
+                or u.sink != msg.old or msg.new == msg.old or not self._may_be_data(msg.new) or u.locked
                 or u.downstream is None or u.downstream not in self._costs):
             return [Handover(self.peer, msg.src, msg.link, "", 0.0, False)]
         return self._pass_query(u, msg)
@@ -70,7 +81,7 @@ class HandoverRules(RequestFlowRules):
         if u.downstream != msg.old:
             req = self._new_id()
             self._pending[req] = Pending("handover", u.downstream, msg.old, u.uid, self._now,
-                                        {"timeout": self._handover_timeout()})
+                                        {"timeout": self._handover_timeout(), "new": msg.new})
             u.locked = req
             return [HandoverQuery(self.peer, u.downstream, u.out_link, msg.old, msg.new, msg.delta)]
         if self._stages.get(msg.new) != DATA or msg.new not in self._costs:
@@ -93,6 +104,51 @@ class HandoverRules(RequestFlowRules):
         if data:
             self._full_until[data] = self._now + 4 * self._handover_timeout()
 
+    def _may_be_data(self, name: str) -> bool:
+        """Whether `name` can be a data node: stage 0 and the last stage know them all (their neighbours);
+        a relay between knows none, so there it is any name not known to serve a stage."""
+        if self.stage in (0, self.num_stages - 1):
+            return self._stages.get(name) == DATA
+        return self._stages.get(name, DATA) == DATA
+
+    def peer_left(self, peer: str) -> list[FlowMessage]:
+        """Handovers through `peer` end before its pending requests go: the relays above are unlocked."""
+        out: list[FlowMessage] = []
+        for req, p in list(self._pending.items()):
+            if p.peer != peer:
+                continue
+            if p.kind == "handover" and p.uid in self._units:
+                out += self._abandon(self._units[p.uid])
+            elif "handover" in p.extra:  # the last relay's switch to the new data node
+                self._drop_pending(req)
+                out += self._unlock_upstream(p.extra["handover"])
+        return [m for m in out if m.dst != peer] + super().peer_left(peer)
+
+    def _expire(self, req: int) -> list[FlowMessage]:
+        """A pending request timed out. A handover lock is kept a while for a late answer; a last relay
+        whose switch got no answer unlocks the relays above (a late Approve is released)."""
+        p = self._pending.get(req)
+        if p is not None and p.kind == "handover":
+            self._retire(req)
+            return []
+        self._drop_pending(req)
+        if p is not None and p.kind == "confirm":  # the relay above did not take the done: break the link
+            u = self._units.get(p.uid)
+            if u is None or u.upstream != p.peer or u.in_link != p.extra["link"]:
+                return []
+            out: list[FlowMessage] = [Deny(self.peer, u.upstream, u.in_link)]
+            self._lose_upstream(u)
+            return out
+        return self._unlock_upstream(p.extra["handover"]) if p is not None and "handover" in p.extra else []
+
+    def _retire(self, req: int) -> None:
+        """Unlock a handover lock that got no answer; its answer is still taken for one more lock timeout."""
+        p = self._drop_pending(req)
+        grace = 2 * self._handover_timeout()
+        self._late_handovers = {r: q for r, q in self._late_handovers.items() if self._now - q.born <= grace}
+        if p is not None:
+            self._late_handovers[req] = p
+
     def _lose_downstream(self, u: UnitState) -> list[FlowMessage]:
         return self._abandon(u) + super()._lose_downstream(u)
 
@@ -105,7 +161,7 @@ class HandoverRules(RequestFlowRules):
         lock = self._pending.get(u.locked)
         if lock is None or lock.kind != "handover":
             return []
-        self._drop_pending(u.locked)
+        self._retire(u.locked)
         return [Handover(self.peer, u.upstream, u.in_link, "", 0.0, False)] if self._probed_by(u) else []
 
     def _on_Approve(self, msg: Approve) -> list[FlowMessage]:
@@ -115,7 +171,8 @@ class HandoverRules(RequestFlowRules):
         self._drop_pending(msg.req)
         query: HandoverQuery = p.extra["handover"]
         u = self._units.get(p.uid)
-        if u is None or u.sink != query.old or u.downstream != query.old or msg.src not in self._costs:
+        if (u is None or u.sink != query.old or u.downstream != query.old or msg.src not in self._costs
+                or not self.optimising):  # paused since the query came: no relabelling mid iteration
             return [Release(self.peer, msg.src, msg.link)] + self._unlock_upstream(query)
         out: list[FlowMessage] = [Release(self.peer, u.downstream, u.out_link)]
         u.sink, u.downstream, u.out_link, u.cont, u.age, u.idle = msg.src, msg.src, msg.link, msg.cost, 0, 0
@@ -144,26 +201,54 @@ class HandoverRules(RequestFlowRules):
             out: list[FlowMessage] = [Deny(self.peer, u.upstream, u.in_link)]
             self._lose_upstream(u)
             return out
+        req = self._new_id()  # wait for the relay above to acknowledge
+        self._pending[req] = Pending("confirm", u.upstream, u.sink, u.uid, self._now, {"link": u.in_link})
+        u.locked = req
         return [Handover(self.peer, u.upstream, u.in_link, u.sink, self._cost(u), True)]
 
     def _on_Handover(self, msg: Handover) -> list[FlowMessage]:
         u = self._unit_by("out_link", msg.link, msg.src)
-        if self.is_data or u is None or u.kind != "relay":
+        if not self.config.handover or self.is_data or u is None or u.kind != "relay":
             return []
-        lock = self._pending.get(u.locked)
-        if lock is not None and lock.kind == "handover":
+        found = self._asked(u, msg.src)
+        if found is None:  # nobody asked src: a forged or stale answer
+            return []
+        req, lock = found
+        late = req in self._late_handovers
+        self._drop_pending(req)
+        self._late_handovers.pop(req, None)
+        new = lock.extra["new"]
+        if msg.done and msg.sink == new and u.sink == lock.sink and self._may_be_data(new):
+            u.sink, u.cont, u.age = new, msg.cost, 0
+            query = HandoverQuery(u.upstream or "", self.peer, u.in_link or "", lock.sink, new, 0.0)
+            return [HandoverAck(self.peer, msg.src, msg.link)] + self._relabelled(u, query)
+        if late:  # a no (or a done that is not what was asked, read as a no) after the relays above gave up
+            return []
+        full = new if not msg.done and msg.sink == new else ""
+        if self._probed_by(u):
+            return [Handover(self.peer, u.upstream, u.in_link, full, 0.0, False)]
+        self._note_full(full)  # the head
+        return []
+
+    def _on_HandoverAck(self, msg: HandoverAck) -> list[FlowMessage]:
+        u = self._unit_by("in_link", msg.link, msg.src)
+        p = self._pending.get(u.locked) if u is not None else None
+        if p is not None and p.kind == "confirm" and p.peer == msg.src:
             self._drop_pending(u.locked)
-        elif not msg.done:
-            return []
-        if not msg.done:
-            if self._probed_by(u):
-                return [Handover(self.peer, u.upstream, u.in_link, msg.sink, 0.0, False)]
-            self._note_full(msg.sink)  # the head
-            return []
-        old = u.sink
-        u.sink, u.cont, u.age = msg.sink, msg.cost, 0
-        query = HandoverQuery(u.upstream or "", self.peer, u.in_link or "", old, msg.sink, 0.0)
-        return self._relabelled(u, query)
+        return []
+
+    def _asked(self, u: UnitState, src: str) -> tuple[int, Pending] | None:
+        """The query that `u` passed to `src` and that an answer from `src` closes: its lock, or one that
+        expired or was abandoned a short while ago (if `u` is not locked by anything since)."""
+        lock = self._pending.get(u.locked)
+        if lock is not None and lock.kind == "handover" and lock.peer == src and lock.uid == u.uid:
+            return u.locked, lock
+        if u.locked:
+            return None
+        for req, p in self._late_handovers.items():
+            if p.uid == u.uid and p.peer == src:
+                return req, p
+        return None
 
     def _probed_by(self, u: UnitState) -> bool:
         """Whether the query reached `u` from an upstream relay (which holds a lock), not from a data node."""

@@ -201,11 +201,20 @@ class Handover(FlowMessage):
     done: bool
 
 
+@dataclass(frozen=True)
+class HandoverAck(FlowMessage):
+    """Down a chain: src took the `Handover(done)` for the unit on `link` (until then dst's link to src
+    may join units that return to different data nodes, and dst breaks it if no ack comes)."""
+
+    link: str
+
+
 MESSAGE_TYPES: dict[str, type[FlowMessage]] = {
     cls.__name__: cls
     for cls in (
         Offer, RequestFlow, Approve, Reject, CostUpdate, Release, Deny, Rewire, Audit,
         FlowQuery, FlowReport, ChangeRequest, ChangeReply, RedirectRequest, RedirectReply, HandoverQuery, Handover,
+        HandoverAck,
     )
 }
 

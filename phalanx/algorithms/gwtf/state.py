@@ -49,7 +49,7 @@ class UnitState:
 
 @dataclass
 class Pending:
-    kind: str  # flow | attach | switch | change | redirect
+    kind: str  # flow | attach | switch | change | redirect | handover | confirm
     peer: str
     sink: str
     uid: int
@@ -89,6 +89,7 @@ class FlowState:
         self.handovers = 0  # chains this node handed to another data node (as the last stage)
         self._handover_turn = 0  # which (unit, data node) pair a stage-0 relay asks about next
         self._full_until: dict[str, int] = {}  # data nodes found without a free grant: not asked about until then
+        self._late_handovers: dict[int, Pending] = {}  # handover locks that expired or were abandoned: late answers
         self.optimising = True  # False pauses Request Change / Redirect (routes stay put during training)
         self._stages: dict[str, int] = {}
         self._costs: dict[str, float] = {}
