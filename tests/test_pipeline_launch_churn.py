@@ -82,3 +82,12 @@ def test_a_joiner_overtaken_by_the_end_of_the_run_stops_without_failing():
     joiner = _Joiner({"gone": 1}, set())
     assert _download(joiner, patience=60.0, ended=lambda: len(joiner.tries) >= 2) == "ended"
     assert _download(_Joiner({"gone": 1}, set()), patience=60.0) == "failed"
+
+
+def test_a_banned_replica_does_not_keep_its_stage_alive():
+    """Relay 5, the last one churn would leave in stage 1, is banned: relay 3, the last one not banned, stays."""
+    config = get_preset("chars-gpt-pipeline")
+    config = dataclasses.replace(config, steps=10, faults=ChurnConfig(leave_rate=1.0, join_rate=0.0))
+    live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}  # stage 1: 1, 3, 5
+    left = {e.name for e in PipelineChurn(config, first_index=config.peers).advance(1, live, frozenset({"5"}))}
+    assert {"1", "5"} <= left and "3" not in left

@@ -369,7 +369,7 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], pla
             placed.pop(name, None)
             churn.failed_join()
     live = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
-    for event in churn.advance(done, live):
+    for event in churn.advance(done, live, _banned(churn, nodes, peer_dir) if churn.due(done) else frozenset()):
         print(f"phalanx: churn: relay {event.name} {event.event} after iteration {event.it}", file=sys.stderr)
         if event.event == "left":
             workers.kill(event.name)
@@ -377,6 +377,17 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], pla
         else:
             nodes.append(event.name)
             workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
+
+
+def _banned(churn: PipelineChurn, nodes: list[str], peer_dir: Path) -> frozenset[str]:
+    """The relays (by name) that some node or verifier has recorded a ban of so far (SENTINEL's, BTARD's)."""
+    names = {peer_identity(churn.config.seed, int(n)).peer_id: n for n in nodes}
+    banned = set()
+    for path in peer_dir.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            if '"kind": "ban"' in line:
+                banned.add(names.get(json.loads(line).get("peer")))
+    return frozenset(banned - {None})
 
 
 def _joiner_outcomes(joiners: set[str], starting: set[str], peer_dir: Path) -> dict[str, str]:

@@ -49,12 +49,16 @@ class PipelineChurn:
         """A new relay ended before it served (no placement, or no stage peer sent it the weights): it may come again."""
         self.down += 1
 
-    def advance(self, finished: int, live: dict[str, int]) -> list[RelayChurn]:
+    def due(self, finished: int) -> bool:
+        """Whether `advance(finished, ...)` has an iteration to decide."""
+        return self._done < min(finished - 1, self.last - 1)
+
+    def advance(self, finished: int, live: dict[str, int], banned: frozenset[str] = frozenset()) -> list[RelayChurn]:
         """Decisions for every iteration finished since the last call (`finished` of them in all); `live` maps
-        each live, placed relay to its stage."""
+        each live, placed relay to its stage; `banned`: relays banned so far (they do not keep a stage alive)."""
         stages = dict(live)
         new: list[RelayChurn] = []
-        while self._done < min(finished - 1, self.last - 1):
+        while self.due(finished):
             self._done += 1
             for _ in range(self.down):
                 if self._rng.random() < self.config.faults.join_rate:
@@ -62,7 +66,8 @@ class PipelineChurn:
                     new.append(RelayChurn(self._done, str(self.next_index), "joined"))
                     self.next_index += 1
             for name in sorted(stages, key=int):
-                if sum(1 for s in stages.values() if s == stages[name]) <= 1:
+                serving = sum(1 for peer, s in stages.items() if s == stages[name] and peer not in banned)
+                if name not in banned and serving <= 1:
                     continue
                 if self._rng.random() < self.config.faults.leave_rate:
                     del stages[name]
