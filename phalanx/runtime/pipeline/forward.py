@@ -53,9 +53,11 @@ class Forward:
             self.check_seal(CHECK_FORWARD, c, sender)
         if c.it < self.version:
             return m.answer(m.STALE)
-        if self.sealing:  # two sealed activations for one microbatch (held, or computed with): their signer equivocates
+        if self.sealing:  # two sealed activations for one microbatch in one iteration: their signer equivocates
+            # (a microbatch deferred to the next iteration comes again, computed with the new weights: not a lie)
             earlier = self.held[c.key].carry if c.key in self.held else self.received.get(c.key, (None, None))[0]
-            if earlier is not None and earlier.seal is not None and m.tensor_digest(earlier.tensor) != m.tensor_digest(c.tensor):
+            if (earlier is not None and earlier.seal is not None and earlier.it == c.it
+                    and m.tensor_digest(earlier.tensor) != m.tensor_digest(c.tensor)):
                 raise RemoteError(Evidence(c.seal.signer, "equivocation", f"two sealed activations for {m.key_name(c.key)}", c.it))
         if c.key in self.held:
             return m.answer(m.OK)  # a resend of what we already hold
