@@ -26,6 +26,7 @@ import pytest
 
 from phalanx import api
 from phalanx.core.errors import ConfigError, LocalError
+from phalanx.runs.launcher import ProcessLauncher
 from phalanx.runs.netns import (
     EXAMPLE_SPEC,
     LinkShape,
@@ -36,7 +37,6 @@ from phalanx.runs.netns import (
     unavailable_reason,
 )
 from phalanx.runs.netns import Testbed as NetnsBed  # not Test*: pytest would try to collect it
-from phalanx.runs.launcher import ProcessLauncher
 from phalanx.runs.processes import MARKER_ENV, kill_marked, marked_processes
 from phalanx.runs.tap_link import forward
 

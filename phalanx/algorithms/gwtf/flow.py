@@ -21,8 +21,8 @@ from __future__ import annotations
 from ...core.errors import Evidence, LocalError, RemoteError
 from .config import FlowConfig
 from .costs import edge_cost
-from .messages import DATA, FlowMessage, from_wire, to_wire, validate
 from .handover import HandoverRules
+from .messages import DATA, FlowMessage, from_wire, to_wire, validate
 from .moves import MoveRules
 
 # The runtime (runtime/pipeline/gwtf.py, runs/pipeline/run.py) imports these from here.

@@ -40,7 +40,6 @@ from .node import PipelineNode
 from .relay import parse_util, util_bytes
 from .verifier import VerifierConfig, VerifierHop
 
-
 MIN_STAGE_GROUP = 3  # under BTARD per stage a joiner goes to a stage with fewer live replicas than this first
 
 
