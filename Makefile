@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(PY) -m phalanx.cli report runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2
 
 $(VENV)/.bench: $(STAMP)
 	$(PIP) install -q $(PIN) --no-deps byzfl==0.0.11
