@@ -56,6 +56,11 @@ class Transport(ABC):
     def peer_id(self) -> str:
         return self.identity.peer_id
 
+    @property
+    def failure_detection(self) -> float:
+        """Seconds after which a peer that died has left `members()` (0: at once)."""
+        return 0.0
+
     # --- what protocols call -------------------------------------------------
 
     def add_request_handler(self, topic: str, handler: RequestHandler) -> None:

@@ -337,6 +337,10 @@ class HivemindTransport(Transport):
 
     # --- membership ----------------------------------------------------------
 
+    @property
+    def failure_detection(self) -> float:
+        return self._ttl  # a dead peer's record expires at most one ttl after its last refresh
+
     def members(self) -> list[str]:
         now = get_dht_time()
         return sorted({self.peer_id, *(p for p, r in self._view.items() if r.expiration > now)})

@@ -380,10 +380,11 @@ class StageInputs:
         return blob
 
     async def _departs(self, target: str) -> bool:
-        """Whether a target that did not answer leaves the membership view within the timeout (it crashed
-        or left: failure detection takes a while) rather than staying and withholding its inputs."""
+        """Whether a target that did not answer leaves the membership view within the timeout, or within
+        the transport's failure detection where that is longer (over hivemind, a dead peer's membership
+        record outlives it), rather than staying and withholding its inputs."""
         node = self.node
-        deadline = node.now() + self.timeout
+        deadline = node.now() + max(self.timeout, node.transport.failure_detection)
         while target in node.transport.members():
             if node.now() >= deadline:
                 return False
