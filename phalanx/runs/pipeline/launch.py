@@ -116,6 +116,7 @@ async def run_pipeline_worker(
                 await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
                 node.stop()
                 await serving
+                await _last_aggregation(node, config)
             write("final", _final_state(node))
             await node.close()
     finally:
@@ -208,8 +209,19 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
     await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
     node.stop()
     await serving
+    await _last_aggregation(node, config)
     write("final", _final_state(node))
     await node.close()
+
+
+async def _last_aggregation(node, config: PipelineRunConfig) -> None:
+    """Until the relay's stage round of the last iteration is over (bounded by the aggregation timeout): the
+    data nodes finish once their microbatches are done, while the relays may still be aggregating that update."""
+    if node.version < config.steps:
+        try:
+            await asyncio.wait_for(node.aggregated_event(config.steps - 1).wait(), config.pipeline.aggregation_timeout)
+        except TimeoutError:
+            pass
 
 
 def _final_state(node) -> dict:
