@@ -176,6 +176,27 @@ def test_membership_converges(shared: Shared) -> None:
     assert shared.evidence_at_join == [[], [], []]
 
 
+def _established_tcp_ports() -> list[tuple[int, int]]:
+    """(local port, remote port) of every established IPv4 TCP connection in this network namespace."""
+    pairs = []
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, remote, state = line.split()[1:4]
+            if state == "01":
+                pairs.append((int(local.split(":")[1], 16), int(remote.split(":")[1], 16)))
+    return pairs
+
+
+@pytest.mark.hivemind
+def test_daemons_dial_from_ephemeral_ports(shared: Shared) -> None:
+    # Dialled from its listening port, a connection between two daemons joins two listening ports, and
+    # two crossing dials become one TCP connection that both ends fail to secure (see REUSEPORT_ENV).
+    listening = {int(addr.split("/tcp/")[1].split("/")[0]) for p in shared.peers for addr in p.visible_maddrs()}
+    between = [(a, b) for a, b in _established_tcp_ports() if b in listening]
+    assert between, "the daemons hold no connection to each other"
+    assert not [(a, b) for a, b in between if a in listening]
+
+
 @pytest.mark.hivemind
 def test_request_roundtrip_1mb(shared: Shared) -> None:
     a, b, _ = shared.peers

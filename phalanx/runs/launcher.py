@@ -222,11 +222,14 @@ async def barrier(transport: Transport, name: str, peers: list[str]) -> None:
     """Wait until every peer of a launch has announced `name` (or the timeout passes): workers of every kind
     start training together.
 
+    An announcement that did not arrive is fetched from its sender and from
+    other peers after a quarter of the timeout: a peer that passed the barrier
+    alone would train a whole timeout ahead of the rest, and never meet them.
     The slot's step is beyond any training step, so pruning old broadcasts never
     drops the announcement of a peer that left early (a banned peer stops at once).
     """
     await transport.broadcast(f"barrier.{name}", BARRIER_STEP, b"")
-    await transport.board.wait(f"barrier.{name}", BARRIER_STEP, peers, BARRIER_TIMEOUT)
+    await transport.collect_broadcasts(f"barrier.{name}", BARRIER_STEP, peers, BARRIER_TIMEOUT)
 
 
 def worker_parser(description: str, first: str = "the first worker") -> argparse.ArgumentParser:

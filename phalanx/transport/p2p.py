@@ -31,7 +31,8 @@ closes its end (the daemon may reset a stream closed early, cutting the answer).
 
 Importing this module imports hivemind (about a second), which also sets
 torch's sharing strategy to ``file_system`` and renames the WARNING log level
-to ``WARN`` process-wide.
+to ``WARN`` process-wide. Starting a transport sets ``LIBP2P_TCP_REUSEPORT=false``
+in the process environment unless it is set (see `REUSEPORT_ENV`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ WRITE_CHUNK = 2**20
 # allowance for clocks of different peers disagreeing.
 CLOCK_SKEW = 30.0
 STARTUP_TIMEOUT = 30.0
+# libp2p dials over TCP from its listening port by default (port reuse, for NAT mappings). Two peers
+# that dial each other at the same instant then make one TCP connection (a simultaneous open) on which
+# both ends start the secure handshake as its initiator; it fails ("noise: message is too short"),
+# the dial fails on both sides, and libp2p refuses to dial that peer again for seconds ("dial
+# backoff"). With 40 ms links that happened in about one launch of three, at the start barrier.
+# Dialling from an ephemeral port makes crossing dials two connections, which libp2p keeps apart.
+REUSEPORT_ENV = "LIBP2P_TCP_REUSEPORT"
 
 
 def membership_key(run_id: str) -> str:
@@ -255,6 +263,7 @@ class HivemindTransport(Transport):
         if self._dht is not None:
             raise LocalError("this transport is already started")
         loop = asyncio.get_running_loop()
+        os.environ.setdefault(REUSEPORT_ENV, "false")  # read by the daemon, which inherits our environment
         key_dir = tempfile.mkdtemp(prefix="phalanx-key-")
         try:
             key_path = os.path.join(key_dir, "libp2p.key")
