@@ -275,14 +275,11 @@ def test_swarm_trains_across_four_shaped_namespaces(tmp_path):
         while marked_processes(token, prefix=True) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert marked_processes(token, prefix=True) == []
-        isolated = [p.stem for p in sorted((out / "peers").glob("*.jsonl"))
-                    if all(json.loads(line)["missing_parts"] == 3 for line in p.read_text().splitlines())]
-        if isolated:
-            # Known open bug (session 13, about 1 run in 3 even on a quiet machine): one peer receives no
-            # part from the others for the whole run while its own parts reach them, so its model trains
-            # alone. Everything above still holds; the accuracy below cannot, so the run is marked, not hidden.
-            pytest.xfail(f"peer(s) {isolated} received no all-reduce part in any step (open bug, see docs/notes/issue-17.md)")
-        assert abs(summary["final_accuracy"] - LOOPBACK_ACCURACY) <= BAND
+        # Until session 18 about one run in three (more under load) split the swarm at the start barrier:
+        # two peers dialled each other at once, both dials failed, and the halves trained 120 s apart.
+        missing = {p.stem: [json.loads(line)["missing_parts"] for line in p.read_text().splitlines()]
+                   for p in sorted((out / "peers").glob("*.jsonl"))}
+        assert abs(summary["final_accuracy"] - LOOPBACK_ACCURACY) <= BAND, f"all-reduce parts missed per peer and step: {missing}"
     finally:
         kill_marked(token, prefix=True)
 
