@@ -97,19 +97,20 @@ class Transport(ABC):
 
     async def collect_broadcasts(
         self, topic: str, step: int, senders: list[str], timeout: float, relays: int = 2,
-        enough: Callable[[dict[str, SignedEnvelope]], bool] | None = None,
+        enough: Callable[[dict[str, SignedEnvelope]], bool] | None = None, patience: float | None = None,
     ) -> dict[str, SignedEnvelope]:
         """Envelopes of `senders` for (topic, step), waiting up to `timeout`, or until `enough`
         holds for what arrived (asked at each arrival).
 
-        Broadcast is best effort, so what has not arrived halfway through is
-        fetched from its sender and from `relays` other members: envelopes are
-        signed, so any peer may pass them on, and a lost message or a sender
-        that skipped some peers does not split honest views.
+        Broadcast is best effort, so what has not arrived after `patience`
+        (default a quarter of the timeout), and again after each further
+        `patience`, is fetched from its sender and from `relays` other members:
+        envelopes are signed, so any peer may pass them on, and a lost message
+        or a sender that skipped some peers does not split honest views.
         """
         clock = self.clock
         deadline = clock.now() + timeout
-        patience = timeout / 4
+        patience = timeout / 4 if patience is None else patience
         while True:
             got = await self.board.wait(topic, step, senders, min(patience, max(0.0, deadline - clock.now())), enough)
             missing = [s for s in senders if s not in got and s != self.peer_id]

@@ -58,6 +58,7 @@ from .run import (
 
 FINISHED = "pp.finished"
 RUN_TIMEOUT = 3600.0
+FINISHED_PATIENCE = 10.0  # seconds between fetches of a data node's FINISHED that has not arrived (a lost one would hold a relay for RUN_TIMEOUT)
 
 
 async def run_pipeline_worker(
@@ -109,11 +110,11 @@ async def run_pipeline_worker(
             if isinstance(node, DataNode):
                 await node.run(config.steps, lambda r: write("iteration", r))
                 await transport.broadcast(FINISHED, 0, b"")
-                await transport.board.wait(FINISHED, 0, data_nodes, 30.0)
+                await transport.collect_broadcasts(FINISHED, 0, data_nodes, 30.0, patience=FINISHED_PATIENCE)
                 await asyncio.sleep(1.0)  # let the last CAN TAKE and FINISHED messages leave
             else:
                 serving = asyncio.create_task(node.serve())
-                await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
+                await transport.collect_broadcasts(FINISHED, 0, data_nodes, RUN_TIMEOUT, patience=FINISHED_PATIENCE)
                 node.stop()
                 await serving
                 await _last_aggregation(node, config)
@@ -155,7 +156,7 @@ async def run_verifier_worker(config: PipelineRunConfig, link: int, initial_peer
                 raise LocalError(f"only {len(transport.members())} of {members} peers joined within {JOIN_TIMEOUT:.0f} s") from None
             await barrier(transport, "start", peers)
             serving = asyncio.create_task(node.serve())
-            await transport.board.wait(FINISHED, 0, ids[: config.data_nodes], RUN_TIMEOUT)
+            await transport.collect_broadcasts(FINISHED, 0, ids[: config.data_nodes], RUN_TIMEOUT, patience=FINISHED_PATIENCE)
             await asyncio.sleep(1.0)  # let the last bans leave
             node.stop()
             await serving
@@ -206,7 +207,7 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
     # Written once it serves (t0: placed, t1: weights in): the launcher's churn counts it as a live replica from here.
     write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": placed_at, "t1": node.now()})
     serving = asyncio.create_task(node.serve())
-    await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
+    await transport.collect_broadcasts(FINISHED, 0, data_nodes, RUN_TIMEOUT, patience=FINISHED_PATIENCE)
     node.stop()
     await serving
     await _last_aggregation(node, config)
