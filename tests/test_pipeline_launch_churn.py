@@ -158,6 +158,24 @@ def test_a_banned_replica_does_not_keep_its_stage_alive():
     assert left & {"1", "3", "5"} == {"1", "5"}
 
 
+def test_under_btard_per_stage_launch_churn_leaves_two_replicas_in_a_stage():
+    """Real time: a relay that comes back serves tens of seconds later, so under BTARD per stage a stage keeps two
+    unbanned replicas (measured: with one, the liar, its ban emptied stage 1 for good in a launched all cell)."""
+    from phalanx.runs.config import override
+    from phalanx.runs.pipeline.launch import launch_floor
+
+    config = _config(1.0, 0.0, seed=3, steps=10)
+    assert launch_floor(config) == 1  # no BTARD: the simulator's rule
+    assert launch_floor(override(get_preset("secure-gpt-pipeline"), [])) == 2
+    live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}  # stage 1: 1, 3, 5
+    churn = PipelineChurn(config, floor=2)
+    churn.open(0, 0.0, 1.0)
+    assert {e.name for e in churn.leave(1.0, live)} & {"1", "3", "5"} == {"1"}  # the first to go; 3 and 5 stay
+    churn = PipelineChurn(config, floor=2)
+    churn.open(0, 0.0, 1.0)
+    assert {e.name for e in churn.leave(1.0, live, frozenset({"5"}))} & {"1", "3", "5"} == {"5"}  # 1 and 3: the two
+
+
 class _Workers:
     """What `_churn` asks of the launcher's ProcessLauncher: start and kill, and each name's process."""
 

@@ -19,6 +19,14 @@ stage recovers; a banned replica serves nobody), as the simulator's `_leave`.
 A relay that serves no stage (still joining, refused, or its join failed) may
 always leave; it stays among the live relays for the draws until it does, as
 an idle simulated peer does.
+
+Where real time differs: a relay that comes back needs tens of seconds (a new
+process: imports, daemon, placement, download) to serve, against none in the
+simulator, so it cannot refill a stage within the iteration. Under BTARD per
+stage the launch therefore keeps `BTARD_STAGE_FLOOR` unbanned replicas per
+stage: with one left, that one may be the liar, and its ban empties the stage
+for good (measured: docs/notes/issue-18.md, session 18). Where the floor binds,
+the launch's events leave the simulator's.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from dataclasses import dataclass, field
 
 from ...core.rng import py_stream
 from .config import ChurnConfig, PipelineRunConfig
+
+BTARD_STAGE_FLOOR = 2  # launch under BTARD per stage: churn leaves this many unbanned serving replicas in a stage
 
 
 def churn_stream(seed: int) -> random.Random:
@@ -72,8 +82,10 @@ class _Leave:
 class PipelineChurn:
     """Which relays to stop and start again as iterations open (decisions only; the launcher acts)."""
 
-    def __init__(self, config: PipelineRunConfig) -> None:
+    def __init__(self, config: PipelineRunConfig, floor: int = 1) -> None:
+        """`floor`: the unbanned serving replicas a leave leaves in its stage (1: the simulator's rule)."""
         self.config = config
+        self.floor = floor
         self.relays = [str(i) for i in range(config.data_nodes, config.peers)]
         self.down: set[str] = set()  # relays that left (the simulator's `crashed`): they may come back
         self.opened = -1  # the last iteration whose draws are made
@@ -121,7 +133,7 @@ class PipelineChurn:
                 continue
             if name in stages and name not in banned:
                 replicas = sum(1 for peer, s in stages.items() if s == stages[name] and peer not in banned)
-                if replicas <= 1:
+                if replicas <= self.floor:
                     continue
             stages.pop(name, None)
             self.down.add(name)
