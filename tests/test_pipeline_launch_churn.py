@@ -1,6 +1,7 @@
 """Churn of a launched pipeline: the simulator's draws (same stream, same order), relays that come back under
-their own index, never the last unbanned relay of a stage; the launcher restarts a relay under its name with
---join, reads its appended records from where the new process begins, and starts it only once the old one is gone."""
+their own index, never the last unbanned relay of a stage (two under BTARD per stage); the launcher restarts a
+relay under its name with --join, reads its appended records from where the new process begins, and starts it
+only once the old one is gone."""
 
 import dataclasses
 import time
