@@ -1,44 +1,107 @@
-"""Churn decisions for a launched pipeline: seeded, per relay and iteration, never the last relay of a stage,
-joiners are new identities, nothing in the last two iterations."""
+"""Churn of a launched pipeline: the simulator's draws (same stream, same order), relays that come back under
+their own index, never the last unbanned relay of a stage (two under BTARD per stage); the launcher restarts a
+relay under its name with --join, reads its appended records from where the new process begins, and starts it
+only once the old one is gone."""
 
 import dataclasses
+import time
+import uuid
 
+import pytest
+
+from phalanx.core.errors import LocalError
+from phalanx.core.rng import py_stream
+from phalanx.runs.launcher import ProcessLauncher
 from phalanx.runs.pipeline.config import ChurnConfig
 from phalanx.runs.pipeline.launch_churn import PipelineChurn
 from phalanx.runs.presets import get_preset
+from phalanx.runs.processes import marked_processes
+
+
+def _config(leave: float, join: float, seed: int = 0, steps: int = 60):
+    config = get_preset("chars-gpt-pipeline")  # 1 data node, relays 1-6, stage 1: 1, 3, 5; stage 2: 2, 4, 6
+    return dataclasses.replace(config, seed=seed, steps=steps, faults=ChurnConfig(leave_rate=leave, join_rate=join))
 
 
 def _run(leave: float, join: float, seed: int = 0, steps: int = 60) -> tuple[PipelineChurn, list[dict[str, int]]]:
-    config = get_preset("chars-gpt-pipeline")
-    config = dataclasses.replace(config, seed=seed, steps=steps, faults=ChurnConfig(leave_rate=leave, join_rate=join))
-    churn = PipelineChurn(config, first_index=config.peers)
+    """Iterations opening one second apart, each lasting a second; a relay that comes back serves its first stage."""
+    config = _config(leave, join, seed, steps)
+    churn = PipelineChurn(config)
     live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}
     views = []
-    for finished in range(1, steps + 1):
-        for event in churn.advance(finished, live):
-            if event.event == "left":
-                del live[event.name]
-            else:  # placed at once here; the launcher waits for its join event
-                live[event.name] = 1 + int(event.name) % config.pipeline.stages
+    for it in range(steps):
+        for event in churn.leave(float(it), live):
+            del live[event.name]
+        for event in churn.open(it, float(it), 1.0):
+            live[event.name] = config.stage_of(int(event.name))
         views.append(dict(live))
     return churn, views
 
 
-def test_relays_leave_and_new_ones_join_but_no_stage_is_wiped_out():
+def _simulator_draws(config, steps: int) -> list[tuple[int, str, str]]:
+    """The simulator's churn loop as `simulate` ran it before this module shared it (on_start in runs/pipeline/run.py:
+    py_stream(seed, "pipeline", "churn"), a leave at uniform(0, last duration) into the iteration), every leave taken."""
+    rng = py_stream(config.seed, "pipeline", "churn")
+    crashed: set[str] = set()
+    events = []
+    for it in range(steps):
+        for pid in [str(i) for i in range(config.data_nodes, config.peers)]:
+            if pid in crashed:
+                if config.faults.join_rate and rng.random() < config.faults.join_rate:
+                    crashed.discard(pid)
+                    events.append((it, pid, "returned"))
+                continue
+            if config.faults.leave_rate and rng.random() < config.faults.leave_rate:
+                rng.uniform(0, 1.0)
+                crashed.add(pid)  # (the simulator crashes it later in the iteration: no draw in between)
+                events.append((it, pid, "left"))
+    return events
+
+
+def test_relays_leave_and_come_back_under_their_own_index_and_no_stage_is_wiped_out():
     churn, views = _run(0.2, 0.5)
     left = [e for e in churn.events if e.event == "left"]
-    joined = [e for e in churn.events if e.event == "joined"]
-    assert len(left) >= 10 and len(joined) >= 5  # 6 relays x 58 iterations at 20%
-    assert [e.name for e in joined] == [str(7 + i) for i in range(len(joined))]  # fresh identities, in order
+    back = [e for e in churn.events if e.event == "returned"]
+    assert len(left) >= 10 and len(back) >= 5  # 6 relays x 60 iterations at 20%
+    assert {e.name for e in churn.events} <= {str(i) for i in range(1, 7)}  # no new identity: the relays that left
+    for name in {e.name for e in back}:  # each comes back only after it left, and leaves again only after it came back
+        kinds = [e.event for e in churn.events if e.name == name]
+        assert kinds == ["left", "returned"] * (len(kinds) // 2) + ["left"] * (len(kinds) % 2)
     assert all(sorted(set(view.values())) == [1, 2] for view in views)  # every stage keeps a live relay
-    assert max(e.it for e in churn.events) <= 57  # none in the last two iterations
-    assert len(left) - len(joined) == churn.down
+    assert len(left) - len(back) == len(churn.down)
+
+
+def test_launch_takes_the_simulators_draws():
+    """Where the stage rule does not bind (every relay may leave: none serves), launch leaves and returns relays
+    exactly when `simulate` does for the same seed and rates."""
+    for seed, leave, join in ((0, 0.1, 0.1), (4, 0.3, 0.5), (7, 0.5, 0.2)):
+        config = _config(leave, join, seed, steps=40)
+        churn = PipelineChurn(config)
+        for it in range(40):
+            churn.leave(float(it), {})
+            churn.open(it, float(it), 1.0)
+        churn.leave(40.0, {})
+        assert sorted((e.it, e.name, e.event) for e in churn.events) == sorted(_simulator_draws(config, 40))
 
 
 def test_decisions_are_seeded_and_none_without_rates():
     assert _run(0.1, 0.3, seed=4)[0].events == _run(0.1, 0.3, seed=4)[0].events
     assert _run(0.1, 0.3, seed=4)[0].events != _run(0.1, 0.3, seed=5)[0].events
     assert _run(0.0, 0.0)[0].events == []
+
+
+def test_a_leave_falls_within_its_iteration_and_waits_for_its_time():
+    config = _config(1.0, 0.0, seed=3)
+    churn = PipelineChurn(config)
+    churn.open(0, 100.0, 8.0)  # every relay draws a leave at 100 + fraction * 8
+    times = [leave.at for leave in churn.scheduled]
+    assert len(times) == 6 and all(100.0 <= t < 108.0 for t in times) and times == sorted(times)
+    live = {str(i): config.stage_of(i) for i in range(1, 7)}
+    assert churn.leave(99.9, live) == [] and not churn.down
+    first = churn.scheduled[0]
+    assert [e.name for e in churn.leave(first.at, live)] == [first.name]  # each at its own time
+    del live[first.name]
+    assert len(churn.leave(108.0, live)) == 3  # two stay: the last replica of each stage
 
 
 class _Joiner:
@@ -85,9 +148,101 @@ def test_a_joiner_overtaken_by_the_end_of_the_run_stops_without_failing():
 
 
 def test_a_banned_replica_does_not_keep_its_stage_alive():
-    """Relay 5, the last one churn would leave in stage 1, is banned: relay 3, the last one not banned, stays."""
-    config = get_preset("chars-gpt-pipeline")
-    config = dataclasses.replace(config, steps=10, faults=ChurnConfig(leave_rate=1.0, join_rate=0.0))
+    """Stage 1 holds relays 1, 3 and 5, and 5 is banned: it leaves, and of 1 and 3 the later to leave stays."""
+    config = _config(1.0, 0.0, seed=3, steps=10)
+    live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}
+    churn = PipelineChurn(config)
+    churn.open(0, 0.0, 1.0)
+    order = [leave.name for leave in churn.scheduled if live[leave.name] == 1]
+    assert order[-1] == "5"  # this seed draws the banned relay last: counted as a replica, it would stay alone
+    left = {e.name for e in churn.leave(1.0, live, frozenset({"5"}))}
+    assert left & {"1", "3", "5"} == {"1", "5"}
+
+
+def test_under_btard_per_stage_launch_churn_leaves_two_replicas_in_a_stage():
+    """Real time: a relay that comes back serves tens of seconds later, so under BTARD per stage a stage keeps two
+    unbanned replicas (measured: with one, the liar, its ban emptied stage 1 for good in a launched all cell)."""
+    from phalanx.runs.config import override
+    from phalanx.runs.pipeline.launch import launch_floor
+
+    config = _config(1.0, 0.0, seed=3, steps=10)
+    assert launch_floor(config) == 1  # no BTARD: the simulator's rule
+    assert launch_floor(override(get_preset("secure-gpt-pipeline"), [])) == 2
     live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}  # stage 1: 1, 3, 5
-    left = {e.name for e in PipelineChurn(config, first_index=config.peers).advance(1, live, frozenset({"5"}))}
-    assert {"1", "5"} <= left and "3" not in left
+    churn = PipelineChurn(config, floor=2)
+    churn.open(0, 0.0, 1.0)
+    assert {e.name for e in churn.leave(1.0, live)} & {"1", "3", "5"} == {"1"}  # the first to go; 3 and 5 stay
+    churn = PipelineChurn(config, floor=2)
+    churn.open(0, 0.0, 1.0)
+    assert {e.name for e in churn.leave(1.0, live, frozenset({"5"}))} & {"1", "3", "5"} == {"5"}  # 1 and 3: the two
+
+
+class _Workers:
+    """What `_churn` asks of the launcher's ProcessLauncher: start and kill, and each name's process."""
+
+    class _Proc:
+        def __init__(self) -> None:
+            self.code = None
+
+        def poll(self):
+            return self.code
+
+    def __init__(self, names) -> None:
+        self.procs = {n: self._Proc() for n in names}
+        self.started: list[tuple[str, tuple[str, ...]]] = []
+
+    def start(self, name, *args):
+        assert self.procs[name].code is not None, f"{name} started again while it runs"
+        self.procs[name] = self._Proc()
+        self.started.append((name, args))
+
+    def kill(self, name):
+        self.procs[name].code = -9
+
+
+def test_the_launcher_restarts_a_relay_that_returns_under_its_index_and_reads_its_new_rows(tmp_path):
+    from phalanx.runs.pipeline.launch import Joins, _churn
+
+    config = _config(1.0, 1.0, seed=0, steps=10)  # all leave (the stage rule keeps one per stage), all come back
+    nodes = [str(i) for i in range(config.peers)]
+    workers = _Workers(nodes)
+    placed = {n: config.stage_of(int(n)) for n in nodes[1:]}
+    joins = Joins(tmp_path)
+    churn = PipelineChurn(config)
+    _churn(churn, workers, joins, placed, nodes, tmp_path, [(0, time.monotonic() - 10, 1.0)], ["/ip4/addr"])
+    left = sorted(n for n in nodes[1:] if workers.procs[n].code == -9)
+    assert len(left) == 4 and all(n not in placed for n in left)
+    (tmp_path / f"{left[0]}.jsonl").write_text('{"type": "event", "kind": "join", "stage": 2}\n')  # an earlier join
+    opened = [(0, time.monotonic() - 10, 1.0), (1, time.monotonic() - 5, 1.0)]
+    _churn(churn, workers, joins, placed, nodes, tmp_path, opened, ["/ip4/addr"])
+    assert sorted(name for name, _ in workers.started) == left  # under their own index: no new identity
+    assert all(args[:3] == ("--index", name, "--join") for name, args in workers.started)
+    assert joins.stage(left[0]) is None  # the earlier process's join is not this one's
+    with open(tmp_path / f"{left[0]}.jsonl", "a") as f:
+        f.write('{"type": "event", "kind": "join", "stage": 1}\n')
+    joins.follow(workers, placed, run_over=False)
+    assert placed[left[0]] == 1
+
+
+def test_a_name_starts_again_only_once_its_process_is_gone_and_its_stderr_is_appended(tmp_path):
+    marker = f"test-restart-{uuid.uuid4().hex}"
+    workers = ProcessLauncher(["sh", "-c", "echo started >&2; exec sleep 60"], marker, err_dir=tmp_path)
+    try:
+        first = workers.start("3")
+        deadline = time.monotonic() + 10
+        while "started" not in (tmp_path / "3.err").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(LocalError, match="still runs"):
+            workers.start("3")
+        workers.kill("3")
+        second = workers.start("3")
+        assert first.poll() is not None and second.poll() is None
+        assert marked_processes(f"{marker}/3") == [second.pid]  # nothing of the first is left
+        assert workers.processes() == [first, second]
+        deadline = time.monotonic() + 10
+        while (tmp_path / "3.err").read_text().count("started") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "3.err").read_text().count("started") == 2  # appended, not rewritten
+    finally:
+        workers.stop()
+    assert workers.running() == [] and marked_processes(f"{marker}/", prefix=True) == []

@@ -15,7 +15,12 @@ discipline (see `processes.py` for the mechanisms):
   worker runs on the host of its name and listens on that host's address
   (`--host`). The bed's hosts go in first-start order; a worker started again
   keeps its host; a new one, a joiner, takes the host of a worker that has
-  exited and been swept, else a host added to the bed (see `host`).
+  exited and been swept, else a host added to the bed (see `host`);
+* a name may be started again once its process has exited or been killed
+  (churn brings a worker back under its identity): the new process starts
+  only when the old one, its group and everything carrying its marker are
+  gone; its stderr file is appended to, and the old process stays listed
+  (`processes`) and is waited for at `stop` like the others.
 
 All workers start at once: the first one writes its address file once it
 listens, the others (`--initial-peers-file`) import, load and then wait for
@@ -40,7 +45,7 @@ from typing import NoReturn
 from ..core.errors import LocalError
 from ..transport.base import Transport
 from .netns import NetnsConfig, Testbed
-from .processes import MARKER_ENV, STOP_GRACE, kill_group, kill_marked
+from .processes import MARKER_ENV, STOP_GRACE, kill_group, kill_marked, marked_processes
 
 GONE_TIMEOUT = 10.0  # seconds to wait for killed process groups to be reaped
 
@@ -60,7 +65,8 @@ class ProcessLauncher:
         self.hosts: dict[Hashable, int] = {}  # worker -> its host in the test bed (the last one it had)
         self.holders: dict[int, Hashable] = {}  # host -> the worker on it (now, or last)
         self.free: list[int] = []  # hosts whose worker has exited and been swept: a new worker may take one
-        self.procs: dict[Hashable, subprocess.Popen] = {}
+        self.procs: dict[Hashable, subprocess.Popen] = {}  # name -> its process (the last one started)
+        self.earlier: list[subprocess.Popen] = []  # processes a later start under the same name replaced (dead)
         self.failed: dict[Hashable, int] = {}  # name -> exit status, for workers that ended by themselves
         self.stopped: set[Hashable] = set()  # workers the launcher killed on purpose
         self.stopping = False
@@ -106,15 +112,35 @@ class ProcessLauncher:
         if self.netns is not None and self.bed is None:
             self.bed = Testbed(self.netns)
             self.bed.up()
+        if name in self.procs:
+            self._retire(name)
         self.stopped.discard(name)
         env = {**os.environ, MARKER_ENV: self.marker(name)}
         cmd = self.command(name, args)
         if self.err_dir is None:
             self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
         else:
-            with open(self.err_dir / f"{name}.err", "wb") as err:
+            with open(self.err_dir / f"{name}.err", "ab") as err:  # a worker started again appends
                 self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=err)
         return self.procs[name]
+
+    def _retire(self, name: Hashable) -> None:
+        """Before `name` is started again: its process must have ended (LocalError if it runs), and nothing of
+        it may be left (its group, its marker: the new process carries the same marker)."""
+        old = self.procs[name]
+        if old.poll() is None:
+            raise LocalError(f"worker {name} still runs: kill it (or let it exit) before starting it again")
+        self.sweep(name)
+        deadline = time.monotonic() + GONE_TIMEOUT
+        while _group_alive(old.pid) or marked_processes(self.marker(name)):
+            if time.monotonic() > deadline:
+                raise LocalError(f"worker {name}'s processes did not go within {GONE_TIMEOUT:.0f} s of its kill")
+            time.sleep(0.05)
+        self.earlier.append(old)
+
+    def processes(self) -> list[subprocess.Popen]:
+        """Every process started, those replaced by a later start under their name included."""
+        return [*self.earlier, *self.procs.values()]
 
     def address(self, name: Hashable, address_file: Path, timeout: float, who: str) -> list[str]:
         """The multiaddrs worker `name` writes to `address_file` once it listens; LocalError if it exits or times out."""
@@ -201,12 +227,8 @@ class ProcessLauncher:
     def _wait_gone(self) -> None:
         """Until the swept groups are reaped (a dead worker's watchdog is reaped by init a moment after its kill)."""
         deadline = time.monotonic() + GONE_TIMEOUT
-        for proc in self.procs.values():
-            while time.monotonic() < deadline:
-                try:
-                    os.killpg(proc.pid, 0)
-                except (ProcessLookupError, PermissionError):
-                    break
+        for proc in self.processes():
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
 
     def tail(self, name: Hashable, lines: int = 40) -> str:
@@ -216,6 +238,15 @@ class ProcessLauncher:
         if not text:
             return " (no output)" if path is not None else "; see its output above"
         return f" ({path}), its last lines:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether anything is left in process group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 async def barrier(transport: Transport, name: str, peers: list[str]) -> None:

@@ -46,7 +46,7 @@ from ..launcher import (
 from ..netns import NetnsConfig
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import PipelineRunConfig
-from .launch_churn import PipelineChurn
+from .launch_churn import BTARD_STAGE_FLOOR, PipelineChurn
 from .run import (
     PipelineRecorder,
     build_node,
@@ -64,12 +64,16 @@ FINISHED_PATIENCE = 10.0  # seconds between fetches of a data node's FINISHED th
 async def run_pipeline_worker(
     config: PipelineRunConfig, index: int, initial_peers: list[str], records_path: Path, address_file: Path | None,
     join: bool = False, host: str = "/ip4/127.0.0.1/tcp/0", initial_peers_file: Path | None = None,
+    append: bool = False,
 ) -> None:
     """One real pipeline node: join, build the role, train or serve, leave when the data nodes are done.
 
-    With `join`, a fresh relay (identity `index` >= config.peers) joins a running pipeline: the leader
-    places it, it downloads its stage's weights, then serves (GWTF V-B).
+    With `join`, a fresh relay process joins a running pipeline: the leader places it, it downloads its
+    stage's weights, then serves (GWTF V-B). Its identity `index` is a new one (>= config.peers) or that of
+    a relay that left and comes back (churn): a Byzantine index stays Byzantine, a banned one is refused.
     `initial_peers_file`: started with the first worker, take its address from this file once it is written.
+    `append`: add to `records_path` (a relay started again keeps its earlier records) instead of rewriting it.
+    The first data node writes an `opened` row as each iteration opens (the launcher's churn clock).
     """
     from ...transport.p2p import HivemindTransport
 
@@ -89,7 +93,7 @@ async def run_pipeline_worker(
         ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
         directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
         members = config.peers + len(verifier_ids(config))
-        with open(records_path, "w") as sink:
+        with open(records_path, "a" if append else "w") as sink:
 
             def write(kind: str, row: dict) -> None:
                 sink.write(json.dumps({"type": kind, **row}, sort_keys=True) + "\n")
@@ -108,7 +112,9 @@ async def run_pipeline_worker(
             await barrier(transport, "start", peers)
             data_nodes = ids[: config.data_nodes]
             if isinstance(node, DataNode):
-                await node.run(config.steps, lambda r: write("iteration", r))
+                opened = (lambda it, duration: write("opened", {"it": it, "duration": duration, "t": node.now()})) \
+                    if index == 0 else None
+                await node.run(config.steps, lambda r: write("iteration", r), opened)
                 await transport.broadcast(FINISHED, 0, b"")
                 await transport.collect_broadcasts(FINISHED, 0, data_nodes, 30.0, patience=FINISHED_PATIENCE)
                 await asyncio.sleep(1.0)  # let the last CAN TAKE and FINISHED messages leave
@@ -178,6 +184,7 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
             await asyncio.sleep(1.0)
     except JoinRefused as exc:
         print(f"phalanx: {exc}", file=sys.stderr)
+        write("refused", {"peer": transport.peer_id})
         return
     if _run_ended(transport, data_nodes):
         print("phalanx: the run ended before this relay was placed", file=sys.stderr)
@@ -260,6 +267,12 @@ def _run_ended(transport, data_nodes: list[str]) -> bool:
     return bool(transport.board.get(FINISHED, 0).keys() & set(data_nodes))
 
 
+def launch_floor(config: PipelineRunConfig) -> int:
+    """The unbanned serving replicas launch churn leaves in a stage: more than the simulator's one under BTARD
+    per stage, where a relay that comes back cannot refill a stage before a lone liar's ban empties it."""
+    return BTARD_STAGE_FLOOR if config.btard.enabled else 1
+
+
 def launch_hosts(config: PipelineRunConfig) -> int:
     """The hosts of `launch --netns`: node i on host i, then the boundary verifiers by link; each joining
     relay (`faults.rejoin_after`, churn) gets a further, unshaped host as it starts."""
@@ -280,6 +293,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
     nodes = [str(index) for index in range(config.peers)]
     victim = str(config.data_nodes + config.faults.crash_relay) if config.faults.crash_relay >= 0 else None
     killed = False
+    joins = Joins(peer_dir)
     with stop_on_sigterm():
         try:
             workers.start("0", "--index", "0", "--address-file", str(address_file))
@@ -289,59 +303,58 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
                 workers.start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers-file", str(address_file))
             addrs = workers.address("0", address_file, JOIN_TIMEOUT, "the first peer")
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
-            churn = PipelineChurn(config, first_index=config.peers + (1 if config.faults.rejoin_after else 0)) \
-                if PipelineChurn.wanted(config) else None
-            placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays whose stage we know
+            churn = PipelineChurn(config, launch_floor(config)) if PipelineChurn.wanted(config) else None
+            placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays that serve, by stage
             opened_at = None
-            overtaken: set[str] = set()  # joiners that ended without serving after the data nodes' last iteration
             data = [workers.procs[n] for n in nodes[: config.data_nodes]]
             while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
-                done = _iterations(peer_dir / "0.jsonl")
+                done, opened = _progress(peer_dir / "0.jsonl")
                 bar.update(done - bar.n)
                 if victim is not None and not killed and done >= config.faults.crash_iteration:
                     opened_at = opened_at if opened_at is not None else time.monotonic()
                     if time.monotonic() - opened_at >= config.faults.crash_at:
                         workers.kill(victim)
+                        placed.pop(victim, None)
                         killed = True
+                        if churn is not None:
+                            churn.crashed(victim)
                 rejoin = config.faults.rejoin_after
                 if killed and rejoin and str(config.peers) not in nodes and done >= config.faults.crash_iteration + rejoin:
                     nodes.append(str(config.peers))
+                    joins.started(nodes[-1])
                     workers.start(nodes[-1], "--index", nodes[-1], "--join", "--initial-peers", *addrs)
+                joins.follow(workers, placed, run_over=done >= config.steps)
                 if churn is not None:
-                    _churn(churn, workers, nodes, placed, peer_dir, done, addrs, overtaken)
+                    _churn(churn, workers, joins, placed, nodes, peer_dir, opened, addrs)
                 time.sleep(0.02)
             bar.close()
-            starting = overtaken | {n for n in nodes if int(n) >= config.peers and n not in workers.stopped
-                                    and _joined_stage(peer_dir / f"{n}.jsonl") is None}  # the end of the run overtook them
+            joins.end_run()  # a joiner that has not served by now: the end of the run overtook it
             workers.wait([n for n in nodes if n != victim and n not in workers.stopped], 60)
             workers.wait([f"v{link}" for link in links], 30)
         finally:
             workers.stop()
-    joiners = {n for n in nodes if int(n) >= config.peers}
+    joined = set(joins.outcomes)  # every relay started with --join (new identities and relays that came back)
     ended = [(f"peer {n}", n) for n in nodes if n != victim and n not in workers.stopped]
     ended = [(who, name, workers.procs[name].returncode) for who, name in ended + [(f"verifier {link}", f"v{link}") for link in links]]
-    failed = [(who, name, code) for who, name, code in ended if code != 0 and name not in joiners]
+    failed = [(who, name, code) for who, name, code in ended if code != 0 and name not in joined]
     if failed:
         raise LocalError("; ".join(f"{who} exited with code {code}{workers.tail(name)}" for who, name, code in failed))
-    outcomes = _joiner_outcomes(joiners, starting, peer_dir)
-    for name in sorted(joiners, key=int):
-        if outcomes[name] == "failed":  # a volunteer that could not join; the run went on without it
-            code = workers.procs[name].returncode
-            print(f"phalanx: joining relay {name} exited with code {code}{workers.tail(name, 5)}", file=sys.stderr)
-    if starting:
-        print(f"phalanx: the end of the run overtook {len(starting)} joining relays before they served "
-              f"({', '.join(sorted(starting, key=int))})", file=sys.stderr)
+    for name in sorted(joined, key=int):
+        tries = joins.outcomes[name].count("failed")
+        if tries:  # a volunteer that could not join; the run went on without it
+            print(f"phalanx: joining relay {name} failed {tries} of {len(joins.outcomes[name])} joins{workers.tail(name, 5)}",
+                  file=sys.stderr)
+    late = sorted((n for n, outs in joins.outcomes.items() if "late" in outs), key=int)
+    if late:
+        print(f"phalanx: the end of the run overtook {len(late)} joining relays before they served ({', '.join(late)})",
+              file=sys.stderr)
     ids = [peer_identity(config.seed, i).peer_id for i in range(1 + max(int(n) for n in nodes))]
     recorder = PipelineRecorder(config, ids)
     names = nodes + [f"v{link}" for link in links]
     evidence: list[list[str]] = []  # [by, against, kind]: a run without attackers should have none
     finals: list[dict] = []
     for name in names:
-        path = peer_dir / f"{name}.jsonl"
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
+        for row in _rows(peer_dir / f"{name}.jsonl"):
             kind = row.pop("type")
             if kind == "iteration":
                 recorder.iterations.append(row)
@@ -349,47 +362,95 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
                 evidence.append([row["by"], row["peer"], row["kind"]])
             elif kind == "final":
                 finals.append(row)
-            else:
+            elif kind == "event":
                 recorder.on_event(row)
     _to_relative_time(recorder)
     extra = {"mode": "launch", "wall_seconds": time.perf_counter() - wall_start, "verifier_ids": verifier_ids(config),
              "killed": ids[int(victim)] if killed and victim is not None else None,
-             "process_groups": [p.pid for p in workers.procs.values()], "evidence": evidence,
+             "process_groups": [p.pid for p in workers.processes()], "evidence": evidence,
              # as `simulate`'s: stage, version and weights digest of every node that finished every iteration
              "replicas": {f["peer"]: [f["stage"], f["version"], f["digest"]] for f in finals if f["version"] == config.steps},
              "excluded": {f["peer"]: f["banned"] for f in finals},  # node -> the peers it ended routing around
              **workers.netns_record()}
-    if joiners:
-        extra["joiners"] = {name: outcomes[name] for name in sorted(joiners, key=int)}
+    if joined:
+        extra["joiners"] = {name: joins.outcomes[name] for name in sorted(joined, key=int)}  # one outcome per join
     if churn is not None:
         extra["churn"] = [{"it": e.it, "peer": ids[int(e.name)], "index": int(e.name), "event": e.event} for e in churn.events]
     return recorder.write(out, extra)
 
 
-def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], placed: dict[str, int], peer_dir: Path,
-           done: int, addrs: list[str], overtaken: set[str]) -> None:
-    """Apply the churn decisions for the iterations finished so far: kill leaving relays, start new ones."""
-    for name in nodes:
-        if name not in placed and name not in workers.stopped and int(name) >= churn.config.peers:
-            stage = _joined_stage(peer_dir / f"{name}.jsonl")
-            if stage is not None:
-                placed[name] = stage
-    for name in nodes:
-        if int(name) >= churn.config.peers and name not in workers.stopped and workers.procs[name].poll() is not None:
-            workers.stopped.add(name)  # a new relay that ended (it could not be placed or download): it may come again
-            if done >= churn.config.steps and _joined_stage(peer_dir / f"{name}.jsonl") is None:
-                overtaken.add(name)  # the data nodes were done (their daemons closing): the run ended it
-            placed.pop(name, None)
-            churn.failed_join()
-    live = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
-    for event in churn.advance(done, live, _banned(churn, nodes, peer_dir) if churn.due(done) else frozenset()):
-        print(f"phalanx: churn: relay {event.name} {event.event} after iteration {event.it}", file=sys.stderr)
-        if event.event == "left":
-            workers.kill(event.name)
-            placed.pop(event.name, None)
-        else:
-            nodes.append(event.name)
+class Joins:
+    """The relay processes started with --join (a new identity, or a relay that comes back under its own),
+    each read from where its rows begin in its records file (the file is appended to), and what each join
+    came to: "served" (its stage's weights in), "refused" (a banned identity), "left" (churn took it before
+    it served), "late" (the end of the run overtook it) or "failed" (it exited during the run without serving)."""
+
+    def __init__(self, peer_dir: Path) -> None:
+        self.peer_dir = peer_dir
+        self.offset: dict[str, int] = {}  # relay -> where its current process's rows begin, while that one is open
+        self.outcomes: dict[str, list[str]] = {}
+
+    def started(self, name: str) -> None:
+        path = self.peer_dir / f"{name}.jsonl"
+        self.offset[name] = path.stat().st_size if path.exists() else 0
+        self.outcomes.setdefault(name, [])
+
+    def rows(self, name: str) -> list[dict]:
+        return _rows(self.peer_dir / f"{name}.jsonl", self.offset[name])
+
+    def stage(self, name: str) -> int | None:
+        """The stage the current process of `name` serves (its `join` event, written once its weights are in)."""
+        return next((int(r["stage"]) for r in self.rows(name) if r.get("kind") == "join"), None)
+
+    def close(self, name: str, otherwise: str) -> None:
+        """The current process of `name` is over: "served" or "refused" as its rows say, else `otherwise`."""
+        rows = self.rows(name)
+        served = any(r.get("kind") == "join" for r in rows)
+        self.outcomes[name].append("served" if served else "refused" if any(r["type"] == "refused" for r in rows) else otherwise)
+        del self.offset[name]
+
+    def follow(self, workers: ProcessLauncher, placed: dict[str, int], run_over: bool) -> None:
+        """Note joiners that serve now (`placed`) and close those whose process exited ("late" once the data
+        nodes are done: their daemons closing ended it; else "failed")."""
+        for name in list(self.offset):
+            if name not in placed and workers.procs[name].poll() is None:
+                stage = self.stage(name)
+                if stage is not None:
+                    placed[name] = stage
+            if workers.procs[name].poll() is not None:
+                placed.pop(name, None)
+                self.close(name, "late" if run_over else "failed")
+
+    def end_run(self) -> None:
+        for name in list(self.offset):
+            self.close(name, "late")
+
+
+def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed: dict[str, int], nodes: list[str],
+           peer_dir: Path, opened: list[tuple[int, float, float]], addrs: list[str]) -> None:
+    """Apply the churn decisions for the iterations opened so far (the first data node's `opened` rows, its
+    clock: monotonic, as ours): at each opening, first the leaves due by then, then the relays that come back
+    (started again under their own index, with --join, once the old process is gone); then the leaves due now."""
+    for it, at, duration in opened[churn.opened + 1:]:
+        _leaves(churn, at, workers, joins, placed, nodes, peer_dir)
+        for event in churn.open(it, at, duration):
+            print(f"phalanx: churn: relay {event.name} returns in iteration {event.it}", file=sys.stderr)
+            joins.started(event.name)
             workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
+    _leaves(churn, time.monotonic(), workers, joins, placed, nodes, peer_dir)
+
+
+def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: Joins, placed: dict[str, int],
+            nodes: list[str], peer_dir: Path) -> None:
+    if not churn.due(now):
+        return
+    serving = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
+    for event in churn.leave(now, serving, _banned(churn, nodes, peer_dir)):
+        print(f"phalanx: churn: relay {event.name} leaves in iteration {event.it}", file=sys.stderr)
+        workers.kill(event.name)
+        placed.pop(event.name, None)
+        if event.name in joins.offset:
+            joins.close(event.name, "left")
 
 
 def _banned(churn: PipelineChurn, nodes: list[str], peer_dir: Path) -> frozenset[str]:
@@ -399,30 +460,28 @@ def _banned(churn: PipelineChurn, nodes: list[str], peer_dir: Path) -> frozenset
     for path in peer_dir.glob("*.jsonl"):
         for line in path.read_text().splitlines():
             if '"kind": "ban"' in line:
-                banned.add(names.get(json.loads(line).get("peer")))
+                try:
+                    banned.add(names.get(json.loads(line).get("peer")))
+                except ValueError:
+                    continue  # a line being written
     return frozenset(banned - {None})
 
 
-def _joiner_outcomes(joiners: set[str], starting: set[str], peer_dir: Path) -> dict[str, str]:
-    """Each joining relay: "served" (it had its stage's weights), "late" (still starting when the data nodes
-    finished: the run, not the download, ended it) or "failed" (it ended during the run without serving)."""
-    return {name: "served" if _joined_stage(peer_dir / f"{name}.jsonl") is not None
-            else "late" if name in starting else "failed" for name in joiners}
-
-
-def _joined_stage(path: Path) -> int | None:
-    """The stage a joining relay was placed at (its `join` event), None before it is placed."""
+def _rows(path: Path, offset: int = 0) -> list[dict]:
+    """The rows of a records file from byte `offset` on; a line cut by a kill (or still being written) is skipped."""
     try:
-        lines = path.read_text().splitlines()
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
     except FileNotFoundError:
-        return None
-    for line in lines:
-        if '"kind": "join"' in line:
-            try:
-                return int(json.loads(line)["stage"])
-            except (ValueError, KeyError):
-                return None
-    return None
+        return []
+    rows = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 def join_pipeline(config: PipelineRunConfig, args: argparse.Namespace) -> dict:
@@ -450,12 +509,21 @@ def join_pipeline(config: PipelineRunConfig, args: argparse.Namespace) -> dict:
     return summary
 
 
-def _iterations(path: Path) -> int:
+def _progress(path: Path) -> tuple[int, list[tuple[int, float, float]]]:
+    """From the first data node's records: the iterations it finished, and (iteration, when, the last
+    iteration's duration) of each iteration opened, in order."""
+    done, opened = 0, []
     try:
         with open(path) as f:
-            return sum(1 for line in f if '"type": "iteration"' in line)
+            for line in f:
+                if '"type": "iteration"' in line:
+                    done += 1
+                elif '"type": "opened"' in line and line.endswith("\n"):
+                    row = json.loads(line)
+                    opened.append((row["it"], row["t"], row["duration"]))
     except FileNotFoundError:
-        return 0
+        pass
+    return done, opened
 
 
 def _to_relative_time(recorder: PipelineRecorder) -> None:
@@ -495,7 +563,8 @@ def _say_where_stuck(signum, frame) -> None:
 
 def _worker_main() -> None:
     parser = worker_parser("one phalanx pipeline worker (started by `phalanx launch`)")
-    parser.add_argument("--join", action="store_true", help="join a running pipeline as a fresh relay")
+    parser.add_argument("--join", action="store_true",
+                        help="join a running pipeline as a fresh relay process (its records are appended to)")
     parser.add_argument("--verifier", type=int, help="run the SENTINEL boundary verifier of this link instead")
     args = parser.parse_args()
     guard_worker(os.environ.get(MARKER_ENV) or new_marker(), die_with_parent=args.die_with_parent)
@@ -508,7 +577,7 @@ def _worker_main() -> None:
         exit_done()
     address_file = Path(args.address_file) if args.address_file else None
     asyncio.run(run_pipeline_worker(config, args.index, args.initial_peers, Path(args.out) / f"{args.index}.jsonl",
-                                    address_file, args.join, args.host, peers_file))
+                                    address_file, args.join, args.host, peers_file, append=args.join))
     exit_done()
 
 

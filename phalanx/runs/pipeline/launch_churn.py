@@ -1,77 +1,142 @@
-"""Churn for `phalanx launch` of a pipeline: `faults.leave_rate` / `faults.join_rate` on real relay processes.
+"""Churn of a pipeline's relays (`faults.leave_rate` / `faults.join_rate`): the simulator's draws, and the
+decisions `phalanx launch` takes from the same draws for real relay processes.
 
-As in the simulator (GWTF's join-leave chance, per relay and iteration): for
-every iteration the data nodes finish, each relay that left comes back with
-probability `join_rate`, and each live relay leaves with probability
-`leave_rate` (SIGKILL: no goodbye). A relay that comes back is a new process
-with a new identity that joins through the leader (GWTF V-B: placed at the
-bottleneck stage, downloads that stage's weights, serves). Churn never takes
-the last live relay of a stage (its weights would be gone; GWTF does not say
-how a wiped-out stage recovers); a new relay counts as a replica of its stage,
-and may leave, only once it serves (weights downloaded), and one that ends
-before that counts as a relay that left. Churn stops two iterations before the end.
+`iteration_churn` is the one draw of both modes (GWTF's join-leave chance, per
+relay and iteration, from the run seed): when an iteration opens, each relay
+that left comes back with probability `join_rate`, under its own identity
+(it joins through the leader: placement, weights download, then it serves; a
+Byzantine index stays Byzantine, a banned one meets the join refusal), and
+each other relay leaves with probability `leave_rate` at a random point of
+the iteration (a fraction of the last iteration's duration). `simulate`
+restarts the peer (`network.restart`); `launch` starts a new process under
+the same index with `--join` after the old one is dead. join_rate brings back
+relays that left, as in the simulator: no relay beyond `config.peers` joins by
+churn (`faults.rejoin_after` and `phalanx peer` add new identities).
+
+A leave takes the relay unless it is the last live replica of its stage that
+is not banned (its weights would be gone: GWTF does not say how a wiped-out
+stage recovers; a banned replica serves nobody), as the simulator's `_leave`.
+A relay that serves no stage (still joining, refused, or its join failed) may
+always leave; it stays among the live relays for the draws until it does, as
+an idle simulated peer does.
+
+Where real time differs: a relay that comes back needs tens of seconds (a new
+process: imports, daemon, placement, download) to serve, against none in the
+simulator, so it cannot refill a stage within the iteration. Under BTARD per
+stage the launch therefore keeps `BTARD_STAGE_FLOOR` unbanned replicas per
+stage: with one left, that one may be the liar, and its ban empties the stage
+for good (measured: docs/notes/issue-18.md, session 18). Where the floor binds,
+the launch's events leave the simulator's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from ...core.rng import py_stream
-from .config import PipelineRunConfig
+from .config import ChurnConfig, PipelineRunConfig
+
+BTARD_STAGE_FLOOR = 2  # launch under BTARD per stage: churn leaves this many unbanned serving replicas in a stage
+
+
+def churn_stream(seed: int) -> random.Random:
+    """The churn draws' stream of a run (the same in `simulate` and `launch`)."""
+    return py_stream(seed, "pipeline", "churn")
+
+
+def iteration_churn(rng: random.Random, relays: Iterable[str], down: set[str] | frozenset[str],
+                    faults: ChurnConfig) -> list[tuple[str, float | None]]:
+    """The draws of one opening iteration, in relay order: (relay, None) for a relay in `down` that comes
+    back now, (relay, fraction) for a live one that leaves `fraction` of the last iteration's duration
+    into this one."""
+    drawn: list[tuple[str, float | None]] = []
+    for relay in relays:
+        if relay in down:
+            if faults.join_rate and rng.random() < faults.join_rate:
+                drawn.append((relay, None))
+            continue
+        if faults.leave_rate and rng.random() < faults.leave_rate:
+            drawn.append((relay, rng.random()))
+    return drawn
 
 
 @dataclass(frozen=True)
 class RelayChurn:
-    """After iteration `it`, relay process `name` left (was killed), or a new relay `name` joined (was started)."""
+    """In iteration `it`, relay `name` (its index) left (was killed) or returned (was started again with --join)."""
 
     it: int
     name: str
-    event: str  # "left" or "joined"
+    event: str  # "left" or "returned"
+
+
+@dataclass(order=True)
+class _Leave:
+    at: float  # when (the launcher's monotonic clock)
+    it: int
+    name: str = field(compare=False)
 
 
 class PipelineChurn:
-    """Which relays to stop and which new ones to start as iterations finish (decisions only; the launcher acts)."""
+    """Which relays to stop and start again as iterations open (decisions only; the launcher acts)."""
 
-    def __init__(self, config: PipelineRunConfig, first_index: int) -> None:
+    def __init__(self, config: PipelineRunConfig, floor: int = 1) -> None:
+        """`floor`: the unbanned serving replicas a leave leaves in its stage (1: the simulator's rule)."""
         self.config = config
-        self.last = config.steps - 2  # no churn from this iteration on
-        self.down = 0  # relays that left and may come back (as new identities)
-        self.next_index = first_index  # the index (identity) of the next joiner
+        self.floor = floor
+        self.relays = [str(i) for i in range(config.data_nodes, config.peers)]
+        self.down: set[str] = set()  # relays that left (the simulator's `crashed`): they may come back
+        self.opened = -1  # the last iteration whose draws are made
+        self.scheduled: list[_Leave] = []  # leaves drawn and not yet due, by time
         self.events: list[RelayChurn] = []
-        self._rng = py_stream(config.seed, "pipeline-launch-churn")
-        self._done = -1
+        self._rng = churn_stream(config.seed)
 
     @staticmethod
     def wanted(config: PipelineRunConfig) -> bool:
         return bool(config.faults.leave_rate or config.faults.join_rate)
 
-    def failed_join(self) -> None:
-        """A new relay ended before it served (no placement, or no stage peer sent it the weights): it may come again."""
-        self.down += 1
+    def crashed(self, name: str) -> None:
+        """Relay `name` was killed by another fault (`faults.crash_relay`): it may come back, as in the simulator."""
+        self.down.add(name)
 
-    def due(self, finished: int) -> bool:
-        """Whether `advance(finished, ...)` has an iteration to decide."""
-        return self._done < min(finished - 1, self.last - 1)
+    def open(self, it: int, at: float, duration: float) -> list[RelayChurn]:
+        """Iteration `it` opened at time `at`, the one before it lasted `duration` seconds: the relays that come
+        back now; the leaves drawn are scheduled (`leave`). Iterations open in order, each once."""
+        if it != self.opened + 1:
+            raise ValueError(f"iteration {it} opened after {self.opened}")
+        self.opened = it
+        back = []
+        for name, fraction in iteration_churn(self._rng, self.relays, self.down, self.config.faults):
+            if fraction is None:
+                self.down.discard(name)
+                back.append(RelayChurn(it, name, "returned"))
+            else:
+                bisect.insort(self.scheduled, _Leave(at + fraction * duration, it, name))
+        self.events.extend(back)
+        return back
 
-    def advance(self, finished: int, live: dict[str, int], banned: frozenset[str] = frozenset()) -> list[RelayChurn]:
-        """Decisions for every iteration finished since the last call (`finished` of them in all); `live` maps
-        each live, placed relay to its stage; `banned`: relays banned so far (they do not keep a stage alive)."""
-        stages = dict(live)
-        new: list[RelayChurn] = []
-        while self.due(finished):
-            self._done += 1
-            for _ in range(self.down):
-                if self._rng.random() < self.config.faults.join_rate:
-                    self.down -= 1
-                    new.append(RelayChurn(self._done, str(self.next_index), "joined"))
-                    self.next_index += 1
-            for name in sorted(stages, key=int):
-                serving = sum(1 for peer, s in stages.items() if s == stages[name] and peer not in banned)
-                if name not in banned and serving <= 1:
+    def due(self, now: float) -> bool:
+        """Whether a scheduled leave is due by `now`."""
+        return bool(self.scheduled) and self.scheduled[0].at <= now
+
+    def leave(self, now: float, serving: dict[str, int], banned: frozenset[str] = frozenset()) -> list[RelayChurn]:
+        """The leaves due by `now` that take their relay. `serving` maps each live relay that serves (weights
+        in) to its stage; `banned`: relays banned so far (they do not keep a stage alive)."""
+        stages = dict(serving)
+        gone = []
+        while self.due(now):
+            leave = self.scheduled.pop(0)
+            name = leave.name
+            if name in self.down:
+                continue
+            if name in stages and name not in banned:
+                replicas = sum(1 for peer, s in stages.items() if s == stages[name] and peer not in banned)
+                if replicas <= self.floor:
                     continue
-                if self._rng.random() < self.config.faults.leave_rate:
-                    del stages[name]
-                    self.down += 1
-                    new.append(RelayChurn(self._done, name, "left"))
-        self.events.extend(new)
-        return new
+            stages.pop(name, None)
+            self.down.add(name)
+            gone.append(RelayChurn(leave.it, name, "left"))
+        self.events.extend(gone)
+        return gone

@@ -40,6 +40,7 @@ from ...transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
 from ..dp.swarm import peer_identity
 from ..live import LiveLog
 from .config import PipelineRunConfig
+from .launch_churn import churn_stream, iteration_churn
 
 
 def pipeline_task(config: PipelineRunConfig) -> Task:
@@ -266,7 +267,7 @@ def simulate_pipeline(
                     if a != b:
                         network.set_link(a, b, LinkProfile(net.latency, rng.uniform(net.bandwidth_min, net.bandwidth_max)))
         done = [asyncio.Event() for _ in range(config.data_nodes)]
-        churn = py_stream(config.seed, "pipeline", "churn")
+        churn = churn_stream(config.seed)
         crashed: set[str] = set()
         triggered: list[str] = []
         nodes: dict[str, DataNode | Relay] = {}
@@ -286,14 +287,12 @@ def simulate_pipeline(
             if f.crash_data_node >= 0 and it == f.crash_iteration:
                 victim_node = ids[f.crash_data_node]
                 network.schedule(asyncio.get_running_loop().time() + f.crash_at, lambda: _crash(victim_node))
-            for pid in relay_ids:
-                if pid in crashed:
-                    if f.join_rate and churn.random() < f.join_rate:
-                        crashed.discard(pid)
-                        network.restart(pid)
-                    continue
-                if f.leave_rate and churn.random() < f.leave_rate:
-                    at = asyncio.get_running_loop().time() + churn.uniform(0, duration)
+            for pid, fraction in iteration_churn(churn, relay_ids, crashed, f):  # the draws `launch` takes too
+                if fraction is None:
+                    crashed.discard(pid)
+                    network.restart(pid)
+                else:
+                    at = asyncio.get_running_loop().time() + fraction * duration
                     network.schedule(at, lambda pid=pid: _leave(pid))
 
         def on_event(event: dict) -> None:
