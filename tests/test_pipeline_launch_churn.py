@@ -209,12 +209,12 @@ def test_the_launcher_restarts_a_relay_that_returns_under_its_index_and_reads_it
     placed = {n: config.stage_of(int(n)) for n in nodes[1:]}
     joins = Joins(tmp_path)
     churn = PipelineChurn(config)
-    _churn(churn, workers, joins, placed, nodes, tmp_path, [(0, time.monotonic() - 10, 1.0)], ["/ip4/addr"])
+    _churn(churn, workers, joins, placed, nodes, tmp_path, [(0, time.monotonic() - 10, 1.0)], ["/ip4/addr"], time.monotonic())
     left = sorted(n for n in nodes[1:] if workers.procs[n].code == -9)
     assert len(left) == 4 and all(n not in placed for n in left)
     (tmp_path / f"{left[0]}.jsonl").write_text('{"type": "event", "kind": "join", "stage": 2}\n')  # an earlier join
     opened = [(0, time.monotonic() - 10, 1.0), (1, time.monotonic() - 5, 1.0)]
-    _churn(churn, workers, joins, placed, nodes, tmp_path, opened, ["/ip4/addr"])
+    _churn(churn, workers, joins, placed, nodes, tmp_path, opened, ["/ip4/addr"], time.monotonic())
     assert sorted(name for name, _ in workers.started) == left  # under their own index: no new identity
     assert all(args[:3] == ("--index", name, "--join") for name, args in workers.started)
     assert joins.stage(left[0]) is None  # the earlier process's join is not this one's

@@ -93,7 +93,10 @@ async def run_pipeline_worker(
         ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
         directory = {pid: config.stage_of(i) for i, pid in enumerate(ids)}
         members = config.peers + len(verifier_ids(config))
+        cut = append and records_path.exists() and not records_path.read_bytes().endswith(b"\n")
         with open(records_path, "a" if append else "w") as sink:
+            if cut:
+                sink.write("\n")  # the killed process left its last line unfinished
 
             def write(kind: str, row: dict) -> None:
                 sink.write(json.dumps({"type": kind, **row}, sort_keys=True) + "\n")
@@ -308,11 +311,13 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
             opened_at = None
             data = [workers.procs[n] for n in nodes[: config.data_nodes]]
             while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
+                now = time.monotonic()  # before the rows are read: no decision is taken past an opening not yet read
                 done, opened = _progress(peer_dir / "0.jsonl")
                 bar.update(done - bar.n)
                 if victim is not None and not killed and done >= config.faults.crash_iteration:
-                    opened_at = opened_at if opened_at is not None else time.monotonic()
-                    if time.monotonic() - opened_at >= config.faults.crash_at:
+                    # from the crash iteration's opening on the first data node's clock, as the simulator does
+                    opened_at = next((at for it, at, _ in opened if it == config.faults.crash_iteration), now) if opened_at is None else opened_at
+                    if now - opened_at >= config.faults.crash_at:
                         workers.kill(victim)
                         placed.pop(victim, None)
                         killed = True
@@ -325,7 +330,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
                     workers.start(nodes[-1], "--index", nodes[-1], "--join", "--initial-peers", *addrs)
                 joins.follow(workers, placed, run_over=done >= config.steps)
                 if churn is not None:
-                    _churn(churn, workers, joins, placed, nodes, peer_dir, opened, addrs)
+                    _churn(churn, workers, joins, placed, nodes, peer_dir, opened, addrs, now)
                 time.sleep(0.02)
             bar.close()
             joins.end_run()  # a joiner that has not served by now: the end of the run overtook it
@@ -427,21 +432,23 @@ class Joins:
 
 
 def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed: dict[str, int], nodes: list[str],
-           peer_dir: Path, opened: list[tuple[int, float, float]], addrs: list[str]) -> None:
+           peer_dir: Path, opened: list[tuple[int, float, float]], addrs: list[str], now: float) -> None:
     """Apply the churn decisions for the iterations opened so far (the first data node's `opened` rows, its
     clock: monotonic, as ours): at each opening, first the leaves due by then, then the relays that come back
-    (started again under their own index, with --join, once the old process is gone); then the leaves due now."""
+    (started again under their own index, with --join, once the old process is gone); then the leaves due by
+    `now`, the time the rows were read (a later time could pass an opening not read yet)."""
     for it, at, duration in opened[churn.opened + 1:]:
         _leaves(churn, at, workers, joins, placed, nodes, peer_dir)
         for event in churn.open(it, at, duration):
             print(f"phalanx: churn: relay {event.name} returns in iteration {event.it}", file=sys.stderr)
             joins.started(event.name)
             workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
-    _leaves(churn, time.monotonic(), workers, joins, placed, nodes, peer_dir)
+    _leaves(churn, now, workers, joins, placed, nodes, peer_dir)
 
 
 def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: Joins, placed: dict[str, int],
             nodes: list[str], peer_dir: Path) -> None:
+    """Take the leaves due by `now` (the stage rule may keep some), killing their processes."""
     if not churn.due(now):
         return
     serving = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
