@@ -41,6 +41,17 @@ def test_decisions_are_seeded_and_none_without_rates():
     assert _run(0.0, 0.0)[0].events == []
 
 
+
+def test_a_new_relay_keeps_its_stage_alive_only_from_the_iteration_it_serves():
+    # Over hivemind (session 18, seed 0 at 20%): churn took stage 2's last serving relay after iteration 59 because a
+    # joiner there already had the weights, but it served only from iteration 61; iteration 60 finished nothing.
+    config = dataclasses.replace(get_preset("chars-gpt-pipeline"), steps=20, faults=ChurnConfig(leave_rate=1.0))
+    churn = PipelineChurn(config, first_index=config.peers)
+    churn.serves_from["9"] = 6  # downloaded version 5 while the data nodes were still finishing iteration 4
+    assert churn.advance(5, {"3": 1, "6": 2, "9": 2}) == []  # after iteration 4: "6" is stage 2's only server of 5
+    left = [e.name for e in churn.advance(6, {"3": 1, "6": 2, "9": 2})]  # after iteration 5: "9" serves 6
+    assert left == ["6"]
+
 class _Joiner:
     """A placed joiner whose download works only from replicas in its directory that still serve."""
 

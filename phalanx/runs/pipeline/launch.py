@@ -203,8 +203,10 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
         return
     if outcome == "failed":
         raise LocalError(f"could not download the weights of stage {stage}")
-    # Written once it serves (t0: placed, t1: weights in): the launcher's churn counts it as a live replica from here.
-    write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": placed_at, "t1": node.now()})
+    # Written once it has the weights (t0: placed, t1: weights in; it serves from iteration `since`): the launcher's
+    # churn counts it as a live replica from that iteration.
+    write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "since": node.serving_from,
+                    "t0": placed_at, "t1": node.now()})
     serving = asyncio.create_task(node.serve())
     await transport.board.wait(FINISHED, 0, data_nodes, RUN_TIMEOUT)
     node.stop()
@@ -370,9 +372,10 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, nodes: list[str], pla
     """Apply the churn decisions for the iterations finished so far: kill leaving relays, start new ones."""
     for name in nodes:
         if name not in placed and name not in workers.stopped and int(name) >= churn.config.peers:
-            stage = _joined_stage(peer_dir / f"{name}.jsonl")
-            if stage is not None:
-                placed[name] = stage
+            joined = _join_event(peer_dir / f"{name}.jsonl")
+            if joined is not None:
+                placed[name] = joined["stage"]
+                churn.serves_from[name] = joined.get("since", 0)
     for name in nodes:
         if int(name) >= churn.config.peers and name not in workers.stopped and workers.procs[name].poll() is not None:
             workers.stopped.add(name)  # a new relay that ended (it could not be placed or download): it may come again
@@ -411,6 +414,12 @@ def _joiner_outcomes(joiners: set[str], starting: set[str], peer_dir: Path) -> d
 
 def _joined_stage(path: Path) -> int | None:
     """The stage a joining relay was placed at (its `join` event), None before it is placed."""
+    joined = _join_event(path)
+    return None if joined is None else joined["stage"]
+
+
+def _join_event(path: Path) -> dict | None:
+    """A joining relay's `join` event (written once it has its stage's weights), None before that."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
@@ -418,8 +427,9 @@ def _joined_stage(path: Path) -> int | None:
     for line in lines:
         if '"kind": "join"' in line:
             try:
-                return int(json.loads(line)["stage"])
-            except (ValueError, KeyError):
+                row = json.loads(line)
+                return {"stage": int(row["stage"]), "since": int(row.get("since", 0))}
+            except (ValueError, KeyError, TypeError):
                 return None
     return None
 

@@ -8,8 +8,9 @@ with a new identity that joins through the leader (GWTF V-B: placed at the
 bottleneck stage, downloads that stage's weights, serves). Churn never takes
 the last live relay of a stage (its weights would be gone; GWTF does not say
 how a wiped-out stage recovers); a new relay counts as a replica of its stage,
-and may leave, only once it serves (weights downloaded), and one that ends
-before that counts as a relay that left. Churn stops two iterations before the end.
+and may leave, only from the iteration it serves (the one after its weights
+download: `serves_from`), and one that ends before that counts as a relay that
+left. Churn stops two iterations before the end.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class PipelineChurn:
         self.events: list[RelayChurn] = []
         self._rng = py_stream(config.seed, "pipeline-launch-churn")
         self._done = -1
+        self.serves_from: dict[str, int] = {}  # a new relay's first serving iteration (launched relays: 0)
 
     @staticmethod
     def wanted(config: PipelineRunConfig) -> bool:
@@ -65,12 +67,17 @@ class PipelineChurn:
                     self.down -= 1
                     new.append(RelayChurn(self._done, str(self.next_index), "joined"))
                     self.next_index += 1
-            for name in sorted(stages, key=int):
-                serving = sum(1 for peer, s in stages.items() if s == stages[name] and peer not in banned)
+            # decided after iteration `_done`, for the iterations from `_done + 1` on: a new relay counts only if it
+            # serves `_done + 1` (it serves from the iteration after the version it downloaded, which can run one
+            # ahead of the data nodes); counted earlier, it let churn take a stage's last serving relay over
+            # hivemind, and that iteration finished nothing
+            serves = {n: s for n, s in stages.items() if self.serves_from.get(n, 0) <= self._done + 1}
+            for name in sorted(serves, key=int):
+                serving = sum(1 for peer, s in serves.items() if s == serves[name] and peer not in banned)
                 if name not in banned and serving <= 1:
                     continue
                 if self._rng.random() < self.config.faults.leave_rate:
-                    del stages[name]
+                    del stages[name], serves[name]
                     self.down += 1
                     new.append(RelayChurn(self._done, name, "left"))
         self.events.extend(new)
