@@ -214,6 +214,37 @@ def test_joiner_goes_to_the_bottleneck_stage_and_downloads_its_weights():
     assert any(mb["path"][2] == joiner for mb in later)
 
 
+
+def test_a_joiner_downloads_from_a_replica_that_serves_only_from_a_later_iteration():
+    # Over hivemind (session 18, 20% churn): a joiner tried only its stage's two dead replicas (still in its
+    # membership view) for its whole patience, never the one live replica, itself a joiner serving from a later
+    # iteration than the newcomer's own version (0 before its download); it exited without serving.
+    from types import SimpleNamespace
+
+    from phalanx.runtime.pipeline.membership import Membership
+    from phalanx.runtime.pipeline.node import PipelineNode
+
+    class Joiner(Membership):
+        replicas, live, ready_event = PipelineNode.replicas, PipelineNode.live, PipelineNode.ready_event
+
+        def __init__(self) -> None:
+            self.me, self.stage, self.version, self.banned, self._ready, self.asked = "new", 1, 0, set(), {}, []
+            self.directory = {"data": 0, "joined": 1, "gone": 1}
+            self.since = {"joined": 9}  # its HELLO: it downloaded version 8, serves from iteration 9
+            self.transport = SimpleNamespace(members=lambda: ["data", "joined", "new"])
+            self.config = SimpleNamespace(complete_timeout=0.0)
+
+        async def fetch_weights(self, version: int, sources: list[str]) -> int | None:
+            self.asked.append(sources)
+            return 8 if "joined" in sources else None
+
+        def announce(self) -> None:
+            pass
+
+    joiner = Joiner()
+    assert asyncio.run(joiner.enter(8)) and joiner.entered
+    assert joiner.asked == [["joined"]] and (joiner.version, joiner.serving_from) == (8, 9)
+
 def test_leader_crash_the_next_data_node_leads():
     # two data nodes; the leader (smallest id, data node 0) dies early in iteration 1
     config = _mlp_config(

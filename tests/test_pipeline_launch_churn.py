@@ -224,6 +224,26 @@ def test_the_launcher_restarts_a_relay_that_returns_under_its_index_and_reads_it
     assert placed[left[0]] == 1
 
 
+@pytest.mark.parametrize("opened, kept", [(1, ["4"]), (2, [])])
+def test_a_returned_relay_keeps_its_stage_alive_only_from_the_iteration_it_serves(tmp_path, opened, kept):
+    # Over hivemind at 20 % churn (session 18), churn took stage 2's last serving relay while a joiner there had the
+    # weights but served only from the next iteration; that iteration finished nothing.
+    from phalanx.runs.pipeline.launch import Joins, _leaves
+    from phalanx.runs.pipeline.launch_churn import _Leave
+
+    config = _config(1.0, 0.0, steps=10)
+    nodes = [str(i) for i in range(config.peers)]
+    workers, joins = _Workers(nodes), Joins(tmp_path)
+    placed = {"2": 2, "4": 2}  # stage 2's launched relays; relay 6 came back and has stage 2's weights
+    joins.started("6")
+    (tmp_path / "6.jsonl").write_text('{"type": "event", "kind": "join", "stage": 2, "since": 2}\n')
+    joins.follow(workers, placed, run_over=False)
+    churn = PipelineChurn(config)
+    churn.opened, churn.scheduled = opened, [_Leave(1.0, 1, "2"), _Leave(2.0, 1, "4")]
+    _leaves(churn, 3.0, workers, joins, placed, nodes, tmp_path)
+    assert sorted(n for n in ("2", "4") if workers.procs[n].poll() is None) == kept
+
+
 def test_a_name_starts_again_only_once_its_process_is_gone_and_its_stderr_is_appended(tmp_path):
     marker = f"test-restart-{uuid.uuid4().hex}"
     workers = ProcessLauncher(["sh", "-c", "echo started >&2; exec sleep 60"], marker, err_dir=tmp_path)

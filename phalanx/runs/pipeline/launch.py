@@ -214,8 +214,10 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
         return
     if outcome == "failed":
         raise LocalError(f"could not download the weights of stage {stage}")
-    # Written once it serves (t0: placed, t1: weights in): the launcher's churn counts it as a live replica from here.
-    write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "t0": placed_at, "t1": node.now()})
+    # Written once it has the weights (t0: placed, t1: weights in; it serves from iteration `since`): the launcher's
+    # churn counts it as a live replica from that iteration.
+    write("event", {"kind": "join", "peer": transport.peer_id, "stage": stage, "it": it, "since": node.serving_from,
+                    "t0": placed_at, "t1": node.now()})
     serving = asyncio.create_task(node.serve())
     await transport.collect_broadcasts(FINISHED, 0, data_nodes, RUN_TIMEOUT, patience=FINISHED_PATIENCE)
     node.stop()
@@ -394,18 +396,26 @@ class Joins:
         self.peer_dir = peer_dir
         self.offset: dict[str, int] = {}  # relay -> where its current process's rows begin, while that one is open
         self.outcomes: dict[str, list[str]] = {}
+        # relay -> the first iteration its current process serves (its join event's `since`: the iteration under
+        # way when its weights came in is not one); launched relays serve from 0
+        self.serves_from: dict[str, int] = {}
 
     def started(self, name: str) -> None:
         path = self.peer_dir / f"{name}.jsonl"
         self.offset[name] = path.stat().st_size if path.exists() else 0
         self.outcomes.setdefault(name, [])
+        self.serves_from.pop(name, None)
 
     def rows(self, name: str) -> list[dict]:
         return _rows(self.peer_dir / f"{name}.jsonl", self.offset[name])
 
     def stage(self, name: str) -> int | None:
         """The stage the current process of `name` serves (its `join` event, written once its weights are in)."""
-        return next((int(r["stage"]) for r in self.rows(name) if r.get("kind") == "join"), None)
+        joined = self._join(name)
+        return None if joined is None else int(joined["stage"])
+
+    def _join(self, name: str) -> dict | None:
+        return next((r for r in self.rows(name) if r.get("kind") == "join"), None)
 
     def close(self, name: str, otherwise: str) -> None:
         """The current process of `name` is over: "served" or "refused" as its rows say, else `otherwise`."""
@@ -419,9 +429,10 @@ class Joins:
         nodes are done: their daemons closing ended it; else "failed")."""
         for name in list(self.offset):
             if name not in placed and workers.procs[name].poll() is None:
-                stage = self.stage(name)
-                if stage is not None:
-                    placed[name] = stage
+                joined = self._join(name)
+                if joined is not None:
+                    placed[name] = int(joined["stage"])
+                    self.serves_from[name] = int(joined.get("since", 0))
             if workers.procs[name].poll() is not None:
                 placed.pop(name, None)
                 self.close(name, "late" if run_over else "failed")
@@ -451,7 +462,11 @@ def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: J
     """Take the leaves due by `now` (the stage rule may keep some), killing their processes."""
     if not churn.due(now):
         return
-    serving = {n: stage for n, stage in placed.items() if workers.procs[n].poll() is None}
+    # A relay keeps its stage alive only from the iteration it serves: over hivemind at 20 % churn, stage 2's last
+    # serving relay was taken while a joiner there had the weights but served only from the next iteration, and
+    # that iteration finished nothing.
+    serving = {n: stage for n, stage in placed.items()
+               if workers.procs[n].poll() is None and joins.serves_from.get(n, 0) <= churn.opened}
     for event in churn.leave(now, serving, _banned(churn, nodes, peer_dir)):
         print(f"phalanx: churn: relay {event.name} leaves in iteration {event.it}", file=sys.stderr)
         workers.kill(event.name)

@@ -18,7 +18,9 @@ is not banned (its weights would be gone: GWTF does not say how a wiped-out
 stage recovers; a banned replica serves nobody), as the simulator's `_leave`.
 A relay that serves no stage (still joining, refused, or its join failed) may
 always leave; it stays among the live relays for the draws until it does, as
-an idle simulated peer does.
+an idle simulated peer does. A relay that came back serves, and keeps its stage
+alive, only from the iteration after the one under way when its weights came
+in (its join event's `since`).
 
 Where real time differs: a relay that comes back needs tens of seconds (a new
 process: imports, daemon, placement, download) to serve, against none in the

@@ -22,7 +22,10 @@ class Membership:
         self.entered = False
         got = None
         for _ in range(attempts):
-            got = await self.fetch_weights(version, self.live(self.stage))
+            # from any replica, also one that serves only from a later iteration: it has the weights (live()
+            # compares its first iteration with ours, 0 before the download, and left a joiner over hivemind
+            # trying only the stage's dead replicas while its one live replica was a joiner too)
+            got = await self.fetch_weights(version, self.replicas(self.stage))
             if got is not None:
                 break
             await asyncio.sleep(self.config.complete_timeout / 5)

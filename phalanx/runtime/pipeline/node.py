@@ -197,6 +197,13 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         return sorted(p for p, s in self.directory.items() if s == stage and p in members and p != self.me
                       and p not in self.banned and self.since.get(p, 0) <= self.version)
 
+    def replicas(self, stage: int) -> list[str]:
+        """Peers of `stage` in this node's directory and membership view, not banned, sorted: every holder of
+        the stage's weights, including joiners that serve only from a later iteration (download sources)."""
+        members = set(self.transport.members())
+        return sorted(p for p, s in self.directory.items() if s == stage and p in members and p != self.me
+                      and p not in self.banned)
+
     def data_nodes(self) -> list[str]:
         members = set(self.transport.members())
         return sorted(p for p, s in self.directory.items() if s == 0 and (p in members or p == self.me))

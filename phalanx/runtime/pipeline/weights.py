@@ -49,7 +49,7 @@ class WeightTransfer:
         alike, so they still agree)."""
         started = self.now()
         while self.version < version and not self._stopped.is_set():
-            peers = self.live(self.stage)
+            peers = self.replicas(self.stage)  # a joiner serving from a later iteration has the weights too
             versions = [await self._version_of(p) for p in peers]
             ahead = [p for p, v in sorted(zip(peers, versions), key=lambda pv: -pv[1]) if v >= version]
             got = await self.fetch_weights(version, ahead) if ahead else None
