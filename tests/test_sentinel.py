@@ -413,3 +413,35 @@ def test_the_white_box_attacker_cannot_reverse_a_tensor_once_align_is_measured_n
         sent[distances] = min(scales)
     assert sent["sign,swd,bind"] < -0.5 and 0 < sent["sign,swd,bind,align"] < 0.6
     assert sent["sign,swd,bind,align,scale"] > 0.65
+
+
+def test_an_output_reversed_against_its_own_input_is_held_against_its_sender_alone():
+    """37.5% malicious, `budget`: an honest stage-1 relay forwarded to several stage-2 attackers, and each reversed
+    output was also held against it, so it reached the strike rule (3 shares) before any attacker (at most 2 each):
+    an honest relay banned. A tensor reversed against the input its stage was given is the sender's own doing;
+    a flag on a distance that the input can explain (here ``scale``) is still shared with the upstream sender."""
+    gen = torch.Generator().manual_seed(16)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="align,scale", bind_projections=8, strikes=3,
+                                       strike_window=8))
+
+    def hop(mb, sender, link, inp, out):
+        verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
+        return verifier.check_forward(link, sender, mb, out)
+
+    for i in range(12):
+        x = torch.randn(4, 64, 16, generator=gen)
+        hop(i, f"s1r{i % 4}", 1, x, block(x))
+        hop(i, f"s2r{i % 4}", 2, block(x), block(block(x)))
+    reversed_ = []
+    for mb, attacker in (("m0", "a"), ("m1", "a"), ("m2", "b")):
+        x = torch.randn(4, 64, 16, generator=gen)
+        assert not hop(mb, "up", 1, x, block(x)).flagged
+        reversed_.append(hop(mb, attacker, 2, block(x), -block(block(x))))
+    assert verifier.convicted() == frozenset() and verifier.banned() == frozenset()
+    assert all(v.flagged and "align" in v.outside and v.suspects == (v.worker,) for v in reversed_)
+    x = torch.randn(4, 64, 16, generator=gen)
+    assert not hop("m3", "up2", 1, x, block(x)).flagged
+    grown = hop("m3", "c", 2, block(x), 5 * block(block(x)))  # aligned with its input, too large
+    assert grown.flagged and grown.outside == ("scale",) and grown.suspects == ("c", "up2")
