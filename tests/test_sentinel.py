@@ -431,17 +431,43 @@ def test_an_output_reversed_against_its_own_input_is_held_against_its_sender_alo
         return verifier.check_forward(link, sender, mb, out)
 
     for i in range(12):
-        x = torch.randn(4, 64, 16, generator=gen)
+        x = torch.randn(2, 32, 16, generator=gen)
         hop(i, f"s1r{i % 4}", 1, x, block(x))
         hop(i, f"s2r{i % 4}", 2, block(x), block(block(x)))
     reversed_ = []
     for mb, attacker in (("m0", "a"), ("m1", "a"), ("m2", "b")):
-        x = torch.randn(4, 64, 16, generator=gen)
+        x = torch.randn(2, 32, 16, generator=gen)
         assert not hop(mb, "up", 1, x, block(x)).flagged
         reversed_.append(hop(mb, attacker, 2, block(x), -block(block(x))))
     assert verifier.convicted() == frozenset() and verifier.banned() == frozenset()
     assert all(v.flagged and "align" in v.outside and v.suspects == (v.worker,) for v in reversed_)
-    x = torch.randn(4, 64, 16, generator=gen)
+    x = torch.randn(2, 32, 16, generator=gen)
     assert not hop("m3", "up2", 1, x, block(x)).flagged
     grown = hop("m3", "c", 2, block(x), 5 * block(block(x)))  # aligned with its input, too large
     assert grown.flagged and grown.outside == ("scale",) and grown.suspects == ("c", "up2")
+
+
+def test_outputs_reversed_against_their_input_are_remembered_longer_than_other_flags():
+    """The `budget` attacker reverses 2 of every 8 of its outputs, just under the strike rule (3 in 8). A reversed
+    output is evidence no input explains, so such flags count over `own_window` (32) microbatches: the third one bans
+    it. Other flags spread the same way (here a grown tensor, ``scale``) still need 3 in 8."""
+    gen = torch.Generator().manual_seed(17)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    banned = {}
+    for own_window in (8, 32):
+        verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="align,scale", bind_projections=8,
+                                           strikes=3, strike_window=8, own_window=own_window))
+        for i in range(12):
+            x = torch.randn(2, 32, 16, generator=gen)
+            verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+            verifier.check_forward(1, f"w{i % 4}", i, block(x))
+        for i in range(10):
+            for worker, lie in (("budget", lambda y: -y), ("grower", lambda y: 5 * y)):
+                x = torch.randn(2, 32, 16, generator=gen)
+                verifier.record_input((worker, i), 1, FORWARD, verifier.sketch(x))
+                out = lie(block(x)) if i % 8 in (0, 1) else block(x)
+                verdict = verifier.check_forward(1, worker, (worker, i), out)
+                assert verdict.flagged == (i % 8 in (0, 1)) or verdict.reason == "banned"
+        banned[own_window] = verifier.banned()
+    assert banned == {8: frozenset(), 32: frozenset({"budget"})}

@@ -102,7 +102,10 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   A tensor reversed against (``align``) or unrelated to (``bind``) the input
   its own stage was given is not explained by that input: that flag is the
   sender's alone (at 37.5% malicious, an honest relay upstream of several
-  attackers otherwise collected a share of each one's flags and was banned).
+  attackers otherwise collected a share of each one's flags and was banned),
+  and such flags also ban at `strikes` among the sender's last `own_window`
+  (32) microbatches: an attacker that knows the strike rule (`budget`) keeps
+  2 flags in every 8, and no input makes an honest stage reverse its output.
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
   checks of it downstream are on ``bind`` alone (above), and every gradient of
@@ -156,6 +159,7 @@ class SentinelConfig:
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
+    own_window: int = 32  # `strikes` flags on a sender's own input relation (reversed, unrelated) among its last this many microbatches ban too
     seed: int = 0  # run seed of the projection streams
     fence: str = "tukey"  # tukey: [Q1 - k*IQR, Q3 + k*IQR]; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%, not 25%)
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
@@ -185,7 +189,7 @@ class SentinelConfig:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1]")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
-        for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window"):
+        for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window", "own_window"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be >= 1")
         if self.strikes > self.strike_window:
@@ -751,14 +755,19 @@ class Sentinel:
             others = suspects - {worker} if verdict.flagged else set()
             # not a suspect (a clean entry upstream of the sender's own flag), or explained by a worker convicted just now
             flagged = verdict.flagged and worker in suspects and not others & self._convicted
-            history = self._history.setdefault(worker, deque(maxlen=self.config.strike_window))
+            history = self._history.setdefault(
+                worker, deque(maxlen=max(self.config.strike_window, self.config.own_window)))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
+            disowned = flagged and own and worker == verdict.worker
             if entry is None:
-                history.append([mb, flagged, others if flagged else set()])
+                history.append([mb, flagged, others if flagged else set(), disowned])
             elif flagged:
                 entry[1] = True
                 entry[2] |= others
-            if sum(e[1] for e in history) >= self.config.strikes:
+                entry[3] = entry[3] or disowned
+            entries = list(history)
+            if (sum(e[1] for e in entries[-self.config.strike_window:]) >= self.config.strikes
+                    or sum(e[3] for e in entries[-self.config.own_window:]) >= self.config.strikes):
                 self._convict(worker)
                 convicted.append(worker)
         if not self.config.detect_only:
