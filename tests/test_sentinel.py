@@ -110,6 +110,10 @@ def test_config_errors_name_the_key():
         SentinelConfig(beta_h=1.0)
     with pytest.raises(ConfigError, match="sentinel.strikes"):
         SentinelConfig(strikes=9, strike_window=8)
+    with pytest.raises(ConfigError, match="sentinel.own_window"):
+        SentinelConfig(own_window=0)
+    with pytest.raises(ConfigError, match="sentinel.reversed_align"):
+        SentinelConfig(reversed_align=2.0)
 
 
 def test_warmup_accepts_everything_then_fences_flag():

@@ -187,6 +187,8 @@ class SentinelConfig:
         for key in ("bind_floor", "tainted_bind_floor"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1]")
+        if not -1.0 <= self.reversed_align <= 1.0:
+            raise ConfigError(f"sentinel.reversed_align={self.reversed_align} must be in [-1, 1] (a cosine)")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
         for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window", "own_window"):
