@@ -110,6 +110,10 @@ def test_config_errors_name_the_key():
         SentinelConfig(beta_h=1.0)
     with pytest.raises(ConfigError, match="sentinel.strikes"):
         SentinelConfig(strikes=9, strike_window=8)
+    with pytest.raises(ConfigError, match="sentinel.own_window"):
+        SentinelConfig(own_window=0)
+    with pytest.raises(ConfigError, match="sentinel.reversed_align"):
+        SentinelConfig(reversed_align=2.0)
 
 
 def test_warmup_accepts_everything_then_fences_flag():
@@ -413,3 +417,61 @@ def test_the_white_box_attacker_cannot_reverse_a_tensor_once_align_is_measured_n
         sent[distances] = min(scales)
     assert sent["sign,swd,bind"] < -0.5 and 0 < sent["sign,swd,bind,align"] < 0.6
     assert sent["sign,swd,bind,align,scale"] > 0.65
+
+
+def test_an_output_reversed_against_its_own_input_is_held_against_its_sender_alone():
+    """37.5% malicious, `budget`: an honest stage-1 relay forwarded to several stage-2 attackers, and each reversed
+    output was also held against it, so it reached the strike rule (3 shares) before any attacker (at most 2 each):
+    an honest relay banned. A tensor reversed against the input its stage was given is the sender's own doing;
+    a flag on a distance that the input can explain (here ``scale``) is still shared with the upstream sender."""
+    gen = torch.Generator().manual_seed(16)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="align,scale", bind_projections=8, strikes=3,
+                                       strike_window=8))
+
+    def hop(mb, sender, link, inp, out):
+        verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
+        return verifier.check_forward(link, sender, mb, out)
+
+    for i in range(12):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(i, f"s1r{i % 4}", 1, x, block(x))
+        hop(i, f"s2r{i % 4}", 2, block(x), block(block(x)))
+    reversed_ = []
+    for mb, attacker in (("m0", "a"), ("m1", "a"), ("m2", "b")):
+        x = torch.randn(2, 32, 16, generator=gen)
+        assert not hop(mb, "up", 1, x, block(x)).flagged
+        reversed_.append(hop(mb, attacker, 2, block(x), -block(block(x))))
+    assert verifier.convicted() == frozenset() and verifier.banned() == frozenset()
+    assert all(v.flagged and "align" in v.outside and v.suspects == (v.worker,) for v in reversed_)
+    x = torch.randn(2, 32, 16, generator=gen)
+    assert not hop("m3", "up2", 1, x, block(x)).flagged
+    grown = hop("m3", "c", 2, block(x), 5 * block(block(x)))  # aligned with its input, too large
+    assert grown.flagged and grown.outside == ("scale",) and grown.suspects == ("c", "up2")
+
+
+def test_outputs_reversed_against_their_input_are_remembered_longer_than_other_flags():
+    """The `budget` attacker reverses 2 of every 8 of its outputs, just under the strike rule (3 in 8). A reversed
+    output is evidence no input explains, so such flags count over `own_window` (32) microbatches: the third one bans
+    it. Other flags spread the same way (here a grown tensor, ``scale``) still need 3 in 8."""
+    gen = torch.Generator().manual_seed(17)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    banned = {}
+    for own_window in (8, 32):
+        verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="align,scale", bind_projections=8,
+                                           strikes=3, strike_window=8, own_window=own_window))
+        for i in range(12):
+            x = torch.randn(2, 32, 16, generator=gen)
+            verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+            verifier.check_forward(1, f"w{i % 4}", i, block(x))
+        for i in range(10):
+            for worker, lie in (("budget", lambda y: -y), ("grower", lambda y: 5 * y)):
+                x = torch.randn(2, 32, 16, generator=gen)
+                verifier.record_input((worker, i), 1, FORWARD, verifier.sketch(x))
+                out = lie(block(x)) if i % 8 in (0, 1) else block(x)
+                verdict = verifier.check_forward(1, worker, (worker, i), out)
+                assert verdict.flagged == (i % 8 in (0, 1)) or verdict.reason == "banned"
+        banned[own_window] = verifier.banned()
+    assert banned == {8: frozenset(), 32: frozenset({"budget"})}

@@ -99,6 +99,13 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   from the honest workers after it. Random routing spreads that blame over
   the honest workers while the attacker collects all of it; once a worker is
   banned, the strikes it shared with others are taken off them (explained).
+  A tensor reversed against (``align``) or unrelated to (``bind``) the input
+  its own stage was given is not explained by that input: that flag is the
+  sender's alone (at 37.5% malicious, an honest relay upstream of several
+  attackers otherwise collected a share of each one's flags and was banned),
+  and such flags also ban at `strikes` among the sender's last `own_window`
+  (32) microbatches: an attacker that knows the strike rule (`budget`) keeps
+  2 flags in every 8, and no input makes an honest stage reverse its output.
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
   checks of it downstream are on ``bind`` alone (above), and every gradient of
@@ -148,9 +155,11 @@ class SentinelConfig:
     bind_projections: int = 32  # random directions of the input/output sketches of the ``bind`` distance
     bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
     tainted_bind_floor: float = 0.95  # the same on a microbatch tainted upstream (its input is suspect); replays score 0.958+
+    reversed_align: float = 0.0  # ``align`` below its fence and this: an output reversed against its input, a flag on the sender alone
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
+    own_window: int = 32  # `strikes` flags on a sender's own input relation (reversed, unrelated) among its last this many microbatches ban too
     seed: int = 0  # run seed of the projection streams
     fence: str = "tukey"  # tukey: [Q1 - k*IQR, Q3 + k*IQR]; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%, not 25%)
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
@@ -178,9 +187,11 @@ class SentinelConfig:
         for key in ("bind_floor", "tainted_bind_floor"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1]")
+        if not -1.0 <= self.reversed_align <= 1.0:
+            raise ConfigError(f"sentinel.reversed_align={self.reversed_align} must be in [-1, 1] (a cosine)")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
-        for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window"):
+        for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window", "own_window"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be >= 1")
         if self.strikes > self.strike_window:
@@ -626,7 +637,8 @@ class Sentinel:
         if learn and not flagged and self._inner(track, dist):
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
-        return self._strike(verdict, blame_upstream=learn)  # learn=False: the sender's own forward flag explains it
+        # learn=False: the sender's own forward flag explains it
+        return self._strike(verdict, blame_upstream=learn, own=flagged and self._disowns_input(track, dist))
 
     def _check_bound(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
         """An activation of a microbatch tainted upstream: the stage computed on a tampered input, so the
@@ -683,6 +695,21 @@ class Sentinel:
                         dist[name] = value
         return dist
 
+    def _disowns_input(self, track: _Track, dist: dict[str, float]) -> bool:
+        """Whether the sender's tensor is reversed against (``align`` below its fence and `reversed_align`) or
+        unrelated to (``bind`` above its fence and `tainted_bind_floor`) what the verifiers delivered to its
+        stage for this microbatch. Both compare the stage with its actual input, so whatever that input was, an
+        honest stage does not do this (honest residual stages: align 0.4-0.97 here, also when fed a shrunk
+        input; the honest head, whose sketches share no directions, near 0): such a flag is not explained by
+        what flowed into the sender and is held against it alone. Without this, at 37.5% malicious an honest
+        stage-1 relay that forwarded to several stage-2 attackers collected a share of each one's reversed
+        outputs and reached the strike rule before any of them (the `budget` attacker keeps each of its own
+        counts at 2)."""
+        fenced = lambda n: n in dist and len(track.windows[n]) >= 4  # noqa: E731
+        if fenced("align") and dist["align"] < min(self.config.reversed_align, self._fence(track, "align").low):
+            return True
+        return fenced("bind") and dist["bind"] > max(self.config.tainted_bind_floor, self._fence(track, "bind").high)
+
     def _inner(self, track: _Track, dist: dict[str, float]) -> bool:
         """Whether an accepted tensor may update the baseline: with `learn_k`, only when every distance lies
         inside the narrower fences (an attacker riding the edge of the k-fences cannot drag the baseline)."""
@@ -709,7 +736,9 @@ class Sentinel:
         floor = 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
         return fence(list(track.windows[name]), self.config.k if k is None else k, floor)
 
-    def _strike(self, verdict: Verdict, blame_upstream: bool = True) -> Verdict:
+    def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False) -> Verdict:
+        """Count the verdict in the strike histories of the sender and (`blame_upstream`) the workers upstream
+        of it; a flag is held against all of them, or against the sender alone when it is its `own`."""
         mb = verdict.microbatch
         if verdict.direction == FORWARD:
             self._paths.setdefault(mb, {})[verdict.link] = verdict.worker
@@ -720,21 +749,27 @@ class Sentinel:
         if blame_upstream:
             bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
             handlers |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
-        suspects = handlers if verdict.flagged else {verdict.worker}
+        suspects = handlers if verdict.flagged and not own else {verdict.worker}
         convicted = []
         for worker in [verdict.worker, *sorted(handlers - {verdict.worker})]:
             if worker in self._convicted:
                 continue
             others = suspects - {worker} if verdict.flagged else set()
-            flagged = verdict.flagged and not others & self._convicted  # explained by a worker convicted just now
-            history = self._history.setdefault(worker, deque(maxlen=self.config.strike_window))
+            # not a suspect (a clean entry upstream of the sender's own flag), or explained by a worker convicted just now
+            flagged = verdict.flagged and worker in suspects and not others & self._convicted
+            history = self._history.setdefault(
+                worker, deque(maxlen=max(self.config.strike_window, self.config.own_window)))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
+            disowned = flagged and own and worker == verdict.worker
             if entry is None:
-                history.append([mb, flagged, others if flagged else set()])
+                history.append([mb, flagged, others if flagged else set(), disowned])
             elif flagged:
                 entry[1] = True
                 entry[2] |= others
-            if sum(e[1] for e in history) >= self.config.strikes:
+                entry[3] = entry[3] or disowned
+            entries = list(history)
+            if (sum(e[1] for e in entries[-self.config.strike_window:]) >= self.config.strikes
+                    or sum(e[3] for e in entries[-self.config.own_window:]) >= self.config.strikes):
                 self._convict(worker)
                 convicted.append(worker)
         if not self.config.detect_only:
