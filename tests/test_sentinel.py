@@ -15,6 +15,7 @@ from phalanx.algorithms.sentinel.statistics import (
     Sentinel,
     SentinelConfig,
     Summary,
+    Verdict,
     align,
     bind_sketch,
     binding,
@@ -475,3 +476,17 @@ def test_outputs_reversed_against_their_input_are_remembered_longer_than_other_f
                 assert verdict.flagged == (i % 8 in (0, 1)) or verdict.reason == "banned"
         banned[own_window] = verifier.banned()
     assert banned == {8: frozenset(), 32: frozenset({"budget"})}
+
+
+def test_a_late_flag_on_a_microbatch_older_than_the_strike_window_still_counts():
+    """A gradient's flag arrives after the worker's later forwards. The history keeps `own_window` (32) entries; a
+    flag on an entry beyond the last `strike_window` (8) must still count toward 3 in 8, as it did when the history
+    was 8 long (review of session 18: 12 clean forwards, then 3 flagged gradients of microbatches 0-2, convicted
+    nobody)."""
+    verifier = Sentinel(SentinelConfig(strikes=3, strike_window=8, own_window=32))
+    for mb in range(12):
+        verifier._strike(Verdict(1, FORWARD, "w", mb, False, "ok"))
+    for mb in range(3):
+        verdict = verifier._strike(Verdict(1, BACKWARD, "w", mb, True, "fence"))
+    assert verdict.convicted == ("w",) and verifier.banned() == frozenset({"w"})
+

@@ -767,6 +767,12 @@ class Sentinel:
                 entry[1] = True
                 entry[2] |= others
                 entry[3] = entry[3] or disowned
+                if entry not in list(history)[-self.config.strike_window:]:
+                    # a late flag (a gradient) on a microbatch older than the strike window counts as a new
+                    # entry, as in a history only that long: else a relay that holds more than strike_window
+                    # microbatches in flight could send a bad gradient on each and never reach 3 in 8
+                    history.remove(entry)
+                    history.append(entry)
             entries = list(history)
             if (sum(e[1] for e in entries[-self.config.strike_window:]) >= self.config.strikes
                     or sum(e[3] for e in entries[-self.config.own_window:]) >= self.config.strikes):
