@@ -452,6 +452,29 @@ def test_an_output_reversed_against_its_own_input_is_held_against_its_sender_alo
     assert grown.flagged and grown.outside == ("scale",) and grown.suspects == ("c", "up2")
 
 
+def test_where_the_output_does_not_follow_the_input_a_low_align_is_not_the_senders_own():
+    """At the head the output does not follow the input (its align sits near 0), so an input crafted upstream could
+    push an honest head's align below its fence; held against the head alone, that would frame it (review of
+    session 18). There the flag stays shared with the upstream sender, as any flag the input may explain."""
+    gen = torch.Generator().manual_seed(18)
+    verifier = Sentinel(SentinelConfig(warmup=5, window=8, distances="align,scale", bind_projections=8, strikes=3,
+                                       strike_window=8))
+    unrelated = lambda t: torch.randn(t.shape, generator=gen)  # noqa: E731
+
+    def hop(mb, sender, link, inp, out):
+        verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
+        return verifier.check_forward(link, sender, mb, out)
+
+    for i in range(12):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(i, f"s1r{i % 4}", 1, x, x + 0.1 * torch.randn(x.shape, generator=gen))
+        hop(i, f"head{i % 4}", 2, x, unrelated(x))
+    x = torch.randn(2, 32, 16, generator=gen)
+    assert not hop("m0", "up", 1, x, x + 0.1 * torch.randn(x.shape, generator=gen)).flagged
+    low = hop("m0", "head0", 2, x, -x)
+    assert low.flagged and "align" in low.outside and low.suspects == ("head0", "up")
+
+
 def test_outputs_reversed_against_their_input_are_remembered_longer_than_other_flags():
     """The `budget` attacker reverses 2 of every 8 of its outputs, just under the strike rule (3 in 8). A reversed
     output is evidence no input explains, so such flags count over `own_window` (32) microbatches: the third one bans

@@ -137,6 +137,8 @@ FENCES = ("tukey", "median")
 FORWARD, BACKWARD = "forward", "backward"
 
 
+OWN_ALIGN_BASELINE = 0.2  # a flag is the sender's own only on a link whose align fence stays above this (review, session 18)
+
 @dataclass(frozen=True)
 class SentinelConfig:
     """Every unknown of the paper, with the value chosen here."""
@@ -706,7 +708,11 @@ class Sentinel:
         outputs and reached the strike rule before any of them (the `budget` attacker keeps each of its own
         counts at 2)."""
         fenced = lambda n: n in dist and len(track.windows[n]) >= 4  # noqa: E731
-        if fenced("align") and dist["align"] < min(self.config.reversed_align, self._fence(track, "align").low):
+        # Only where the stage's output measurably follows its input (the head's does not: its align sits near 0,
+        # so a crafted input could push it below its fence, and the flag would frame the honest head alone).
+        if not fenced("align") or self._fence(track, "align").low < OWN_ALIGN_BASELINE:
+            return False
+        if dist["align"] < min(self.config.reversed_align, self._fence(track, "align").low):
             return True
         return fenced("bind") and dist["bind"] > max(self.config.tainted_bind_floor, self._fence(track, "bind").high)
 
