@@ -323,6 +323,12 @@ class StageInputs:
         self.kept: dict[int, _Iteration] = {}
         node.transport.add_request_handler(STAGE_INPUTS, self._serve)
 
+    @property
+    def departure_wait(self) -> float:
+        """The timeout, or the transport's failure detection where that is longer (over hivemind a dead peer's
+        membership record outlives it by up to its ttl)."""
+        return max(self.timeout, self.node.transport.failure_detection)
+
     def record(self, it: int, group: list[str]) -> None:
         """Before iteration `it`'s round (weights not yet stepped): keep its weights and BEGIN, encode my inputs."""
         node = self.node
@@ -384,7 +390,7 @@ class StageInputs:
         the transport's failure detection where that is longer (over hivemind, a dead peer's membership
         record outlives it), rather than staying and withholding its inputs."""
         node = self.node
-        deadline = node.now() + max(self.timeout, node.transport.failure_detection)
+        deadline = node.now() + self.departure_wait
         while target in node.transport.members():
             if node.now() >= deadline:
                 return False

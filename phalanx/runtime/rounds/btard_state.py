@@ -71,6 +71,10 @@ class InputsHook(Protocol):
 
     async def fetch(self, target: str, step: int, committed: bytes) -> bytes | None: ...
 
+    @property
+    def departure_wait(self) -> float:
+        """How long `fetch` may wait, after the target's silence, for a silent target to leave the view."""
+
     def recompute(self, target: str, step: int, inputs: bytes) -> torch.Tensor | None: ...
 
 

@@ -105,10 +105,14 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
         "unverified": unverified,
         "seen": _seen(state, st),
     }))
-    # A validator may have waited one timeout for a silent target and one for CHECKAVERAGING. A member
-    # silent earlier in the step by every report at hand is passed over after a grace (`_unheard`).
+    # A validator may have waited one timeout for a silent target (and, recomputing from inputs, until the
+    # target left the view: else the others passed an honest validator over, over hivemind, and retired it)
+    # and one for CHECKAVERAGING. A member silent earlier in the step by every report at hand is passed over
+    # after a grace (`_unheard`).
+    departure = state.inputs.departure_wait if state.inputs is not None else state.btard.timeout
     envelopes = await tr.collect_passing_over(
-        "bt.report", step, group, 3 * state.btard.timeout, lambda got: _unheard(st, got), relays=len(group),
+        "bt.report", step, group, 2 * state.btard.timeout + max(state.btard.timeout, departure),
+        lambda got: _unheard(st, got), relays=len(group),
         grace=state.btard.timeout / 4,
     )
     everyone: list[Claim] = list(mprng_claims)
