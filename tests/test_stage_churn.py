@@ -7,12 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from phalanx.runs.pipeline.config import ChurnConfig, PipelineRunConfig, StageByzantineConfig
+from phalanx.runs.pipeline.config import ChurnConfig, PipelineNetworkConfig, PipelineRunConfig, StageByzantineConfig
 from phalanx.runs.pipeline.run import simulate_pipeline
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline.config import PipelineConfig
 from phalanx.runtime.rounds.btard import BTARDConfig
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
+from phalanx.transport.sim import SimTransport
 
 CRASH = 3  # the iteration in which relay 1 (stage 2) crashes, while its stage verifies iteration 2
 
@@ -47,6 +48,20 @@ def test_a_replica_that_crashes_while_its_stage_verifies_departs_and_nobody_is_b
     assert all(m["completed"] == 8 for m in summary["metrics"])
     assert all(len({d for p, (s, _, d) in summary["replicas"].items() if s == stage}) == 1 for stage in (0, 1, 2))
     assert sum(1 for p, (s, _, _) in summary["replicas"].items() if s == 2) == 3
+
+
+def test_the_validator_of_a_crashed_target_is_waited_for_while_it_waits_out_failure_detection(monkeypatch):
+    # Over hivemind a dead relay stays in the membership view up to its record's ttl, and its validator waits that
+    # long before it reports (it may not ELIMINATE a target that only died). A fresh-clone run: the stage's other
+    # replicas waited 3 x btard.timeout for the report, passed the honest validator over and retired it, and the
+    # stage split. Here failure detection (15 s) is longer than 3 x btard.timeout (7.5 s), as over hivemind.
+    monkeypatch.setattr(SimTransport, "failure_detection", property(lambda self: 15.0))
+    config = replace(_config(ChurnConfig(crash_relay=1, crash_iteration=CRASH, crash_at=0.01, join_rate=1.0)),
+                     network=PipelineNetworkConfig(detection_delay=15.0))
+    summary = simulate_pipeline(config, progress=False)
+    crashed = summary["peer_ids"][2]
+    assert summary["bans"] == [] and summary["retired"] == [crashed]
+    assert all(len({d for p, (s, _, d) in summary["replicas"].items() if s == stage}) == 1 for stage in (0, 1, 2))
 
 
 def test_a_banned_identity_is_refused_when_it_asks_to_join_again():
