@@ -58,7 +58,7 @@ from .run import (
 
 FINISHED = "pp.finished"
 RUN_TIMEOUT = 3600.0
-FINISHED_PATIENCE = 10.0  # seconds between fetches of a data node's FINISHED that has not arrived (a lost one would hold a relay for RUN_TIMEOUT)
+FINISHED_PATIENCE = 30.0  # seconds between fetches of a data node's FINISHED that has not arrived (a lost one would hold a relay for RUN_TIMEOUT; each wait fetches this often for the whole run)
 
 
 async def run_pipeline_worker(
