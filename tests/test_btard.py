@@ -29,6 +29,7 @@ from phalanx.algorithms.btard.checks import (
     s_matches,
     sum_holds,
     sum_tolerance,
+    tensor_hash,
 )
 from phalanx.algorithms.robust.attacks import Attack
 from phalanx.algorithms.robust.reducers import make_reducer
@@ -40,6 +41,8 @@ from phalanx.runs.dp.swarm import peer_identity
 from phalanx.runs.presets import get_preset
 from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
 from phalanx.runtime.rounds import btard_verify
+from phalanx.runtime.rounds.btard_judge import _missing_meta
+from phalanx.runtime.rounds.btard_state import StepState
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
@@ -311,6 +314,31 @@ def test_an_owner_that_drops_honest_parts_pays_with_an_eliminate(tmp_path):
     assert all(view == {summary["byzantine"][0], min(honest)} for view in views.values())
     digests = summary["final_digests"]
     assert len({digests[p] for p in honest if p != min(honest)}) == 1
+
+
+def test_an_owner_that_withholds_its_aggregate_from_one_peer_goes_with_it_and_splits_nobody(tmp_path):
+    # The victim gets neither the aggregate commitment directly nor the aggregate, so it sends no
+    # metadata for that partition and the owner claims no_meta. Judged on which aggregates reached each
+    # judge, the victim cleared itself (slander) while the others banned it: the ledgers split.
+    summary, honest, views = _btard_run(tmp_path, "withhold_aggregate", peers=5, steps=3)
+    victim = min(honest)
+    assert all(view == {summary["byzantine"][0], victim} for view in views.values())
+    digests = summary["final_digests"]
+    assert len({digests[p] for p in honest if p != victim}) == 1
+
+
+def test_a_no_meta_claim_is_judged_on_the_agreed_metadata():
+    part = torch.ones(2)
+    st = StepState(0, ["a", "b"], [(0, 2), (2, 4)], members=["a", "b"], committers=["a", "b"])
+    st.commits = {"a": ([tensor_hash(part), b""], b""), "b": ([tensor_hash(part), b""], b"")}
+    claim = Claim(ACCUSE, "a", "b", "no_meta", (0, part))
+    assert _missing_meta(st, claim) == [claim]  # no metadata at all: the accusation stands
+    st.meta["b"] = ({}, {})
+    assert _missing_meta(st, claim) == [Claim(ELIMINATE, "a", "b", "no_meta")]  # "never came" against "never came"
+    st.meta["b"] = ({"a": 1.0}, {"a": 0.0})
+    assert _missing_meta(st, claim) == []  # the metadata came after the claim: nobody is at fault
+    forged = Claim(ACCUSE, "a", "b", "no_meta", (0, -part))
+    assert _missing_meta(st, forged) == [forged]  # evidence that does not hold is left to the verdict (slander)
 
 
 def test_a_forger_that_will_not_send_its_gradient_is_convicted_from_its_owners_parts(tmp_path):

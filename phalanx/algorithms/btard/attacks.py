@@ -64,6 +64,10 @@ class ProtocolPolicy:
         """Which of the parts this owner received intact it really aggregates."""
         return used
 
+    def withhold_from(self, step: int, group: list[str]) -> str | None:
+        """A member this owner sends neither its aggregate commitment nor its aggregate (None: nobody)."""
+        return None
+
     def declare(self, step: int, used: list[str], dropped: dict[str, str], owners: list[str]) -> tuple[list[str], dict[str, str]]:
         """What this owner's aggregate commitment names: the parts it used and the owners it dropped (why)."""
         return used, dropped
@@ -177,6 +181,15 @@ class SilentToOne(ProtocolPolicy):
     def part_for(self, step: int, owner: str, part: Tensor, group: list[str]) -> Tensor | None:
         victim = next((p for p in group if p not in self.colluders), None)
         return None if self.active(step) and owner == victim else part
+
+
+@dataclass(kw_only=True)
+class WithholdAggregate(ProtocolPolicy):
+    """Owner: send the aggregate commitment and the aggregate to every member but the first honest one,
+    which then owes no metadata for the partition; the owner claims `no_meta` against it all the same."""
+
+    def withhold_from(self, step: int, group: list[str]) -> str | None:
+        return next((p for p in group if p not in self.colluders), None) if self.active(step) else None
 
 
 @dataclass(kw_only=True)
@@ -338,6 +351,7 @@ PROTOCOL_ATTACKS: dict[str, type[ProtocolPolicy]] = {
     "withhold_gradient": WithholdGradient,
     "wrong_hash": WrongHash,
     "silent_to_one": SilentToOne,
+    "withhold_aggregate": WithholdAggregate,
     "equivocate": Equivocate,
     "deadline_edge": DeadlineEdge,
     "lie_norms": LieNorms,

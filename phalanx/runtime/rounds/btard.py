@@ -287,13 +287,17 @@ class SecureRound(ButterflyAllReduce):
         declared, drop = policy.declare(step, used, dropped, owners)
         payload = encode({"g": g, "h": tensor_hash(mine), "from": declared, "drop": drop})
         other = policy.other_declaration(step, used, dropped, owners)
+        withheld = policy.withhold_from(step, st.members)
         if other is not None:
             await _split_broadcast(tr, "bt.rcommit", step, payload, encode({"g": g, "h": tensor_hash(mine), "from": other[0], "drop": other[1]}))
+        elif withheld is not None:
+            await _broadcast_except(tr, "bt.rcommit", step, payload, withheld)
         else:
             await tr.broadcast("bt.rcommit", step, payload)
-        self._publish(step, REDUCED, {peer: sent_aggregate for peer in st.members})
+        receivers = [peer for peer in st.members if peer != withheld]
+        self._publish(step, REDUCED, {peer: sent_aggregate for peer in receivers})
         message = encode({"step": step, "g": g, "t": sent_aggregate})
-        for peer in st.members:
+        for peer in receivers:
             if peer != me:
                 await tr.send(peer, "ar.reduced", message)
         return used, received, mine
@@ -457,6 +461,15 @@ async def _edge_broadcast(tr: Transport, topic: str, step: int, payload: bytes, 
         if i == len(others) // 2:
             await asyncio.sleep(0.1 * deadline)
         await tr.send(peer, BROADCAST_TOPIC, envelope.to_bytes())
+
+
+async def _broadcast_except(tr: Transport, topic: str, step: int, payload: bytes, skipped: str) -> None:
+    """A broadcast sent directly to every member but `skipped` (which may still get it relayed or fetched)."""
+    envelope = SignedEnvelope.create(tr.identity, topic, step, payload)
+    tr.board.add(envelope)
+    for peer in tr.members():
+        if peer not in (tr.peer_id, skipped):
+            await tr.send(peer, BROADCAST_TOPIC, envelope.to_bytes())
 
 
 async def _split_broadcast(tr: Transport, topic: str, step: int, first: bytes, second: bytes) -> None:

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from ...algorithms.btard.bans import BanRecord
-from ...algorithms.btard.checks import Claim, Verdict, resolve, tensor_hash
+from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, Verdict, resolve, tensor_hash
 from ...core.envelope import SignedEnvelope
 from ...core.serialization import digest
 from .btard_messages import commit_in, decoded, group_in, malformed_part, parts_in, rcommit_in, report_in
@@ -40,6 +40,7 @@ class Judgement:
 
 def judge_step(state: RoundState, st: StepState, claims: list[Claim], admission: bool) -> Judgement:
     """Resolve every claim of one step into bans (applied to the ledger unless `btard.bans` is off)."""
+    claims = [c for claim in claims for c in _missing_meta(st, claim)]
     departed: set[str] = set()
     if admission:
         departed = {c.target for c in claims if c.target in st.silent and c.reason in OMISSION_REASONS}
@@ -51,6 +52,34 @@ def judge_step(state: RoundState, st: StepState, claims: list[Claim], admission:
     banned = state.ledger.is_banned
     approved = {t for v, t in st.pairs if t in st.reports.get(v, {}).get("approve", []) and not banned(t) and not banned(v)}
     return Judgement(bans, tuple(sorted(approved)), tuple(sorted(p for p in departed if not banned(p))))
+
+
+def _missing_meta(st: StepState, claim: Claim) -> list[Claim]:
+    """An owner's `no_meta` claim, read on the agreed metadata (after the seen-set exchange), never on
+    which aggregates reached the judge: only the contributor knows whether the owner's aggregate (or its
+    commitment) reached it in time, and an honest one sends no metadata for a partition it lacks.
+
+    - the contributor's metadata covers the partition: the claim came before the metadata did (a late
+      broadcast), and nobody is at fault; a lie in it is left to the Σ check, which the claim excuses
+      into CHECKAVERAGING;
+    - its metadata omits the partition: "your aggregate never came" against "your metadata never came",
+      which nobody else can tell apart, so it is an ELIMINATE (both go, App. D.3);
+    - it sent no metadata at all: the accusation stands (a silent member departs under admission).
+    A claim whose evidence does not hold is left to `verdict` (the accuser's slander).
+    """
+    if claim.kind != ACCUSE or claim.reason != "no_meta" or claim.accuser not in st.group:
+        return [claim]
+    try:
+        j, part = claim.evidence
+        holds = j == st.group.index(claim.accuser) and claim.target in st.commits and tensor_hash(part) == st.commits[claim.target][0][j]
+    except (TypeError, ValueError, RuntimeError):
+        return [claim]
+    meta = st.meta.get(claim.target)
+    if not holds or claim.target not in st.contributors(claim.accuser) or meta is None:
+        return [claim]
+    if claim.accuser in meta[0] and claim.accuser in meta[1]:
+        return []
+    return [Claim(ELIMINATE, claim.accuser, claim.target, "no_meta")]
 
 
 def verdict(state: RoundState, st: StepState, claim: Claim) -> Verdict:

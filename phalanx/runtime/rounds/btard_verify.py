@@ -257,7 +257,7 @@ async def _send_meta(state: RoundState, st: StepState, parts: list[torch.Tensor]
 
 def _owner_checks(state: RoundState, st: StepState, me: str) -> list[Claim]:
     """V1 and V2 on the parts this peer aggregated (none unless it owns a partition)."""
-    if me not in st.group:
+    if me not in st.aggregates:  # not an owner, or passed over: it aggregated nothing that counts
         return []
     index = st.group.index(me)
     claims = []
