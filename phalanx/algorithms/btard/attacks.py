@@ -52,6 +52,10 @@ class ProtocolPolicy:
         """Sign the commitment just before the others' deadline: half get it in time, half just after."""
         return False
 
+    def report_edge(self, step: int) -> bool:
+        """Time the report (claims, verdicts) at the others' deadline: early to half of them, late to the rest."""
+        return False
+
     def part_for(self, step: int, owner: str, part: Tensor, group: list[str]) -> Tensor | None:
         """What to send to `owner` of `group` (None: nothing)."""
         return part
@@ -125,6 +129,15 @@ class Slander(ProtocolPolicy):
         if not self.active(step):
             return []
         return [p for p in group if p not in self.colluders][: self.count]
+
+
+@dataclass(kw_only=True)
+class LateReport(Slander):
+    """Slander, in a report timed at the others' deadline: the honest peers that hold it ban the
+    slanderer, and those it reached too late would not, unless they decide on the same reports."""
+
+    def report_edge(self, step: int) -> bool:
+        return self.active(step)
 
 
 @dataclass(kw_only=True)
@@ -346,6 +359,7 @@ class DropHonest(HideContributors):
 PROTOCOL_ATTACKS: dict[str, type[ProtocolPolicy]] = {
     "agg_shift": AggregateShift,
     "slander": Slander,
+    "late_report": LateReport,
     "approve_all": ApproveAll,
     "cover": Cover,
     "withhold_gradient": WithholdGradient,

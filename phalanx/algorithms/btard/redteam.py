@@ -4,7 +4,8 @@
 and, at each decision point of each step, deviates with probability `rate`,
 picking one of the lies the catalogue knows there: what it commits, which
 parts go to whom, which parts it aggregates and what aggregate it commits
-and sends, what it declares (and to whom), its norms and inner products,
+and sends (and to whom: an aggregate and its commitment withheld from one
+honest member), what it declares (and to whom), its norms and inner products,
 its validation verdicts, its accusations, whether it serves its gradient or
 the parts it aggregated, and when its commitment is delivered (signed at the
 others' deadline, early to half of them, late to the rest). Every choice is a pure function of
@@ -95,6 +96,13 @@ class RedTeam(ProtocolPolicy):
         if choice == "tiny_shift":
             return aggregate + 1e-3 * shift, aggregate + 1e-3 * shift
         return aggregate, aggregate
+
+    def withhold_from(self, step: int, group: list[str]) -> str | None:
+        honest = [p for p in group if p not in self.colluders]
+        choice = self._pick(step, "withhold_aggregate", ("first_honest", "last_honest"))
+        if choice and honest:
+            return honest[0] if choice == "first_honest" else honest[-1]
+        return None
 
     def declare(self, step: int, used: list[str], dropped: dict[str, str], owners: list[str]) -> tuple[list[str], dict[str, str]]:
         choice = self._pick(step, "declare", ("nobody", "colluders_only", "drop_honest", "used_and_dropped", "others"))

@@ -75,14 +75,14 @@ from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
 from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, passed_over, tensor_hash
 from ...core.envelope import SignedEnvelope
-from ...core.errors import ConfigError, PhalanxError
-from ...core.serialization import encode
+from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
+from ...core.serialization import decode, encode
 from ...transport.base import BROADCAST_TOPIC, Transport
 from .btard_judge import judge_step
 from .btard_messages import commit_in, decoded, group_in, rcommit_in
 from .btard_state import SECURE_REDUCERS, AdmissionHook, BTARDConfig, InputsHook, RoundState, SecureResult, StepState
-from .btard_validate import serve_gradient, serve_part, serve_parts
-from .btard_verify import draw, verify
+from .btard_validate import ask, serve_gradient, serve_part, serve_parts
+from .btard_verify import draw, edge_broadcast, verify
 from .butterfly import PART, REDUCED, AllReduceConfig, ButterflyAllReduce, group_digest, part_bounds
 from .mprng import MPRNGConfig
 
@@ -126,6 +126,7 @@ class SecureRound(ButterflyAllReduce):
         transport.add_request_handler("bt.grad", partial(serve_gradient, state))
         transport.add_request_handler("bt.parts", partial(serve_parts, state))
         transport.add_request_handler("bt.part", partial(serve_part, state))
+        transport.add_request_handler("bt.aggregate", self._serve_aggregate)
         transport.on_evidence(lambda ev: state.evidence.append(ev))
 
     # --- the round -------------------------------------------------------------
@@ -207,7 +208,7 @@ class SecureRound(ButterflyAllReduce):
             negated = [tensor_hash(-p) for p in parts]
             await _split_broadcast(tr, "bt.commit", step, payload, encode({"g": st.g, "parts": negated, "whole": gradient_hash(negated), **bound}))
         elif policy.deadline_edge(step):
-            self._edge = asyncio.ensure_future(_edge_broadcast(tr, "bt.commit", step, payload, self.state.btard.timeout))
+            self._edge = asyncio.ensure_future(edge_broadcast(tr, "bt.commit", step, payload, self.state.btard.timeout))
             st.commits[me] = (hashes, gradient_hash(hashes))  # it knows its own commitment: it goes on as a contributor
             st.inputs.update({me: bound["inputs"]} if bound else {})
         else:
@@ -321,10 +322,12 @@ class SecureRound(ButterflyAllReduce):
             return drops
 
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
+        # A missing one is fetched from the others every half btard.timeout: one withheld from me alone
+        # must not make me late for the next step's commitments.
         async def aggregate_commitments():
             held = await tr.collect_broadcasts(
                 "bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members),
-                enough=lambda got: passed_over(owners, declarations(got)) is not None,
+                enough=lambda got: passed_over(owners, declarations(got)) is not None, patience=self.state.btard.timeout / 2,
             )
             rcommitted.set()
             return held
@@ -335,7 +338,10 @@ class SecureRound(ButterflyAllReduce):
         envelopes = await committing
         st.passed = passed_over(owners, declarations(envelopes)) or set()
         self._give_up(step, REDUCED, st.passed)
+        hashes = {peer: h for peer, env in envelopes.items() if isinstance(h := _aggregate_hash(env, g), bytes) and peer not in st.passed}
+        relaying = asyncio.ensure_future(self._relay_aggregates(st, hashes))
         results = await collecting
+        relaying.cancel()
         for peer, env in envelopes.items():
             obj = decoded(env.payload, peer, tr)
             if group_in(obj) != g:
@@ -371,6 +377,51 @@ class SecureRound(ButterflyAllReduce):
         for owner, tensor in st.aggregates.items():
             out[st.slice(owner)] = tensor
         return out
+
+    async def _relay_aggregates(self, st: StepState, hashes: dict[str, bytes]) -> None:
+        """Aggregates whose commitment I hold that have not come from their owner, asked of the other
+        members: the signed commitment's hash binds each one, so anyone may pass it on. An owner that
+        sends its aggregate to all members but some leaves them nothing missing, no reason to be late
+        for the next step, and no metadata dispute."""
+        tr, me, step, g = self.transport, self.transport.peer_id, st.step, st.g
+        await asyncio.sleep(self.config.pull_after)
+        box = self._inbox.get((step, REDUCED), {})
+        missing = [o for o in sorted(hashes) if o != me and (o not in box or box[o][1] != g)]
+        query = {"step": step, "g": g}
+
+        async def fetch(owner: str) -> None:
+            asks = [ask(self.state, p, "bt.aggregate", {**query, "owner": owner}) for p in st.members if p not in (me, owner)]
+            mismatched = 0
+            for answer in asyncio.as_completed(asks):
+                tensor = (await answer or {}).get("t")
+                if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
+                    continue
+                if tensor_hash(tensor) == hashes[owner]:
+                    self._deliver(owner, step, REDUCED, tensor, g)
+                    return
+                # A majority of the others got an aggregate that is not the committed one: the owner lied to
+                # honest peers (they eliminate it), so stop waiting for it and leave its partition out, as they do.
+                mismatched += 1
+                if 2 * mismatched > len(asks):
+                    self._give_up(step, REDUCED, {owner})
+                    return
+
+        await asyncio.gather(*(fetch(owner) for owner in missing))
+
+    async def _serve_aggregate(self, sender: str, payload: bytes) -> bytes:
+        """`bt.aggregate`: an owner's aggregate as this member holds it for the step's group (what an
+        owner sent the asker, or what a receiver got), for a member its owner left out."""
+        obj = decode(payload, sender, self.transport.limits)
+        step, g, owner = (obj.get("step"), obj.get("g"), obj.get("owner")) if isinstance(obj, dict) else (None, None, None)
+        if type(step) is not int or not isinstance(g, bytes) or not isinstance(owner, str):
+            raise RemoteError(Evidence(sender, "malformed", "bad aggregate request"))
+        if owner == self.transport.peer_id:
+            tensor = self._outbox.get((step, REDUCED), {}).get(sender)
+        else:
+            held = self._inbox.get((step, REDUCED), {}).get(owner)
+            tensor = held[0] if held is not None and held[1] == g else None
+        served = tensor is not None and self._group.get(step) == g and self.state.policy.serve_parts(step)
+        return encode({"step": step, "t": tensor if served else None})
 
     async def _unaggregated(self, st: StepState) -> SecureResult:
         """A step with no trusted member in view: no update; its (empty) verification settles like any other."""
@@ -448,20 +499,14 @@ class SecureRound(ButterflyAllReduce):
             self.admission.load_checkpoint_state(saved["admission"])
 
 
+def _aggregate_hash(env: SignedEnvelope, g: bytes) -> bytes | None:
+    """The hash an aggregate commitment for group `g` binds (malformed declarations too), else None."""
+    obj = decoded(env.payload, env.sender, None)
+    h = obj.get("h") if isinstance(obj, dict) and group_in(obj) == g else None
+    return h if isinstance(h, bytes) and len(h) == 32 else None
+
+
 # --- the round's lying broadcasts (attack policies decide when) ----------------------
-
-async def _edge_broadcast(tr: Transport, topic: str, step: int, payload: bytes, deadline: float) -> None:
-    """A deadline_edge attacker's broadcast: signed just before the others' deadline, sent to
-    half of them then, and to the other half just after it."""
-    await asyncio.sleep(0.95 * deadline)
-    envelope = SignedEnvelope.create(tr.identity, topic, step, payload)
-    tr.board.add(envelope)
-    others = [p for p in tr.members() if p != tr.peer_id]
-    for i, peer in enumerate(others):
-        if i == len(others) // 2:
-            await asyncio.sleep(0.1 * deadline)
-        await tr.send(peer, BROADCAST_TOPIC, envelope.to_bytes())
-
 
 async def _broadcast_except(tr: Transport, topic: str, step: int, payload: bytes, skipped: str) -> None:
     """A broadcast sent directly to every member but `skipped` (which may still get it relayed or fetched)."""

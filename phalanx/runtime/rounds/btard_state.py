@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -109,6 +110,7 @@ class RoundState:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> the gradient this peer committed
     used: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # step -> the parts this owner aggregated
     evidence: list[Evidence] = field(default_factory=list)  # the transport's evidence, claimed by the next verification
+    pending_sends: set[asyncio.Future] = field(default_factory=set)  # a deadline-edge attacker's delayed broadcasts (kept referenced)
 
     @property
     def tau(self) -> float:

@@ -126,11 +126,11 @@ async def committed_parts(state: RoundState, st: StepState, target: str) -> dict
         if owner == me:
             take(j, state.used.get(st.step, {}).get(target))
     remote = [(j, o) for j, o in holders if o != me]
-    answers = await asyncio.gather(*(_ask(state, o, "bt.part", {"step": st.step, "peer": target}) for _, o in remote))
+    answers = await asyncio.gather(*(ask(state, o, "bt.part", {"step": st.step, "peer": target}) for _, o in remote))
     for (j, _), answer in zip(remote, answers):
         take(j, answer.get("t") if answer is not None else None)
     if len(found) < len(st.bounds):
-        answer = await _ask(state, target, "bt.grad", {"step": st.step})
+        answer = await ask(state, target, "bt.grad", {"step": st.step})
         gradient = answer.get("t") if answer is not None else None
         if isinstance(gradient, torch.Tensor) and gradient.dim() == 1 and gradient.numel() == state.dim:
             for j, (a, b) in enumerate(st.bounds):
@@ -165,7 +165,7 @@ def _matches_commit(state: RoundState, st: StepState, target: str, gradient) -> 
     return mine == hashes and gradient_hash(mine) == whole
 
 
-async def _ask(state: RoundState, peer: str, topic: str, query: dict) -> dict | None:
+async def ask(state: RoundState, peer: str, topic: str, query: dict) -> dict | None:
     """One verification request; a peer that answers badly is reported, one that does not is None."""
     try:
         answer = decode(await state.transport.request(peer, topic, encode(query), state.btard.timeout), peer, state.transport.limits)

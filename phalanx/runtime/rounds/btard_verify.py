@@ -47,6 +47,7 @@ from ...algorithms.btard.mprng import choose
 from ...core.envelope import SignedEnvelope
 from ...core.errors import PhalanxError
 from ...core.serialization import decode, digest, encode
+from ...transport.base import BROADCAST_TOPIC, Transport
 from .btard_judge import META_REASONS
 from .btard_messages import commit_in, decoded, group_in, meta_in, rcommit_in, report_in
 from .btard_state import RoundState, StepState
@@ -98,23 +99,31 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
             claims.append(Claim(ELIMINATE, me, ev.peer, ev.kind))
 
     # 6. reports, equivocation proofs; resolution happens in `settle`
-    await tr.broadcast("bt.report", step, encode({
-        "g": g,
-        "claims": [{"kind": c.kind, "target": c.target, "reason": c.reason, "ev": list(c.evidence)} for c in claims],
-        "approve": approvals,
-        "unverified": unverified,
-        "seen": _seen(state, st),
-    }))
     # A validator may have waited one timeout for a silent target (and, recomputing from inputs, until the
     # target left the view: else the others passed an honest validator over, over hivemind, and retired it)
     # and one for CHECKAVERAGING. A member silent earlier in the step by every report at hand is passed over
     # after a grace (`_unheard`).
     departure = state.inputs.departure_wait if state.inputs is not None else state.btard.timeout
+    wait = 2 * state.btard.timeout + max(state.btard.timeout, departure)
+    report = encode({
+        "g": g,
+        "claims": [{"kind": c.kind, "target": c.target, "reason": c.reason, "ev": list(c.evidence)} for c in claims],
+        "approve": approvals,
+        "unverified": unverified,
+        "seen": _seen(state, st),
+    })
+    if state.policy.report_edge(step):
+        sending = asyncio.ensure_future(edge_broadcast(tr, "bt.report", step, report, wait))
+        state.pending_sends.add(sending)
+        sending.add_done_callback(state.pending_sends.discard)
+    else:
+        await tr.broadcast("bt.report", step, report)
     envelopes = await tr.collect_passing_over(
-        "bt.report", step, group, 2 * state.btard.timeout + max(state.btard.timeout, departure),
+        "bt.report", step, group, wait,
         lambda got: _unheard(st, got), relays=len(group),
         grace=state.btard.timeout / 4,
     )
+    envelopes = await _agreed_reports(state, st, envelopes)
     everyone: list[Claim] = list(mprng_claims)
     for peer, env in envelopes.items():
         obj = decoded(env.payload, peer, tr)
@@ -134,13 +143,63 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
     await _compare_views(state, st)
     equivocators = {
         proof.first.sender for proof in tr.board.proofs
-        if proof.first.topic in SEEN_TOPICS and proof.first.step == step and proof.first.sender in group
+        if proof.first.topic in (*SEEN_TOPICS, "bt.report") and proof.first.step == step and proof.first.sender in group
     }
     everyone += [Claim(ACCUSE, "", peer, "equivocation") for peer in sorted(equivocators)]
     _absorb(state, st)
     if st.z is not None:
         await _agreed_checks(state, st, equivocators)
     return everyone + _derived_claims(st, equivocators)
+
+
+async def edge_broadcast(tr: Transport, topic: str, step: int, payload: bytes, deadline: float) -> None:
+    """A deadline-edge attacker's broadcast: signed just before the others' deadline, sent to
+    half of them then, and to the other half just after it."""
+    await asyncio.sleep(0.95 * deadline)
+    envelope = SignedEnvelope.create(tr.identity, topic, step, payload)
+    tr.board.add(envelope)
+    others = [p for p in tr.members() if p != tr.peer_id]
+    for i, peer in enumerate(others):
+        if i == len(others) // 2:
+            await asyncio.sleep(0.1 * deadline)
+        await tr.send(peer, BROADCAST_TOPIC, envelope.to_bytes())
+
+
+async def _agreed_reports(state: RoundState, st: StepState, held: dict[str, SignedEnvelope]) -> dict[str, SignedEnvelope]:
+    """The step's reports as honest peers decide on them, not as each one's deadline cut them.
+
+    Each peer broadcasts the digests of the reports it collected (`bt.rseen`), collects those of the
+    peers whose report it holds, fetches what they list and it lacks (or holds otherwise: a reporter
+    that signed two reports is caught by the proof), and decides on the reports the collected lists
+    name, its own included; never on one that reached it only after its own list went out. So a
+    report sent to some honest peers just before their deadline and to others just after it counts
+    for all of them or for none, and a reporter that signed two reports counts for none.
+    """
+    tr, me, step = state.transport, state.transport.peer_id, st.step
+    members = set(st.members)
+    mine = {peer: digest(env.payload) for peer, env in sorted(held.items())}
+    await tr.broadcast("bt.rseen", step, encode({"g": st.g, "seen": mine}))
+    lists = await tr.collect_broadcasts(
+        "bt.rseen", step, [p for p in sorted(held) if p != me], state.btard.timeout / 2, relays=len(st.members)
+    )
+    listed = set(mine)
+    wanted: dict[str, list[str]] = {}  # lister -> the reporters it holds that I lack or hold otherwise
+    for lister, env in sorted(lists.items()):
+        obj = decoded(env.payload, lister, tr)
+        seen = obj.get("seen") if isinstance(obj, dict) and group_in(obj) == st.g else None
+        if not isinstance(seen, dict):
+            continue
+        for reporter, report_digest in seen.items():
+            if reporter in members and isinstance(report_digest, bytes):
+                listed.add(reporter)
+                if mine.get(reporter) != report_digest and reporter != me:
+                    wanted.setdefault(lister, []).append(reporter)
+    await asyncio.gather(*(
+        tr.fetch_broadcasts("bt.report", step, reporters, [lister], state.btard.timeout / 2) for lister, reporters in wanted.items()
+    ))
+    twice = {proof.first.sender for proof in tr.board.proofs if proof.first.topic == "bt.report" and proof.first.step == step}
+    board = tr.board.get("bt.report", step)
+    return {peer: board[peer] for peer in sorted(listed) if peer in board and peer not in twice}
 
 
 async def _check(

@@ -282,6 +282,10 @@ class ButterflyAllReduce:
         if not self._accepts(step):
             log.debug("dropping %s for step %d from %s (at step %d)", kind, step, sender[:8], self._step)
             return
+        self._deliver(sender, step, kind, tensor, g)
+
+    def _deliver(self, sender: str, step: int, kind: str, tensor: torch.Tensor, g: bytes) -> None:
+        """File `sender`'s tensor of (step, kind) for group `g`, waking a collect that waits for it."""
         key = (step, kind)
         box = self._inbox.setdefault(key, {})
         if sender not in box:
