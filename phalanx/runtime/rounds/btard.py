@@ -322,12 +322,12 @@ class SecureRound(ButterflyAllReduce):
             return drops
 
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
-        # A missing one is fetched from the others every half btard.timeout: one withheld from me alone
+        # A missing one is fetched from the others every quarter btard.timeout: one withheld from me alone
         # must not make me late for the next step's commitments.
         async def aggregate_commitments():
             held = await tr.collect_broadcasts(
                 "bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members),
-                enough=lambda got: passed_over(owners, declarations(got)) is not None, patience=self.state.btard.timeout / 2,
+                enough=lambda got: passed_over(owners, declarations(got)) is not None, patience=self.state.btard.timeout / 4,
             )
             rcommitted.set()
             return held
@@ -335,11 +335,10 @@ class SecureRound(ButterflyAllReduce):
         others = {o: (st.slice(o).stop - st.slice(o).start,) for o in owners if o != me}
         committing = asyncio.ensure_future(aggregate_commitments())
         collecting = asyncio.ensure_future(self._collect(step, REDUCED, others))
+        relaying = asyncio.ensure_future(self._relay_aggregates(st))
         envelopes = await committing
         st.passed = passed_over(owners, declarations(envelopes)) or set()
         self._give_up(step, REDUCED, st.passed)
-        hashes = {peer: h for peer, env in envelopes.items() if isinstance(h := _aggregate_hash(env, g), bytes) and peer not in st.passed}
-        relaying = asyncio.ensure_future(self._relay_aggregates(st, hashes))
         results = await collecting
         relaying.cancel()
         for peer, env in envelopes.items():
@@ -378,25 +377,23 @@ class SecureRound(ButterflyAllReduce):
             out[st.slice(owner)] = tensor
         return out
 
-    async def _relay_aggregates(self, st: StepState, hashes: dict[str, bytes]) -> None:
-        """Aggregates whose commitment I hold that have not come from their owner, asked of the other
-        members: the signed commitment's hash binds each one, so anyone may pass it on. An owner that
-        sends its aggregate to all members but some leaves them nothing missing, no reason to be late
-        for the next step, and no metadata dispute."""
+    async def _relay_aggregates(self, st: StepState) -> None:
+        """Aggregates that have not come from their owner, asked of the other members once the owner's
+        aggregate commitment is here (the signed commitment's hash binds the aggregate, so anyone may
+        pass it on). An owner that sends its aggregate to all members but some leaves them nothing
+        missing, no reason to be late for the next step, and no metadata dispute. Runs until cancelled."""
         tr, me, step, g = self.transport, self.transport.peer_id, st.step, st.g
-        await asyncio.sleep(self.config.pull_after)
-        box = self._inbox.get((step, REDUCED), {})
-        missing = [o for o in sorted(hashes) if o != me and (o not in box or box[o][1] != g)]
-        query = {"step": step, "g": g}
+        asked: dict[str, asyncio.Future] = {}
 
-        async def fetch(owner: str) -> None:
-            asks = [ask(self.state, p, "bt.aggregate", {**query, "owner": owner}) for p in st.members if p not in (me, owner)]
+        async def fetch(owner: str, committed: bytes) -> None:
+            query = {"step": step, "g": g, "owner": owner}
+            asks = [ask(self.state, p, "bt.aggregate", query) for p in st.members if p not in (me, owner)]
             mismatched = 0
             for answer in asyncio.as_completed(asks):
                 tensor = (await answer or {}).get("t")
                 if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
                     continue
-                if tensor_hash(tensor) == hashes[owner]:
+                if tensor_hash(tensor) == committed:
                     self._deliver(owner, step, REDUCED, tensor, g)
                     return
                 # A majority of the others got an aggregate that is not the committed one: the owner lied to
@@ -406,7 +403,23 @@ class SecureRound(ButterflyAllReduce):
                     self._give_up(step, REDUCED, {owner})
                     return
 
-        await asyncio.gather(*(fetch(owner) for owner in missing))
+        # An aggregate still in transit after its commitment (a large one, sent to one member after another)
+        # is not asked of everyone: only once the commitment has been here for a quarter of btard.timeout.
+        patience = self.state.btard.timeout / 4
+        seen: dict[str, float] = {}
+        try:
+            while True:
+                await asyncio.sleep(self.config.pull_after)
+                box, now = self._inbox.get((step, REDUCED), {}), tr.clock.now()
+                for owner, env in sorted(tr.board.get("bt.rcommit", step).items()):
+                    committed = _aggregate_hash(env, g)
+                    if owner not in st.group or owner in (me, *asked) or committed is None or (owner in box and box[owner][1] == g):
+                        continue
+                    if now - seen.setdefault(owner, now) >= patience:
+                        asked[owner] = asyncio.ensure_future(fetch(owner, committed))
+        finally:
+            for task in asked.values():
+                task.cancel()
 
     async def _serve_aggregate(self, sender: str, payload: bytes) -> bytes:
         """`bt.aggregate`: an owner's aggregate as this member holds it for the step's group (what an
