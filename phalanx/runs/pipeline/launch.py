@@ -117,7 +117,10 @@ async def run_pipeline_worker(
             if isinstance(node, DataNode):
                 opened = (lambda it, duration: write("opened", {"it": it, "duration": duration, "t": node.now()})) \
                     if index == 0 else None
+                watching = asyncio.create_task(_write_banned(node, write)) if index == 0 else None
                 await node.run(config.steps, lambda r: write("iteration", r), opened)
+                if watching is not None:
+                    watching.cancel()
                 await transport.broadcast(FINISHED, 0, b"")
                 await transport.collect_broadcasts(FINISHED, 0, data_nodes, 30.0, patience=FINISHED_PATIENCE)
                 await asyncio.sleep(1.0)  # let the last CAN TAKE and FINISHED messages leave
@@ -227,6 +230,22 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
     await node.close()
 
 
+BANNED_POLL = 0.2  # seconds between the first data node's looks at its banned set
+
+
+async def _write_banned(node: DataNode, write: Callable[[str, dict], None]) -> None:
+    """The first data node's banned set (SENTINEL's bans, stage bans and retirements reported by a majority of
+    their stage, its own evidence), a `banned` row each time it changes: the launcher's churn reads the set
+    the simulator's churn reads (`leave_allowed`)."""
+    last: frozenset[str] = frozenset()
+    while True:
+        now = frozenset(node.banned)
+        if now != last:
+            write("banned", {"peers": sorted(now), "t": node.now()})
+            last = now
+        await asyncio.sleep(BANNED_POLL)
+
+
 async def _last_aggregation(node, config: PipelineRunConfig) -> None:
     """Until the relay's stage round of the last iteration is over (bounded by the aggregation timeout): the
     data nodes finish once their microbatches are done, while the relays may still be aggregating that update."""
@@ -310,11 +329,12 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
             churn = PipelineChurn(config, launch_floor(config)) if PipelineChurn.wanted(config) else None
             placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays that serve, by stage
+            names = {peer_identity(config.seed, int(n)).peer_id: n for n in nodes}
             opened_at = None
             data = [workers.procs[n] for n in nodes[: config.data_nodes]]
             while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
                 now = time.monotonic()  # before the rows are read: no decision is taken past an opening not yet read
-                done, opened = _progress(peer_dir / "0.jsonl")
+                done, opened, banned = _progress(peer_dir / "0.jsonl")
                 bar.update(done - bar.n)
                 if victim is not None and not killed and done >= config.faults.crash_iteration:
                     # from the crash iteration's opening on the first data node's clock, as the simulator does
@@ -328,11 +348,12 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
                 rejoin = config.faults.rejoin_after
                 if killed and rejoin and str(config.peers) not in nodes and done >= config.faults.crash_iteration + rejoin:
                     nodes.append(str(config.peers))
+                    names[peer_identity(config.seed, config.peers).peer_id] = nodes[-1]
                     joins.started(nodes[-1])
                     workers.start(nodes[-1], "--index", nodes[-1], "--join", "--initial-peers", *addrs)
                 joins.follow(workers, placed, run_over=done >= config.steps)
                 if churn is not None:
-                    _churn(churn, workers, joins, placed, nodes, peer_dir, opened, addrs, now)
+                    _churn(churn, workers, joins, placed, frozenset(names[p] for p in banned if p in names), opened, addrs, now)
                 time.sleep(0.02)
             bar.close()
             joins.end_run()  # a joiner that has not served by now: the end of the run overtook it
@@ -442,23 +463,24 @@ class Joins:
             self.close(name, "late")
 
 
-def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed: dict[str, int], nodes: list[str],
-           peer_dir: Path, opened: list[tuple[int, float, float]], addrs: list[str], now: float) -> None:
+def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed: dict[str, int], banned: frozenset[str],
+           opened: list[tuple[int, float, float]], addrs: list[str], now: float) -> None:
     """Apply the churn decisions for the iterations opened so far (the first data node's `opened` rows, its
     clock: monotonic, as ours): at each opening, first the leaves due by then, then the relays that come back
     (started again under their own index, with --join, once the old process is gone); then the leaves due by
-    `now`, the time the rows were read (a later time could pass an opening not read yet)."""
+    `now`, the time the rows were read (a later time could pass an opening not read yet). `banned`: the relays
+    (by name) in the first data node's banned set, as its rows say."""
     for it, at, duration in opened[churn.opened + 1:]:
-        _leaves(churn, at, workers, joins, placed, nodes, peer_dir)
+        _leaves(churn, at, workers, joins, placed, banned)
         for event in churn.open(it, at, duration):
             print(f"phalanx: churn: relay {event.name} returns in iteration {event.it}", file=sys.stderr)
             joins.started(event.name)
             workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
-    _leaves(churn, now, workers, joins, placed, nodes, peer_dir)
+    _leaves(churn, now, workers, joins, placed, banned)
 
 
 def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: Joins, placed: dict[str, int],
-            nodes: list[str], peer_dir: Path) -> None:
+            banned: frozenset[str]) -> None:
     """Take the leaves due by `now` (the stage rule may keep some), killing their processes."""
     if not churn.due(now):
         return
@@ -467,7 +489,7 @@ def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: J
     # that iteration finished nothing.
     serving = {n: stage for n, stage in placed.items()
                if workers.procs[n].poll() is None and joins.serves_from.get(n, 0) <= churn.opened}
-    for event in churn.leave(now, serving, _banned(churn, nodes, peer_dir)):
+    for event in churn.leave(now, serving, banned):
         print(f"phalanx: churn: relay {event.name} leaves in iteration {event.it}", file=sys.stderr)
         workers.kill(event.name)
         placed.pop(event.name, None)
@@ -475,18 +497,6 @@ def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: J
             joins.close(event.name, "left")
 
 
-def _banned(churn: PipelineChurn, nodes: list[str], peer_dir: Path) -> frozenset[str]:
-    """The relays (by name) that some node or verifier has recorded a ban of so far (SENTINEL's, BTARD's)."""
-    names = {peer_identity(churn.config.seed, int(n)).peer_id: n for n in nodes}
-    banned = set()
-    for path in peer_dir.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            if '"kind": "ban"' in line:
-                try:
-                    banned.add(names.get(json.loads(line).get("peer")))
-                except ValueError:
-                    continue  # a line being written
-    return frozenset(banned - {None})
 
 
 def _rows(path: Path, offset: int = 0) -> list[dict]:
@@ -531,21 +541,24 @@ def join_pipeline(config: PipelineRunConfig, args: argparse.Namespace) -> dict:
     return summary
 
 
-def _progress(path: Path) -> tuple[int, list[tuple[int, float, float]]]:
-    """From the first data node's records: the iterations it finished, and (iteration, when, the last
-    iteration's duration) of each iteration opened, in order."""
-    done, opened = 0, []
+def _progress(path: Path) -> tuple[int, list[tuple[int, float, float]], list[str]]:
+    """From the first data node's records: the iterations it finished, (iteration, when, the last
+    iteration's duration) of each iteration opened, in order, and its banned set (peer ids) as last written."""
+    done, opened, banned = 0, [], []
     try:
         with open(path) as f:
             for line in f:
                 if '"type": "iteration"' in line:
                     done += 1
-                elif '"type": "opened"' in line and line.endswith("\n"):
+                elif line.endswith("\n") and ('"type": "opened"' in line or '"type": "banned"' in line):
                     row = json.loads(line)
-                    opened.append((row["it"], row["t"], row["duration"]))
+                    if row["type"] == "opened":
+                        opened.append((row["it"], row["t"], row["duration"]))
+                    else:
+                        banned = row["peers"]
     except FileNotFoundError:
         pass
-    return done, opened
+    return done, opened, banned
 
 
 def _to_relative_time(recorder: PipelineRecorder) -> None:
