@@ -298,6 +298,31 @@ def test_a_returned_relay_keeps_its_stage_alive_only_from_the_iteration_it_serve
     assert sorted(n for n in ("2", "4") if workers.procs[n].poll() is None) == kept
 
 
+def test_a_relay_that_came_back_served_and_crashed_is_a_crash_but_one_that_churn_killed_is_not(tmp_path):
+    """Relays 2, 4 and 6 came back and serve. 2 exits with an error during the run, churn kills 4 (SIGKILL, -9),
+    6 ends with the run: 2 crashed; 4 and 6 served (before, every name started with --join was served)."""
+    from phalanx.runs.pipeline.launch import Joins, _leaves
+    from phalanx.runs.pipeline.launch_churn import _Leave
+
+    config = _config(1.0, 0.0, steps=10)
+    nodes = [str(i) for i in range(config.peers)]
+    workers, joins, placed = _Workers(nodes), Joins(tmp_path), {}
+    for name in ("2", "4", "6"):
+        joins.started(name)
+        (tmp_path / f"{name}.jsonl").write_text('{"type": "event", "kind": "join", "stage": 2, "since": 1}\n')
+    joins.follow(workers, placed, run_over=False)
+    assert placed == {"2": 2, "4": 2, "6": 2}
+    workers.procs["2"].code = 1
+    joins.follow(workers, placed, run_over=False)
+    churn = PipelineChurn(config)
+    churn.opened, churn.scheduled = 3, [_Leave(1.0, 3, "4")]
+    _leaves(churn, 2.0, workers, joins, placed, frozenset())
+    workers.procs["6"].code = 0
+    joins.end_run(workers)
+    assert joins.outcomes == {"2": ["crashed"], "4": ["served"], "6": ["served"]}
+    assert joins.crashes == [("2", 1)]
+
+
 def test_a_name_starts_again_only_once_its_process_is_gone_and_its_stderr_is_appended(tmp_path):
     marker = f"test-restart-{uuid.uuid4().hex}"
     workers = ProcessLauncher(["sh", "-c", "echo started >&2; exec sleep 60"], marker, err_dir=tmp_path)

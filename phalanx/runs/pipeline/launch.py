@@ -356,17 +356,18 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
                     _churn(churn, workers, joins, placed, frozenset(names[p] for p in banned if p in names), opened, addrs, now)
                 time.sleep(0.02)
             bar.close()
-            joins.end_run()  # a joiner that has not served by now: the end of the run overtook it
             workers.wait([n for n in nodes if n != victim and n not in workers.stopped], 60)
             workers.wait([f"v{link}" for link in links], 30)
         finally:
             workers.stop()
+    joins.end_run(workers)  # a joiner that has not served by now: the end of the run overtook it
     joined = set(joins.outcomes)  # every relay started with --join (new identities and relays that came back)
     ended = [(f"peer {n}", n) for n in nodes if n != victim and n not in workers.stopped]
     ended = [(who, name, workers.procs[name].returncode) for who, name in ended + [(f"verifier {link}", f"v{link}") for link in links]]
+    # A joining relay that has not served may fail (its download, a refusal, the end of the run overtaking it):
+    # that is a join outcome. One that served and then exited with an error crashed, as a launched relay can.
     failed = [(who, name, code) for who, name, code in ended if code != 0 and name not in joined]
-    if failed:
-        raise LocalError("; ".join(f"{who} exited with code {code}{workers.tail(name)}" for who, name, code in failed))
+    failed += [(f"peer {name} (joined)", name, code) for name, code in joins.crashes]
     for name in sorted(joined, key=int):
         tries = joins.outcomes[name].count("failed")
         if tries:  # a volunteer that could not join; the run went on without it
@@ -404,19 +405,27 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
         extra["joiners"] = {name: joins.outcomes[name] for name in sorted(joined, key=int)}  # one outcome per join
     if churn is not None:
         extra["churn"] = [{"it": e.it, "peer": ids[int(e.name)], "index": int(e.name), "event": e.event} for e in churn.events]
-    return recorder.write(out, extra)
+    # processes that exited with an error by themselves (not the launcher's kills: churn, the crash fault, the stop)
+    extra["crashed"] = [{"name": name, "code": code} for _, name, code in failed]
+    summary = recorder.write(out, extra)
+    if failed:
+        raise LocalError("; ".join(f"{who} exited with code {code}{workers.tail(name)}" for who, name, code in failed)
+                         + f" (the run's records are in {out})")
+    return summary
 
 
 class Joins:
     """The relay processes started with --join (a new identity, or a relay that comes back under its own),
     each read from where its rows begin in its records file (the file is appended to), and what each join
     came to: "served" (its stage's weights in), "refused" (a banned identity), "left" (churn took it before
-    it served), "late" (the end of the run overtook it) or "failed" (it exited during the run without serving)."""
+    it served), "late" (the end of the run overtook it), "failed" (it exited during the run without serving)
+    or "crashed" (it served, then exited with an error by itself: not killed by the launcher)."""
 
     def __init__(self, peer_dir: Path) -> None:
         self.peer_dir = peer_dir
         self.offset: dict[str, int] = {}  # relay -> where its current process's rows begin, while that one is open
         self.outcomes: dict[str, list[str]] = {}
+        self.crashes: list[tuple[str, int]] = []  # (relay, exit code) of each join that served and then crashed
         # relay -> the first iteration its current process serves (its join event's `since`: the iteration under
         # way when its weights came in is not one); launched relays serve from 0
         self.serves_from: dict[str, int] = {}
@@ -438,11 +447,17 @@ class Joins:
     def _join(self, name: str) -> dict | None:
         return next((r for r in self.rows(name) if r.get("kind") == "join"), None)
 
-    def close(self, name: str, otherwise: str) -> None:
-        """The current process of `name` is over: "served" or "refused" as its rows say, else `otherwise`."""
+    def close(self, name: str, otherwise: str, code: int | None = None) -> None:
+        """The current process of `name` is over: "served" or "refused" as its rows say, else `otherwise`;
+        "crashed" if it served and exited by itself with `code` other than 0 (None: it runs on, or the
+        launcher killed it)."""
         rows = self.rows(name)
         served = any(r.get("kind") == "join" for r in rows)
-        self.outcomes[name].append("served" if served else "refused" if any(r["type"] == "refused" for r in rows) else otherwise)
+        if served and code not in (None, 0):
+            self.outcomes[name].append("crashed")
+            self.crashes.append((name, code))
+        else:
+            self.outcomes[name].append("served" if served else "refused" if any(r["type"] == "refused" for r in rows) else otherwise)
         del self.offset[name]
 
     def follow(self, workers: ProcessLauncher, placed: dict[str, int], run_over: bool) -> None:
@@ -454,13 +469,15 @@ class Joins:
                 if joined is not None:
                     placed[name] = int(joined["stage"])
                     self.serves_from[name] = int(joined.get("since", 0))
-            if workers.procs[name].poll() is not None:
+            code = workers.procs[name].poll()
+            if code is not None:
                 placed.pop(name, None)
-                self.close(name, "late" if run_over else "failed")
+                self.close(name, "late" if run_over else "failed", code)
 
-    def end_run(self) -> None:
+    def end_run(self, workers: ProcessLauncher) -> None:
+        """The run is over and its processes have exited: close the joins still open ("late" if not served)."""
         for name in list(self.offset):
-            self.close(name, "late")
+            self.close(name, "late", None if name in workers.stopped else workers.procs[name].returncode)
 
 
 def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed: dict[str, int], banned: frozenset[str],
