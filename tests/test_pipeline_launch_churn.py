@@ -323,18 +323,46 @@ def test_a_relay_that_came_back_served_and_crashed_is_a_crash_but_one_that_churn
     assert joins.crashes == [("2", 1)]
 
 
-def test_a_name_starts_again_only_once_its_process_is_gone_and_its_stderr_is_appended(tmp_path):
-    marker = f"test-restart-{uuid.uuid4().hex}"
-    workers = ProcessLauncher(["sh", "-c", "echo started >&2; exec sleep 60"], marker, err_dir=tmp_path)
+def _state(pid: int) -> str | None:
+    """Process `pid`'s state letter ("Z": a zombie), None once it is gone."""
     try:
-        first = workers.start("3")
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_a_name_starts_again_only_once_its_process_tree_is_gone_and_its_stderr_is_appended(tmp_path, monkeypatch):
+    """The old worker's child outlives it (as a DHT child or p2pd can); the new worker starts only once the sweep
+    took that child. This process stands in for a PID 1 that does not reap (a child subreaper that never waits):
+    the killed child stays a zombie in the old group, which counts as gone (it used to keep the group "alive"
+    until the restart raised)."""
+    import ctypes
+    import os
+    import signal
+
+    from phalanx.runs import launcher
+
+    monkeypatch.setattr(launcher, "GONE_TIMEOUT", 2.0)
+    marker = f"test-restart-{uuid.uuid4().hex}"
+    workers = ProcessLauncher(["sh", "-c"], marker, err_dir=tmp_path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    child_file = tmp_path / "child"
+    child = None
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: orphans of this test's workers come to us
+    try:
+        first = workers.start("3", f"echo started >&2; sleep 60 & echo $! > {child_file}; exec sleep 60")
         deadline = time.monotonic() + 10
-        while "started" not in (tmp_path / "3.err").read_text() and time.monotonic() < deadline:
+        while not (child_file.exists() and child_file.read_text().endswith("\n")) and time.monotonic() < deadline:
             time.sleep(0.05)
+        child = int(child_file.read_text())
         with pytest.raises(LocalError, match="still runs"):
-            workers.start("3")
-        workers.kill("3")
-        second = workers.start("3")
+            workers.start("3", "exec sleep 60")
+        os.kill(first.pid, signal.SIGKILL)  # the worker dies alone (not swept yet): its child lives on
+        first.wait()
+        assert _state(child) not in (None, "Z") and os.getpgid(child) == first.pid
+        second = workers.start("3", "echo started >&2; exec sleep 60")
+        assert _state(child) == "Z"  # swept (killed), and nobody reaps it: gone for the launcher
         assert first.poll() is not None and second.poll() is None
         assert marked_processes(f"{marker}/3") == [second.pid]  # nothing of the first is left
         assert workers.processes() == [first, second]
@@ -343,5 +371,39 @@ def test_a_name_starts_again_only_once_its_process_is_gone_and_its_stderr_is_app
             time.sleep(0.05)
         assert (tmp_path / "3.err").read_text().count("started") == 2  # appended, not rewritten
     finally:
+        libc.prctl(36, 0, 0, 0, 0)
         workers.stop()
+        if child is not None:  # reap the zombie (or a child left by a failure above)
+            if _state(child) not in (None, "Z"):
+                os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
     assert workers.running() == [] and marked_processes(f"{marker}/", prefix=True) == []
+
+
+def test_a_relay_whose_old_process_will_not_die_fails_that_join_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Churn takes relays, then brings them back; one old process group stays alive (stood in for by a group test
+    that always says alive): each such return is a failed join, no process is started for it, and the launcher goes on."""
+    from phalanx.runs import launcher
+    from phalanx.runs.pipeline.launch import Joins, _churn
+
+    config = _config(1.0, 1.0, seed=0, steps=10)
+    nodes = [str(i) for i in range(config.peers)]
+    marker = f"test-not-gone-{uuid.uuid4().hex}"
+    workers = ProcessLauncher(["sh", "-c", "exec sleep 60"], marker, err_dir=tmp_path)
+    try:
+        for name in nodes[1:]:
+            workers.start(name)
+        placed = {n: config.stage_of(int(n)) for n in nodes[1:]}
+        joins, churn = Joins(tmp_path), PipelineChurn(config)
+        _churn(churn, workers, joins, placed, frozenset(), [(0, time.monotonic() - 10, 1.0)], ["/ip4/addr"], time.monotonic())
+        left = sorted(n for n in nodes[1:] if workers.procs[n].poll() is not None)
+        assert len(left) == 4
+        monkeypatch.setattr(launcher, "GONE_TIMEOUT", 0.2)
+        monkeypatch.setattr(launcher, "_group_alive", lambda pgid: True)
+        opened = [(0, time.monotonic() - 10, 1.0), (1, time.monotonic() - 5, 1.0)]
+        _churn(churn, workers, joins, placed, frozenset(), opened, ["/ip4/addr"], time.monotonic())
+        assert {n: joins.outcomes[n] for n in left} == {n: ["failed"] for n in left}
+        assert all(workers.procs[n].poll() is not None for n in left) and workers.earlier == []
+    finally:
+        workers.stop()
+    assert marked_processes(f"{marker}/", prefix=True) == []

@@ -36,6 +36,7 @@ from ...runtime.pipeline.verifier import VerifierNode
 from ..dp.launch import JOIN_TIMEOUT, prepare_run_dir
 from ..dp.swarm import peer_identity
 from ..launcher import (
+    NotGone,
     ProcessLauncher,
     barrier,
     exit_done,
@@ -492,7 +493,11 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed:
         for event in churn.open(it, at, duration):
             print(f"phalanx: churn: relay {event.name} returns in iteration {event.it}", file=sys.stderr)
             joins.started(event.name)
-            workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
+            try:
+                workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
+            except NotGone as exc:  # an old process of it will not die: this join fails, the run goes on
+                print(f"phalanx: churn: relay {event.name} cannot return: {exc}", file=sys.stderr)
+                joins.close(event.name, "failed")
     _leaves(churn, now, workers, joins, placed, banned)
 
 
