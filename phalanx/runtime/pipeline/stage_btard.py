@@ -47,6 +47,14 @@ out of the stage's ledger and groups for good and refused when it asks to join, 
 not counted as a ban (nothing proves it lied). A replica that departs with nothing unjudged comes back
 through the join path with its identity.
 
+A partition's aggregate that missed this replica while other replicas applied it (its owner left while
+sending it: churn over hivemind) would leave this replica's step, and its weights, different from the
+stage's for good; it then recomputes its peers' stage gradients with other weights than theirs and
+accuses honest replicas (measured: an honest `gradient` / `slander:gradient` pair, notes of issue 18).
+So before it steps, a replica fetches each missing aggregate from the group's other replicas and applies it
+once it matches the hash its owner signed in its aggregate commitment (`StageRound.fill_missing`); a
+partition nobody applied (its owner passed over) stays out everywhere alike.
+
 Bans: every honest replica of the stage resolves the same bans at the same point (the end of the
 next iteration's round). Each one routes around the banned peer at once, records the ban as a
 `ban` event (the run's one ledger, beside SENTINEL's) and reports it to every other node
@@ -59,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,7 +78,7 @@ import torch
 from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.checks import ACCUSE, GRAD_ATOL, GRAD_RTOL, Claim
+from ...algorithms.btard.checks import ACCUSE, GRAD_ATOL, GRAD_RTOL, Claim, tensor_hash
 from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD
 from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.envelope import SignedEnvelope
@@ -78,9 +87,9 @@ from ...core.serialization import decode, digest, encode
 from ...transport.base import BOARD_TOPIC, BROADCAST_TOPIC, Transport
 from ...transport.broadcast import BroadcastBoard
 from ..rounds.btard import BTARDConfig, SecureRound
-from ..rounds.btard_messages import parts_in
+from ..rounds.btard_messages import decoded, group_in, parts_in, rcommit_in
 from ..rounds.btard_state import StepState
-from ..rounds.butterfly import AllReduceConfig, AllReduceResult
+from ..rounds.butterfly import AllReduceConfig, AllReduceResult, group_digest, part_bounds
 from . import messages as m
 from .stages import contribution, flat
 
@@ -91,6 +100,7 @@ STAGE_BROADCAST = "sbt.broadcast"  # a stage round's signed broadcast (kept apar
 STAGE_BOARD = "sbt.board"  # a request for envelopes on a stage round's board
 STAGE_BAN = "sbt.ban"  # a stage replica reports a ban (or a retirement) its stage's round resolved
 STAGE_INPUTS = "sbt.inputs"  # request: a replica's committed inputs of one iteration (validators)
+STAGE_AGGREGATE = "sbt.aggregate"  # request: a partition's aggregate a replica applied (one that missed it)
 KEPT_ITERATIONS = 3  # iterations whose weights and inputs are kept for validation (k is verified during k + 1)
 RETIRED = "departed:unverifiable"  # the ledger reason of a departed replica that left a check unjudged
 DEPARTED_INPUTS = b""  # what `StageInputs.fetch` returns for a target that left: its validator cannot judge
@@ -236,6 +246,8 @@ class StageRound:
         self.round.admission = StageAdmission(self)
         self.round.on_claims = self._note_claims
         self.gradient_claims: dict[int, tuple[StepState, list[Claim]]] = {}  # step -> its stage-gradient accusations
+        self.applied: dict[int, AllReduceResult] = {}  # iteration -> the update this replica stepped with
+        node.transport.add_request_handler(STAGE_AGGREGATE, self._serve_aggregate)
         # One round at a time: a round that outlives the aggregation timeout (it waits out departed
         # members) must settle before the next one starts, or both would settle the same step.
         self.lock = asyncio.Lock()
@@ -251,7 +263,10 @@ class StageRound:
             self.view.board.prune(it - 2)  # broadcasts older than two iterations are settled
             if self.inputs is not None:
                 self.inputs.record(it, group)
-            result = await self.round(it, vector, group)
+            result = await self.fill_missing(it, await self.round(it, vector, group))
+            self.applied[it] = result
+            for old in [k for k in self.applied if k <= it - KEPT_ITERATIONS]:
+                del self.applied[old]
             for ban in result.bans:
                 event = {"kind": "ban", "peer": ban.peer, "step": ban.step, "reason": f"btard:{ban.reason}",
                          "by": node.me, "stage": node.stage, "accuser": ban.accuser, "t": node.now()}
@@ -260,6 +275,66 @@ class StageRound:
                 node.on_event(event)
                 await self.report(ban.peer, ban.step)
             return result
+
+    async def fill_missing(self, it: int, result: AllReduceResult) -> AllReduceResult:
+        """The round's update with the partitions it lacks filled in from the group's other replicas: each
+        aggregate as one of them applied it, checked against the hash its owner signed (the owner's aggregate
+        commitment, fetched from them too if it did not reach this replica)."""
+        node, me = self.node, self.node.me
+        owners = list(result.group)  # a stage group's owners: every member (StageAdmission.roles)
+        missing = [o for o in result.missing_parts if o != me and o in owners]
+        if not missing:
+            return result
+        sources = [p for p in owners if p != me and p not in missing]
+        bounds, g = part_bounds(result.vector.numel(), len(owners)), group_digest(owners)
+        timeout = self.round.state.btard.timeout
+        held = self.view.board.get("bt.rcommit", it)
+        if any(o not in held for o in missing) and sources:
+            await self.view.fetch_broadcasts("bt.rcommit", it, [o for o in missing if o not in held], sources, timeout)
+            held = self.view.board.get("bt.rcommit", it)
+        vector, filled = result.vector.clone(), []
+        for owner in missing:
+            obj = decoded(held[owner].payload, owner, None) if owner in held else None
+            parsed = rcommit_in(obj, owners) if group_in(obj) == g else None
+            if parsed is None:
+                continue
+            a, b = bounds[owners.index(owner)]
+            answers = await asyncio.gather(*(self._ask_aggregate(p, it, owner, timeout) for p in sources))
+            part = next((t for t in answers if t is not None and tuple(t.shape) == (b - a,) and t.dtype == torch.float32
+                         and tensor_hash(t) == parsed[0]), None)
+            if part is not None:
+                vector[a:b] = part
+                filled.append(owner)
+        if filled:
+            node.on_event({"kind": "filled", "peer": me, "stage": node.stage, "it": it, "owners": filled,
+                           "t0": node.now(), "t1": node.now()})
+        return dataclasses.replace(result, vector=vector, missing_parts=tuple(o for o in result.missing_parts if o not in filled))
+
+    async def _ask_aggregate(self, peer: str, it: int, owner: str, timeout: float) -> torch.Tensor | None:
+        try:
+            answer = decode(await self.node.transport.request(peer, STAGE_AGGREGATE, encode({"it": it, "owner": owner}), timeout),
+                            peer, self.node.transport.limits)
+        except PhalanxError:
+            return None
+        part = answer.get("t") if isinstance(answer, dict) else None
+        return part if isinstance(part, torch.Tensor) else None
+
+    async def _serve_aggregate(self, sender: str, payload: bytes) -> bytes:
+        """A partition's aggregate as this replica applied it in an iteration's update (None: not applied here)."""
+        obj = m.parse_mapping(payload, sender, self.node.transport.limits, "aggregate request")
+        it, owner = obj.get("it"), obj.get("owner")
+        if type(it) is not int or not isinstance(owner, str):
+            raise RemoteError(Evidence(sender, "malformed", "bad aggregate request"))
+        timeout = self.round.state.btard.timeout
+        deadline = self.node.now() + timeout
+        while it not in self.applied and it > max(self.applied, default=-1) and self.node.now() < deadline:
+            await asyncio.sleep(timeout / 10)  # my round of `it` may still be finishing
+        result = self.applied.get(it)
+        if result is None or owner not in result.group or owner in result.missing_parts:
+            return encode({"t": None})
+        owners = list(result.group)
+        a, b = part_bounds(result.vector.numel(), len(owners))[owners.index(owner)]
+        return encode({"t": result.vector[a:b].clone()})
 
     def _note_claims(self, st: StepState, claims: list[Claim]) -> None:
         """Keep a verified step's stage-gradient accusations (to explain the bans they lead to); write my own
