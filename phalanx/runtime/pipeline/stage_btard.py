@@ -78,7 +78,7 @@ import torch
 from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.checks import ACCUSE, GRAD_ATOL, GRAD_RTOL, Claim, tensor_hash
+from ...algorithms.btard.checks import ACCUSE, GRAD_ATOL, GRAD_RTOL, Claim, passed_over, tensor_hash
 from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD
 from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.envelope import SignedEnvelope
@@ -292,11 +292,16 @@ class StageRound:
         if any(o not in held for o in missing) and sources:
             await self.view.fetch_broadcasts("bt.rcommit", it, [o for o in missing if o not in held], sources, timeout)
             held = self.view.board.get("bt.rcommit", it)
+        commitments = {}  # owner -> its aggregate commitment (hash, used, drops), those naming this group
+        for peer, env in held.items():
+            obj = decoded(env.payload, peer, None)
+            if peer in owners and group_in(obj) == g:
+                commitments[peer] = rcommit_in(obj, owners) or (None, [], {})
+        passed = passed_over(owners, {p: c[2] for p, c in commitments.items()}) or set()  # left out by everyone
         vector, filled = result.vector.clone(), []
         for owner in missing:
-            obj = decoded(held[owner].payload, owner, None) if owner in held else None
-            parsed = rcommit_in(obj, owners) if group_in(obj) == g else None
-            if parsed is None:
+            parsed = commitments.get(owner)
+            if parsed is None or parsed[0] is None or owner in passed:
                 continue
             a, b = bounds[owners.index(owner)]
             answers = await asyncio.gather(*(self._ask_aggregate(p, it, owner, timeout) for p in sources))
