@@ -369,9 +369,12 @@ class StageRound:
         """What this replica finds in a stage-gradient accusation's evidence (`StageInputs.explain`)."""
         found = {"target": claim.target, "accuser": claim.accuser}
         blob, parts = (claim.evidence[0], parts_in(claim.evidence[1:], st, claim.target)) if claim.evidence else (None, None)
-        if not isinstance(blob, bytes) or parts is None:
-            return {**found, "evidence": "unusable"}
-        return {**found, **self.inputs.explain(claim.target, st.step, blob, parts, st.bounds)}
+        if not isinstance(blob, bytes) or parts is None or digest(blob) != st.inputs.get(claim.target):
+            return {**found, "evidence": "unusable"}  # as the verdict finds it: not the target's committed parts and inputs
+        try:
+            return {**found, **self.inputs.explain(claim.target, st.step, blob, parts, st.bounds)}
+        except (PhalanxError, IndexError, KeyError, TypeError, ValueError, RuntimeError) as exc:  # a liar's evidence
+            return {**found, "evidence": f"unusable ({type(exc).__name__})"}
 
     async def record(self, peer: str, step: int, reason: str, retired: bool) -> None:
         """A departure settled in this replica's ledger: an event; a retired one is also reported and routed around."""
@@ -583,7 +586,6 @@ class StageInputs:
                 bounds: list[tuple[int, int]]) -> dict:
         """How the target's committed parts differ from this replica's recomputation from `inputs` (the
         detail of a stage-gradient claim; the verdict itself is BTARD's `parts_guilty`)."""
-        node = self.node
         kept = self.kept.get(step)
         if kept is None or inputs == DEPARTED_INPUTS:
             return {"judged": False, "why": "no weights of that iteration kept here" if kept is None else "departed"}
