@@ -519,8 +519,6 @@ def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: J
             joins.close(event.name, "left")
 
 
-
-
 def _rows(path: Path, offset: int = 0) -> list[dict]:
     """The rows of a records file from byte `offset` on; a line cut by a kill (or still being written) is skipped."""
     try:
