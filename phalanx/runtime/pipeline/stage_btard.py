@@ -288,18 +288,13 @@ class StageRound:
         sources = [p for p in owners if p != me and p not in missing]
         bounds, g = part_bounds(result.vector.numel(), len(owners)), group_digest(owners)
         timeout = self.round.state.btard.timeout
-        held = self.view.board.get("bt.rcommit", it)
-        if any(o not in held for o in missing) and sources:
-            await self.view.fetch_broadcasts("bt.rcommit", it, [o for o in missing if o not in held], sources, timeout)
-            held = self.view.board.get("bt.rcommit", it)
-        commitments = {}  # owner -> its aggregate commitment (hash, used, drops), those naming this group
-        for peer, env in held.items():
-            obj = decoded(env.payload, peer, None)
-            if peer in owners and group_in(obj) == g:
-                commitments[peer] = rcommit_in(obj, owners) or (None, [], {})
-        passed = passed_over(owners, {p: c[2] for p, c in commitments.items()}) or set()  # left out by everyone
+        commitments, passed = self._commitments(it, owners, g)
+        wanted = [o for o in missing if o not in passed]  # a passed-over owner's partition: nobody applied it
+        if any(o not in commitments for o in wanted) and sources:
+            await self.view.fetch_broadcasts("bt.rcommit", it, [o for o in wanted if o not in commitments], sources, timeout)
+            commitments, passed = self._commitments(it, owners, g)
         vector, filled = result.vector.clone(), []
-        for owner in missing:
+        for owner in wanted:
             parsed = commitments.get(owner)
             if parsed is None or parsed[0] is None or owner in passed:
                 continue
@@ -314,6 +309,16 @@ class StageRound:
             node.on_event({"kind": "filled", "peer": me, "stage": node.stage, "it": it, "owners": filled,
                            "t0": node.now(), "t1": node.now()})
         return dataclasses.replace(result, vector=vector, missing_parts=tuple(o for o in result.missing_parts if o not in filled))
+
+    def _commitments(self, it: int, owners: list[str], g: bytes) -> tuple[dict[str, tuple], set[str]]:
+        """The aggregate commitments of iteration `it`'s group held here (owner -> (hash, used, drops); a
+        malformed one has no hash), and the owners they pass over (as the round decides it: `passed_over`)."""
+        commitments = {}
+        for peer, env in self.view.board.get("bt.rcommit", it).items():
+            obj = decoded(env.payload, peer, None)
+            if peer in owners and group_in(obj) == g:
+                commitments[peer] = rcommit_in(obj, owners) or (None, [], {})
+        return commitments, passed_over(owners, {p: c[2] for p, c in commitments.items()}) or set()
 
     async def _ask_aggregate(self, peer: str, it: int, owner: str, timeout: float) -> torch.Tensor | None:
         try:
