@@ -4,6 +4,7 @@ relay under its name with --join, reads its appended records from where the new 
 only once the old one is gone."""
 
 import dataclasses
+import json
 import time
 import uuid
 
@@ -159,6 +160,52 @@ def test_a_banned_replica_does_not_keep_its_stage_alive():
     assert left & {"1", "3", "5"} == {"1", "5"}
 
 
+def test_the_launch_counts_as_banned_what_the_first_data_node_has_banned_and_nothing_else(tmp_path):
+    """Stage 1 holds relays 1, 3 and 5. Relay 6 banned relay 3 in its own ledger only (one side of a split: no
+    majority reported it, so the data node routes through 3), and relay 5 was retired (a `retire` event, which
+    the data node applies as a ban). Leaves are drawn for 1 and 3: 1 goes, 3 stays, the stage's last unbanned
+    replica (counting 6's ban and not the retirement, both would go and leave stage 1 to the retired relay)."""
+    import asyncio
+
+    from phalanx.runs.dp.swarm import peer_identity
+    from phalanx.runs.pipeline.launch import Joins, _leaves, _progress, _write_banned
+    from phalanx.runs.pipeline.launch_churn import _Leave
+
+    config = _config(1.0, 0.0, steps=10)
+    nodes = [str(i) for i in range(config.peers)]
+    ids = [peer_identity(config.seed, i).peer_id for i in range(config.peers)]
+
+    class _DataNode:
+        def __init__(self) -> None:
+            self.banned: set[str] = set()
+
+        def now(self) -> float:
+            return 0.0
+
+    async def first_data_node(sink) -> None:
+        node = _DataNode()
+        watching = asyncio.create_task(_write_banned(node, lambda kind, row: sink.write(json.dumps({"type": kind, **row}) + "\n")))
+        await asyncio.sleep(0.05)
+        node.banned.add(ids[5])  # the stage majority's STAGE_BAN reports of 5's retirement reached it
+        await asyncio.sleep(0.3)
+        watching.cancel()
+
+    with open(tmp_path / "0.jsonl", "w") as sink:
+        asyncio.run(first_data_node(sink))
+    event = {"kind": "ban", "peer": ids[3], "step": 4, "reason": "btard:slander:no_meta", "by": ids[6]}
+    (tmp_path / "6.jsonl").write_text(json.dumps({"type": "event", **event}) + "\n")
+    (tmp_path / "1.jsonl").write_text(json.dumps({"type": "event", "kind": "retire", "peer": ids[5], "step": 4}) + "\n")
+    _, _, banned = _progress(tmp_path / "0.jsonl")
+    assert banned == [ids[5]]
+    names = {pid: n for n, pid in zip(nodes, ids)}
+    workers, joins = _Workers(nodes), Joins(tmp_path)
+    placed = {n: config.stage_of(int(n)) for n in nodes[1:]}
+    churn = PipelineChurn(config)
+    churn.opened, churn.scheduled = 1, [_Leave(1.0, 1, "1"), _Leave(2.0, 1, "3")]
+    _leaves(churn, 3.0, workers, joins, placed, frozenset(names[p] for p in banned))
+    assert [n for n in ("1", "3", "5") if workers.procs[n].poll() is None] == ["3", "5"]
+
+
 def test_under_btard_per_stage_launch_churn_leaves_two_replicas_in_a_stage():
     """Real time: a relay that comes back serves tens of seconds later, so under BTARD per stage a stage keeps two
     unbanned replicas (measured: with one, the liar, its ban emptied stage 1 for good in a launched all cell)."""
@@ -187,17 +234,24 @@ class _Workers:
         def poll(self):
             return self.code
 
+        @property
+        def returncode(self):
+            return self.code
+
     def __init__(self, names) -> None:
         self.procs = {n: self._Proc() for n in names}
         self.started: list[tuple[str, tuple[str, ...]]] = []
+        self.stopped: set[str] = set()
 
     def start(self, name, *args):
         assert self.procs[name].code is not None, f"{name} started again while it runs"
         self.procs[name] = self._Proc()
+        self.stopped.discard(name)
         self.started.append((name, args))
 
     def kill(self, name):
         self.procs[name].code = -9
+        self.stopped.add(name)
 
 
 def test_the_launcher_restarts_a_relay_that_returns_under_its_index_and_reads_its_new_rows(tmp_path):
@@ -209,12 +263,12 @@ def test_the_launcher_restarts_a_relay_that_returns_under_its_index_and_reads_it
     placed = {n: config.stage_of(int(n)) for n in nodes[1:]}
     joins = Joins(tmp_path)
     churn = PipelineChurn(config)
-    _churn(churn, workers, joins, placed, nodes, tmp_path, [(0, time.monotonic() - 10, 1.0)], ["/ip4/addr"], time.monotonic())
+    _churn(churn, workers, joins, placed, frozenset(), [(0, time.monotonic() - 10, 1.0)], ["/ip4/addr"], time.monotonic())
     left = sorted(n for n in nodes[1:] if workers.procs[n].code == -9)
     assert len(left) == 4 and all(n not in placed for n in left)
     (tmp_path / f"{left[0]}.jsonl").write_text('{"type": "event", "kind": "join", "stage": 2}\n')  # an earlier join
     opened = [(0, time.monotonic() - 10, 1.0), (1, time.monotonic() - 5, 1.0)]
-    _churn(churn, workers, joins, placed, nodes, tmp_path, opened, ["/ip4/addr"], time.monotonic())
+    _churn(churn, workers, joins, placed, frozenset(), opened, ["/ip4/addr"], time.monotonic())
     assert sorted(name for name, _ in workers.started) == left  # under their own index: no new identity
     assert all(args[:3] == ("--index", name, "--join") for name, args in workers.started)
     assert joins.stage(left[0]) is None  # the earlier process's join is not this one's
@@ -240,22 +294,75 @@ def test_a_returned_relay_keeps_its_stage_alive_only_from_the_iteration_it_serve
     joins.follow(workers, placed, run_over=False)
     churn = PipelineChurn(config)
     churn.opened, churn.scheduled = opened, [_Leave(1.0, 1, "2"), _Leave(2.0, 1, "4")]
-    _leaves(churn, 3.0, workers, joins, placed, nodes, tmp_path)
+    _leaves(churn, 3.0, workers, joins, placed, frozenset())
     assert sorted(n for n in ("2", "4") if workers.procs[n].poll() is None) == kept
 
 
-def test_a_name_starts_again_only_once_its_process_is_gone_and_its_stderr_is_appended(tmp_path):
-    marker = f"test-restart-{uuid.uuid4().hex}"
-    workers = ProcessLauncher(["sh", "-c", "echo started >&2; exec sleep 60"], marker, err_dir=tmp_path)
+def test_a_relay_that_came_back_served_and_crashed_is_a_crash_but_one_that_churn_killed_is_not(tmp_path):
+    """Relays 2, 4 and 6 came back and serve. 2 exits with an error during the run, churn kills 4 (SIGKILL, -9),
+    6 ends with the run: 2 crashed; 4 and 6 served (before, every name started with --join was served)."""
+    from phalanx.runs.pipeline.launch import Joins, _leaves
+    from phalanx.runs.pipeline.launch_churn import _Leave
+
+    config = _config(1.0, 0.0, steps=10)
+    nodes = [str(i) for i in range(config.peers)]
+    workers, joins, placed = _Workers(nodes), Joins(tmp_path), {}
+    for name in ("2", "4", "6"):
+        joins.started(name)
+        (tmp_path / f"{name}.jsonl").write_text('{"type": "event", "kind": "join", "stage": 2, "since": 1}\n')
+    joins.follow(workers, placed, run_over=False)
+    assert placed == {"2": 2, "4": 2, "6": 2}
+    workers.procs["2"].code = 1
+    joins.follow(workers, placed, run_over=False)
+    churn = PipelineChurn(config)
+    churn.opened, churn.scheduled = 3, [_Leave(1.0, 3, "4")]
+    _leaves(churn, 2.0, workers, joins, placed, frozenset())
+    workers.procs["6"].code = 0
+    joins.end_run(workers)
+    assert joins.outcomes == {"2": ["crashed"], "4": ["served"], "6": ["served"]}
+    assert joins.crashes == [("2", 1)]
+
+
+def _state(pid: int) -> str | None:
+    """Process `pid`'s state letter ("Z": a zombie), None once it is gone."""
     try:
-        first = workers.start("3")
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_a_name_starts_again_only_once_its_process_tree_is_gone_and_its_stderr_is_appended(tmp_path, monkeypatch):
+    """The old worker's child outlives it (as a DHT child or p2pd can); the new worker starts only once the sweep
+    took that child. This process stands in for a PID 1 that does not reap (a child subreaper that never waits):
+    the killed child stays a zombie in the old group, which counts as gone (it used to keep the group "alive"
+    until the restart raised)."""
+    import ctypes
+    import os
+    import signal
+
+    from phalanx.runs import launcher
+
+    monkeypatch.setattr(launcher, "GONE_TIMEOUT", 2.0)
+    marker = f"test-restart-{uuid.uuid4().hex}"
+    workers = ProcessLauncher(["sh", "-c"], marker, err_dir=tmp_path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    child_file = tmp_path / "child"
+    child = None
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: orphans of this test's workers come to us
+    try:
+        first = workers.start("3", f"echo started >&2; sleep 60 & echo $! > {child_file}; exec sleep 60")
         deadline = time.monotonic() + 10
-        while "started" not in (tmp_path / "3.err").read_text() and time.monotonic() < deadline:
+        while not (child_file.exists() and child_file.read_text().endswith("\n")) and time.monotonic() < deadline:
             time.sleep(0.05)
+        child = int(child_file.read_text())
         with pytest.raises(LocalError, match="still runs"):
-            workers.start("3")
-        workers.kill("3")
-        second = workers.start("3")
+            workers.start("3", "exec sleep 60")
+        os.kill(first.pid, signal.SIGKILL)  # the worker dies alone (not swept yet): its child lives on
+        first.wait()
+        assert _state(child) not in (None, "Z") and os.getpgid(child) == first.pid
+        second = workers.start("3", "echo started >&2; exec sleep 60")
+        assert _state(child) == "Z"  # swept (killed), and nobody reaps it: gone for the launcher
         assert first.poll() is not None and second.poll() is None
         assert marked_processes(f"{marker}/3") == [second.pid]  # nothing of the first is left
         assert workers.processes() == [first, second]
@@ -264,5 +371,39 @@ def test_a_name_starts_again_only_once_its_process_is_gone_and_its_stderr_is_app
             time.sleep(0.05)
         assert (tmp_path / "3.err").read_text().count("started") == 2  # appended, not rewritten
     finally:
+        libc.prctl(36, 0, 0, 0, 0)
         workers.stop()
+        if child is not None:  # reap the zombie (or a child left by a failure above)
+            if _state(child) not in (None, "Z"):
+                os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
     assert workers.running() == [] and marked_processes(f"{marker}/", prefix=True) == []
+
+
+def test_a_relay_whose_old_process_will_not_die_fails_that_join_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Churn takes relays, then brings them back; one old process group stays alive (stood in for by a group test
+    that always says alive): each such return is a failed join, no process is started for it, and the launcher goes on."""
+    from phalanx.runs import launcher
+    from phalanx.runs.pipeline.launch import Joins, _churn
+
+    config = _config(1.0, 1.0, seed=0, steps=10)
+    nodes = [str(i) for i in range(config.peers)]
+    marker = f"test-not-gone-{uuid.uuid4().hex}"
+    workers = ProcessLauncher(["sh", "-c", "exec sleep 60"], marker, err_dir=tmp_path)
+    try:
+        for name in nodes[1:]:
+            workers.start(name)
+        placed = {n: config.stage_of(int(n)) for n in nodes[1:]}
+        joins, churn = Joins(tmp_path), PipelineChurn(config)
+        _churn(churn, workers, joins, placed, frozenset(), [(0, time.monotonic() - 10, 1.0)], ["/ip4/addr"], time.monotonic())
+        left = sorted(n for n in nodes[1:] if workers.procs[n].poll() is not None)
+        assert len(left) == 4
+        monkeypatch.setattr(launcher, "GONE_TIMEOUT", 0.2)
+        monkeypatch.setattr(launcher, "_group_alive", lambda pgid: True)
+        opened = [(0, time.monotonic() - 10, 1.0), (1, time.monotonic() - 5, 1.0)]
+        _churn(churn, workers, joins, placed, frozenset(), opened, ["/ip4/addr"], time.monotonic())
+        assert {n: joins.outcomes[n] for n in left} == {n: ["failed"] for n in left}
+        assert all(workers.procs[n].poll() is not None for n in left) and workers.earlier == []
+    finally:
+        workers.stop()
+    assert marked_processes(f"{marker}/", prefix=True) == []

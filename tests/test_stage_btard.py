@@ -146,3 +146,7 @@ def test_the_report_lists_btard_bans_with_their_iteration_and_reason(tmp_path):
     liar = summary["peer_ids"][2]
     table = report_pipeline(tmp_path, summary)
     assert f"{liar[:8]} {START} btard:v2_sum" in table and (tmp_path / "stages.png").exists()
+    assert "crashed" not in table  # simulate has no processes
+    # a launch's summary: a relay that came back twice, served, then crashed the second time
+    table = report_pipeline(tmp_path, {**summary, "joiners": {"5": ["served", "crashed"]}, "crashed": [{"name": "5", "code": 1}]})
+    assert "crashed: 1, served: 1" in table and "5 (code 1)" in table

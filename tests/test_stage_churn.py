@@ -50,6 +50,44 @@ def test_a_replica_that_crashes_while_its_stage_verifies_departs_and_nobody_is_b
     assert sum(1 for p, (s, _, _) in summary["replicas"].items() if s == 2) == 3
 
 
+def test_a_replica_that_missed_a_departed_owners_aggregate_takes_it_from_its_peers_and_stays_in_step(monkeypatch):
+    # Over hivemind (session 18, seed 0) relay 1 left while it sent its aggregate: two replicas of its stage got it,
+    # relay 10 did not and stepped with zeros in that partition (norm 0.166 against 0.173). The owner departed, so
+    # nobody was banned, and relay 10's weights stayed apart: as validator it recomputed relay 7's stage gradient
+    # with them, accused it, and was banned for slander. Here relay 3 misses relay 1's aggregate of iteration 2
+    # (lost, and relay 1 will not answer its pulls), and relay 1 crashes as its stage verifies iteration 2. The
+    # all-reduce timeout is short (0.3 s) so that relay 3 steps before iteration 3 reaches it, as over hivemind
+    # (with 5 s, iteration 3's forwards find it behind and it catches up from its peers, which hides the split).
+    # Without the fill, stage 2 ends with two weights digests.
+    from phalanx.core.serialization import decode, encode
+    from phalanx.runs.dp.swarm import peer_identity
+    from phalanx.runtime.rounds.butterfly import REDUCED, ButterflyAllReduce
+
+    config = _config(ChurnConfig(crash_relay=1, crash_iteration=CRASH, crash_at=0.0, join_rate=1.0))
+    config = replace(config, allreduce=replace(config.allreduce, timeout=0.3))
+    owner, missed = peer_identity(config.seed, 2).peer_id, peer_identity(config.seed, 4).peer_id  # relays 1 and 3
+    store, pull = ButterflyAllReduce._store, ButterflyAllReduce._on_pull
+
+    def lost(self, sender, payload, kind):
+        if not (self.transport.peer_id == missed and sender == owner and kind == REDUCED and decode(payload, sender)["step"] == CRASH - 1):
+            store(self, sender, payload, kind)
+
+    async def unanswered(self, sender, payload):
+        obj = decode(payload, sender)
+        if self.transport.peer_id == owner and sender == missed and obj["kind"] == REDUCED and obj["step"] == CRASH - 1:
+            return encode({"step": obj["step"]})
+        return await pull(self, sender, payload)
+
+    monkeypatch.setattr(ButterflyAllReduce, "_store", lost)
+    monkeypatch.setattr(ButterflyAllReduce, "_on_pull", unanswered)
+    summary = simulate_pipeline(config, progress=False)
+    filled = [e for e in summary["events"] if e["kind"] == "filled"]
+    assert [(e["peer"], e["it"], e["owners"]) for e in filled] == [(missed, CRASH - 1, [owner])]
+    assert summary["bans"] == [] and summary["retired"] == [owner]
+    assert all(len({d for p, (s, _, d) in summary["replicas"].items() if s == stage}) == 1 for stage in (0, 1, 2))
+    assert missed in summary["replicas"]
+
+
 def test_the_validator_of_a_crashed_target_is_waited_for_while_it_waits_out_failure_detection(monkeypatch):
     # Over hivemind a dead relay stays in the membership view up to its record's ttl, and its validator waits that
     # long before it reports (it may not ELIMINATE a target that only died). A fresh-clone run: the stage's other

@@ -46,6 +46,15 @@ def test_a_replica_that_forges_its_stage_gradient_is_caught_by_a_validator_that_
     assert all(START <= b["step"] <= START + 2 for b in summary["bans"])
     assert all(m["completed"] == 8 for m in summary["metrics"])
     _honest_agree(summary, liar)
+    if attack == "approve_all":  # what differed, as each replica recomputed it (the validator's claim too)
+        claims = [e for e in summary["events"] if e["kind"] == "claim"]
+        assert claims and all(c["peer"] == liar and c["by"] != liar for c in claims)
+        for event, found in [(e, d) for e in summary["bans"] + claims for d in e["gradient"]]:
+            assert found["target"] == liar and found["version"] == event["step"]  # recomputed at that step's weights
+            assert found["gap"] > found["tolerance"] > 0 and found["max_abs"] > 0
+            assert abs(found["ratio"] - 0.99) < 1e-6  # the lie: 0.99 x the true vector
+            assert {p["j"] for p in found["partitions"]} == set(range(4)) and found["tensors"][0]["max_abs"] == found["max_abs"]
+            assert len(found["microbatches"]) >= 1 and all(abs(mb["fit"] + 0.01) < 0.01 for mb in found["microbatches"])
 
 
 def test_an_accuser_that_lies_about_a_recomputation_is_the_one_banned():
@@ -56,6 +65,10 @@ def test_an_accuser_that_lies_about_a_recomputation_is_the_one_banned():
     assert summary["banned"] == [liar]
     assert {b["reason"] for b in summary["bans"]} == {"btard:slander:gradient"}
     _honest_agree(summary, liar)
+    for ban in summary["bans"]:  # what the judges found in the evidence: the target's parts match the recomputation
+        (found,) = ban["gradient"]
+        assert found["accuser"] == liar and found["target"] != liar and found["version"] == ban["step"]
+        assert found["gap"] <= found["tolerance"] and found["ratio"] == pytest.approx(1.0)
 
 
 def test_a_replica_that_claims_an_input_nobody_sent_is_banned(monkeypatch):

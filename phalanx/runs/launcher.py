@@ -45,12 +45,16 @@ from typing import NoReturn
 from ..core.errors import LocalError
 from ..transport.base import Transport
 from .netns import NetnsConfig, Testbed
-from .processes import MARKER_ENV, STOP_GRACE, kill_group, kill_marked, marked_processes
+from .processes import MARKER_ENV, STOP_GRACE, group_members, kill_group, kill_marked, marked_processes
 
 GONE_TIMEOUT = 10.0  # seconds to wait for killed process groups to be reaped
 
 BARRIER_TIMEOUT = 120.0  # seconds a launch's workers wait for each other at a barrier
 BARRIER_STEP = 1 << 40  # the broadcast slot of barriers: beyond any training step, so never pruned
+
+
+class NotGone(LocalError):
+    """A worker cannot start again under its name: its old processes did not go within GONE_TIMEOUT of the sweep."""
 
 
 class ProcessLauncher:
@@ -126,7 +130,8 @@ class ProcessLauncher:
 
     def _retire(self, name: Hashable) -> None:
         """Before `name` is started again: its process must have ended (LocalError if it runs), and nothing of
-        it may be left (its group, its marker: the new process carries the same marker)."""
+        it may be left (its group, its marker: the new process carries the same marker); NotGone if something
+        lives on past GONE_TIMEOUT after the sweep (the name is not started; the caller may go on without it)."""
         old = self.procs[name]
         if old.poll() is None:
             raise LocalError(f"worker {name} still runs: kill it (or let it exit) before starting it again")
@@ -134,7 +139,9 @@ class ProcessLauncher:
         deadline = time.monotonic() + GONE_TIMEOUT
         while _group_alive(old.pid) or marked_processes(self.marker(name)):
             if time.monotonic() > deadline:
-                raise LocalError(f"worker {name}'s processes did not go within {GONE_TIMEOUT:.0f} s of its kill")
+                left = sorted(set(group_members(old.pid) + marked_processes(self.marker(name))))
+                raise NotGone(f"worker {name}'s processes did not go within {GONE_TIMEOUT:.0f} s of its kill "
+                              f"(still alive: {', '.join(map(str, left))})")
             time.sleep(0.05)
         self.earlier.append(old)
 
@@ -241,12 +248,8 @@ class ProcessLauncher:
 
 
 def _group_alive(pgid: int) -> bool:
-    """Whether anything is left in process group `pgid`."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    """Whether a live process is left in process group `pgid` (a zombie has exited: not one)."""
+    return bool(group_members(pgid))
 
 
 async def barrier(transport: Transport, name: str, peers: list[str]) -> None:

@@ -79,6 +79,23 @@ def marked_processes(marker: str, *, prefix: bool = False) -> list[int]:
     return sorted(found)
 
 
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live processes of process group `pgid`. A zombie is not one: it has exited, and where
+    PID 1 does not reap (a container's init) it stays in the group until its parent waits for it."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry))
+    return sorted(found)
+
+
 def kill_marked(marker: str, sig: int = signal.SIGKILL, *, prefix: bool = False) -> list[int]:
     """Send `sig` to every process carrying `marker` except this one; return their pids."""
     me = os.getpid()

@@ -36,6 +36,7 @@ from ...runtime.pipeline.verifier import VerifierNode
 from ..dp.launch import JOIN_TIMEOUT, prepare_run_dir
 from ..dp.swarm import peer_identity
 from ..launcher import (
+    NotGone,
     ProcessLauncher,
     barrier,
     exit_done,
@@ -117,7 +118,10 @@ async def run_pipeline_worker(
             if isinstance(node, DataNode):
                 opened = (lambda it, duration: write("opened", {"it": it, "duration": duration, "t": node.now()})) \
                     if index == 0 else None
+                watching = asyncio.create_task(_write_banned(node, write)) if index == 0 else None
                 await node.run(config.steps, lambda r: write("iteration", r), opened)
+                if watching is not None:
+                    watching.cancel()
                 await transport.broadcast(FINISHED, 0, b"")
                 await transport.collect_broadcasts(FINISHED, 0, data_nodes, 30.0, patience=FINISHED_PATIENCE)
                 await asyncio.sleep(1.0)  # let the last CAN TAKE and FINISHED messages leave
@@ -227,6 +231,22 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
     await node.close()
 
 
+BANNED_POLL = 0.2  # seconds between the first data node's looks at its banned set
+
+
+async def _write_banned(node: DataNode, write: Callable[[str, dict], None]) -> None:
+    """The first data node's banned set (SENTINEL's bans, stage bans and retirements reported by a majority of
+    their stage, its own evidence), a `banned` row each time it changes: the launcher's churn reads the set
+    the simulator's churn reads (`leave_allowed`)."""
+    last: frozenset[str] = frozenset()
+    while True:
+        now = frozenset(node.banned)
+        if now != last:
+            write("banned", {"peers": sorted(now), "t": node.now()})
+            last = now
+        await asyncio.sleep(BANNED_POLL)
+
+
 async def _last_aggregation(node, config: PipelineRunConfig) -> None:
     """Until the relay's stage round of the last iteration is over (bounded by the aggregation timeout): the
     data nodes finish once their microbatches are done, while the relays may still be aggregating that update."""
@@ -310,11 +330,12 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
             churn = PipelineChurn(config, launch_floor(config)) if PipelineChurn.wanted(config) else None
             placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays that serve, by stage
+            names = {peer_identity(config.seed, int(n)).peer_id: n for n in nodes}
             opened_at = None
             data = [workers.procs[n] for n in nodes[: config.data_nodes]]
             while any(p.poll() is None for p in data) and not any(p.poll() not in (None, 0) for p in data):
                 now = time.monotonic()  # before the rows are read: no decision is taken past an opening not yet read
-                done, opened = _progress(peer_dir / "0.jsonl")
+                done, opened, banned = _progress(peer_dir / "0.jsonl")
                 bar.update(done - bar.n)
                 if victim is not None and not killed and done >= config.faults.crash_iteration:
                     # from the crash iteration's opening on the first data node's clock, as the simulator does
@@ -328,24 +349,26 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
                 rejoin = config.faults.rejoin_after
                 if killed and rejoin and str(config.peers) not in nodes and done >= config.faults.crash_iteration + rejoin:
                     nodes.append(str(config.peers))
+                    names[peer_identity(config.seed, config.peers).peer_id] = nodes[-1]
                     joins.started(nodes[-1])
                     workers.start(nodes[-1], "--index", nodes[-1], "--join", "--initial-peers", *addrs)
                 joins.follow(workers, placed, run_over=done >= config.steps)
                 if churn is not None:
-                    _churn(churn, workers, joins, placed, nodes, peer_dir, opened, addrs, now)
+                    _churn(churn, workers, joins, placed, frozenset(names[p] for p in banned if p in names), opened, addrs, now)
                 time.sleep(0.02)
             bar.close()
-            joins.end_run()  # a joiner that has not served by now: the end of the run overtook it
             workers.wait([n for n in nodes if n != victim and n not in workers.stopped], 60)
             workers.wait([f"v{link}" for link in links], 30)
         finally:
             workers.stop()
+    joins.end_run(workers)  # a joiner that has not served by now: the end of the run overtook it
     joined = set(joins.outcomes)  # every relay started with --join (new identities and relays that came back)
     ended = [(f"peer {n}", n) for n in nodes if n != victim and n not in workers.stopped]
     ended = [(who, name, workers.procs[name].returncode) for who, name in ended + [(f"verifier {link}", f"v{link}") for link in links]]
+    # A joining relay that has not served may fail (its download, a refusal, the end of the run overtaking it):
+    # that is a join outcome. One that served and then exited with an error crashed, as a launched relay can.
     failed = [(who, name, code) for who, name, code in ended if code != 0 and name not in joined]
-    if failed:
-        raise LocalError("; ".join(f"{who} exited with code {code}{workers.tail(name)}" for who, name, code in failed))
+    failed += [(f"peer {name} (joined)", name, code) for name, code in joins.crashes]
     for name in sorted(joined, key=int):
         tries = joins.outcomes[name].count("failed")
         if tries:  # a volunteer that could not join; the run went on without it
@@ -383,19 +406,27 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
         extra["joiners"] = {name: joins.outcomes[name] for name in sorted(joined, key=int)}  # one outcome per join
     if churn is not None:
         extra["churn"] = [{"it": e.it, "peer": ids[int(e.name)], "index": int(e.name), "event": e.event} for e in churn.events]
-    return recorder.write(out, extra)
+    # processes that exited with an error by themselves (not the launcher's kills: churn, the crash fault, the stop)
+    extra["crashed"] = [{"name": name, "code": code} for _, name, code in failed]
+    summary = recorder.write(out, extra)
+    if failed:
+        raise LocalError("; ".join(f"{who} exited with code {code}{workers.tail(name)}" for who, name, code in failed)
+                         + f" (the run's records are in {out})")
+    return summary
 
 
 class Joins:
     """The relay processes started with --join (a new identity, or a relay that comes back under its own),
     each read from where its rows begin in its records file (the file is appended to), and what each join
     came to: "served" (its stage's weights in), "refused" (a banned identity), "left" (churn took it before
-    it served), "late" (the end of the run overtook it) or "failed" (it exited during the run without serving)."""
+    it served), "late" (the end of the run overtook it), "failed" (it exited during the run without serving)
+    or "crashed" (it served, then exited with an error by itself: not killed by the launcher)."""
 
     def __init__(self, peer_dir: Path) -> None:
         self.peer_dir = peer_dir
         self.offset: dict[str, int] = {}  # relay -> where its current process's rows begin, while that one is open
         self.outcomes: dict[str, list[str]] = {}
+        self.crashes: list[tuple[str, int]] = []  # (relay, exit code) of each join that served and then crashed
         # relay -> the first iteration its current process serves (its join event's `since`: the iteration under
         # way when its weights came in is not one); launched relays serve from 0
         self.serves_from: dict[str, int] = {}
@@ -417,11 +448,17 @@ class Joins:
     def _join(self, name: str) -> dict | None:
         return next((r for r in self.rows(name) if r.get("kind") == "join"), None)
 
-    def close(self, name: str, otherwise: str) -> None:
-        """The current process of `name` is over: "served" or "refused" as its rows say, else `otherwise`."""
+    def close(self, name: str, otherwise: str, code: int | None = None) -> None:
+        """The current process of `name` is over: "served" or "refused" as its rows say, else `otherwise`;
+        "crashed" if it served and exited by itself with `code` other than 0 (None: it runs on, or the
+        launcher killed it)."""
         rows = self.rows(name)
         served = any(r.get("kind") == "join" for r in rows)
-        self.outcomes[name].append("served" if served else "refused" if any(r["type"] == "refused" for r in rows) else otherwise)
+        if served and code not in (None, 0):
+            self.outcomes[name].append("crashed")
+            self.crashes.append((name, code))
+        else:
+            self.outcomes[name].append("served" if served else "refused" if any(r["type"] == "refused" for r in rows) else otherwise)
         del self.offset[name]
 
     def follow(self, workers: ProcessLauncher, placed: dict[str, int], run_over: bool) -> None:
@@ -433,32 +470,39 @@ class Joins:
                 if joined is not None:
                     placed[name] = int(joined["stage"])
                     self.serves_from[name] = int(joined.get("since", 0))
-            if workers.procs[name].poll() is not None:
+            code = workers.procs[name].poll()
+            if code is not None:
                 placed.pop(name, None)
-                self.close(name, "late" if run_over else "failed")
+                self.close(name, "late" if run_over else "failed", code)
 
-    def end_run(self) -> None:
+    def end_run(self, workers: ProcessLauncher) -> None:
+        """The run is over and its processes have exited: close the joins still open ("late" if not served)."""
         for name in list(self.offset):
-            self.close(name, "late")
+            self.close(name, "late", None if name in workers.stopped else workers.procs[name].returncode)
 
 
-def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed: dict[str, int], nodes: list[str],
-           peer_dir: Path, opened: list[tuple[int, float, float]], addrs: list[str], now: float) -> None:
+def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed: dict[str, int], banned: frozenset[str],
+           opened: list[tuple[int, float, float]], addrs: list[str], now: float) -> None:
     """Apply the churn decisions for the iterations opened so far (the first data node's `opened` rows, its
     clock: monotonic, as ours): at each opening, first the leaves due by then, then the relays that come back
     (started again under their own index, with --join, once the old process is gone); then the leaves due by
-    `now`, the time the rows were read (a later time could pass an opening not read yet)."""
+    `now`, the time the rows were read (a later time could pass an opening not read yet). `banned`: the relays
+    (by name) in the first data node's banned set, as its rows say."""
     for it, at, duration in opened[churn.opened + 1:]:
-        _leaves(churn, at, workers, joins, placed, nodes, peer_dir)
+        _leaves(churn, at, workers, joins, placed, banned)
         for event in churn.open(it, at, duration):
             print(f"phalanx: churn: relay {event.name} returns in iteration {event.it}", file=sys.stderr)
             joins.started(event.name)
-            workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
-    _leaves(churn, now, workers, joins, placed, nodes, peer_dir)
+            try:
+                workers.start(event.name, "--index", event.name, "--join", "--initial-peers", *addrs)
+            except NotGone as exc:  # an old process of it will not die: this join fails, the run goes on
+                print(f"phalanx: churn: relay {event.name} cannot return: {exc}", file=sys.stderr)
+                joins.close(event.name, "failed")
+    _leaves(churn, now, workers, joins, placed, banned)
 
 
 def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: Joins, placed: dict[str, int],
-            nodes: list[str], peer_dir: Path) -> None:
+            banned: frozenset[str]) -> None:
     """Take the leaves due by `now` (the stage rule may keep some), killing their processes."""
     if not churn.due(now):
         return
@@ -467,26 +511,12 @@ def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: J
     # that iteration finished nothing.
     serving = {n: stage for n, stage in placed.items()
                if workers.procs[n].poll() is None and joins.serves_from.get(n, 0) <= churn.opened}
-    for event in churn.leave(now, serving, _banned(churn, nodes, peer_dir)):
+    for event in churn.leave(now, serving, banned):
         print(f"phalanx: churn: relay {event.name} leaves in iteration {event.it}", file=sys.stderr)
         workers.kill(event.name)
         placed.pop(event.name, None)
         if event.name in joins.offset:
             joins.close(event.name, "left")
-
-
-def _banned(churn: PipelineChurn, nodes: list[str], peer_dir: Path) -> frozenset[str]:
-    """The relays (by name) that some node or verifier has recorded a ban of so far (SENTINEL's, BTARD's)."""
-    names = {peer_identity(churn.config.seed, int(n)).peer_id: n for n in nodes}
-    banned = set()
-    for path in peer_dir.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            if '"kind": "ban"' in line:
-                try:
-                    banned.add(names.get(json.loads(line).get("peer")))
-                except ValueError:
-                    continue  # a line being written
-    return frozenset(banned - {None})
 
 
 def _rows(path: Path, offset: int = 0) -> list[dict]:
@@ -531,21 +561,24 @@ def join_pipeline(config: PipelineRunConfig, args: argparse.Namespace) -> dict:
     return summary
 
 
-def _progress(path: Path) -> tuple[int, list[tuple[int, float, float]]]:
-    """From the first data node's records: the iterations it finished, and (iteration, when, the last
-    iteration's duration) of each iteration opened, in order."""
-    done, opened = 0, []
+def _progress(path: Path) -> tuple[int, list[tuple[int, float, float]], list[str]]:
+    """From the first data node's records: the iterations it finished, (iteration, when, the last
+    iteration's duration) of each iteration opened, in order, and its banned set (peer ids) as last written."""
+    done, opened, banned = 0, [], []
     try:
         with open(path) as f:
             for line in f:
                 if '"type": "iteration"' in line:
                     done += 1
-                elif '"type": "opened"' in line and line.endswith("\n"):
+                elif line.endswith("\n") and ('"type": "opened"' in line or '"type": "banned"' in line):
                     row = json.loads(line)
-                    opened.append((row["it"], row["t"], row["duration"]))
+                    if row["type"] == "opened":
+                        opened.append((row["it"], row["t"], row["duration"]))
+                    else:
+                        banned = row["peers"]
     except FileNotFoundError:
         pass
-    return done, opened
+    return done, opened, banned
 
 
 def _to_relative_time(recorder: PipelineRecorder) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ...core.rng import py_stream
@@ -63,6 +63,15 @@ def iteration_churn(rng: random.Random, relays: Iterable[str], down: set[str] | 
         if faults.leave_rate and rng.random() < faults.leave_rate:
             drawn.append((relay, rng.random()))
     return drawn
+
+
+def leave_allowed(name: str, stages: Mapping[str, int], banned: Collection[str], floor: int = 1) -> bool:
+    """The stage rule of both modes: churn takes relay `name` unless more than `floor` would leave its stage
+    empty of unbanned replicas. `stages`: the live relays that serve, by stage (a relay not in it serves no
+    stage and may always go); `banned`: the first data node's banned set (a banned replica serves nobody)."""
+    if name in banned or name not in stages:
+        return True
+    return sum(1 for peer, stage in stages.items() if stage == stages[name] and peer not in banned) > floor
 
 
 @dataclass(frozen=True)
@@ -125,18 +134,15 @@ class PipelineChurn:
 
     def leave(self, now: float, serving: dict[str, int], banned: frozenset[str] = frozenset()) -> list[RelayChurn]:
         """The leaves due by `now` that take their relay. `serving` maps each live relay that serves (weights
-        in) to its stage; `banned`: relays banned so far (they do not keep a stage alive)."""
+        in) to its stage; `banned`: the relays the first data node has banned so far (they do not keep a stage
+        alive)."""
         stages = dict(serving)
         gone = []
         while self.due(now):
             leave = self.scheduled.pop(0)
             name = leave.name
-            if name in self.down:
+            if name in self.down or not leave_allowed(name, stages, banned, self.floor):
                 continue
-            if name in stages and name not in banned:
-                replicas = sum(1 for peer, s in stages.items() if s == stages[name] and peer not in banned)
-                if replicas <= self.floor:
-                    continue
             stages.pop(name, None)
             self.down.add(name)
             gone.append(RelayChurn(leave.it, name, "left"))

@@ -88,6 +88,11 @@ def report_pipeline(run_dir: Path, summary: dict) -> str:
         ("simulated seconds", format_value(summary.get("simulated_seconds"))),
         ("bans (peer, iteration, reason)", "; ".join(f"{p[:8]} {b['step']} {b['reason']}" for p, b in first.items()) or "none"),
     ]
+    if summary.get("joiners"):  # launch: what each join of a relay started with --join came to
+        outcomes = [o for outs in summary["joiners"].values() for o in outs]
+        rows.append(("joins (outcome: count)", ", ".join(f"{o}: {outcomes.count(o)}" for o in sorted(set(outcomes)))))
+    if "crashed" in summary:  # launch: processes that exited with an error by themselves
+        rows.append(("crashed processes", "; ".join(f"{c['name']} (code {c['code']})" for c in summary["crashed"]) or "none"))
     width = max(len(k) for k, _ in rows)
     table = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
     if summary.get("sample"):  # a character model's continuation of the start of the validation text

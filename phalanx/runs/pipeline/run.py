@@ -40,7 +40,7 @@ from ...transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
 from ..dp.swarm import peer_identity
 from ..live import LiveLog
 from .config import PipelineRunConfig
-from .launch_churn import churn_stream, iteration_churn
+from .launch_churn import churn_stream, iteration_churn, leave_allowed
 
 
 def pipeline_task(config: PipelineRunConfig) -> Task:
@@ -316,9 +316,8 @@ def simulate_pipeline(
             if node is None or pid in crashed:
                 return
             out = nodes[ids[starter]].banned if ids[starter] in nodes else set()
-            peers = [p for p, n in nodes.items() if n.stage == node.stage and p not in crashed and p not in out
-                     and n.version >= node.version]
-            if pid in out or len(peers) > 1:
+            serving = {p: n.stage for p, n in nodes.items() if p not in crashed and n.version >= node.version}
+            if leave_allowed(pid, serving, out):  # the rule `launch` applies too
                 _crash(pid)
 
         def _crash(pid: str) -> None:

@@ -26,7 +26,12 @@ its sender's per the microbatch's path, recomputes the stage gradient at that it
 committed parts within BTARD's GRAD_RTOL (1e-4 of the recomputed norm). A mismatch is an ACCUSE
 with the inputs and parts as proof, judged by every replica recomputing from them; inputs that prove
 a lie by themselves (a bad seal, a microbatch it did not serve) are an ACCUSE "inputs"; inputs the
-target will not give are the validator's ELIMINATE (only it saw the omission).
+target will not give are the validator's ELIMINATE (only it saw the omission). What a stage-gradient
+claim found is written down: the validator's own claim is a `claim` event, and each `ban` event of a
+gradient claim (the target's, the slanderer's, a covering approver's) carries, as this replica recomputed
+it, which partitions and parameter tensors differ, the max abs difference, the gap against the
+tolerance, each microbatch's share of the difference, and the weights (digest, version) it recomputed with
+(`StageInputs.explain`).
 
 Departures (App. F): a replica that is silent through its stage's verification of an iteration (no
 report of it reached anyone: it crashed or left while the round was open) departs instead of being
@@ -42,6 +47,14 @@ out of the stage's ledger and groups for good and refused when it asks to join, 
 not counted as a ban (nothing proves it lied). A replica that departs with nothing unjudged comes back
 through the join path with its identity.
 
+A partition's aggregate that missed this replica while other replicas applied it (its owner left while
+sending it: churn over hivemind) would leave this replica's step, and its weights, different from the
+stage's for good; it then recomputes its peers' stage gradients with other weights than theirs and
+accuses honest replicas (measured: an honest `gradient` / `slander:gradient` pair, notes of issue 18).
+So before it steps, a replica fetches each missing aggregate from the group's other replicas and applies it
+once it matches the hash its owner signed in its aggregate commitment (`StageRound.fill_missing`); a
+partition nobody applied (its owner passed over) stays out everywhere alike.
+
 Bans: every honest replica of the stage resolves the same bans at the same point (the end of the
 next iteration's round). Each one routes around the banned peer at once, records the ban as a
 `ban` event (the run's one ledger, beside SENTINEL's) and reports it to every other node
@@ -54,6 +67,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,7 +78,7 @@ import torch
 from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.checks import Claim
+from ...algorithms.btard.checks import ACCUSE, GRAD_ATOL, GRAD_RTOL, Claim, passed_over, tensor_hash
 from ...algorithms.sentinel.statistics import BACKWARD as CHECK_BACKWARD
 from ...algorithms.sentinel.statistics import FORWARD as CHECK_FORWARD
 from ...core.envelope import SignedEnvelope
@@ -72,7 +87,9 @@ from ...core.serialization import decode, digest, encode
 from ...transport.base import BOARD_TOPIC, BROADCAST_TOPIC, Transport
 from ...transport.broadcast import BroadcastBoard
 from ..rounds.btard import BTARDConfig, SecureRound
-from ..rounds.butterfly import AllReduceConfig, AllReduceResult
+from ..rounds.btard_messages import decoded, group_in, parts_in, rcommit_in
+from ..rounds.btard_state import StepState
+from ..rounds.butterfly import AllReduceConfig, AllReduceResult, group_digest, part_bounds
 from . import messages as m
 from .stages import contribution, flat
 
@@ -83,6 +100,7 @@ STAGE_BROADCAST = "sbt.broadcast"  # a stage round's signed broadcast (kept apar
 STAGE_BOARD = "sbt.board"  # a request for envelopes on a stage round's board
 STAGE_BAN = "sbt.ban"  # a stage replica reports a ban (or a retirement) its stage's round resolved
 STAGE_INPUTS = "sbt.inputs"  # request: a replica's committed inputs of one iteration (validators)
+STAGE_AGGREGATE = "sbt.aggregate"  # request: a partition's aggregate a replica applied (one that missed it)
 KEPT_ITERATIONS = 3  # iterations whose weights and inputs are kept for validation (k is verified during k + 1)
 RETIRED = "departed:unverifiable"  # the ledger reason of a departed replica that left a check unjudged
 DEPARTED_INPUTS = b""  # what `StageInputs.fetch` returns for a target that left: its validator cannot judge
@@ -154,9 +172,12 @@ class StageSecureRound(SecureRound):
         super().__init__(*args, **kwargs)
         self.unjudged: dict[int, set[str]] = {}  # step -> silent owners whose sum nobody can judge
         self.unvalidated: dict[int, set[str]] = {}  # step -> targets their validator could not judge
+        self.on_claims: Callable[[StepState, list[Claim]], None] | None = None  # every claim of a verified step
 
     async def _verify(self, st, parts: list[torch.Tensor], draw) -> list[Claim]:
         claims = await super()._verify(st, parts, draw)
+        if self.on_claims is not None:
+            self.on_claims(st, claims)
         unjudged = {o for o in st.sum_failed if o in st.silent and any(
             p in st.silent and o not in st.meta.get(p, ({}, {}))[1] for p in st.contributors(o))}
         self.unjudged[st.step] = unjudged
@@ -223,6 +244,10 @@ class StageRound:
         self.round = StageSecureRound(self.view, dim, allreduce, btard, self.ledger, None, policy,
                                       agreed_candidates=True, inputs=self.inputs)
         self.round.admission = StageAdmission(self)
+        self.round.on_claims = self._note_claims
+        self.gradient_claims: dict[int, tuple[StepState, list[Claim]]] = {}  # step -> its stage-gradient accusations
+        self.applied: dict[int, AllReduceResult] = {}  # iteration -> the update this replica stepped with
+        node.transport.add_request_handler(STAGE_AGGREGATE, self._serve_aggregate)
         # One round at a time: a round that outlives the aggregation timeout (it waits out departed
         # members) must settle before the next one starts, or both would settle the same step.
         self.lock = asyncio.Lock()
@@ -238,12 +263,123 @@ class StageRound:
             self.view.board.prune(it - 2)  # broadcasts older than two iterations are settled
             if self.inputs is not None:
                 self.inputs.record(it, group)
-            result = await self.round(it, vector, group)
+            result = await self.fill_missing(it, await self.round(it, vector, group))
+            self.applied[it] = result
+            for old in [k for k in self.applied if k <= it - KEPT_ITERATIONS]:
+                del self.applied[old]
             for ban in result.bans:
-                node.on_event({"kind": "ban", "peer": ban.peer, "step": ban.step, "reason": f"btard:{ban.reason}",
-                               "by": node.me, "stage": node.stage, "accuser": ban.accuser, "t": node.now()})
+                event = {"kind": "ban", "peer": ban.peer, "step": ban.step, "reason": f"btard:{ban.reason}",
+                         "by": node.me, "stage": node.stage, "accuser": ban.accuser, "t": node.now()}
+                if ban.reason.rsplit(":", 1)[-1] == "gradient":  # gradient, slander:gradient, covered:gradient
+                    event["gradient"] = [self._explain(*found) for found in self._claims_behind(ban)]
+                node.on_event(event)
                 await self.report(ban.peer, ban.step)
             return result
+
+    async def fill_missing(self, it: int, result: AllReduceResult) -> AllReduceResult:
+        """The round's update with the partitions it lacks filled in from the group's other replicas: each
+        aggregate as one of them applied it, checked against the hash its owner signed (the owner's aggregate
+        commitment, fetched from them too if it did not reach this replica)."""
+        node, me = self.node, self.node.me
+        owners = list(result.group)  # a stage group's owners: every member (StageAdmission.roles)
+        missing = [o for o in result.missing_parts if o != me and o in owners]
+        if not missing:
+            return result
+        sources = [p for p in owners if p != me and p not in missing]
+        bounds, g = part_bounds(result.vector.numel(), len(owners)), group_digest(owners)
+        timeout = self.round.state.btard.timeout
+        commitments, passed = self._commitments(it, owners, g)
+        wanted = [o for o in missing if o not in passed]  # a passed-over owner's partition: nobody applied it
+        if any(o not in commitments for o in wanted) and sources:
+            await self.view.fetch_broadcasts("bt.rcommit", it, [o for o in wanted if o not in commitments], sources, timeout)
+            commitments, passed = self._commitments(it, owners, g)
+        vector, filled = result.vector.clone(), []
+        for owner in wanted:
+            parsed = commitments.get(owner)
+            if parsed is None or parsed[0] is None or owner in passed:
+                continue
+            a, b = bounds[owners.index(owner)]
+            answers = await asyncio.gather(*(self._ask_aggregate(p, it, owner, timeout) for p in sources))
+            part = next((t for t in answers if t is not None and tuple(t.shape) == (b - a,) and t.dtype == torch.float32
+                         and tensor_hash(t) == parsed[0]), None)
+            if part is not None:
+                vector[a:b] = part
+                filled.append(owner)
+        if filled:
+            node.on_event({"kind": "filled", "peer": me, "stage": node.stage, "it": it, "owners": filled,
+                           "t0": node.now(), "t1": node.now()})
+        return dataclasses.replace(result, vector=vector, missing_parts=tuple(o for o in result.missing_parts if o not in filled))
+
+    def _commitments(self, it: int, owners: list[str], g: bytes) -> tuple[dict[str, tuple], set[str]]:
+        """The aggregate commitments of iteration `it`'s group held here (owner -> (hash, used, drops); a
+        malformed one has no hash), and the owners they pass over (as the round decides it: `passed_over`)."""
+        commitments = {}
+        for peer, env in self.view.board.get("bt.rcommit", it).items():
+            obj = decoded(env.payload, peer, None)
+            if peer in owners and group_in(obj) == g:
+                commitments[peer] = rcommit_in(obj, owners) or (None, [], {})
+        return commitments, passed_over(owners, {p: c[2] for p, c in commitments.items()}) or set()
+
+    async def _ask_aggregate(self, peer: str, it: int, owner: str, timeout: float) -> torch.Tensor | None:
+        try:
+            answer = decode(await self.node.transport.request(peer, STAGE_AGGREGATE, encode({"it": it, "owner": owner}), timeout),
+                            peer, self.node.transport.limits)
+        except PhalanxError:
+            return None
+        part = answer.get("t") if isinstance(answer, dict) else None
+        return part if isinstance(part, torch.Tensor) else None
+
+    async def _serve_aggregate(self, sender: str, payload: bytes) -> bytes:
+        """A partition's aggregate as this replica applied it in an iteration's update (None: not applied here)."""
+        obj = m.parse_mapping(payload, sender, self.node.transport.limits, "aggregate request")
+        it, owner = obj.get("it"), obj.get("owner")
+        if type(it) is not int or not isinstance(owner, str):
+            raise RemoteError(Evidence(sender, "malformed", "bad aggregate request"))
+        timeout = self.round.state.btard.timeout
+        deadline = self.node.now() + timeout
+        while it not in self.applied and it > max(self.applied, default=-1) and self.node.now() < deadline:
+            await asyncio.sleep(timeout / 10)  # my round of `it` may still be finishing
+        result = self.applied.get(it)
+        if result is None or owner not in result.group or owner in result.missing_parts:
+            return encode({"t": None})
+        owners = list(result.group)
+        a, b = part_bounds(result.vector.numel(), len(owners))[owners.index(owner)]
+        return encode({"t": result.vector[a:b].clone()})
+
+    def _note_claims(self, st: StepState, claims: list[Claim]) -> None:
+        """Keep a verified step's stage-gradient accusations (to explain the bans they lead to); write my own
+        as a `claim` event."""
+        held = [c for c in claims if c.kind == ACCUSE and c.reason == "gradient" and self.inputs is not None]
+        self.gradient_claims[st.step] = (st, held)
+        for old in [k for k in self.gradient_claims if k <= st.step - KEPT_ITERATIONS]:
+            del self.gradient_claims[old]
+        node = self.node
+        for claim in held:
+            if claim.accuser == node.me:
+                node.on_event({"kind": "claim", "peer": claim.target, "step": st.step, "reason": "btard:gradient",
+                               "by": node.me, "stage": node.stage, "t0": node.now(), "t1": node.now(),
+                               "gradient": [self._explain(st, claim)]})
+
+    def _claims_behind(self, ban: BanRecord) -> list[tuple[StepState, Claim]]:
+        """The stage-gradient accusations a ban resolved: against its peer (gradient), by its peer (slander),
+        or by its accuser against a target its peer approved (covered)."""
+        st, held = self.gradient_claims.get(ban.step, (None, []))
+        if ban.reason == "gradient":
+            return [(st, c) for c in held if c.target == ban.peer and c.accuser == ban.accuser]
+        if ban.reason.startswith("slander:"):
+            return [(st, c) for c in held if c.accuser == ban.peer]
+        return [(st, c) for c in held if c.accuser == ban.accuser]
+
+    def _explain(self, st: StepState, claim: Claim) -> dict:
+        """What this replica finds in a stage-gradient accusation's evidence (`StageInputs.explain`)."""
+        found = {"target": claim.target, "accuser": claim.accuser}
+        blob, parts = (claim.evidence[0], parts_in(claim.evidence[1:], st, claim.target)) if claim.evidence else (None, None)
+        if not isinstance(blob, bytes) or parts is None or digest(blob) != st.inputs.get(claim.target):
+            return {**found, "evidence": "unusable"}  # as the verdict finds it: not the target's committed parts and inputs
+        try:
+            return {**found, **self.inputs.explain(claim.target, st.step, blob, parts, st.bounds)}
+        except (PhalanxError, IndexError, KeyError, TypeError, ValueError, RuntimeError) as exc:  # a liar's evidence
+            return {**found, "evidence": f"unusable ({type(exc).__name__})"}
 
     async def record(self, peer: str, step: int, reason: str, retired: bool) -> None:
         """A departure settled in this replica's ledger: an event; a retired one is also reported and routed around."""
@@ -311,6 +447,7 @@ class _Iteration:
     paths: dict[m.Key, tuple[str, ...]]
     replicas: int
     work: int
+    version: int  # the replica's version when it kept them (the weights are those of `it` only if it equals `it`)
 
 
 class StageInputs:
@@ -321,6 +458,8 @@ class StageInputs:
         self.timeout = timeout
         self.mine: dict[int, bytes] = {}  # iteration -> my committed inputs (encoded records)
         self.kept: dict[int, _Iteration] = {}
+        # (target, iteration, digest of its inputs) -> its recomputed microbatch gradients, for `explain`
+        self.explained: dict[tuple[str, int, bytes], list[tuple[m.Key, torch.Tensor]] | None] = {}
         node.transport.add_request_handler(STAGE_INPUTS, self._serve)
 
     @property
@@ -334,7 +473,7 @@ class StageInputs:
         node = self.node
         paths = {k: tuple(p) for k, p in node.finished_paths.items() if len(p) > node.stage}
         work = sum(1 for p in paths.values() if p[node.stage] in group)
-        self.kept[it] = _Iteration(copy.deepcopy(node.part), paths, len(group), work)
+        self.kept[it] = _Iteration(copy.deepcopy(node.part), paths, len(group), work, node.version)
         behind = node.version != it  # holds no gradients of `it`: contributes zeros, commits no inputs
         served = [] if behind else sorted(k for k in node.grads if k in paths and paths[k][node.stage] == node.me)
         records = []
@@ -346,6 +485,8 @@ class StageInputs:
         for old in [k for k in self.kept if k <= it - KEPT_ITERATIONS]:
             del self.kept[old]
             self.mine.pop(old, None)
+        for old in [k for k in self.explained if k[1] <= it - KEPT_ITERATIONS]:
+            del self.explained[old]
 
     def commitment(self, step: int) -> bytes:
         return digest(self.mine[step])
@@ -402,6 +543,17 @@ class StageInputs:
         prove a lie: not the microbatches BEGIN says it served, a tensor of the wrong shape, or a seal that
         is not its sender's. Raises KeyError when this replica cannot judge: it kept no weights of `step`,
         or the target departed without giving its inputs (DEPARTED_INPUTS)."""
+        grads = self._microbatch_grads(target, step, inputs)
+        if grads is None:
+            return None
+        kept = self.kept[step]
+        total = torch.zeros(sum(p.numel() for p in kept.part.parameters()))
+        for _, grad in grads:
+            total += grad
+        return contribution(total, kept.work, kept.replicas)
+
+    def _microbatch_grads(self, target: str, step: int, inputs: bytes) -> list[tuple[m.Key, torch.Tensor]] | None:
+        """`recompute`'s work: the target's gradient of each microbatch it served at `step`, in key order."""
         node, stage = self.node, self.node.stage
         if inputs == DEPARTED_INPUTS:
             raise KeyError(target)
@@ -411,7 +563,7 @@ class StageInputs:
         if not isinstance(records, list) or len(records) != len(expected):
             return None
         params = list(kept.part.parameters())
-        total = torch.zeros(sum(p.numel() for p in params))
+        grads = []
         for key, record in zip(expected, records):
             if not (isinstance(record, dict) and (record.get("src"), record.get("seq"), record.get("att")) == key):
                 return None
@@ -432,9 +584,84 @@ class StageInputs:
                 return None
             xin = x.clone().requires_grad_(True)
             with torch.enable_grad():
-                grads = torch.autograd.grad(kept.part(xin), params, g, allow_unused=True)
-            total += flat(list(grads), params)
-        return contribution(total, kept.work, kept.replicas)
+                grads.append((key, flat(list(torch.autograd.grad(kept.part(xin), params, g, allow_unused=True)), params)))
+        return grads
+
+    def explain(self, target: str, step: int, inputs: bytes, parts: dict[int, torch.Tensor],
+                bounds: list[tuple[int, int]]) -> dict:
+        """How the target's committed parts differ from this replica's recomputation from `inputs` (the
+        detail of a stage-gradient claim; the verdict itself is BTARD's `parts_guilty`)."""
+        kept = self.kept.get(step)
+        if kept is None or inputs == DEPARTED_INPUTS:
+            return {"judged": False, "why": "no weights of that iteration kept here" if kept is None else "departed"}
+        context = {"weights": _weights_digest(kept.part), "version": kept.version, "work": kept.work,
+                   "replicas": kept.replicas}
+        key = (target, step, digest(inputs))
+        if key not in self.explained:
+            self.explained[key] = self._microbatch_grads(target, step, inputs)
+        grads = self.explained[key]
+        if grads is None:
+            return {**context, "judged": False, "why": "the inputs prove a lie by themselves"}
+        return {**context, **gradient_gap(grads, kept.work, kept.replicas, parts, bounds,
+                                          [(name, p.numel()) for name, p in kept.part.named_parameters()])}
+
+
+def gradient_gap(grads: list[tuple[m.Key, torch.Tensor]], work: int, replicas: int, parts: dict[int, torch.Tensor],
+                 bounds: list[tuple[int, int]], tensors: list[tuple[str, int]], top: int = 3) -> dict:
+    """Committed parts against the stage vector recomputed from per-microbatch gradients `grads`: the gap
+    (L2, over the parts at hand) and BTARD's tolerance for it (GRAD_RTOL of the whole recomputed norm plus
+    GRAD_ATOL per coordinate, as `gradient_matches`), the max abs difference overall, per partition and for
+    the `top` parameter tensors (`tensors`: name and size, in vector order), the committed/recomputed ratio
+    (a scale lie or a different work count shows as a ratio off 1), and for each microbatch its share of the
+    difference: `fit` (the difference's coefficient along that microbatch's vector: 1 or -1 when it is one
+    microbatch too many or too few) and `cos`."""
+    scale = replicas / work if work else 0.0
+    vectors = [(k, (g * scale).to(torch.float64)) for k, g in grads]
+    total = torch.zeros(sum(n for _, n in tensors))
+    for _, g in grads:  # as `recompute` sums them
+        total += g
+    whole = contribution(total, work, replicas).to(torch.float64)
+    held = sorted(parts)
+    index = torch.cat([torch.arange(*bounds[j]) for j in held])
+    diff = torch.cat([parts[j].to(torch.float64) for j in held]) - whole[index]
+    recomputed = whole[index]
+    gap = float(diff.norm())
+    out: dict = {
+        "gap": gap, "tolerance": GRAD_RTOL * float(whole.norm()) + GRAD_ATOL * whole.numel() ** 0.5,
+        "max_abs": float(diff.abs().max()) if diff.numel() else 0.0,
+        "norm": float(whole.norm()), "committed_norm": float((diff + recomputed).norm()),
+        "ratio": float((diff + recomputed) @ recomputed / (recomputed @ recomputed)) if float(recomputed.norm()) else None,
+        "partitions": [], "tensors": [], "microbatches": [],
+    }
+    offset = 0
+    for j in held:
+        a, b = bounds[j]
+        d = diff[offset: offset + b - a]
+        out["partitions"].append({"j": j, "max_abs": float(d.abs().max()) if d.numel() else 0.0, "gap": float(d.norm())})
+        offset += b - a
+    full = torch.full((whole.numel(),), float("nan"), dtype=torch.float64)  # the difference where a part is at hand
+    full[index] = diff
+    start = 0
+    per_tensor = []
+    for name, size in tensors:
+        d = full[start: start + size]
+        d = d[~torch.isnan(d)]
+        if d.numel():
+            per_tensor.append({"name": name, "max_abs": float(d.abs().max()), "gap": float(d.norm())})
+        start += size
+    out["tensors"] = sorted(per_tensor, key=lambda t: -t["max_abs"])[:top]
+    for key, vector in vectors:
+        v = vector[index]
+        norm2 = float(v @ v)
+        fit = float(diff @ v) / norm2 if norm2 else None
+        cos = float(diff @ v) / (gap * norm2 ** 0.5) if norm2 and gap else None
+        out["microbatches"].append({"key": [key[0][:8], key[1], key[2]], "norm": norm2 ** 0.5, "fit": fit, "cos": cos})
+    return out
+
+
+def _weights_digest(part: torch.nn.Module) -> str:
+    """sha256 prefix of a stage's parameters (as the launch's `final` rows digest them)."""
+    return hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in part.parameters())).hexdigest()[:16]
 
 
 def _sealed(node: PipelineNode, direction: str, c: m.Carry, sender: str) -> bool:
