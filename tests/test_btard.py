@@ -342,13 +342,16 @@ def test_a_no_meta_claim_is_judged_on_the_agreed_metadata():
     st = StepState(0, ["a", "b"], [(0, 2), (2, 4)], members=["a", "b"], committers=["a", "b"])
     st.commits = {"a": ([tensor_hash(part), b""], b""), "b": ([tensor_hash(part), b""], b"")}
     claim = Claim(ACCUSE, "a", "b", "no_meta", (0, part))
-    assert _missing_meta(st, claim) == [claim]  # no metadata at all: the accusation stands
+    assert _missing_meta(st, claim, math.inf) == [claim]  # no metadata at all: the accusation stands
     st.meta["b"] = ({}, {})
-    assert _missing_meta(st, claim) == [Claim(ELIMINATE, "a", "b", "no_meta")]  # "never came" against "never came"
+    assert _missing_meta(st, claim, math.inf) == [Claim(ELIMINATE, "a", "b", "no_meta")]  # "never came" against "never came"
     st.meta["b"] = ({"a": 1.0}, {"a": 0.0})
-    assert _missing_meta(st, claim) == []  # the metadata came after the claim: nobody is at fault
+    assert _missing_meta(st, claim, math.inf) == []  # the metadata came after the claim: nobody is at fault
+    st.z, st.z64, st.aggregates["a"] = torch.ones(4), torch.ones(4, dtype=torch.float64), torch.ones(2)
+    st.meta["b"] = ({"a": 1000.0}, {"a": 0.0})
+    assert _missing_meta(st, claim, math.inf) == [claim]  # ... and lies: the claim proves it (V1)
     forged = Claim(ACCUSE, "a", "b", "no_meta", (0, -part))
-    assert _missing_meta(st, forged) == [forged]  # evidence that does not hold is left to the verdict (slander)
+    assert _missing_meta(st, forged, math.inf) == [forged]  # evidence that does not hold is left to the verdict (slander)
 
 
 def test_a_forger_that_will_not_send_its_gradient_is_convicted_from_its_owners_parts(tmp_path):

@@ -336,11 +336,14 @@ class SecureRound(ButterflyAllReduce):
         committing = asyncio.ensure_future(aggregate_commitments())
         collecting = asyncio.ensure_future(self._collect(step, REDUCED, others))
         relaying = asyncio.ensure_future(self._relay_aggregates(st))
-        envelopes = await committing
-        st.passed = passed_over(owners, declarations(envelopes)) or set()
-        self._give_up(step, REDUCED, st.passed)
-        results = await collecting
-        relaying.cancel()
+        try:
+            envelopes = await committing
+            st.passed = passed_over(owners, declarations(envelopes)) or set()
+            self._give_up(step, REDUCED, st.passed)
+            results = await collecting
+        finally:
+            for task in (committing, collecting, relaying):
+                task.cancel()
         for peer, env in envelopes.items():
             obj = decoded(env.payload, peer, tr)
             if group_in(obj) != g:
@@ -368,7 +371,15 @@ class SecureRound(ButterflyAllReduce):
             if raw is None:
                 claims.append(Claim(ELIMINATE, me, owner, "missing_aggregate"))
             elif tensor_hash(raw) != st.rcommits[owner][0]:
+                # It lied to me (only I can tell: an ELIMINATE), but if it sent the committed aggregate to
+                # others, I apply that one as they do, or our models part.
                 claims.append(Claim(ELIMINATE, me, owner, "aggregate_hash"))
+                try:
+                    relayed, _ = await asyncio.wait_for(self._fetch_aggregate(st, owner, st.rcommits[owner][0]), self.state.btard.timeout / 2)
+                except asyncio.TimeoutError:
+                    relayed = None
+                if relayed is not None and relayed.shape == (st.slice(owner).stop - st.slice(owner).start,):
+                    st.aggregates[owner] = relayed
             elif owner not in results:
                 claims.append(Claim(ACCUSE, me, owner, "bad_aggregate", (raw,)))
             else:
@@ -384,29 +395,18 @@ class SecureRound(ButterflyAllReduce):
         missing, no reason to be late for the next step, and no metadata dispute. Runs until cancelled."""
         tr, me, step, g = self.transport, self.transport.peer_id, st.step, st.g
         asked: dict[str, asyncio.Future] = {}
-
-        async def fetch(owner: str, committed: bytes) -> None:
-            query = {"step": step, "g": g, "owner": owner}
-            asks = [ask(self.state, p, "bt.aggregate", query) for p in st.members if p not in (me, owner)]
-            mismatched = 0
-            for answer in asyncio.as_completed(asks):
-                tensor = (await answer or {}).get("t")
-                if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
-                    continue
-                if tensor_hash(tensor) == committed:
-                    self._deliver(owner, step, REDUCED, tensor, g)
-                    return
-                # A majority of the others got an aggregate that is not the committed one: the owner lied to
-                # honest peers (they eliminate it), so stop waiting for it and leave its partition out, as they do.
-                mismatched += 1
-                if 2 * mismatched > len(asks):
-                    self._give_up(step, REDUCED, {owner})
-                    return
-
         # An aggregate still in transit after its commitment (a large one, sent to one member after another)
-        # is not asked of everyone: only once the commitment has been here for a quarter of btard.timeout.
-        patience = self.state.btard.timeout / 4
+        # is not asked for: only once the commitment has been here a quarter of btard.timeout, or the
+        # partition's transfer time if that is longer.
         seen: dict[str, float] = {}
+
+        async def relay(owner: str, committed: bytes) -> None:
+            tensor, lied = await self._fetch_aggregate(st, owner, committed)
+            if tensor is not None:
+                self._deliver(owner, step, REDUCED, tensor, g)
+            elif lied:
+                self._give_up(step, REDUCED, {owner})  # a majority of the others got a lie: stop waiting, as they did
+
         try:
             while True:
                 await asyncio.sleep(self.config.pull_after)
@@ -415,11 +415,32 @@ class SecureRound(ButterflyAllReduce):
                     committed = _aggregate_hash(env, g)
                     if owner not in st.group or owner in (me, *asked) or committed is None or (owner in box and box[owner][1] == g):
                         continue
-                    if now - seen.setdefault(owner, now) >= patience:
-                        asked[owner] = asyncio.ensure_future(fetch(owner, committed))
+                    size = st.slice(owner).stop - st.slice(owner).start
+                    if now - seen.setdefault(owner, now) >= max(self.state.btard.timeout / 4, 4 * size / self.config.pull_bandwidth):
+                        asked[owner] = asyncio.ensure_future(relay(owner, committed))
         finally:
             for task in asked.values():
                 task.cancel()
+
+    async def _fetch_aggregate(self, st: StepState, owner: str, committed: bytes) -> tuple[torch.Tensor | None, bool]:
+        """`owner`'s committed aggregate from the other members, two at a time, and whether a majority of
+        them hold one that is not the committed one (the owner lied to them); (None, False): nobody has it."""
+        me = self.transport.peer_id
+        query = {"step": st.step, "g": st.g, "owner": owner}
+        others = [p for p in st.members if p not in (me, owner)]
+        mismatched = 0
+        for i in range(0, len(others), 2):
+            answers = await asyncio.gather(*(ask(self.state, p, "bt.aggregate", query) for p in others[i:i + 2]))
+            for answer in answers:
+                tensor = (answer or {}).get("t")
+                if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
+                    continue
+                if tensor_hash(tensor) == committed:
+                    return tensor, False
+                mismatched += 1
+            if 2 * mismatched > len(others):
+                return None, True
+        return None, False
 
     async def _serve_aggregate(self, sender: str, payload: bytes) -> bytes:
         """`bt.aggregate`: an owner's aggregate as this member holds it for the step's group (what an

@@ -40,7 +40,7 @@ class Judgement:
 
 def judge_step(state: RoundState, st: StepState, claims: list[Claim], admission: bool) -> Judgement:
     """Resolve every claim of one step into bans (applied to the ledger unless `btard.bans` is off)."""
-    claims = [c for claim in claims for c in _missing_meta(st, claim)]
+    claims = [c for claim in claims for c in _missing_meta(st, claim, state.tau)]
     departed: set[str] = set()
     if admission:
         departed = {c.target for c in claims if c.target in st.silent and c.reason in OMISSION_REASONS}
@@ -54,14 +54,13 @@ def judge_step(state: RoundState, st: StepState, claims: list[Claim], admission:
     return Judgement(bans, tuple(sorted(approved)), tuple(sorted(p for p in departed if not banned(p))))
 
 
-def _missing_meta(st: StepState, claim: Claim) -> list[Claim]:
+def _missing_meta(st: StepState, claim: Claim, tau: float) -> list[Claim]:
     """An owner's `no_meta` claim, read on the agreed metadata (after the seen-set exchange), never on
     which aggregates reached the judge: only the contributor knows whether the owner's aggregate (or its
     commitment) reached it in time, and an honest one sends no metadata for a partition it lacks.
 
     - the contributor's metadata covers the partition: the claim came before the metadata did (a late
-      broadcast), and nobody is at fault; a lie in it is left to the Σ check, which the claim excuses
-      into CHECKAVERAGING;
+      broadcast): nobody is at fault, unless the metadata lies (V1/V2 on it), which the claim then proves;
     - its metadata omits the partition: "your aggregate never came" against "your metadata never came",
       which nobody else can tell apart, so it is an ELIMINATE (both go, App. D.3);
     - it sent no metadata at all: the accusation stands (a silent member departs under admission).
@@ -78,7 +77,8 @@ def _missing_meta(st: StepState, claim: Claim) -> list[Claim]:
     if not holds or claim.target not in st.contributors(claim.accuser) or meta is None:
         return [claim]
     if claim.accuser in meta[0] and claim.accuser in meta[1]:
-        return []
+        lie = st.meta_lie(claim.target, claim.accuser, part, tau) if st.z is not None and claim.accuser in st.aggregates else None
+        return [claim] if lie is not None else []
     return [Claim(ELIMINATE, claim.accuser, claim.target, "no_meta")]
 
 

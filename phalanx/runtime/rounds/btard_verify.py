@@ -355,19 +355,26 @@ def _absorb(state: RoundState, st: StepState) -> None:
 
     The step's agreed contributors are every committer whose commitment (naming this step's
     group) some honest peer holds: honest peers report what they hold, so after the exchange
-    each holds the union. A malformed one found this way was already claimed by whoever got it.
+    each holds the union. Only what an agreed report lists is taken: a broadcast that reached this
+    peer after every report went out (sent late to some on purpose) is not something the others
+    decide on. A malformed one found this way was already claimed by whoever got it.
     """
     tr, g = state.transport, st.g
-    for peer, env in tr.board.get("bt.commit", st.step).items():
+    listed = {topic: {(p, d) for rep in st.reports.values() for p, d in rep["seen"].get(topic, {}).items()} for topic in SEEN_TOPICS}
+
+    def agreed(topic: str) -> list[tuple[str, SignedEnvelope]]:
+        return [(p, env) for p, env in sorted(tr.board.get(topic, st.step).items()) if (p, digest(env.payload)) in listed[topic]]
+
+    for peer, env in agreed("bt.commit"):
         obj = decoded(env.payload, peer, tr)
         if peer in st.committers and peer not in st.commits and group_in(obj) == g and (parsed := commit_in(obj, len(st.group))):
             st.commits[peer] = parsed
             st.take_inputs(peer, obj)
-    for peer, env in tr.board.get("bt.rcommit", st.step).items():
+    for peer, env in agreed("bt.rcommit"):
         obj = decoded(env.payload, peer, tr)
         if peer in st.group and peer not in st.rcommits and group_in(obj) == g and (parsed := rcommit_in(obj, st.group)):
             st.rcommits[peer] = parsed
-    for peer, env in tr.board.get("bt.meta", st.step).items():
+    for peer, env in agreed("bt.meta"):
         if peer in st.committers and peer not in st.meta and (parsed := meta_in(env.payload, peer, tr)) is not None:
             st.meta[peer] = parsed
 
