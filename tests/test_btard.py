@@ -402,6 +402,23 @@ def test_red_team_regression_equivocator_parts_judged_alike_under_either_version
     assert run_trial(5, RedTeamConfig(steps=3, points="equivocate,report")).violations == []
 
 
+@pytest.mark.parametrize(
+    "seed, points",
+    [
+        # A declaration that lists a part as used and dropped (malformed), withheld from one honest peer,
+        # which then fetched it after the gather: it kept no hash for it, so judged no `declaration` fault
+        # and banned the owner for `bad_commit` instead (ledgers differ).
+        (290133, "deadline_edge,declare,part,withhold_aggregate"),
+        # Two colluders withhold their declarations (which do not drop each other) from one honest peer:
+        # judged on the honest declarations alone, it passed both over and stepped without their
+        # partitions while the others applied them (models apart; an honest gradient ban at the next step).
+        (220050, "aggregate,commit,deadline_edge,part,report_edge,slander,withhold_aggregate"),
+    ],
+)
+def test_red_team_regression_a_peer_left_out_of_some_declarations_decides_as_the_others(seed, points):
+    assert run_trial(seed, RedTeamConfig(steps=3, max_peers=8, points=points)).violations == []
+
+
 def test_a_commitment_timed_at_the_deadline_splits_nobody(tmp_path):
     # deadline_edge signs its commitment just before the others' deadline and sends it to half of
     # them then, to the rest just after. Validator pairs come from the step's roles, not from the

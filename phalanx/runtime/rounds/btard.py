@@ -323,11 +323,17 @@ class SecureRound(ButterflyAllReduce):
 
         # An honest owner may have waited the whole scatter timeout for a silent sender before committing.
         # A missing one is fetched from the others every quarter btard.timeout: one withheld from me alone
-        # must not make me late for the next step's commitments.
+        # must not make me late for the next step's commitments. Who is passed over is decided only after
+        # that fetch had its chance: colluders that withhold their declarations (which do not drop each
+        # other) from me alone would otherwise have me pass them over while every other peer applies them.
+        patience = self.state.btard.timeout / 4
+        started = tr.clock.now()
+
         async def aggregate_commitments():
             held = await tr.collect_broadcasts(
                 "bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members),
-                enough=lambda got: passed_over(owners, declarations(got)) is not None, patience=self.state.btard.timeout / 4,
+                enough=lambda got: tr.clock.now() - started >= 2 * patience and passed_over(owners, declarations(got)) is not None,
+                patience=patience,
             )
             rcommitted.set()
             return held

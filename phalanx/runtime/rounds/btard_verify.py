@@ -372,8 +372,13 @@ def _absorb(state: RoundState, st: StepState) -> None:
             st.take_inputs(peer, obj)
     for peer, env in agreed("bt.rcommit"):
         obj = decoded(env.payload, peer, tr)
-        if peer in st.group and peer not in st.rcommits and group_in(obj) == g and (parsed := rcommit_in(obj, st.group)):
-            st.rcommits[peer] = parsed
+        if peer in st.group and peer not in st.rcommits and group_in(obj) == g:
+            parsed = rcommit_in(obj, st.group)
+            h = obj.get("h") if parsed is None else None
+            if parsed is None and isinstance(h, bytes) and len(h) == 32:
+                parsed = (h, [], {})  # a malformed declaration binds its hash, as in the gather
+            if parsed is not None:
+                st.rcommits[peer] = parsed
     for peer, env in agreed("bt.meta"):
         if peer in st.committers and peer not in st.meta and (parsed := meta_in(env.payload, peer, tr)) is not None:
             st.meta[peer] = parsed
