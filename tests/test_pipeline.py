@@ -418,3 +418,57 @@ def test_soak_compares_loss_at_an_equal_number_of_finished_microbatches():
     assert loss_gap(slower, reference, window=3) == pytest.approx((3.65 + 3.6 + 3.55) / (3.8 + 3.7 + 3.6) - 1)
     assert loss_gap(reference, reference, window=3) == pytest.approx(0.0)
     assert loss_gap([], reference, window=3) is None
+
+
+@pytest.mark.parametrize("lead", [1, 1000])
+def test_a_joiner_takes_no_weights_from_a_replica_that_lies_about_its_version(lead):
+    # Stage 1 of 1 has four relays; relay 2 dies in iteration 0 and comes back as a joiner at iteration 1.
+    # Relay 0 (the smallest id: the joiner's first source) runs the protocol and lies on weight downloads: it
+    # claims `lead` versions more than it has and serves random weights under a digest that matches them.
+    # Before: with lead 1000 the joiner took them (its one confirmer, asked for version 1001, answered only
+    # after the aggregation timeout, with a lower version: no disagreement) and never served; with lead 1
+    # the liar's disagreeing confirmations kept it out of the stage for good.
+    config = _mlp_config(
+        peers=5, data_nodes=1, steps=4,
+        pipeline=PipelineConfig(stages=1, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=4.0),
+        faults=ChurnConfig(crash_relay=2, crash_iteration=0, crash_at=0.001, join_rate=1.0),
+        attack=LinkAttackConfig(name="random", relays="0", target="weights", lead=lead),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    liar, joiner = summary["peer_ids"][1], summary["peer_ids"][3]
+    assert liar == min(summary["peer_ids"][1:])  # the joiner's first source
+    assert [(e["peer"], e["stage"]) for e in summary["events"] if e["kind"] == "join"] == [(joiner, 1)]
+    assert any(a["direction"] == "weights" and a["to"] == joiner for a in summary["attacks"])  # it lied to it
+    assert joiner in summary["replicas"] and len(_replicas_agree(summary)[1]) == 1  # the honest weights at the end
+    mine = [e for e in summary["events"] if e["peer"] == joiner and e["kind"] == "aggregate"]
+    assert [(e["it"], e["fetched"]) for e in mine] == [(1, False), (2, False), (3, False)]  # in from iteration 1 on
+    if lead > 1:  # a version the run cannot have reached: evidence, and only against the liar
+        assert [e[1:] for e in summary["evidence"]] == [[liar, "false_version"]]
+    else:  # a version an honest replica may hold for a moment: not evidence, but not believed alone
+        assert summary["evidence"] == []
+
+
+@pytest.mark.parametrize("lead", [1, 1000])
+def test_a_behind_replica_catches_up_from_honest_replicas_around_one_that_lies_about_its_version(lead):
+    # As test_behind_replica_catches_up_before_serving, with three more stage-2 relays, one of which (relay 3)
+    # claims `lead` versions more than it holds and serves random weights. catch_up tried the highest claim
+    # first and took it (lead 1000: version 1002, the replica never served again).
+    config = _mlp_config(
+        peers=9, data_nodes=1, steps=5,
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=2.0),
+        attack=LinkAttackConfig(name="random", relays="3", target="weights", lead=lead),
+    )
+    behind, liar = peer_identity(config.seed, 2).peer_id, peer_identity(config.seed, 4).peer_id
+
+    def adversary(network, directory):
+        loop = asyncio.get_running_loop()
+        network.schedule(loop.time() + 6.0, lambda: network.partition([[behind]]))
+        network.schedule(loop.time() + 9.5, network.heal)
+
+    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    mine = [e for e in summary["events"] if e["peer"] == behind]
+    assert [e["it"] for e in mine if e["kind"] == "aggregate"] == [0, 2, 3, 4]  # the cut made it miss iteration 1's
+    assert any(a["direction"] == "weights" and a["to"] == behind for a in summary["attacks"])  # it lied to it
+    assert summary["replicas"][behind][:2] == [2, config.steps] and len(_replicas_agree(summary)[2]) == 1
+    assert [e[1:] for e in summary["evidence"]] == ([[liar, "false_version"]] if lead > 1 else [])
+

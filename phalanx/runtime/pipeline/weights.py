@@ -1,5 +1,6 @@
 """Weight transfer: a node serves its stage's weights and optimizer state; a joiner, or a replica left
-out of an aggregation or behind, downloads them (digest confirmed by a second peer) or catches up.
+out of an aggregation or behind, downloads them from a peer that holds them (probed first; the digest
+confirmed by a second peer whenever there is one) or catches up.
 """
 
 from __future__ import annotations
@@ -42,22 +43,23 @@ class WeightTransfer:
         return encode(body)
 
     async def catch_up(self, version: int, unstepped: bool = True) -> None:
-        """A replica behind after an aggregation: fetch `version` (or later) from any live stage peer,
-        digest confirmed, retrying until it has; it serves nothing until then. When no live stage peer
-        reaches `version` within the aggregation timeout, the stepped weights died with the group that
-        made them: the replicas left keep their weights and take the version unstepped (all of them
-        alike, so they still agree)."""
+        """A replica behind after an aggregation: fetch `version` (or later) from its stage peers (`fetch_weights`:
+        from one that holds it, the digest confirmed by another), retrying until it has; it serves nothing
+        until then. When no live stage peer reaches `version` within the aggregation timeout, the stepped weights
+        died with the group that made them: the replicas left keep their weights and take the version unstepped
+        (all of them alike, so they still agree)."""
         started = self.now()
         while self.version < version and not self._stopped.is_set():
             peers = self.replicas(self.stage)  # a joiner serving from a later iteration has the weights too
-            versions = [await self._version_of(p) for p in peers]
-            ahead = [p for p, v in sorted(zip(peers, versions), key=lambda pv: -pv[1]) if v >= version]
-            got = await self.fetch_weights(version, ahead) if ahead else None
+            claims = await self.probe_versions(version, peers)
+            got = await self.fetch_weights(version, peers, claims)
             if self.version >= version:
                 return  # an aggregation caught us up meanwhile
             if got is not None:
                 self.adopt(got, "catch_up")
                 return
+            versions = [claims[p] for p in peers if p in claims]
+            ahead = [v for v in versions if v >= version]
             if not ahead and all(v < 0 for v in versions):  # no live stage peer: nothing newer exists anywhere
                 self.adopt(version, "unstepped")
                 return
@@ -79,11 +81,12 @@ class WeightTransfer:
         self.version = version
         self.ready_event(version).set()
 
-    async def _version_of(self, peer: str) -> int:
-        """A stage peer's current version, asked without waiting (-1: no answer)."""
+    async def _version_of(self, peer: str, stage: int | None = None) -> int:
+        """A peer's current version of `stage` (default: ours), asked without waiting (-1: no answer)."""
+        stage = self.stage if stage is None else stage
         try:
             response = await self.transport.request(
-                peer, m.WEIGHTS, encode({"version": 0, "full": False, "stage": self.stage, "wait": False}),
+                peer, m.WEIGHTS, encode({"version": 0, "full": False, "stage": stage, "wait": False}),
                 self.config.complete_timeout)
             body = decode(response, peer, self.transport.limits)
         except RemoteError as exc:
@@ -93,11 +96,44 @@ class WeightTransfer:
             return -1
         return body["version"] if isinstance(body, dict) and type(body.get("version")) is int else -1
 
-    async def fetch_weights(self, version: int, sources: list[str]) -> int | None:
-        """Download this stage's parameters and optimizer state at `version` or later from one source,
-        with the digest confirmed by a second source when there is one; the version got, or None."""
-        for index, source in enumerate(sources):
-            body = await self._weights_from(source, version, True)
+    async def probe_versions(self, version: int, sources: list[str]) -> dict[str, int]:
+        """Ask every source at once, without waiting, which version it holds (-1: no answer). A claim beyond
+        what the run can have reached is evidence against its claimer, who is left out: a replica is at most
+        one version ahead of a data node (it may finish an aggregation before them; the next one starts only
+        when every live data node has run that iteration), and the data nodes are asked after the claim."""
+        versions = await asyncio.gather(*(self._version_of(p) for p in sources))
+        claims = dict(zip(sources, versions))
+        if any(v > version + 1 for v in versions) and self.stage > 0:  # within one of the target: no question
+            nodes = [d for d in self.data_nodes() if d != self.me]
+            reached = max(await asyncio.gather(*(self._version_of(d, 0) for d in nodes)), default=-1)
+            for peer, claimed in list(claims.items()):
+                if reached >= 0 and claimed > reached + 1:
+                    self.transport.report(Evidence(peer, "false_version", f"claims version {claimed} of stage "
+                                                   f"{self.stage}; the data nodes are at {reached}"))
+                    del claims[peer]
+        return claims
+
+    async def fetch_weights(self, version: int, sources: list[str], claims: dict[str, int] | None = None) -> int | None:
+        """Download this stage's parameters and optimizer state at `version` or later from a source that holds
+        it; the version got, or None. Sources are probed first (`probe_versions`, or `claims` from a probe
+        already made), so that nobody waits on a source that is behind or silent. With two or more sources
+        the download counts only when another source confirms its digest at the same version: a lone source
+        that lies would otherwise be believed whenever the others are silent or behind. A confirmation that
+        disagrees does not veto (a liar would block every honest source); one that matches is required."""
+        t0 = self.now()
+        got_version = await self._fetch_confirmed(version, sources, claims)
+        self.on_event({"kind": "download", "peer": self.me, "stage": self.stage, "it": version - 1, "t0": t0,
+                       "t1": self.now(), "version": -1 if got_version is None else got_version, "sources": len(sources)})
+        return got_version
+
+    async def _fetch_confirmed(self, version: int, sources: list[str], claims: dict[str, int] | None) -> int | None:
+        claims = await self.probe_versions(version, sources) if claims is None else claims
+        sources = [p for p in sources if p in claims]  # not those whose claim was evidence against them
+        holders = [p for p in sources if claims[p] >= version]
+        if len(sources) > 1:  # only a version two sources claim can be confirmed
+            holders = [p for p in holders if sum(v == claims[p] for v in claims.values()) > 1]
+        for source in sorted(holders, key=lambda p: -claims[p]):
+            body = await self._weights_from(source, claims[source], True)
             if body is None:
                 continue
             got_version = body["version"]
@@ -110,10 +146,8 @@ class WeightTransfer:
             if got != body["digest"]:
                 self.transport.report(Evidence(source, "bad_digest", "weights do not match their digest"))
                 continue
-            others = [p for p in sources if p != source]
-            confirmations = [await self._weights_from(p, got_version, False) for p in others[:1]]
-            if any(c is not None and (c["version"], c["digest"]) != (got_version, got) for c in confirmations):
-                continue  # two stage peers disagree: try the next source
+            if len(sources) > 1 and not await self._confirmed(got_version, got, [p for p in holders if p != source]):
+                continue
             with torch.no_grad():
                 for p, value in zip(self.params, params):
                     p.copy_(value)
@@ -124,10 +158,19 @@ class WeightTransfer:
         log.info("%s: could not fetch stage %d weights at version %d", self.me[:8], self.stage, version)
         return None
 
+    async def _confirmed(self, version: int, got: bytes, confirmers: list[str]) -> bool:
+        """Whether one of `confirmers` holds `version` with digest `got` (asked without waiting)."""
+        for peer in confirmers:
+            answer = await self._weights_from(peer, version, False)
+            if answer is not None and answer["version"] == version and answer["digest"] == got:
+                return True
+        return False
+
     async def _weights_from(self, source: str, version: int, full: bool) -> dict | None:
+        """`source`'s weights (`full`) or their digest at `version` or later, asked without waiting."""
         try:
             response = await self.transport.request(
-                source, m.WEIGHTS, encode({"version": version, "full": full, "stage": self.stage}),
+                source, m.WEIGHTS, encode({"version": version, "full": full, "stage": self.stage, "wait": False}),
                 self.config.aggregation_timeout)
             body = decode(response, source, self.transport.limits)
         except RemoteError as exc:
