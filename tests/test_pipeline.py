@@ -472,3 +472,27 @@ def test_a_behind_replica_catches_up_from_honest_replicas_around_one_that_lies_a
     assert summary["replicas"][behind][:2] == [2, config.steps] and len(_replicas_agree(summary)[2]) == 1
     assert [e[1:] for e in summary["evidence"]] == ([[liar, "false_version"]] if lead > 1 else [])
 
+
+def test_a_restarted_microbatch_is_not_denied_by_its_own_earlier_attempt():
+    # Over hivemind (session 18, seed 2 iteration 13: 0 of 4): a stage-1 relay held the first attempts of
+    # microbatches whose stage-2 peer died after their loss; the data node restarted them, and the relay,
+    # full with attempts that would never finish, denied the restarts (and everything else) until the
+    # iteration timed out. Here stage 1 has one live relay of capacity 1 (the other dies at the start);
+    # the stage-2 relay that first finishes a forward in iteration 1 dies 0.05 s later.
+    config = _mlp_config(
+        peers=5, data_nodes=1, steps=3,
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=1, flops_scale=2e5, complete_timeout=2.0,
+                                microbatch_timeout=6.0, iteration_timeout=20.0),
+        faults=ChurnConfig(crash_stage=2, crash_iteration=1, crash_at=0.05),
+    )
+    gone = peer_identity(config.seed, 3).peer_id  # relay 2, stage 1
+
+    def adversary(network, directory):
+        network.schedule(asyncio.get_running_loop().time(), lambda: network.crash(gone))
+
+    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    stage1 = summary["peer_ids"][1]
+    restarted = [mb for mb in summary["microbatches"] if mb["it"] == 1 and mb["restarts"]]
+    assert restarted and all(mb["outcome"] == "ok" and mb["path"][1] == stage1 for mb in restarted)
+    assert [m["completed"] for m in summary["metrics"]] == [4, 4, 4]  # before: iteration 1 finished none
+    assert summary["evidence"] == []
