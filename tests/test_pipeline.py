@@ -496,3 +496,29 @@ def test_a_restarted_microbatch_is_not_denied_by_its_own_earlier_attempt():
     assert restarted and all(mb["outcome"] == "ok" and mb["path"][1] == stage1 for mb in restarted)
     assert [m["completed"] for m in summary["metrics"]] == [4, 4, 4]  # before: iteration 1 finished none
     assert summary["evidence"] == []
+
+
+def test_two_replicas_behind_together_download_from_the_ones_that_hold_the_version():
+    # Two of stage 2's four relays are cut off together across iteration 1's aggregation; each is the other's
+    # first source. Before: each asked the other first and waited (wait=True) out the aggregation timeout, then
+    # again for the confirmation: 40 s per download (issue 18's 40 s), the stage ended with two digests.
+    # Now a probe finds the two that hold the version and the download takes a few milliseconds.
+    config = _mlp_config(
+        peers=9, data_nodes=1, steps=5,
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=2.0,
+                                aggregation_timeout=20.0),
+    )
+    cut = sorted(peer_identity(config.seed, i).peer_id for i in (2, 4, 6, 8))[:2]
+
+    def adversary(network, directory):
+        loop = asyncio.get_running_loop()
+        network.schedule(loop.time() + 6.0, lambda: network.partition([cut]))
+        network.schedule(loop.time() + 9.5, network.heal)
+
+    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    downloads = [e for e in summary["events"] if e["kind"] == "download"]
+    assert sorted(e["peer"] for e in downloads) == cut and all(e["version"] == 3 for e in downloads)
+    assert all(e["t1"] - e["t0"] < config.pipeline.complete_timeout for e in downloads)  # simulated seconds
+    for peer in cut:
+        assert [e["it"] for e in summary["events"] if e["kind"] == "aggregate" and e["peer"] == peer] == [0, 2, 3, 4]
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values()) and summary["evidence"] == []

@@ -58,7 +58,7 @@ class WeightTransfer:
             if got is not None:
                 self.adopt(got, "catch_up")
                 return
-            versions = [claims[p] for p in peers if p in claims]
+            versions = [-1 if v is None else v for v in claims.values()]
             ahead = [v for v in versions if v >= version]
             if not ahead and all(v < 0 for v in versions):  # no live stage peer: nothing newer exists anywhere
                 self.adopt(version, "unstepped")
@@ -81,57 +81,69 @@ class WeightTransfer:
         self.version = version
         self.ready_event(version).set()
 
-    async def _version_of(self, peer: str, stage: int | None = None) -> int:
-        """A peer's current version of `stage` (default: ours), asked without waiting (-1: no answer)."""
+    async def _version_of(self, peer: str, stage: int | None = None, until: int = 0) -> int | None:
+        """A peer's current version of `stage` (default: ours), asked without waiting: -1 when it answers that it
+        holds none (not, or not yet, a replica), None when it does not answer. With `until`, the peer answers
+        once it holds that version (or after the aggregation timeout)."""
         stage = self.stage if stage is None else stage
+        timeout = self.config.aggregation_timeout + self.config.complete_timeout if until else self.config.complete_timeout
         try:
             response = await self.transport.request(
-                peer, m.WEIGHTS, encode({"version": 0, "full": False, "stage": stage, "wait": False}),
-                self.config.complete_timeout)
+                peer, m.WEIGHTS, encode({"version": until, "full": False, "stage": stage, "wait": until > 0}), timeout)
             body = decode(response, peer, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
-            return -1
+            return None
         except PhalanxError:
-            return -1
-        return body["version"] if isinstance(body, dict) and type(body.get("version")) is int else -1
+            return None
+        return body["version"] if isinstance(body, dict) and type(body.get("version")) is int else None
 
-    async def probe_versions(self, version: int, sources: list[str]) -> dict[str, int]:
-        """Ask every source at once, without waiting, which version it holds (-1: no answer). A claim beyond
+    async def probe_versions(self, version: int, sources: list[str]) -> dict[str, int | None]:
+        """Ask every source at once, without waiting, which version it holds (`_version_of`). A claim beyond
         what the run can have reached is evidence against its claimer, who is left out: a replica is at most
         one version ahead of a data node (it may finish an aggregation before them; the next one starts only
         when every live data node has run that iteration), and the data nodes are asked after the claim."""
-        versions = await asyncio.gather(*(self._version_of(p) for p in sources))
-        claims = dict(zip(sources, versions))
-        if any(v > version + 1 for v in versions) and self.stage > 0:  # within one of the target: no question
-            nodes = [d for d in self.data_nodes() if d != self.me]
-            reached = max(await asyncio.gather(*(self._version_of(d, 0) for d in nodes)), default=-1)
+        claims = dict(zip(sources, await asyncio.gather(*(self._version_of(p) for p in sources))))
+        if not takeable(version, claims):
+            # nobody holds it yet where it can be taken: wait on the live ones behind, all at once (a joiner is
+            # placed by a data node whose iteration may have opened while the stage still aggregates)
+            behind = [p for p, v in claims.items() if v is not None and 0 <= v < version]
+            waited = await asyncio.gather(*(self._version_of(p, until=version) for p in behind))
+            claims.update({p: max(v, claims[p]) for p, v in zip(behind, waited) if v is not None})
+        if self.stage > 0 and any(v is not None and v > version + 1 for v in claims.values()):
+            nodes = [d for d in self.data_nodes() if d != self.me]  # within one of the target: no question
+            reached = max((v for v in await asyncio.gather(*(self._version_of(d, 0) for d in nodes)) if v is not None),
+                          default=-1)
             for peer, claimed in list(claims.items()):
-                if reached >= 0 and claimed > reached + 1:
+                if reached >= 0 and claimed is not None and claimed > reached + 1:
                     self.transport.report(Evidence(peer, "false_version", f"claims version {claimed} of stage "
                                                    f"{self.stage}; the data nodes are at {reached}"))
                     del claims[peer]
         return claims
 
-    async def fetch_weights(self, version: int, sources: list[str], claims: dict[str, int] | None = None) -> int | None:
+    async def fetch_weights(self, version: int, sources: list[str], claims: dict[str, int | None] | None = None) -> int | None:
         """Download this stage's parameters and optimizer state at `version` or later from a source that holds
         it; the version got, or None. Sources are probed first (`probe_versions`, or `claims` from a probe
         already made), so that nobody waits on a source that is behind or silent. With two or more sources
-        the download counts only when another source confirms its digest at the same version: a lone source
-        that lies would otherwise be believed whenever the others are silent or behind. A confirmation that
-        disagrees does not veto (a liar would block every honest source); one that matches is required."""
+        (a silent one counts: it may be an honest holder that would contradict; one that answers that it holds
+        no weights does not) the download counts only when another source confirms its digest at the same
+        version: a lone source that lies would otherwise be believed whenever the others are silent or behind.
+        A confirmation that disagrees does not veto (a liar would block every honest source); one that matches
+        is required."""
         t0 = self.now()
         got_version = await self._fetch_confirmed(version, sources, claims)
         self.on_event({"kind": "download", "peer": self.me, "stage": self.stage, "it": version - 1, "t0": t0,
                        "t1": self.now(), "version": -1 if got_version is None else got_version, "sources": len(sources)})
         return got_version
 
-    async def _fetch_confirmed(self, version: int, sources: list[str], claims: dict[str, int] | None) -> int | None:
+    async def _fetch_confirmed(self, version: int, sources: list[str], claims: dict[str, int | None] | None) -> int | None:
         claims = await self.probe_versions(version, sources) if claims is None else claims
         sources = [p for p in sources if p in claims]  # not those whose claim was evidence against them
-        holders = [p for p in sources if claims[p] >= version]
-        if len(sources) > 1:  # only a version two sources claim can be confirmed
-            holders = [p for p in holders if sum(v == claims[p] for v in claims.values()) > 1]
+        confirm = len([p for p in sources if claims[p] != -1]) > 1
+        holders = [p for p in sources if claims[p] is not None and claims[p] >= version]
+        if confirm:  # only a version two sources claim can be confirmed
+            held = [claims[p] for p in holders]
+            holders = [p for p in holders if held.count(claims[p]) > 1]
         for source in sorted(holders, key=lambda p: -claims[p]):
             body = await self._weights_from(source, claims[source], True)
             if body is None:
@@ -146,7 +158,7 @@ class WeightTransfer:
             if got != body["digest"]:
                 self.transport.report(Evidence(source, "bad_digest", "weights do not match their digest"))
                 continue
-            if len(sources) > 1 and not await self._confirmed(got_version, got, [p for p in holders if p != source]):
+            if confirm and not await self._confirmed(got_version, got, [p for p in holders if p != source]):
                 continue
             with torch.no_grad():
                 for p, value in zip(self.params, params):
@@ -201,3 +213,13 @@ class WeightTransfer:
                     raise RemoteError(Evidence(source, "malformed", f"optimizer state {key!r} is not a number"))
             loaded[int(name)] = entry
         return checked, loaded
+
+
+def takeable(version: int, claims: dict[str, int | None]) -> bool:
+    """Whether a download of `version` or later can count (`fetch_weights`): some source claims it, and when two or
+    more sources may hold weights (they answered a version, or did not answer), another claims the same version."""
+    counted = [v for v in claims.values() if v != -1]
+    held = [v for v in counted if v is not None and v >= version]
+    if len(counted) < 2:
+        return bool(held)
+    return any(held.count(v) > 1 for v in held)
