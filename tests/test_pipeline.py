@@ -522,3 +522,38 @@ def test_two_replicas_behind_together_download_from_the_ones_that_hold_the_versi
     for peer in cut:
         assert [e["it"] for e in summary["events"] if e["kind"] == "aggregate" and e["peer"] == peer] == [0, 2, 3, 4]
     assert all(len(d) == 1 for d in _replicas_agree(summary).values()) and summary["evidence"] == []
+
+
+def test_a_second_backward_for_a_microbatch_already_done_is_not_evidence():
+    # Table II in the paper's regime, homogeneous 20 % gwtf seed 1 (no attacker): a stage-4 relay's send to a
+    # stage-5 peer timed out while a repair's REFORWARD started a second send of the same microbatch; both
+    # reached the new stage-5 peer, whose second backward found the stage-4 relay done with it:
+    # `unknown_microbatch` evidence against an honest peer. Here the one relay of stage 1 takes a forward
+    # and its backward from the data node, then the same backward again.
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=2, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1))
+    data, relay = peer_identity(config.seed, 0), peer_identity(config.seed, 1)
+    directory = {data.peer_id: 0, relay.peer_id: 1}
+
+    async def main() -> tuple[list[bytes], list]:
+        network = SimNetwork(SimConfig(seed=config.seed))
+        source, transport = network.add_peer(data), network.add_peer(relay)
+        source.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        source.add_request_handler(m.BACKWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        key = (data.peer_id, 0, 0)
+        forward = m.Carry(key, 0, 1, (data.peer_id,), x)
+        words = [await source.request(relay.peer_id, m.FORWARD, forward.to_bytes(), 5.0)]
+        grad = torch.ones_like(node.held[key].out)
+        backward = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id), grad)
+        for _ in range(2):
+            words.append(await source.request(relay.peer_id, m.BACKWARD, backward.to_bytes(), 5.0))
+        await node.close()
+        return words, transport.evidence
+
+    words, evidence = run_simulation(main)
+    assert words[:2] == [m.answer(m.OK)] * 2 and words[2] == m.answer(m.STALE)  # before: evidence against the sender
+    assert evidence == []
