@@ -557,3 +557,37 @@ def test_a_second_backward_for_a_microbatch_already_done_is_not_evidence():
     words, evidence = run_simulation(main)
     assert words[:2] == [m.answer(m.OK)] * 2 and words[2] == m.answer(m.STALE)  # before: evidence against the sender
     assert evidence == []
+
+
+def test_a_backward_for_a_microbatch_given_up_here_is_not_evidence():
+    # The same Table II run on this session's code: a repair's REFORWARD made the stage-1 holder of a microbatch
+    # look for another stage-2 peer while the first one's backward was on its way; it found none, gave the
+    # microbatch up (DENY to the data node), and the backward that then arrived raised `unknown_microbatch`
+    # against the honest stage-2 peer, whom the data nodes banned. Here the one stage-2 peer refuses the
+    # forward, the relay gives it up, and the stage-2 peer's backward for it arrives.
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=3, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=2, microbatches=1))
+    data, relay, late = (peer_identity(config.seed, i) for i in range(3))
+    directory = {data.peer_id: 0, relay.peer_id: 1, late.peer_id: 2}
+
+    async def main() -> tuple[list[bytes], list]:
+        network = SimNetwork(SimConfig(seed=config.seed))
+        source, transport, nxt = network.add_peer(data), network.add_peer(relay), network.add_peer(late)
+        denied = asyncio.Event()
+        source.add_message_handler(m.DENY, lambda sender, payload: denied.set())
+        nxt.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.DENIED)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        key = (data.peer_id, 0, 0)
+        word = await source.request(relay.peer_id, m.FORWARD, m.Carry(key, 0, 1, (data.peer_id,), x).to_bytes(), 5.0)
+        grad = torch.ones_like(node.held[key].out)
+        await asyncio.wait_for(denied.wait(), 5.0)  # it gave the microbatch up
+        backward = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, late.peer_id), grad)
+        words = [word, await nxt.request(relay.peer_id, m.BACKWARD, backward.to_bytes(), 5.0)]
+        await node.close()
+        return words, transport.evidence
+
+    words, evidence = run_simulation(main)
+    assert words == [m.answer(m.OK), m.answer(m.STALE)] and evidence == []  # before: unknown_microbatch

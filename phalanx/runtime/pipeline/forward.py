@@ -175,8 +175,11 @@ class Forward:
         return self.held.pop(key, None)
 
     async def give_up(self, key: m.Key) -> None:
-        """No next-stage peer takes this microbatch: tell upstream (DENY) and free the slot."""
+        """No next-stage peer takes this microbatch: tell upstream (DENY) and free the slot. A backward for it
+        may still be on its way (a repair's REFORWARD found no other peer while the first one's backward ran):
+        it gets STALE, not evidence."""
         h = self.release(key)
+        self.rerouted.add(key)
         if h is not None:
             await self.transport.send(h.carry.path[-1], m.DENY, encode({"src": key[0], "seq": key[1], "att": key[2]}))
 
