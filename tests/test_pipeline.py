@@ -591,3 +591,42 @@ def test_a_backward_for_a_microbatch_given_up_here_is_not_evidence():
 
     words, evidence = run_simulation(main)
     assert words == [m.answer(m.OK), m.answer(m.STALE)] and evidence == []  # before: unknown_microbatch
+
+
+def test_a_download_that_ends_after_the_replica_caught_up_leaves_its_weights_alone():
+    # The secure-gpt-pipeline all cell, seed 1, crashed the simulation: a catch-up's download ended after an
+    # aggregation had brought the replica to that version, copied over the weights in use, and the backward of
+    # a microbatch computed with them failed ("modified by an inplace operation"). Here a relay at version 1
+    # computes a forward, then downloads version 1 from two peers that serve other weights, then gets the backward.
+    from phalanx.core.serialization import digest
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=4, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1))
+    data, relay, *peers = (peer_identity(config.seed, i) for i in range(4))
+    directory = {data.peer_id: 0, relay.peer_id: 1, **{p.peer_id: 1 for p in peers}}
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        source, transport = network.add_peer(data), network.add_peer(relay)
+        source.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        source.add_request_handler(m.BACKWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        other = [p.detach() + 0.5 for p in node.params]
+        body = {"version": 1, "digest": digest(b"".join(t.numpy().tobytes() for t in other)), "params": other, "state": {}}
+        for identity in peers:
+            network.add_peer(identity).add_request_handler(m.WEIGHTS, lambda sender, payload: asyncio.sleep(0, encode(body)))
+        node.version = 1
+        key = (data.peer_id, 0, 0)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        await source.request(relay.peer_id, m.FORWARD, m.Carry(key, 1, 1, (data.peer_id,), x).to_bytes(), 5.0)
+        before = [p.detach().clone() for p in node.params]
+        got = await node.fetch_weights(1, [p.peer_id for p in peers])
+        backward = m.Carry(key, 1, 1, (data.peer_id, relay.peer_id), torch.ones_like(node.held[key].out))
+        word = await source.request(relay.peer_id, m.BACKWARD, backward.to_bytes(), 5.0)
+        same = all(torch.equal(a, b) for a, b in zip(before, node.params))
+        await node.close()
+        return got, word, same
+
+    got, word, same = run_simulation(main)
+    assert got is None and same and word == m.answer(m.OK)  # before: the weights were replaced, the backward crashed

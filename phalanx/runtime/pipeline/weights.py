@@ -160,12 +160,17 @@ class WeightTransfer:
                 continue
             if confirm and not await self._confirmed(got_version, got, [p for p in holders if p != source]):
                 continue
-            with torch.no_grad():
-                for p, value in zip(self.params, params):
-                    p.copy_(value)
-            sd = self.optimizer.state_dict()
-            sd["state"] = state
-            self.optimizer.load_state_dict(sd)
+            async with self.compute_lock:  # no forward or backward runs across the copy
+                if self.entered and self.version >= got_version:
+                    # caught up meanwhile (an aggregation): its forwards hold graphs of the weights in use, and
+                    # copying over them crashed their backward (secure-gpt-pipeline all cell, seed 1)
+                    return None
+                with torch.no_grad():
+                    for p, value in zip(self.params, params):
+                        p.copy_(value)
+                sd = self.optimizer.state_dict()
+                sd["state"] = state
+                self.optimizer.load_state_dict(sd)
             return got_version
         log.info("%s: could not fetch stage %d weights at version %d", self.me[:8], self.stage, version)
         return None
