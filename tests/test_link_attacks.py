@@ -95,7 +95,7 @@ def test_bad_parameters_are_config_errors():
     with pytest.raises(ConfigError, match="unknown link attack"):
         make_link_attack("teleport")
     with pytest.raises(ConfigError, match="target"):
-        make_link_attack("zeros", target="weights")
+        make_link_attack("zeros", target="optimizer")
     with pytest.raises(ConfigError, match="mixed"):
         make_link_attack("mixed", attacks="zeros,mixed")
     with pytest.raises(ConfigError, match="delay"):

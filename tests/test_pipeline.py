@@ -418,3 +418,215 @@ def test_soak_compares_loss_at_an_equal_number_of_finished_microbatches():
     assert loss_gap(slower, reference, window=3) == pytest.approx((3.65 + 3.6 + 3.55) / (3.8 + 3.7 + 3.6) - 1)
     assert loss_gap(reference, reference, window=3) == pytest.approx(0.0)
     assert loss_gap([], reference, window=3) is None
+
+
+@pytest.mark.parametrize("lead", [1, 1000])
+def test_a_joiner_takes_no_weights_from_a_replica_that_lies_about_its_version(lead):
+    # Stage 1 of 1 has four relays; relay 2 dies in iteration 0 and comes back as a joiner at iteration 1.
+    # Relay 0 (the smallest id: the joiner's first source) runs the protocol and lies on weight downloads: it
+    # claims `lead` versions more than it has and serves random weights under a digest that matches them.
+    # Before: with lead 1000 the joiner took them (its one confirmer, asked for version 1001, answered only
+    # after the aggregation timeout, with a lower version: no disagreement) and never served; with lead 1
+    # the liar's disagreeing confirmations kept it out of the stage for good.
+    config = _mlp_config(
+        peers=5, data_nodes=1, steps=4,
+        pipeline=PipelineConfig(stages=1, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=4.0),
+        faults=ChurnConfig(crash_relay=2, crash_iteration=0, crash_at=0.001, join_rate=1.0),
+        attack=LinkAttackConfig(name="random", relays="0", target="weights", lead=lead),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    liar, joiner = summary["peer_ids"][1], summary["peer_ids"][3]
+    assert liar == min(summary["peer_ids"][1:])  # the joiner's first source
+    assert [(e["peer"], e["stage"]) for e in summary["events"] if e["kind"] == "join"] == [(joiner, 1)]
+    assert any(a["direction"] == "weights" and a["to"] == joiner for a in summary["attacks"])  # it lied to it
+    assert joiner in summary["replicas"] and len(_replicas_agree(summary)[1]) == 1  # the honest weights at the end
+    mine = [e for e in summary["events"] if e["peer"] == joiner and e["kind"] == "aggregate"]
+    assert [(e["it"], e["fetched"]) for e in mine] == [(1, False), (2, False), (3, False)]  # in from iteration 1 on
+    if lead > 1:  # a version the run cannot have reached: evidence, and only against the liar
+        assert [e[1:] for e in summary["evidence"]] == [[liar, "false_version"]]
+    else:  # a version an honest replica may hold for a moment: not evidence, but not believed alone
+        assert summary["evidence"] == []
+
+
+@pytest.mark.parametrize("lead", [1, 1000])
+def test_a_behind_replica_catches_up_from_honest_replicas_around_one_that_lies_about_its_version(lead):
+    # As test_behind_replica_catches_up_before_serving, with three more stage-2 relays, one of which (relay 3)
+    # claims `lead` versions more than it holds and serves random weights. catch_up tried the highest claim
+    # first and took it (lead 1000: version 1002, the replica never served again).
+    config = _mlp_config(
+        peers=9, data_nodes=1, steps=5,
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=2.0),
+        attack=LinkAttackConfig(name="random", relays="3", target="weights", lead=lead),
+    )
+    behind, liar = peer_identity(config.seed, 2).peer_id, peer_identity(config.seed, 4).peer_id
+
+    def adversary(network, directory):
+        loop = asyncio.get_running_loop()
+        network.schedule(loop.time() + 6.0, lambda: network.partition([[behind]]))
+        network.schedule(loop.time() + 9.5, network.heal)
+
+    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    mine = [e for e in summary["events"] if e["peer"] == behind]
+    assert [e["it"] for e in mine if e["kind"] == "aggregate"] == [0, 2, 3, 4]  # the cut made it miss iteration 1's
+    assert any(a["direction"] == "weights" and a["to"] == behind for a in summary["attacks"])  # it lied to it
+    assert summary["replicas"][behind][:2] == [2, config.steps] and len(_replicas_agree(summary)[2]) == 1
+    assert [e[1:] for e in summary["evidence"]] == ([[liar, "false_version"]] if lead > 1 else [])
+
+
+def test_a_restarted_microbatch_is_not_denied_by_its_own_earlier_attempt():
+    # Over hivemind (session 18, seed 2 iteration 13: 0 of 4): a stage-1 relay held the first attempts of
+    # microbatches whose stage-2 peer died after their loss; the data node restarted them, and the relay,
+    # full with attempts that would never finish, denied the restarts (and everything else) until the
+    # iteration timed out. Here stage 1 has one live relay of capacity 1 (the other dies at the start);
+    # the stage-2 relay that first finishes a forward in iteration 1 dies 0.05 s later.
+    config = _mlp_config(
+        peers=5, data_nodes=1, steps=3,
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=1, flops_scale=2e5, complete_timeout=2.0,
+                                microbatch_timeout=6.0, iteration_timeout=20.0),
+        faults=ChurnConfig(crash_stage=2, crash_iteration=1, crash_at=0.05),
+    )
+    gone = peer_identity(config.seed, 3).peer_id  # relay 2, stage 1
+
+    def adversary(network, directory):
+        network.schedule(asyncio.get_running_loop().time(), lambda: network.crash(gone))
+
+    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    stage1 = summary["peer_ids"][1]
+    restarted = [mb for mb in summary["microbatches"] if mb["it"] == 1 and mb["restarts"]]
+    assert restarted and all(mb["outcome"] == "ok" and mb["path"][1] == stage1 for mb in restarted)
+    assert [m["completed"] for m in summary["metrics"]] == [4, 4, 4]  # before: iteration 1 finished none
+    assert summary["evidence"] == []
+
+
+def test_two_replicas_behind_together_download_from_the_ones_that_hold_the_version():
+    # Two of stage 2's four relays are cut off together across iteration 1's aggregation; each is the other's
+    # first source. Before: each asked the other first and waited (wait=True) out the aggregation timeout, then
+    # again for the confirmation: 40 s per download (issue 18's 40 s), the stage ended with two digests.
+    # Now a probe finds the two that hold the version and the download takes a few milliseconds.
+    config = _mlp_config(
+        peers=9, data_nodes=1, steps=5,
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=2.0,
+                                aggregation_timeout=20.0),
+    )
+    cut = sorted(peer_identity(config.seed, i).peer_id for i in (2, 4, 6, 8))[:2]
+
+    def adversary(network, directory):
+        loop = asyncio.get_running_loop()
+        network.schedule(loop.time() + 6.0, lambda: network.partition([cut]))
+        network.schedule(loop.time() + 9.5, network.heal)
+
+    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    downloads = [e for e in summary["events"] if e["kind"] == "download"]
+    assert sorted(e["peer"] for e in downloads) == cut and all(e["version"] == 3 for e in downloads)
+    assert all(e["t1"] - e["t0"] < config.pipeline.complete_timeout for e in downloads)  # simulated seconds
+    for peer in cut:
+        assert [e["it"] for e in summary["events"] if e["kind"] == "aggregate" and e["peer"] == peer] == [0, 2, 3, 4]
+    assert all(len(d) == 1 for d in _replicas_agree(summary).values()) and summary["evidence"] == []
+
+
+def test_a_second_backward_for_a_microbatch_already_done_is_not_evidence():
+    # Table II in the paper's regime, homogeneous 20 % gwtf seed 1 (no attacker): a stage-4 relay's send to a
+    # stage-5 peer timed out while a repair's REFORWARD started a second send of the same microbatch; both
+    # reached the new stage-5 peer, whose second backward found the stage-4 relay done with it:
+    # `unknown_microbatch` evidence against an honest peer. Here the one relay of stage 1 takes a forward
+    # and its backward from the data node, then the same backward again.
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=2, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1))
+    data, relay = peer_identity(config.seed, 0), peer_identity(config.seed, 1)
+    directory = {data.peer_id: 0, relay.peer_id: 1}
+
+    async def main() -> tuple[list[bytes], list]:
+        network = SimNetwork(SimConfig(seed=config.seed))
+        source, transport = network.add_peer(data), network.add_peer(relay)
+        source.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        source.add_request_handler(m.BACKWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        key = (data.peer_id, 0, 0)
+        forward = m.Carry(key, 0, 1, (data.peer_id,), x)
+        words = [await source.request(relay.peer_id, m.FORWARD, forward.to_bytes(), 5.0)]
+        grad = torch.ones_like(node.held[key].out)
+        backward = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id), grad)
+        for _ in range(2):
+            words.append(await source.request(relay.peer_id, m.BACKWARD, backward.to_bytes(), 5.0))
+        await node.close()
+        return words, transport.evidence
+
+    words, evidence = run_simulation(main)
+    assert words[:2] == [m.answer(m.OK)] * 2 and words[2] == m.answer(m.STALE)  # before: evidence against the sender
+    assert evidence == []
+
+
+def test_a_backward_for_a_microbatch_given_up_here_is_not_evidence():
+    # The same Table II run on this session's code: a repair's REFORWARD made the stage-1 holder of a microbatch
+    # look for another stage-2 peer while the first one's backward was on its way; it found none, gave the
+    # microbatch up (DENY to the data node), and the backward that then arrived raised `unknown_microbatch`
+    # against the honest stage-2 peer, whom the data nodes banned. Here the one stage-2 peer refuses the
+    # forward, the relay gives it up, and the stage-2 peer's backward for it arrives.
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=3, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=2, microbatches=1))
+    data, relay, late = (peer_identity(config.seed, i) for i in range(3))
+    directory = {data.peer_id: 0, relay.peer_id: 1, late.peer_id: 2}
+
+    async def main() -> tuple[list[bytes], list]:
+        network = SimNetwork(SimConfig(seed=config.seed))
+        source, transport, nxt = network.add_peer(data), network.add_peer(relay), network.add_peer(late)
+        denied = asyncio.Event()
+        source.add_message_handler(m.DENY, lambda sender, payload: denied.set())
+        nxt.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.DENIED)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        key = (data.peer_id, 0, 0)
+        word = await source.request(relay.peer_id, m.FORWARD, m.Carry(key, 0, 1, (data.peer_id,), x).to_bytes(), 5.0)
+        grad = torch.ones_like(node.held[key].out)
+        await asyncio.wait_for(denied.wait(), 5.0)  # it gave the microbatch up
+        backward = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, late.peer_id), grad)
+        words = [word, await nxt.request(relay.peer_id, m.BACKWARD, backward.to_bytes(), 5.0)]
+        await node.close()
+        return words, transport.evidence
+
+    words, evidence = run_simulation(main)
+    assert words == [m.answer(m.OK), m.answer(m.STALE)] and evidence == []  # before: unknown_microbatch
+
+
+def test_a_download_that_ends_after_the_replica_caught_up_leaves_its_weights_alone():
+    # The secure-gpt-pipeline all cell, seed 1, crashed the simulation: a catch-up's download ended after an
+    # aggregation had brought the replica to that version, copied over the weights in use, and the backward of
+    # a microbatch computed with them failed ("modified by an inplace operation"). Here a relay at version 1
+    # computes a forward, then downloads version 1 from two peers that serve other weights, then gets the backward.
+    from phalanx.core.serialization import digest
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=4, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1))
+    data, relay, *peers = (peer_identity(config.seed, i) for i in range(4))
+    directory = {data.peer_id: 0, relay.peer_id: 1, **{p.peer_id: 1 for p in peers}}
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        source, transport = network.add_peer(data), network.add_peer(relay)
+        source.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        source.add_request_handler(m.BACKWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        other = [p.detach() + 0.5 for p in node.params]
+        body = {"version": 1, "digest": digest(b"".join(t.numpy().tobytes() for t in other)), "params": other, "state": {}}
+        for identity in peers:
+            network.add_peer(identity).add_request_handler(m.WEIGHTS, lambda sender, payload: asyncio.sleep(0, encode(body)))
+        node.version = 1
+        key = (data.peer_id, 0, 0)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        await source.request(relay.peer_id, m.FORWARD, m.Carry(key, 1, 1, (data.peer_id,), x).to_bytes(), 5.0)
+        before = [p.detach().clone() for p in node.params]
+        got = await node.fetch_weights(1, [p.peer_id for p in peers])
+        backward = m.Carry(key, 1, 1, (data.peer_id, relay.peer_id), torch.ones_like(node.held[key].out))
+        word = await source.request(relay.peer_id, m.BACKWARD, backward.to_bytes(), 5.0)
+        same = all(torch.equal(a, b) for a, b in zip(before, node.params))
+        await node.close()
+        return got, word, same
+
+    got, word, same = run_simulation(main)
+    assert got is None and same and word == m.answer(m.OK)  # before: the weights were replaced, the backward crashed

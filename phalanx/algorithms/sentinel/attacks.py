@@ -7,7 +7,9 @@ attack log an experiment scores detection against; a verifier never reads
 it). A policy attacks from `start_step`, on the `target` direction(s), on a
 `fraction` of microbatches chosen from a seeded stream, so reruns repeat.
 Target `aggregation` turns the same policy on the relay's contribution to its
-stage's gradient all-reduce instead (one tensor per iteration, no link).
+stage's gradient all-reduce instead (one tensor per iteration, no link); target
+`weights` on the stage weights the relay serves to a joiner or a behind
+replica (one tensor per parameter, no link).
 Pure torch, no I/O.
 
 Formulas where the paper gives only names (each a parameter):
@@ -43,7 +45,8 @@ from ...core.rng import py_stream, torch_stream
 
 ACTIVATION, GRADIENT = "activation", "gradient"
 AGGREGATION = "aggregation"  # not a link: the relay's own vector in its stage's all-reduce
-TARGETS = ("activations", "gradients", "both", "aggregation")  # both: the two link directions
+WEIGHTS = "weights"  # not a link: the stage weights a replica serves to a joiner or a behind replica
+TARGETS = ("activations", "gradients", "both", "aggregation", "weights")  # both: the two link directions
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class LinkView:
     there is no verifier.
     """
 
-    kind: str  # ACTIVATION, GRADIENT or AGGREGATION
+    kind: str  # ACTIVATION, GRADIENT, AGGREGATION or WEIGHTS
     step: int
     microbatch: Hashable
     tensor: Tensor
@@ -104,7 +107,7 @@ class LinkAttack:
         """Whether this view is attacked: step, direction and the seeded microbatch draw."""
         if view.step < self.start_step or self.name == "none":
             return False
-        both = self.target == "both" and view.kind != AGGREGATION
+        both = self.target == "both" and view.kind in (ACTIVATION, GRADIENT)
         if not both and not self.target.startswith(view.kind):
             return False
         draw = py_stream(self.seed, "link-attack-select", self.worker, view.step, view.microbatch).random()

@@ -84,6 +84,7 @@ class LinkAttackConfig:
     fraction: float = 1.0  # of the relay's microbatches attacked
     delay: int = 20  # delay attack only: iterations by which the replayed tensors are stale
     factor: float = -1.0  # scaling attack only: what the relay multiplies its honest tensor by
+    lead: int = 1  # target weights only: the relay claims to hold this many versions more than it has
 
     def __post_init__(self) -> None:
         check(self.delay >= 1, "attack.delay", self.delay, "must be an iteration count >= 1")
@@ -92,6 +93,7 @@ class LinkAttackConfig:
         check(self.start >= 0, "attack.start", self.start, "must be an iteration >= 0")
         check(0 <= self.fraction <= 1, "attack.fraction", self.fraction, "must be in [0, 1]")
         check(math.isfinite(self.factor), "attack.factor", self.factor, "must be a finite number")
+        check(type(self.lead) is int and self.lead >= 0, "attack.lead", self.lead, "must be an integer >= 0 (versions)")
         try:
             indices = self.indices
         except ValueError:

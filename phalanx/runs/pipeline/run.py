@@ -117,7 +117,8 @@ def build_node(
         extra["sentinel"] = config.sentinel if client else None
     elif index - config.data_nodes in config.attack.indices and config.attack.name != "none":
         cls = AttackingRelay
-        extra.update(attack=config.attack.policy(config.seed, transport.peer_id), log=on_event, probe=probe)
+        extra.update(attack=config.attack.policy(config.seed, transport.peer_id), log=on_event, probe=probe,
+                     lead=config.attack.lead)
     else:
         cls = Relay
     if config.btard.enabled:

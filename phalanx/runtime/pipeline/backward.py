@@ -31,6 +31,10 @@ class Backward:
         if h is None or h.x is None and self.stage > 0 or c.path[: self.stage] != h.carry.path:
             if c.it < self.version or c.key in self.rerouted:
                 return m.answer(m.STALE)
+            if h is None and c.key in self.grads:
+                # its backward already ran here: a forward delivered twice (a resend racing a repair's REFORWARD,
+                # issue-15 Table II) comes back twice; the second changes nothing and is no lie
+                return m.answer(m.STALE)
             raise RemoteError(Evidence(sender, "unknown_microbatch", f"never held {m.key_name(c.key)}", c.it))
         check_tensor(c.tensor, sender, shape=tuple(h.out.shape), dtype=torch.float32, step=c.it)
         if self.sealing and self.stage > 0:

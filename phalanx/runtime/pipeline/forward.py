@@ -61,6 +61,7 @@ class Forward:
                 raise RemoteError(Evidence(c.seal.signer, "equivocation", f"two sealed activations for {m.key_name(c.key)}", c.it))
         if c.key in self.held:
             return m.answer(m.OK)  # a resend of what we already hold
+        self.supersede(c.key)
         if self.full():
             return m.answer(m.DENIED)
         self.held[c.key] = Held(c, None, c.tensor)  # reserve the slot before waiting
@@ -160,14 +161,25 @@ class Forward:
         used = len(self.slots) if self.config.capacity_mode == "iteration" else len(self.held)
         return used >= self.capacity
 
+    def supersede(self, key: m.Key) -> None:
+        """A newer attempt of a microbatch arrives: its data node restarted it, so the earlier attempts held
+        here will never finish. Free their slots (they filled a stage whose next peer had died, and denied the
+        restart itself), and answer a late backward of theirs STALE, not as evidence."""
+        for old in [k for k in self.held if k[:2] == key[:2] and k[2] < key[2]]:
+            self.release(old)
+            self.rerouted.add(old)
+
     def release(self, key: m.Key) -> Held | None:
         """Drop a microbatch this node will not pass on, and its slot."""
         self.slots.discard(key)
         return self.held.pop(key, None)
 
     async def give_up(self, key: m.Key) -> None:
-        """No next-stage peer takes this microbatch: tell upstream (DENY) and free the slot."""
+        """No next-stage peer takes this microbatch: tell upstream (DENY) and free the slot. A backward for it
+        may still be on its way (a repair's REFORWARD found no other peer while the first one's backward ran):
+        it gets STALE, not evidence."""
         h = self.release(key)
+        self.rerouted.add(key)
         if h is not None:
             await self.transport.send(h.carry.path[-1], m.DENY, encode({"src": key[0], "seq": key[1], "att": key[2]}))
 

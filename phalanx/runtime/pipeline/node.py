@@ -131,7 +131,8 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
         self.suspects: set[str] = set()
         self.banned: set[str] = set()  # peers we hold evidence against (or a relay told us it does)
-        self.rerouted: set[m.Key] = set()  # microbatches dropped here because a verifier banned a peer on their path
+        self.rerouted: set[m.Key] = set()  # microbatches dropped here (a verifier banned a peer on their path, a newer
+        # attempt superseded them, no next peer took them): a late backward for one is STALE, not evidence
         transport.on_evidence(self._on_evidence)
         self.compute_lock = asyncio.Lock()
         self._ready: dict[int, asyncio.Event] = {}

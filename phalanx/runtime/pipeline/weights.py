@@ -1,5 +1,6 @@
 """Weight transfer: a node serves its stage's weights and optimizer state; a joiner, or a replica left
-out of an aggregation or behind, downloads them (digest confirmed by a second peer) or catches up.
+out of an aggregation or behind, downloads them from a peer that holds them (probed first; the digest
+confirmed by a second peer whenever there is one) or catches up.
 """
 
 from __future__ import annotations
@@ -42,22 +43,23 @@ class WeightTransfer:
         return encode(body)
 
     async def catch_up(self, version: int, unstepped: bool = True) -> None:
-        """A replica behind after an aggregation: fetch `version` (or later) from any live stage peer,
-        digest confirmed, retrying until it has; it serves nothing until then. When no live stage peer
-        reaches `version` within the aggregation timeout, the stepped weights died with the group that
-        made them: the replicas left keep their weights and take the version unstepped (all of them
-        alike, so they still agree)."""
+        """A replica behind after an aggregation: fetch `version` (or later) from its stage peers (`fetch_weights`:
+        from one that holds it, the digest confirmed by another), retrying until it has; it serves nothing
+        until then. When no live stage peer reaches `version` within the aggregation timeout, the stepped weights
+        died with the group that made them: the replicas left keep their weights and take the version unstepped
+        (all of them alike, so they still agree)."""
         started = self.now()
         while self.version < version and not self._stopped.is_set():
             peers = self.replicas(self.stage)  # a joiner serving from a later iteration has the weights too
-            versions = [await self._version_of(p) for p in peers]
-            ahead = [p for p, v in sorted(zip(peers, versions), key=lambda pv: -pv[1]) if v >= version]
-            got = await self.fetch_weights(version, ahead) if ahead else None
+            claims = await self.probe_versions(version, peers)
+            got = await self.fetch_weights(version, peers, claims)
             if self.version >= version:
                 return  # an aggregation caught us up meanwhile
             if got is not None:
                 self.adopt(got, "catch_up")
                 return
+            versions = [-1 if v is None else v for v in claims.values()]
+            ahead = [v for v in versions if v >= version]
             if not ahead and all(v < 0 for v in versions):  # no live stage peer: nothing newer exists anywhere
                 self.adopt(version, "unstepped")
                 return
@@ -79,25 +81,71 @@ class WeightTransfer:
         self.version = version
         self.ready_event(version).set()
 
-    async def _version_of(self, peer: str) -> int:
-        """A stage peer's current version, asked without waiting (-1: no answer)."""
+    async def _version_of(self, peer: str, stage: int | None = None, until: int = 0) -> int | None:
+        """A peer's current version of `stage` (default: ours), asked without waiting: -1 when it answers that it
+        holds none (not, or not yet, a replica), None when it does not answer. With `until`, the peer answers
+        once it holds that version (or after the aggregation timeout)."""
+        stage = self.stage if stage is None else stage
+        timeout = self.config.aggregation_timeout + self.config.complete_timeout if until else self.config.complete_timeout
         try:
             response = await self.transport.request(
-                peer, m.WEIGHTS, encode({"version": 0, "full": False, "stage": self.stage, "wait": False}),
-                self.config.complete_timeout)
+                peer, m.WEIGHTS, encode({"version": until, "full": False, "stage": stage, "wait": until > 0}), timeout)
             body = decode(response, peer, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
-            return -1
+            return None
         except PhalanxError:
-            return -1
-        return body["version"] if isinstance(body, dict) and type(body.get("version")) is int else -1
+            return None
+        return body["version"] if isinstance(body, dict) and type(body.get("version")) is int else None
 
-    async def fetch_weights(self, version: int, sources: list[str]) -> int | None:
-        """Download this stage's parameters and optimizer state at `version` or later from one source,
-        with the digest confirmed by a second source when there is one; the version got, or None."""
-        for index, source in enumerate(sources):
-            body = await self._weights_from(source, version, True)
+    async def probe_versions(self, version: int, sources: list[str]) -> dict[str, int | None]:
+        """Ask every source at once, without waiting, which version it holds (`_version_of`). A claim beyond
+        what the run can have reached is evidence against its claimer, who is left out: a replica is at most
+        one version ahead of a data node (it may finish an aggregation before them; the next one starts only
+        when every live data node has run that iteration), and the data nodes are asked after the claim."""
+        claims = dict(zip(sources, await asyncio.gather(*(self._version_of(p) for p in sources))))
+        if not takeable(version, claims):
+            # nobody holds it yet where it can be taken: wait on the live ones behind, all at once (a joiner is
+            # placed by a data node whose iteration may have opened while the stage still aggregates)
+            behind = [p for p, v in claims.items() if v is not None and 0 <= v < version]
+            waited = await asyncio.gather(*(self._version_of(p, until=version) for p in behind))
+            claims.update({p: max(v, claims[p]) for p, v in zip(behind, waited) if v is not None})
+        if self.stage > 0 and any(v is not None and v > version + 1 for v in claims.values()):
+            nodes = [d for d in self.data_nodes() if d != self.me]  # within one of the target: no question
+            reached = max((v for v in await asyncio.gather(*(self._version_of(d, 0) for d in nodes)) if v is not None),
+                          default=-1)
+            for peer, claimed in list(claims.items()):
+                if reached >= 0 and claimed is not None and claimed > reached + 1:
+                    self.transport.report(Evidence(peer, "false_version", f"claims version {claimed} of stage "
+                                                   f"{self.stage}; the data nodes are at {reached}"))
+                    del claims[peer]
+        return claims
+
+    async def fetch_weights(self, version: int, sources: list[str], claims: dict[str, int | None] | None = None) -> int | None:
+        """Download this stage's parameters and optimizer state at `version` or later from a source that holds
+        it; the version got, or None. Sources are probed first (`probe_versions`, or `claims` from a probe
+        already made), so that nobody waits on a source that is behind or silent. With two or more sources
+        (a silent one counts: it may be an honest holder that would contradict; one that answers that it holds
+        no weights does not) the download counts only when another source confirms its digest at the same
+        version: a lone source that lies would otherwise be believed whenever the others are silent or behind.
+        A confirmation that disagrees does not veto (a liar would block every honest source); one that matches
+        is required."""
+        t0 = self.now()
+        got_version = await self._fetch_confirmed(version, sources, claims)
+        self.on_event({"kind": "download", "peer": self.me, "stage": self.stage, "it": version - 1, "t0": t0,
+                       "t1": self.now(), "version": -1 if got_version is None else got_version, "sources": len(sources)})
+        return got_version
+
+    async def _fetch_confirmed(self, version: int, sources: list[str], claims: dict[str, int | None] | None) -> int | None:
+        claims = await self.probe_versions(version, sources) if claims is None else claims
+        sources = [p for p in sources if p in claims]  # not those whose claim was evidence against them
+        confirm = len([p for p in sources if claims[p] != -1]) > 1
+        holders = [p for p in sources if claims[p] is not None and claims[p] >= version]
+        if confirm:  # only a version two sources claim can be confirmed
+            held = [claims[p] for p in holders]
+            holders = [p for p in holders if held.count(claims[p]) > 1]
+        for source in sorted(holders, key=lambda p: -claims[p]):
+            body = await self._weights_from(source, claims[source], True)
             if body is None:
                 continue
             got_version = body["version"]
@@ -110,24 +158,36 @@ class WeightTransfer:
             if got != body["digest"]:
                 self.transport.report(Evidence(source, "bad_digest", "weights do not match their digest"))
                 continue
-            others = [p for p in sources if p != source]
-            confirmations = [await self._weights_from(p, got_version, False) for p in others[:1]]
-            if any(c is not None and (c["version"], c["digest"]) != (got_version, got) for c in confirmations):
-                continue  # two stage peers disagree: try the next source
-            with torch.no_grad():
-                for p, value in zip(self.params, params):
-                    p.copy_(value)
-            sd = self.optimizer.state_dict()
-            sd["state"] = state
-            self.optimizer.load_state_dict(sd)
+            if confirm and not await self._confirmed(got_version, got, [p for p in holders if p != source]):
+                continue
+            async with self.compute_lock:  # no forward or backward runs across the copy
+                if self.entered and self.version >= got_version:
+                    # caught up meanwhile (an aggregation): its forwards hold graphs of the weights in use, and
+                    # copying over them crashed their backward (secure-gpt-pipeline all cell, seed 1)
+                    return None
+                with torch.no_grad():
+                    for p, value in zip(self.params, params):
+                        p.copy_(value)
+                sd = self.optimizer.state_dict()
+                sd["state"] = state
+                self.optimizer.load_state_dict(sd)
             return got_version
         log.info("%s: could not fetch stage %d weights at version %d", self.me[:8], self.stage, version)
         return None
 
+    async def _confirmed(self, version: int, got: bytes, confirmers: list[str]) -> bool:
+        """Whether one of `confirmers` holds `version` with digest `got` (asked without waiting)."""
+        for peer in confirmers:
+            answer = await self._weights_from(peer, version, False)
+            if answer is not None and answer["version"] == version and answer["digest"] == got:
+                return True
+        return False
+
     async def _weights_from(self, source: str, version: int, full: bool) -> dict | None:
+        """`source`'s weights (`full`) or their digest at `version` or later, asked without waiting."""
         try:
             response = await self.transport.request(
-                source, m.WEIGHTS, encode({"version": version, "full": full, "stage": self.stage}),
+                source, m.WEIGHTS, encode({"version": version, "full": full, "stage": self.stage, "wait": False}),
                 self.config.aggregation_timeout)
             body = decode(response, source, self.transport.limits)
         except RemoteError as exc:
@@ -158,3 +218,13 @@ class WeightTransfer:
                     raise RemoteError(Evidence(source, "malformed", f"optimizer state {key!r} is not a number"))
             loaded[int(name)] = entry
         return checked, loaded
+
+
+def takeable(version: int, claims: dict[str, int | None]) -> bool:
+    """Whether a download of `version` or later can count (`fetch_weights`): some source claims it, and when two or
+    more sources may hold weights (they answered a version, or did not answer), another claims the same version."""
+    counted = [v for v in claims.values() if v != -1]
+    held = [v for v in counted if v is not None and v >= version]
+    if len(counted) < 2:
+        return bool(held)
+    return any(held.count(v) > 1 for v in held)
