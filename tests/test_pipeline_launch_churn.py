@@ -364,6 +364,9 @@ def test_a_name_starts_again_only_once_its_process_tree_is_gone_and_its_stderr_i
         second = workers.start("3", "echo started >&2; exec sleep 60")
         assert _state(child) == "Z"  # swept (killed), and nobody reaps it: gone for the launcher
         assert first.poll() is not None and second.poll() is None
+        deadline = time.monotonic() + 5  # the new worker's environment reads as empty while it execs
+        while marked_processes(f"{marker}/3") != [second.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert marked_processes(f"{marker}/3") == [second.pid]  # nothing of the first is left
         assert workers.processes() == [first, second]
         deadline = time.monotonic() + 10
