@@ -413,6 +413,9 @@ def test_red_team_regression_equivocator_parts_judged_alike_under_either_version
         # judged on the honest declarations alone, it passed both over and stepped without their
         # partitions while the others applied them (models apart; an honest gradient ban at the next step).
         (220050, "aggregate,commit,deadline_edge,part,report_edge,slander,withhold_aggregate"),
+        # A colluder signs two declarations, one dropping a fellow colluder as silent and one not: the
+        # honest peers holding different versions passed over different owners (models apart).
+        (200171, "other_declaration,deadline_edge,declare,part,withhold_aggregate"),
     ],
 )
 def test_red_team_regression_a_peer_left_out_of_some_declarations_decides_as_the_others(seed, points):

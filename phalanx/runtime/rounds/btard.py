@@ -344,7 +344,7 @@ class SecureRound(ButterflyAllReduce):
         relaying = asyncio.ensure_future(self._relay_aggregates(st))
         try:
             envelopes = await committing
-            st.passed = passed_over(owners, declarations(envelopes)) or set()
+            st.passed = await self._passed_over(st, declarations(envelopes))
             self._give_up(step, REDUCED, st.passed)
             results = await collecting
         finally:
@@ -393,6 +393,23 @@ class SecureRound(ButterflyAllReduce):
         for owner, tensor in st.aggregates.items():
             out[st.slice(owner)] = tensor
         return out
+
+    async def _passed_over(self, st: StepState, drops: dict[str, dict[str, str]]) -> set[str]:
+        """The owners this step leaves out (`passed_over`), checked against a declaration signed twice.
+
+        A colluder that signs two declarations, one dropping a fellow colluder as silent and one not,
+        and splits them between honest peers would have them pass over different owners (and step
+        with different partitions). So before passing anyone over, a peer asks the others for the
+        declarations they hold: a second version is an equivocation proof, and a declaration signed
+        twice drops nobody. Asked only when someone would be passed over (a crash, a silent owner)."""
+        tr, step = self.transport, st.step
+        passed = passed_over(st.group, drops) or set()
+        if not passed:
+            return passed
+        sources = [p for p in st.members if p != tr.peer_id and p not in passed]
+        await tr.fetch_broadcasts("bt.rcommit", step, [o for o in st.group if o in drops], sources, self.state.btard.timeout / 4)
+        twice = {proof.first.sender for proof in tr.board.proofs if proof.first.topic == "bt.rcommit" and proof.first.step == step}
+        return passed_over(st.group, {o: ({} if o in twice else d) for o, d in drops.items()}) or set()
 
     async def _relay_aggregates(self, st: StepState) -> None:
         """Aggregates that have not come from their owner, asked of the other members once the owner's
