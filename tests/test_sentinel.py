@@ -117,6 +117,32 @@ def test_config_errors_name_the_key():
         SentinelConfig(reversed_align=2.0)
 
 
+def test_inconsistent_settings_are_one_line_config_errors_not_silently_off_rules():
+    """Settings that would silently turn a rule off, or make it unable to hold, are refused with what to change."""
+    # an own window shorter than the strike window can never ban first: the own rule would be off
+    with pytest.raises(ConfigError, match=r"sentinel.own_window=4 must be >= sentinel.strike_window=8 \(set it equal"):
+        SentinelConfig(own_window=4, strike_window=8)
+    SentinelConfig(own_window=8, strike_window=8)  # equal is the documented way to turn it off
+    with pytest.raises(ConfigError, match="sentinel.own_window=6 must be >= sentinel.strike_window=12"):
+        SentinelConfig(strikes=3, strike_window=12, own_window=6)
+    with pytest.raises(ConfigError, match="sentinel.strike_window=0 must be >= 1"):
+        SentinelConfig(strike_window=0)
+    with pytest.raises(ConfigError, match="sentinel.window=0"):
+        SentinelConfig(window=0)
+    with pytest.raises(ConfigError, match="sentinel.strikes=9 must be <= sentinel.strike_window=8"):
+        SentinelConfig(strikes=9, strike_window=8, own_window=32)
+    # learning fences as wide as the flag fences filter nothing
+    with pytest.raises(ConfigError, match="sentinel.learn_k=5.0 must be below sentinel.k=5.0"):
+        SentinelConfig(learn_k=5.0)
+    SentinelConfig(learn_k=2.0)
+    # a tainted microbatch's input is suspect: its bind floor may not be stricter than the ordinary one
+    with pytest.raises(ConfigError, match="sentinel.tainted_bind_floor=0.8 must be >= sentinel.bind_floor=0.9"):
+        SentinelConfig(tainted_bind_floor=0.8)
+    with pytest.raises(ConfigError) as error:
+        SentinelConfig(own_window=4)
+    assert "\n" not in str(error.value)
+
+
 def test_warmup_accepts_everything_then_fences_flag():
     config = SentinelConfig(warmup=30, window=30, distances="l1,l2,sign,swd")
     verifier = Sentinel(config)

@@ -182,6 +182,9 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
         if not (math.isfinite(self.k) and self.k > 0):
             raise ConfigError(f"sentinel.k={self.k} must be a positive number")
+        if self.learn_k >= self.k:
+            # every accepted tensor lies inside the k-fences, so learn_k-fences as wide or wider filter nothing
+            raise ConfigError(f"sentinel.learn_k={self.learn_k} must be below sentinel.k={self.k} (or 0 to turn it off)")
         if self.window < 4:
             raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
         if self.warmup < 5:
@@ -189,6 +192,9 @@ class SentinelConfig:
         for key in ("bind_floor", "tainted_bind_floor"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1]")
+        if self.tainted_bind_floor < self.bind_floor:
+            raise ConfigError(f"sentinel.tainted_bind_floor={self.tainted_bind_floor} must be >= sentinel.bind_floor="
+                              f"{self.bind_floor} (a stage fed a tampered input binds to it no better than to an honest one)")
         if not -1.0 <= self.reversed_align <= 1.0:
             raise ConfigError(f"sentinel.reversed_align={self.reversed_align} must be in [-1, 1] (a cosine)")
         if not 0.0 <= self.min_spread < 1.0:
@@ -198,6 +204,10 @@ class SentinelConfig:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be >= 1")
         if self.strikes > self.strike_window:
             raise ConfigError(f"sentinel.strikes={self.strikes} must be <= sentinel.strike_window={self.strike_window}")
+        if self.own_window < self.strike_window:
+            # own-relation flags count in both rules, so a shorter own window could never ban first: the rule is off
+            raise ConfigError(f"sentinel.own_window={self.own_window} must be >= sentinel.strike_window="
+                              f"{self.strike_window} (set it equal to turn the longer memory of own-relation flags off)")
 
     @property
     def distance_names(self) -> tuple[str, ...]:
