@@ -539,3 +539,51 @@ def test_a_late_flag_on_a_microbatch_older_than_the_strike_window_still_counts()
         verdict = verifier._strike(Verdict(1, BACKWARD, "w", mb, True, "fence"))
     assert verdict.convicted == ("w",) and verifier.banned() == frozenset({"w"})
 
+
+
+def test_a_gradient_computed_from_the_verifiers_own_substitute_is_not_judged_against_honest_traffic():
+    """100-step delay run (session 19): each false forward flag of an honest relay drew a second false flag on its
+    gradient. The verifier after it had sent it the gradient momentum (a per-feature mean, about 18x smaller than a
+    gradient) and the gradient it computed from that was judged against honest traffic: `scale` log -2.6..-3.2, 5 of
+    the run's 14 false flags. It is still replaced, not judged. Where the gradient it got was not replaced (the
+    data node's, trusted), it is still judged: a shrunk one is flagged."""
+    gen = torch.Generator().manual_seed(19)
+    verifier = Sentinel(SentinelConfig(warmup=20, window=16, distances="sign,swd,scale"))
+    for i in range(30):
+        for link in (1, 0):
+            verifier.check_backward(link, f"w{i % 3}", i, _honest(gen, _center()))
+    for mb, replaced in (("replaced", True), ("from the data node", False)):
+        verifier.mark_tainted(mb, 1, "r")  # r's activation was flagged on link 1
+        if replaced:
+            after = verifier.check_backward(1, "next", mb, _honest(gen, _center()))
+            assert after.reason == "tainted" and after.substitute is not None
+        small = 0.05 * _honest(gen, _center())  # what r computes from the momentum (or an attacker's shrunk gradient)
+        verdict = verifier.check_backward(0, "r", mb, small)
+        assert verdict.substitute is not None  # replaced either way
+        assert verdict.flagged == (not replaced), mb
+        assert verdict.reason == ("tainted" if replaced else "fence")
+
+
+def test_a_low_but_positive_align_is_a_large_correction_not_a_reversal():
+    """Recorded in the clean 125-iteration run (session 19): the honest `align` of stage 2's gradients (link 1) sat
+    at 0.92-0.95 through the warm-up, so its fence was the IQR floor's, 0.685; then single microbatches on which the
+    stage added a large correction (gradients 2-2.7x larger) scored 0.50-0.66: 3 false flags. A residual stage's
+    output is its input plus a correction, so any positive cosine is a correction, however large; below its fence
+    `align` counts only at or under `align_floor` (0): an output reversed against its input. (`align_floor=1`: as
+    before.)"""
+    for floor in (0.0, 1.0):
+        gen = torch.Generator().manual_seed(20)
+        verifier = Sentinel(SentinelConfig(warmup=16, window=16, distances="align", bind_projections=8, align_floor=floor))
+
+        def gradient(mb, correction: float, sign: float = 1.0):
+            out_grad = torch.randn(4, 32, 16, generator=gen)  # what stage 2 was given
+            verifier.record_input(mb, 2, BACKWARD, verifier.sketch(out_grad))
+            return verifier.check_backward(1, "w", mb, sign * (out_grad + correction * torch.randn(4, 32, 16, generator=gen)))
+
+        for i in range(24):
+            assert not gradient(i, 0.35).flagged  # align about 0.94
+        large = gradient("large correction", 1.7)
+        assert 0.3 < dict(large.distances)["align"] < 0.65
+        assert large.flagged == (floor == 1.0)
+        reversed_ = gradient("reversed", 0.35, sign=-1.0)
+        assert reversed_.flagged and reversed_.outside == ("align",)

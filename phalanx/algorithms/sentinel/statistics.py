@@ -66,7 +66,11 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
 * **``align``**: the cosine of the same two sketches. Sign-aware
   where ``bind`` is not: a white-box attacker's negated gradient passes
   ``sign`` (noise on a gradient's near-zero per-feature means), ``swd`` and
-  ``bind``, not ``align``.
+  ``bind``, not ``align``. Below its fence it counts only at or under
+  `align_floor` (0): a residual stage's output is its input plus a
+  correction, so a positive cosine, however low, is a large correction
+  (honest gradients of stage 2 sat at 0.92-0.95, fence 0.685, and single
+  microbatches scored 0.50-0.66: false flags), a reversed output is not.
 * **Tainted microbatches.** A forward tensor of a microbatch flagged upstream
   is judged on ``bind`` alone (its stage was fed a tampered input, so only the
   comparison with that input says something about it), from
@@ -158,6 +162,7 @@ class SentinelConfig:
     bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
     tainted_bind_floor: float = 0.95  # the same on a microbatch tainted upstream (its input is suspect); replays score 0.958+
     reversed_align: float = 0.0  # ``align`` below its fence and this: an output reversed against its input, a flag on the sender alone
+    align_floor: float = 0.0  # ``align`` below its fence counts only below this (a positive cosine, however low, is a residual stage's large correction)
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
@@ -195,8 +200,9 @@ class SentinelConfig:
         if self.tainted_bind_floor < self.bind_floor:
             raise ConfigError(f"sentinel.tainted_bind_floor={self.tainted_bind_floor} must be >= sentinel.bind_floor="
                               f"{self.bind_floor} (a stage fed a tampered input binds to it no better than to an honest one)")
-        if not -1.0 <= self.reversed_align <= 1.0:
-            raise ConfigError(f"sentinel.reversed_align={self.reversed_align} must be in [-1, 1] (a cosine)")
+        for key in ("reversed_align", "align_floor"):
+            if not -1.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [-1, 1] (a cosine)")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
         for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window", "own_window"):
@@ -486,7 +492,8 @@ class Sentinel:
         """Judge an activation gradient `worker` sends back over `link`; send on `verdict.passed_on(tensor)`.
 
         Gradients of a microbatch flagged forward at link s are replaced from
-        link s - 1 onwards (judged only when they come from the flagged worker).
+        link s - 1 onwards (judged only when they come from the flagged worker
+        and it computed them from a gradient that was not replaced).
         Gradients computed from a substitute are passed on but not judged: they
         are honest work on a tensor the verifier itself made. `upstream` as in
         `check_forward`.
@@ -494,8 +501,12 @@ class Sentinel:
         self._learn_path(microbatch, upstream)
         origin = self._tainted.get(microbatch)
         replaced = self._replaced.get(microbatch)
+        # the gradient a worker computed from a substitute follows the momentum (a per-feature mean: about 18x
+        # smaller here), not honest traffic, so the link's statistics say nothing about it (measured: each false
+        # forward flag of an honest relay drew a second one on its gradient, `scale` at log -2.6..-3.2)
+        from_substitute = replaced is not None and link < replaced
         if origin is not None and link >= origin[0] - 1:
-            if link == origin[0] - 1 and worker == origin[1]:
+            if link == origin[0] - 1 and worker == origin[1] and not from_substitute:
                 verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=False)
             else:
                 verdict = Verdict(link, BACKWARD, worker, microbatch, False, "tainted")
@@ -744,6 +755,7 @@ class Sentinel:
         return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
                      and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
                      and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high)
+                     and not (n == "align" and self.config.align_floor < dist[n] < self._fence(track, n).low)
                      # a gradient counts on ``scale`` only when shrunk (honest gradients grow with the loss)
                      and not (n == "scale" and track.direction == BACKWARD and dist[n] > self._fence(track, n).high))
 
