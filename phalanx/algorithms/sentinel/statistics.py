@@ -657,11 +657,13 @@ class Sentinel:
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
         flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
-        if learn and not flagged and self._inner(track, dist):
+        corrected = not flagged and self._large_correction(track, dist)
+        if learn and not flagged and not corrected and self._inner(track, dist):
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         # learn=False: the sender's own forward flag explains it
-        return self._strike(verdict, blame_upstream=learn, own=flagged and self._disowns_input(track, dist))
+        return self._strike(verdict, blame_upstream=learn, own=flagged and self._disowns_input(track, dist),
+                            upstream_only=learn and corrected)
 
     def _check_bound(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
         """An activation of a microbatch tainted upstream: the stage computed on a tampered input, so the
@@ -737,6 +739,13 @@ class Sentinel:
             return True
         return fenced("bind") and dist["bind"] > max(self.config.tainted_bind_floor, self._fence(track, "bind").high)
 
+    def _large_correction(self, track: _Track, dist: dict[str, float]) -> bool:
+        """``align`` below its fence but above `align_floor`: the stage's correction outweighs its pass-through,
+        which an honest stage does now and then and an honest stage fed a shrunk input does often: evidence about
+        what flowed into the sender, held against the workers upstream of it only."""
+        return ("align" in dist and len(track.windows["align"]) >= 4
+                and self.config.align_floor < dist["align"] < self._fence(track, "align").low)
+
     def _inner(self, track: _Track, dist: dict[str, float]) -> bool:
         """Whether an accepted tensor may update the baseline: with `learn_k`, only when every distance lies
         inside the narrower fences (an attacker riding the edge of the k-fences cannot drag the baseline)."""
@@ -764,7 +773,8 @@ class Sentinel:
         floor = 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
         return fence(list(track.windows[name]), self.config.k if k is None else k, floor)
 
-    def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False) -> Verdict:
+    def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False,
+                upstream_only: bool = False) -> Verdict:
         """Count the verdict in the strike histories of the sender and (`blame_upstream`) the workers upstream
         of it; a flag is held against all of them, or against the sender alone when it is its `own`."""
         mb = verdict.microbatch
@@ -777,14 +787,18 @@ class Sentinel:
         if blame_upstream:
             bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
             handlers |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
-        suspects = handlers if verdict.flagged and not own else {verdict.worker}
+        blames = verdict.flagged or upstream_only
+        if upstream_only:
+            suspects = handlers - {verdict.worker}
+        else:
+            suspects = handlers if verdict.flagged and not own else {verdict.worker}
         convicted = []
         for worker in [verdict.worker, *sorted(handlers - {verdict.worker})]:
             if worker in self._convicted:
                 continue
-            others = suspects - {worker} if verdict.flagged else set()
+            others = suspects - {worker} if blames else set()
             # not a suspect (a clean entry upstream of the sender's own flag), or explained by a worker convicted just now
-            flagged = verdict.flagged and worker in suspects and not others & self._convicted
+            flagged = blames and worker in suspects and not others & self._convicted
             history = self._history.setdefault(
                 worker, deque(maxlen=max(self.config.strike_window, self.config.own_window)))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
@@ -808,7 +822,7 @@ class Sentinel:
                 convicted.append(worker)
         if not self.config.detect_only:
             self._banned.update(convicted)
-        blamed = tuple(sorted(suspects)) if verdict.flagged else ()
+        blamed = tuple(sorted(suspects)) if blames else ()
         if not (convicted or blamed):
             return verdict
         bans = () if self.config.detect_only else tuple(convicted)
