@@ -564,26 +564,33 @@ def test_a_gradient_computed_from_the_verifiers_own_substitute_is_not_judged_aga
         assert verdict.reason == ("tainted" if replaced else "fence")
 
 
-def test_a_low_but_positive_align_is_a_large_correction_not_a_reversal():
+def test_a_low_but_positive_align_is_evidence_about_the_input_not_a_flag_on_the_tensor():
     """Recorded in the clean 125-iteration run (session 19): the honest `align` of stage 2's gradients (link 1) sat
     at 0.92-0.95 through the warm-up, so its fence was the IQR floor's, 0.685; then single microbatches on which the
     stage added a large correction (gradients 2-2.7x larger) scored 0.50-0.66: 3 false flags. A residual stage's
-    output is its input plus a correction, so any positive cosine is a correction, however large; below its fence
-    `align` counts only at or under `align_floor` (0): an output reversed against its input. (`align_floor=1`: as
-    before.)"""
+    output is its input plus a correction, so a positive cosine, however low, is a large correction: what an honest
+    stage does now and then, and often when fed a shrunk input (a white-box attacker upstream). Below its fence and
+    above `align_floor` (0) it is no flag on the tensor but evidence against the workers upstream of its sender:
+    three such microbatches after one upstream worker convict it, never the senders. A reversed output is a flag,
+    the sender's own. (`align_floor=1`: the old rule, a flag on the tensor held against sender and upstream.)"""
     for floor in (0.0, 1.0):
         gen = torch.Generator().manual_seed(20)
         verifier = Sentinel(SentinelConfig(warmup=16, window=16, distances="align", bind_projections=8, align_floor=floor))
 
-        def gradient(mb, correction: float, sign: float = 1.0):
+        def gradient(mb, sender: str, upstream: str, correction: float, sign: float = 1.0):
             out_grad = torch.randn(4, 32, 16, generator=gen)  # what stage 2 was given
             verifier.record_input(mb, 2, BACKWARD, verifier.sketch(out_grad))
-            return verifier.check_backward(1, "w", mb, sign * (out_grad + correction * torch.randn(4, 32, 16, generator=gen)))
+            sent = sign * (out_grad + correction * torch.randn(4, 32, 16, generator=gen))
+            return verifier.check_backward(1, sender, mb, sent, upstream={1: upstream})
 
         for i in range(24):
-            assert not gradient(i, 0.35).flagged  # align about 0.94
-        large = gradient("large correction", 1.7)
-        assert 0.3 < dict(large.distances)["align"] < 0.65
-        assert large.flagged == (floor == 1.0)
-        reversed_ = gradient("reversed", 0.35, sign=-1.0)
-        assert reversed_.flagged and reversed_.outside == ("align",)
+            assert not gradient(i, f"w{i % 4}", f"u{i % 4}", 0.35).flagged  # align about 0.94
+        large = [gradient(("large", j), f"w{j}", "u", 1.7) for j in range(3)]  # three senders after upstream u
+        assert all(0.3 < dict(v.distances)["align"] < 0.65 for v in large)
+        if floor == 0.0:
+            assert not any(v.flagged for v in large) and all(v.suspects == ("u",) for v in large)
+        else:
+            assert all(v.flagged for v in large) and large[0].suspects == ("u", "w0")
+        assert verifier.convicted() == {"u"}
+        reversed_ = gradient("reversed", "x", "v", 0.35, sign=-1.0)
+        assert reversed_.flagged and reversed_.outside == ("align",) and reversed_.suspects == ("x",)
