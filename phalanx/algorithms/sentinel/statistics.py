@@ -66,11 +66,15 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
 * **``align``**: the cosine of the same two sketches. Sign-aware
   where ``bind`` is not: a white-box attacker's negated gradient passes
   ``sign`` (noise on a gradient's near-zero per-feature means), ``swd`` and
-  ``bind``, not ``align``. Below its fence it counts only at or under
-  `align_floor` (0): a residual stage's output is its input plus a
+  ``bind``, not ``align``. Below its fence it flags the tensor only at or
+  under `align_floor` (0): a residual stage's output is its input plus a
   correction, so a positive cosine, however low, is a large correction
   (honest gradients of stage 2 sat at 0.92-0.95, fence 0.685, and single
   microbatches scored 0.50-0.66: false flags), a reversed output is not.
+  Between the floor and the fence it is evidence about what flowed into the
+  sender (an honest stage fed a white-box attacker's shrunk activations
+  corrects a lot), held against the workers upstream of it only (see
+  Strikes): no flag, no substitute, not learned.
 * **Tainted microbatches.** A forward tensor of a microbatch flagged upstream
   is judged on ``bind`` alone (its stage was fed a tampered input, so only the
   comparison with that input says something about it), from
@@ -162,7 +166,7 @@ class SentinelConfig:
     bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
     tainted_bind_floor: float = 0.95  # the same on a microbatch tainted upstream (its input is suspect); replays score 0.958+
     reversed_align: float = 0.0  # ``align`` below its fence and this: an output reversed against its input, a flag on the sender alone
-    align_floor: float = 0.0  # ``align`` below its fence counts only below this (a positive cosine, however low, is a residual stage's large correction)
+    align_floor: float = 0.0  # ``align`` below its fence flags only at or under this; above it, it is evidence against the sender's upstream
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
