@@ -114,6 +114,10 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   and such flags also ban at `strikes` among the sender's last `own_window`
   (32) microbatches: an attacker that knows the strike rule (`budget`) keeps
   2 flags in every 8, and no input makes an honest stage reverse its output.
+  The other way round, an ``align`` between `align_floor` and its fence (a
+  large correction) flags no tensor and is a strike against the upstream
+  workers alone. A gradient the flagged worker computed from a substitute
+  is not judged (it follows the momentum, not honest traffic).
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
   checks of it downstream are on ``bind`` alone (above), and every gradient of
