@@ -784,7 +784,8 @@ class Sentinel:
     def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False,
                 upstream_only: bool = False) -> Verdict:
         """Count the verdict in the strike histories of the sender and (`blame_upstream`) the workers upstream
-        of it; a flag is held against all of them, or against the sender alone when it is its `own`."""
+        of it; a flag is held against all of them, or against the sender alone when it is its `own`;
+        `upstream_only`: no flag on the tensor, evidence about the sender's input held against the upstream workers."""
         mb = verdict.microbatch
         if verdict.direction == FORWARD:
             self._paths.setdefault(mb, {})[verdict.link] = verdict.worker
