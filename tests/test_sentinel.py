@@ -117,6 +117,32 @@ def test_config_errors_name_the_key():
         SentinelConfig(reversed_align=2.0)
 
 
+def test_inconsistent_settings_are_one_line_config_errors_not_silently_off_rules():
+    """Settings that would silently turn a rule off, or make it unable to hold, are refused with what to change."""
+    # an own window shorter than the strike window can never ban first: the own rule would be off
+    with pytest.raises(ConfigError, match=r"sentinel.own_window=4 must be >= sentinel.strike_window=8 \(set it equal"):
+        SentinelConfig(own_window=4, strike_window=8)
+    SentinelConfig(own_window=8, strike_window=8)  # equal is the documented way to turn it off
+    with pytest.raises(ConfigError, match="sentinel.own_window=6 must be >= sentinel.strike_window=12"):
+        SentinelConfig(strikes=3, strike_window=12, own_window=6)
+    with pytest.raises(ConfigError, match="sentinel.strike_window=0 must be >= 1"):
+        SentinelConfig(strike_window=0)
+    with pytest.raises(ConfigError, match="sentinel.window=0"):
+        SentinelConfig(window=0)
+    with pytest.raises(ConfigError, match="sentinel.strikes=9 must be <= sentinel.strike_window=8"):
+        SentinelConfig(strikes=9, strike_window=8, own_window=32)
+    # learning fences as wide as the flag fences filter nothing
+    with pytest.raises(ConfigError, match="sentinel.learn_k=5.0 must be below sentinel.k=5.0"):
+        SentinelConfig(learn_k=5.0)
+    SentinelConfig(learn_k=2.0)
+    # a tainted microbatch's input is suspect: its bind floor may not be stricter than the ordinary one
+    with pytest.raises(ConfigError, match="sentinel.tainted_bind_floor=0.8 must be >= sentinel.bind_floor=0.9"):
+        SentinelConfig(tainted_bind_floor=0.8)
+    with pytest.raises(ConfigError) as error:
+        SentinelConfig(own_window=4)
+    assert "\n" not in str(error.value)
+
+
 def test_warmup_accepts_everything_then_fences_flag():
     config = SentinelConfig(warmup=30, window=30, distances="l1,l2,sign,swd")
     verifier = Sentinel(config)
@@ -513,3 +539,58 @@ def test_a_late_flag_on_a_microbatch_older_than_the_strike_window_still_counts()
         verdict = verifier._strike(Verdict(1, BACKWARD, "w", mb, True, "fence"))
     assert verdict.convicted == ("w",) and verifier.banned() == frozenset({"w"})
 
+
+
+def test_a_gradient_computed_from_the_verifiers_own_substitute_is_not_judged_against_honest_traffic():
+    """100-step delay run (session 19): each false forward flag of an honest relay drew a second false flag on its
+    gradient. The verifier after it had sent it the gradient momentum (a per-feature mean, about 18x smaller than a
+    gradient) and the gradient it computed from that was judged against honest traffic: `scale` log -2.6..-3.2, 5 of
+    the run's 14 false flags. It is still replaced, not judged. Where the gradient it got was not replaced (the
+    data node's, trusted), it is still judged: a shrunk one is flagged."""
+    gen = torch.Generator().manual_seed(19)
+    verifier = Sentinel(SentinelConfig(warmup=20, window=16, distances="sign,swd,scale"))
+    for i in range(30):
+        for link in (1, 0):
+            verifier.check_backward(link, f"w{i % 3}", i, _honest(gen, _center()))
+    for mb, replaced in (("replaced", True), ("from the data node", False)):
+        verifier.mark_tainted(mb, 1, "r")  # r's activation was flagged on link 1
+        if replaced:
+            after = verifier.check_backward(1, "next", mb, _honest(gen, _center()))
+            assert after.reason == "tainted" and after.substitute is not None
+        small = 0.05 * _honest(gen, _center())  # what r computes from the momentum (or an attacker's shrunk gradient)
+        verdict = verifier.check_backward(0, "r", mb, small)
+        assert verdict.substitute is not None  # replaced either way
+        assert verdict.flagged == (not replaced), mb
+        assert verdict.reason == ("tainted" if replaced else "fence")
+
+
+def test_a_low_but_positive_align_is_evidence_about_the_input_not_a_flag_on_the_tensor():
+    """Recorded in the clean 125-iteration run (session 19): the honest `align` of stage 2's gradients (link 1) sat
+    at 0.92-0.95 through the warm-up, so its fence was the IQR floor's, 0.685; then single microbatches on which the
+    stage added a large correction (gradients 2-2.7x larger) scored 0.50-0.66: 3 false flags. A residual stage's
+    output is its input plus a correction, so a positive cosine, however low, is a large correction: what an honest
+    stage does now and then, and often when fed a shrunk input (a white-box attacker upstream). Below its fence and
+    above `align_floor` (0) it is no flag on the tensor but evidence against the workers upstream of its sender:
+    three such microbatches after one upstream worker convict it, never the senders. A reversed output is a flag,
+    the sender's own. (`align_floor=1`: the old rule, a flag on the tensor held against sender and upstream.)"""
+    for floor in (0.0, 1.0):
+        gen = torch.Generator().manual_seed(20)
+        verifier = Sentinel(SentinelConfig(warmup=16, window=16, distances="align", bind_projections=8, align_floor=floor))
+
+        def gradient(mb, sender: str, upstream: str, correction: float, sign: float = 1.0):
+            out_grad = torch.randn(4, 32, 16, generator=gen)  # what stage 2 was given
+            verifier.record_input(mb, 2, BACKWARD, verifier.sketch(out_grad))
+            sent = sign * (out_grad + correction * torch.randn(4, 32, 16, generator=gen))
+            return verifier.check_backward(1, sender, mb, sent, upstream={1: upstream})
+
+        for i in range(24):
+            assert not gradient(i, f"w{i % 4}", f"u{i % 4}", 0.35).flagged  # align about 0.94
+        large = [gradient(("large", j), f"w{j}", "u", 1.7) for j in range(3)]  # three senders after upstream u
+        assert all(0.3 < dict(v.distances)["align"] < 0.65 for v in large)
+        if floor == 0.0:
+            assert not any(v.flagged for v in large) and all(v.suspects == ("u",) for v in large)
+        else:
+            assert all(v.flagged for v in large) and large[0].suspects == ("u", "w0")
+        assert verifier.convicted() == {"u"}
+        reversed_ = gradient("reversed", "x", "v", 0.35, sign=-1.0)
+        assert reversed_.flagged and reversed_.outside == ("align",) and reversed_.suspects == ("x",)

@@ -1,5 +1,7 @@
 """Smoke test of `phalanx bench sentinel --preset quick` (in-process 4-stage pipeline)."""
 
+import pytest
+
 from phalanx.algorithms.sentinel.statistics import SentinelConfig
 from phalanx.benchmarks.sentinel import (
     RunSpec,
@@ -9,6 +11,7 @@ from phalanx.benchmarks.sentinel import (
     run_one,
 )
 from phalanx.cli import main
+from phalanx.core.errors import ConfigError
 
 
 def test_quick_preset_bans_exactly_the_attackers_and_keeps_the_loss(tmp_path):
@@ -29,6 +32,13 @@ def test_quick_preset_bans_exactly_the_attackers_and_keeps_the_loss(tmp_path):
 def test_cli_rejects_unknown_sentinel_preset(capsys):
     assert main(["bench", "sentinel", "--preset", "huge"]) == 2
     assert "unknown sentinel preset" in capsys.readouterr().err
+
+
+def test_an_attack_inside_the_verifiers_warm_up_is_a_config_error():
+    """The warm-up trusts every tensor: an attack starting inside it would be learned by the fences as honest."""
+    with pytest.raises(ConfigError, match=r"attack_start=10 falls inside the verifiers' warm-up \(15 iterations"):
+        SentinelBenchConfig(iterations=40, attack_start=10, microbatches=8, sentinel=SentinelConfig(warmup=120))
+    SentinelBenchConfig(iterations=40, attack_start=15, microbatches=8, sentinel=SentinelConfig(warmup=120))
 
 
 def test_a_100_step_delay_attacker_is_flagged_and_banned():

@@ -100,6 +100,11 @@ class SentinelBenchConfig:
             raise ConfigError(f"malicious={self.malicious} must be >= 0 and under half of relays={self.relays} (honest majority per stage)")
         if not 0 <= self.attack_start < self.iterations:
             raise ConfigError(f"attack_start={self.attack_start} must be in [0, iterations={self.iterations})")
+        warm = -(-self.sentinel.warmup // self.microbatches)  # iterations until every link and direction is judged
+        if self.attack_start < warm:
+            raise ConfigError(f"attack_start={self.attack_start} falls inside the verifiers' warm-up ({warm} iterations of "
+                              f"{self.microbatches} microbatches for sentinel.warmup={self.sentinel.warmup}): the fences "
+                              f"would learn the attack as honest; start it at >= {warm} or lower sentinel.warmup")
         if self.target not in TARGETS:
             raise ConfigError(f"target={self.target!r} must be one of {', '.join(TARGETS)}")
         if not 0.0 < self.fraction <= 1.0:

@@ -66,7 +66,15 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
 * **``align``**: the cosine of the same two sketches. Sign-aware
   where ``bind`` is not: a white-box attacker's negated gradient passes
   ``sign`` (noise on a gradient's near-zero per-feature means), ``swd`` and
-  ``bind``, not ``align``.
+  ``bind``, not ``align``. Below its fence it flags the tensor only at or
+  under `align_floor` (0): a residual stage's output is its input plus a
+  correction, so a positive cosine, however low, is a large correction
+  (honest gradients of stage 2 sat at 0.92-0.95, fence 0.685, and single
+  microbatches scored 0.50-0.66: false flags), a reversed output is not.
+  Between the floor and the fence it is evidence about what flowed into the
+  sender (an honest stage fed a white-box attacker's shrunk activations
+  corrects a lot), held against the workers upstream of it only (see
+  Strikes): no flag, no substitute, not learned.
 * **Tainted microbatches.** A forward tensor of a microbatch flagged upstream
   is judged on ``bind`` alone (its stage was fed a tampered input, so only the
   comparison with that input says something about it), from
@@ -106,6 +114,10 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   and such flags also ban at `strikes` among the sender's last `own_window`
   (32) microbatches: an attacker that knows the strike rule (`budget`) keeps
   2 flags in every 8, and no input makes an honest stage reverse its output.
+  The other way round, an ``align`` between `align_floor` and its fence (a
+  large correction) flags no tensor and is a strike against the upstream
+  workers alone. A gradient the flagged worker computed from a substitute
+  is not judged (it follows the momentum, not honest traffic).
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
   checks of it downstream are on ``bind`` alone (above), and every gradient of
@@ -158,6 +170,7 @@ class SentinelConfig:
     bind_floor: float = 0.9  # ``bind`` above its fence counts only above this (CKA < 0.1: unrelated sketches score 0.01-0.05)
     tainted_bind_floor: float = 0.95  # the same on a microbatch tainted upstream (its input is suspect); replays score 0.958+
     reversed_align: float = 0.0  # ``align`` below its fence and this: an output reversed against its input, a flag on the sender alone
+    align_floor: float = 0.0  # ``align`` below its fence flags only at or under this; above it, it is evidence against the sender's upstream
     quantiles: int = 32  # levels of each projected quantile function
     strikes: int = 3  # flags among a worker's last `strike_window` checks that ban it
     strike_window: int = 8
@@ -182,6 +195,9 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
         if not (math.isfinite(self.k) and self.k > 0):
             raise ConfigError(f"sentinel.k={self.k} must be a positive number")
+        if self.learn_k >= self.k:
+            # every accepted tensor lies inside the k-fences, so learn_k-fences as wide or wider filter nothing
+            raise ConfigError(f"sentinel.learn_k={self.learn_k} must be below sentinel.k={self.k} (or 0 to turn it off)")
         if self.window < 4:
             raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
         if self.warmup < 5:
@@ -189,8 +205,12 @@ class SentinelConfig:
         for key in ("bind_floor", "tainted_bind_floor"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [0, 1]")
-        if not -1.0 <= self.reversed_align <= 1.0:
-            raise ConfigError(f"sentinel.reversed_align={self.reversed_align} must be in [-1, 1] (a cosine)")
+        if self.tainted_bind_floor < self.bind_floor:
+            raise ConfigError(f"sentinel.tainted_bind_floor={self.tainted_bind_floor} must be >= sentinel.bind_floor="
+                              f"{self.bind_floor} (a stage fed a tampered input binds to it no better than to an honest one)")
+        for key in ("reversed_align", "align_floor"):
+            if not -1.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [-1, 1] (a cosine)")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
         for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window", "own_window"):
@@ -198,6 +218,10 @@ class SentinelConfig:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be >= 1")
         if self.strikes > self.strike_window:
             raise ConfigError(f"sentinel.strikes={self.strikes} must be <= sentinel.strike_window={self.strike_window}")
+        if self.own_window < self.strike_window:
+            # own-relation flags count in both rules, so a shorter own window could never ban first: the rule is off
+            raise ConfigError(f"sentinel.own_window={self.own_window} must be >= sentinel.strike_window="
+                              f"{self.strike_window} (set it equal to turn the longer memory of own-relation flags off)")
 
     @property
     def distance_names(self) -> tuple[str, ...]:
@@ -476,7 +500,8 @@ class Sentinel:
         """Judge an activation gradient `worker` sends back over `link`; send on `verdict.passed_on(tensor)`.
 
         Gradients of a microbatch flagged forward at link s are replaced from
-        link s - 1 onwards (judged only when they come from the flagged worker).
+        link s - 1 onwards (judged only when they come from the flagged worker
+        and it computed them from a gradient that was not replaced).
         Gradients computed from a substitute are passed on but not judged: they
         are honest work on a tensor the verifier itself made. `upstream` as in
         `check_forward`.
@@ -484,8 +509,12 @@ class Sentinel:
         self._learn_path(microbatch, upstream)
         origin = self._tainted.get(microbatch)
         replaced = self._replaced.get(microbatch)
+        # the gradient a worker computed from a substitute follows the momentum (a per-feature mean: about 18x
+        # smaller here), not honest traffic, so the link's statistics say nothing about it (measured: each false
+        # forward flag of an honest relay drew a second one on its gradient, `scale` at log -2.6..-3.2)
+        from_substitute = replaced is not None and link < replaced
         if origin is not None and link >= origin[0] - 1:
-            if link == origin[0] - 1 and worker == origin[1]:
+            if link == origin[0] - 1 and worker == origin[1] and not from_substitute:
                 verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=False)
             else:
                 verdict = Verdict(link, BACKWARD, worker, microbatch, False, "tainted")
@@ -636,11 +665,13 @@ class Sentinel:
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
         flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
-        if learn and not flagged and self._inner(track, dist):
+        corrected = not flagged and self._large_correction(track, dist)
+        if learn and not flagged and not corrected and self._inner(track, dist):
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         # learn=False: the sender's own forward flag explains it
-        return self._strike(verdict, blame_upstream=learn, own=flagged and self._disowns_input(track, dist))
+        return self._strike(verdict, blame_upstream=learn, own=flagged and self._disowns_input(track, dist),
+                            upstream_only=learn and corrected)
 
     def _check_bound(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
         """An activation of a microbatch tainted upstream: the stage computed on a tampered input, so the
@@ -716,6 +747,13 @@ class Sentinel:
             return True
         return fenced("bind") and dist["bind"] > max(self.config.tainted_bind_floor, self._fence(track, "bind").high)
 
+    def _large_correction(self, track: _Track, dist: dict[str, float]) -> bool:
+        """``align`` below its fence but above `align_floor`: the stage's correction outweighs its pass-through,
+        which an honest stage does now and then and an honest stage fed a shrunk input does often: evidence about
+        what flowed into the sender, held against the workers upstream of it only."""
+        return ("align" in dist and len(track.windows["align"]) >= 4
+                and self.config.align_floor < dist["align"] < self._fence(track, "align").low)
+
     def _inner(self, track: _Track, dist: dict[str, float]) -> bool:
         """Whether an accepted tensor may update the baseline: with `learn_k`, only when every distance lies
         inside the narrower fences (an attacker riding the edge of the k-fences cannot drag the baseline)."""
@@ -734,6 +772,7 @@ class Sentinel:
         return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
                      and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
                      and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high)
+                     and not (n == "align" and self.config.align_floor < dist[n] < self._fence(track, n).low)
                      # a gradient counts on ``scale`` only when shrunk (honest gradients grow with the loss)
                      and not (n == "scale" and track.direction == BACKWARD and dist[n] > self._fence(track, n).high))
 
@@ -742,9 +781,11 @@ class Sentinel:
         floor = 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
         return fence(list(track.windows[name]), self.config.k if k is None else k, floor)
 
-    def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False) -> Verdict:
+    def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False,
+                upstream_only: bool = False) -> Verdict:
         """Count the verdict in the strike histories of the sender and (`blame_upstream`) the workers upstream
-        of it; a flag is held against all of them, or against the sender alone when it is its `own`."""
+        of it; a flag is held against all of them, or against the sender alone when it is its `own`;
+        `upstream_only`: no flag on the tensor, evidence about the sender's input held against the upstream workers."""
         mb = verdict.microbatch
         if verdict.direction == FORWARD:
             self._paths.setdefault(mb, {})[verdict.link] = verdict.worker
@@ -755,14 +796,18 @@ class Sentinel:
         if blame_upstream:
             bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
             handlers |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
-        suspects = handlers if verdict.flagged and not own else {verdict.worker}
+        blames = verdict.flagged or upstream_only
+        if upstream_only:
+            suspects = handlers - {verdict.worker}
+        else:
+            suspects = handlers if verdict.flagged and not own else {verdict.worker}
         convicted = []
         for worker in [verdict.worker, *sorted(handlers - {verdict.worker})]:
             if worker in self._convicted:
                 continue
-            others = suspects - {worker} if verdict.flagged else set()
+            others = suspects - {worker} if blames else set()
             # not a suspect (a clean entry upstream of the sender's own flag), or explained by a worker convicted just now
-            flagged = verdict.flagged and worker in suspects and not others & self._convicted
+            flagged = blames and worker in suspects and not others & self._convicted
             history = self._history.setdefault(
                 worker, deque(maxlen=max(self.config.strike_window, self.config.own_window)))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
@@ -786,7 +831,7 @@ class Sentinel:
                 convicted.append(worker)
         if not self.config.detect_only:
             self._banned.update(convicted)
-        blamed = tuple(sorted(suspects)) if verdict.flagged else ()
+        blamed = tuple(sorted(suspects)) if blames else ()
         if not (convicted or blamed):
             return verdict
         bans = () if self.config.detect_only else tuple(convicted)
