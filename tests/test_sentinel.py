@@ -571,7 +571,8 @@ def test_a_low_but_positive_align_is_evidence_about_the_input_not_a_flag_on_the_
     output is its input plus a correction, so a positive cosine, however low, is a large correction: what an honest
     stage does now and then, and often when fed a shrunk input (a white-box attacker upstream). Below its fence and
     above `align_floor` (0) it is no flag on the tensor but evidence against the workers upstream of its sender:
-    three such microbatches after one upstream worker convict it, never the senders. A reversed output is a flag,
+    three such microbatches after one upstream worker from three senders convict it; one sender that does it three
+    times convicts itself, which explains the strikes away from the worker upstream (no framing). A reversed output is a flag,
     the sender's own. (`align_floor=1`: the old rule, a flag on the tensor held against sender and upstream.)"""
     for floor in (0.0, 1.0):
         gen = torch.Generator().manual_seed(20)
@@ -588,9 +589,12 @@ def test_a_low_but_positive_align_is_evidence_about_the_input_not_a_flag_on_the_
         large = [gradient(("large", j), f"w{j}", "u", 1.7) for j in range(3)]  # three senders after upstream u
         assert all(0.3 < dict(v.distances)["align"] < 0.65 for v in large)
         if floor == 0.0:
-            assert not any(v.flagged for v in large) and all(v.suspects == ("u",) for v in large)
+            assert not any(v.flagged for v in large) and [v.suspects for v in large] == [("u", f"w{j}") for j in range(3)]
         else:
             assert all(v.flagged for v in large) and large[0].suspects == ("u", "w0")
         assert verifier.convicted() == {"u"}
+        if floor == 0.0:  # one sender that does it three times after the same honest upstream is convicted, not it
+            framing = [gradient(("frame", j), "byz", "u2", 1.7) for j in range(3)]
+            assert not any(v.flagged for v in framing) and verifier.convicted() == {"u", "byz"}
         reversed_ = gradient("reversed", "x", "v", 0.35, sign=-1.0)
         assert reversed_.flagged and reversed_.outside == ("align",) and reversed_.suspects == ("x",)

@@ -798,7 +798,9 @@ class Sentinel:
             handlers |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
         blames = verdict.flagged or upstream_only
         if upstream_only:
-            suspects = handlers - {verdict.worker}
+            # the sender shares it: one sender that keeps its outputs just above align_floor convicts itself
+            # first, which explains the shared strikes away from the honest workers upstream (no framing)
+            suspects = handlers
         else:
             suspects = handlers if verdict.flagged and not own else {verdict.worker}
         convicted = []
