@@ -75,7 +75,8 @@ class Aggregation:
                     p.grad = result.vector[offset: offset + p.numel()].view_as(p).to(p.device).clone()
                     offset += p.numel()
                 async with self.compute_lock:  # no forward or backward runs across a step
-                    self.optimizer.step()
+                    if self.version == it:  # a download may have caught it up while it waited for the lock
+                        self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
         fetched = behind or self.me not in group
         if self.version > it:
