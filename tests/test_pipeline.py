@@ -297,6 +297,15 @@ def test_sustained_churn_never_stalls_and_accuses_nobody(routing):
     assert [m["step"] for m in summary["metrics"]] == list(range(60))
 
 
+def _cut_off_across_iteration_1(peer: str):
+    """An adversary that partitions `peer` away from 6 s to 9.5 s: it misses iteration 1's aggregation and BEGIN."""
+    def adversary(network, directory):
+        loop = asyncio.get_running_loop()
+        network.schedule(loop.time() + 6.0, lambda: network.partition([[peer]]))
+        network.schedule(loop.time() + 9.5, network.heal)
+    return adversary
+
+
 def test_behind_replica_catches_up_before_serving():
     # stage-2 relay R is cut off across iteration 1's aggregation: it is out of the group, misses
     # BEGIN and comes back one version behind; it must fetch the stepped weights (digest confirmed)
@@ -307,12 +316,7 @@ def test_behind_replica_catches_up_before_serving():
     )
     behind = peer_identity(config.seed, 2).peer_id  # relay 1: stage 2
 
-    def adversary(network, directory):
-        loop = asyncio.get_running_loop()
-        network.schedule(loop.time() + 6.0, lambda: network.partition([[behind]]))
-        network.schedule(loop.time() + 9.5, network.heal)
-
-    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    summary = simulate_pipeline(config, progress=False, adversary=_cut_off_across_iteration_1(behind))
     mine = [e for e in summary["events"] if e["peer"] == behind]
     aggregations = [e for e in mine if e["kind"] == "aggregate"]
     assert [e["it"] for e in aggregations] == [0, 2, 3, 4]  # the cut made it miss iteration 1's
@@ -460,12 +464,7 @@ def test_a_behind_replica_catches_up_from_honest_replicas_around_one_that_lies_a
     )
     behind, liar = peer_identity(config.seed, 2).peer_id, peer_identity(config.seed, 4).peer_id
 
-    def adversary(network, directory):
-        loop = asyncio.get_running_loop()
-        network.schedule(loop.time() + 6.0, lambda: network.partition([[behind]]))
-        network.schedule(loop.time() + 9.5, network.heal)
-
-    summary = simulate_pipeline(config, progress=False, adversary=adversary)
+    summary = simulate_pipeline(config, progress=False, adversary=_cut_off_across_iteration_1(behind))
     mine = [e for e in summary["events"] if e["peer"] == behind]
     assert [e["it"] for e in mine if e["kind"] == "aggregate"] == [0, 2, 3, 4]  # the cut made it miss iteration 1's
     assert any(a["direction"] == "weights" and a["to"] == behind for a in summary["attacks"])  # it lied to it
