@@ -48,6 +48,7 @@ from .netns import NetnsConfig, Testbed
 from .processes import MARKER_ENV, STOP_GRACE, group_members, kill_group, kill_marked, marked_processes
 
 GONE_TIMEOUT = 10.0  # seconds to wait for killed process groups to be reaped
+REAP_GRACE = 2.0  # seconds more for their zombies to be reaped by init (where it reaps)
 
 BARRIER_TIMEOUT = 120.0  # seconds a launch's workers wait for each other at a barrier
 BARRIER_STEP = 1 << 40  # the broadcast slot of barriers: beyond any training step, so never pruned
@@ -232,10 +233,16 @@ class ProcessLauncher:
                           for name, host in self.hosts.items()}}
 
     def _wait_gone(self) -> None:
-        """Until the swept groups are reaped (a dead worker's watchdog is reaped by init a moment after its kill)."""
+        """Until the swept groups are reaped (a dead worker's watchdog is reaped by init a moment after its kill):
+        no live member within GONE_TIMEOUT, then no member at all within REAP_GRACE (a zombie where PID 1 reaps
+        goes a moment later; where it does not reap, the zombie stays and counts as gone)."""
         deadline = time.monotonic() + GONE_TIMEOUT
         for proc in self.processes():
             while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        deadline = time.monotonic() + REAP_GRACE
+        for proc in self.processes():
+            while _group_exists(proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
 
     def tail(self, name: Hashable, lines: int = 40) -> str:
@@ -250,6 +257,15 @@ class ProcessLauncher:
 def _group_alive(pgid: int) -> bool:
     """Whether a live process is left in process group `pgid` (a zombie has exited: not one)."""
     return bool(group_members(pgid))
+
+
+def _group_exists(pgid: int) -> bool:
+    """Whether anything is left in process group `pgid`, zombies included."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 async def barrier(transport: Transport, name: str, peers: list[str]) -> None:

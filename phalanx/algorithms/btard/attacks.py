@@ -133,8 +133,10 @@ class Slander(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class LateReport(Slander):
-    """Slander, in a report timed at the others' deadline: the honest peers that hold it ban the
-    slanderer, and those it reached too late would not, unless they decide on the same reports."""
+    """Slander, in a report timed at the others' deadline (early to half of them, late to the rest).
+
+    The honest peers that hold it ban the slanderer, and those it reached too late would not, unless they
+    decide on the same reports."""
 
     def report_edge(self, step: int) -> bool:
         return self.active(step)
@@ -198,8 +200,9 @@ class SilentToOne(ProtocolPolicy):
 
 @dataclass(kw_only=True)
 class WithholdAggregate(ProtocolPolicy):
-    """Owner: send the aggregate commitment and the aggregate to every member but the first honest one,
-    which then owes no metadata for the partition; the owner claims `no_meta` against it all the same."""
+    """Owner: send the aggregate commitment and the aggregate to every member but the first honest one.
+
+    That member then owes no metadata for the partition; the owner claims `no_meta` against it all the same."""
 
     def withhold_from(self, step: int, group: list[str]) -> str | None:
         return next((p for p in group if p not in self.colluders), None) if self.active(step) else None
