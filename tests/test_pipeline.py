@@ -452,6 +452,23 @@ def test_a_joiner_takes_no_weights_from_a_replica_that_lies_about_its_version(le
         assert summary["evidence"] == []
 
 
+def test_two_replicas_that_confirm_each_others_forged_weights_are_not_believed():
+    # A reviewer's attack on the two-source rule: relays 0 and 1 both claim one version more than they hold, serve
+    # the same forged weights (`scaling` is deterministic) and confirm each other's digest. The joiner took them
+    # (a digest no other replica had); now a version and digest count only when more than half of the sources
+    # vouch for them, the most-claimed version first.
+    config = _mlp_config(
+        peers=6, data_nodes=1, steps=4,
+        pipeline=PipelineConfig(stages=1, microbatches=4, capacity=4, flops_scale=2e5, complete_timeout=4.0),
+        faults=ChurnConfig(crash_relay=2, crash_iteration=0, crash_at=0.001, join_rate=1.0),
+        attack=LinkAttackConfig(name="scaling", relays="0,1", target="weights", lead=1),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    joiner = summary["peer_ids"][3]
+    assert any(a["direction"] == "weights" and a["to"] == joiner for a in summary["attacks"])  # they lied to it
+    assert len(_replicas_agree(summary)[1]) == 1  # whoever serves stage 1 at the end holds the honest weights
+
+
 @pytest.mark.parametrize("lead", [1, 1000])
 def test_a_behind_replica_catches_up_from_honest_replicas_around_one_that_lies_about_its_version(lead):
     # As test_behind_replica_catches_up_before_serving, with three more stage-2 relays, one of which (relay 3)

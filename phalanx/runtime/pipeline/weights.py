@@ -141,13 +141,15 @@ class WeightTransfer:
         sources = [p for p in sources if p in claims]  # not those whose claim was evidence against them
         confirm = len([p for p in sources if claims[p] != -1]) > 1
         holders = [p for p in sources if claims[p] is not None and claims[p] >= version]
+        held = [claims[p] for p in holders]
         if confirm:  # only a version two sources claim can be confirmed
-            held = [claims[p] for p in holders]
             holders = [p for p in holders if held.count(claims[p]) > 1]
-        for source in sorted(holders, key=lambda p: -claims[p]):
+        # The most-claimed version first (then the highest): colluders that claim one version more than the
+        # honest replicas hold are not tried before them.
+        for source in sorted(holders, key=lambda p: (-held.count(claims[p]), -claims[p])):
             body = await self._weights_from(source, claims[source], True)
-            if body is None:
-                continue
+            if body is None or body["version"] != claims[source]:
+                continue  # a full answer at another version than claimed is not the claim checked above
             got_version = body["version"]
             try:
                 params, state = self._check_weights(source, body)
@@ -158,7 +160,8 @@ class WeightTransfer:
             if got != body["digest"]:
                 self.transport.report(Evidence(source, "bad_digest", "weights do not match their digest"))
                 continue
-            if confirm and not await self._confirmed(got_version, got, [p for p in holders if p != source]):
+            voters = len([p for p in sources if claims[p] != -1])
+            if confirm and not await self._confirmed(got_version, got, [p for p in holders if p != source], voters):
                 continue
             async with self.compute_lock:  # no forward or backward runs across the copy
                 if self.entered and self.version >= got_version:
@@ -175,13 +178,13 @@ class WeightTransfer:
         log.info("%s: could not fetch stage %d weights at version %d", self.me[:8], self.stage, version)
         return None
 
-    async def _confirmed(self, version: int, got: bytes, confirmers: list[str]) -> bool:
-        """Whether one of `confirmers` holds `version` with digest `got` (asked without waiting)."""
-        for peer in confirmers:
-            answer = await self._weights_from(peer, version, False)
-            if answer is not None and answer["version"] == version and answer["digest"] == got:
-                return True
-        return False
+    async def _confirmed(self, version: int, got: bytes, confirmers: list[str], voters: int) -> bool:
+        """Whether `confirmers` that hold `version` with digest `got` (asked without waiting), with the source, are
+        more than half of the `voters` (the sources that may hold weights, silent ones included): two colluders
+        that serve the same forged weights and confirm each other are not believed against the honest replicas."""
+        answers = await asyncio.gather(*(self._weights_from(peer, version, False) for peer in confirmers))
+        matching = sum(1 for a in answers if a is not None and a["version"] == version and a["digest"] == got)
+        return matching >= 1 and 2 * (1 + matching) > voters
 
     async def _weights_from(self, source: str, version: int, full: bool) -> dict | None:
         """`source`'s weights (`full`) or their digest at `version` or later, asked without waiting."""
