@@ -24,10 +24,13 @@ The critical path has one synchronisation before aggregation (App. B):
    drops, and each drop of a committed owner is the dropper's ELIMINATE (a
    commitment that reached the owner late included: lateness is unprovable,
    so it is priced like a missing part). The step's result (the SGD update) is
-   returned as soon as the aggregates are gathered and hash-checked. An owner
-   that every other owner drops as silent (`late_commit`, `missing_part`) is
-   passed over: its partition is left out on every peer and nobody waits for
-   it (a crashed peer costs one timeout, not one per phase).
+   returned as soon as the aggregates are gathered and hash-checked; an
+   aggregate that has not come from its owner (or does not match its
+   commitment) is asked of the other members, since the signed commitment's
+   hash binds it (`bt.aggregate`). An owner that every other owner drops as
+   silent (`late_commit`, `missing_part`) is passed over: its partition is
+   left out on every peer and nobody waits for it (a crashed peer costs one
+   timeout, not one per phase); a declaration signed twice drops nobody.
 
 Steps 4-6 (MPRNG, metadata, V1-V3, validators, reports) run in the background
 while the next step computes and all-reduces (App. B): `btard_verify`, with the

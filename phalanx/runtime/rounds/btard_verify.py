@@ -9,10 +9,11 @@ It runs while the next step computes and all-reduces:
    run V1 and V2 on their contributors; V3 flags trigger CHECKAVERAGING; validators check their targets
    (`btard_validate`).
 6. report: each peer broadcasts its claims (ACCUSE with evidence, ELIMINATE), approvals and seen-set
-   digests of the commitments, aggregate commitments and metadata it holds; each peer fetches what
-   others hold and it lacks (split views become equivocation proofs) and only then runs the checks that
-   decide on sets: every declaration against the agreed contributors, and Σ_i s_i^j = 0 over every
-   agreed contributor of every partition.
+   digests of the commitments, aggregate commitments and metadata it holds; then the digests of the
+   reports it collected (`bt.rseen`), so that every honest peer decides on the same reports; each peer
+   fetches what others hold and it lacks (split views become equivocation proofs), takes in only what an
+   agreed report lists, and only then runs the checks that decide on sets: every declaration against the
+   agreed contributors, and Σ_i s_i^j = 0 over every agreed contributor of every partition.
 
 A member silent in an earlier phase of the step (no MPRNG commitment, no reveal, no commitment or metadata
 in any report at hand) is waited for only a grace of btard.timeout / 4 in the later waits, once every other
