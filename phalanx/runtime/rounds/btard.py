@@ -82,7 +82,7 @@ from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
 from ...core.serialization import decode, encode
 from ...transport.base import BROADCAST_TOPIC, Transport
 from .btard_judge import judge_step
-from .btard_messages import commit_in, decoded, group_in, rcommit_in
+from .btard_messages import commit_in, declared_hash, decoded, group_in, rcommit_in
 from .btard_state import SECURE_REDUCERS, AdmissionHook, BTARDConfig, InputsHook, RoundState, SecureResult, StepState
 from .btard_validate import ask, serve_gradient, serve_part, serve_parts
 from .btard_verify import draw, edge_broadcast, verify
@@ -360,8 +360,7 @@ class SecureRound(ButterflyAllReduce):
             parsed = rcommit_in(obj, owners)
             if parsed is None:
                 claims.append(Claim(ACCUSE, me, peer, "bad_commit", (env.to_bytes(),)))
-                h = obj.get("h") if isinstance(obj, dict) else None
-                if isinstance(h, bytes) and len(h) == 32:
+                if (h := declared_hash(obj)) is not None:
                     # The declaration is malformed, the hash is not: the aggregate it binds is applied
                     # (and checked over every agreed contributor), so that whether a peer applies it
                     # never depends on which of two signed declarations reached it.
@@ -562,8 +561,7 @@ class SecureRound(ButterflyAllReduce):
 def _aggregate_hash(env: SignedEnvelope, g: bytes) -> bytes | None:
     """The hash an aggregate commitment for group `g` binds (malformed declarations too), else None."""
     obj = decoded(env.payload, env.sender, None)
-    h = obj.get("h") if isinstance(obj, dict) and group_in(obj) == g else None
-    return h if isinstance(h, bytes) and len(h) == 32 else None
+    return declared_hash(obj) if group_in(obj) == g else None
 
 
 # --- the round's lying broadcasts (attack policies decide when) ----------------------

@@ -108,3 +108,9 @@ def malformed_part(part, size: int) -> bool:
     if not isinstance(part, torch.Tensor) or part.dtype != torch.float32 or tuple(part.shape) != (size,):
         return True
     return not bool(torch.isfinite(part).all())
+
+
+def declared_hash(obj: object) -> bytes | None:
+    """The aggregate hash a declaration binds, also when the rest of it is malformed; None if it binds none."""
+    h = obj.get("h") if isinstance(obj, dict) else None
+    return h if isinstance(h, bytes) and len(h) == 32 else None

@@ -50,7 +50,7 @@ from ...core.errors import PhalanxError
 from ...core.serialization import decode, digest, encode
 from ...transport.base import BROADCAST_TOPIC, Transport
 from .btard_judge import META_REASONS
-from .btard_messages import commit_in, decoded, group_in, meta_in, rcommit_in, report_in
+from .btard_messages import commit_in, declared_hash, decoded, group_in, meta_in, rcommit_in, report_in
 from .btard_state import RoundState, StepState
 from .btard_validate import committed_part, committed_parts, validate
 from .mprng import MPRNGConfig, MPRNGFailed, run_mprng
@@ -375,8 +375,7 @@ def _absorb(state: RoundState, st: StepState) -> None:
         obj = decoded(env.payload, peer, tr)
         if peer in st.group and peer not in st.rcommits and group_in(obj) == g:
             parsed = rcommit_in(obj, st.group)
-            h = obj.get("h") if parsed is None else None
-            if parsed is None and isinstance(h, bytes) and len(h) == 32:
+            if parsed is None and (h := declared_hash(obj)) is not None:
                 parsed = (h, [], {})  # a malformed declaration binds its hash, as in the gather
             if parsed is not None:
                 st.rcommits[peer] = parsed
