@@ -646,3 +646,28 @@ def test_a_download_that_ends_after_the_replica_caught_up_leaves_its_weights_alo
 
     got, word, same = run_simulation(main)
     assert got is None and same and word == m.answer(m.OK)  # before: the weights were replaced, the backward crashed
+
+
+def test_a_denied_microbatch_is_sent_again_as_soon_as_one_of_its_data_nodes_microbatches_finishes():
+    # 4 microbatches, 2 stage-1 slots (2 relays x capacity 1): two are denied and wait for a slot. Each is sent
+    # again the moment a microbatch of its data node finishes (its slots are free again), not a tenth of a
+    # COMPLETE timeout later (a stage that lost a banned replica waited 0.5 s per iteration for that).
+    config = PipelineRunConfig(
+        peers=5, data_nodes=1, steps=2,
+        train=TrainConfig(task="chars-gpt", optimizer="adam", lr=0.003, batch_size=4),
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=1),
+    )
+    summary = simulate_pipeline(config, progress=False)
+    assert [(m["completed"], m["deferred"]) for m in summary["metrics"]] == [(4, 0), (4, 0)]
+    ends = [mb["t_end"] for mb in summary["microbatches"]]
+    sends = sorted((e for e in summary["events"] if e["kind"] == "send" and e["stage"] == 0), key=lambda e: e["t0"])
+    denied: dict[tuple, float] = {}  # microbatch -> when its latest send was denied
+    waited = []  # sends of a microbatch that every stage-1 relay had denied: when they started
+    for e in sends:
+        key = (e["it"], e["seq"], e["att"])
+        if key in denied and abs(e["t0"] - denied[key]) > 1e-9:  # not the next relay tried at once
+            waited.append(e["t0"])
+        if e["answer"] == m.DENIED:
+            denied[key] = e["t1"]
+    assert len(waited) >= 2
+    assert all(any(abs(t - end) < 1e-9 for end in ends) for t in waited)

@@ -98,6 +98,7 @@ class DataNode(PipelineNode):
         self.placed = 0
         self._leading: set[int] = set()
         self._wake = asyncio.Event()  # a microbatch found no stage-1 peer: look at the stages again
+        self._freed = asyncio.Event()  # set (and replaced) when a microbatch of mine finishes: its slots are free
 
     def leader(self) -> str:
         return leader(self.data_nodes())
@@ -339,7 +340,7 @@ class DataNode(PipelineNode):
         return mb
 
     async def give_up(self, key: m.Key) -> None:
-        """Every stage-1 peer denied or failed: wait for one to free memory and retry; defer if none is
+        """Every stage-1 peer denied or failed: wait for one to free memory (`_freed`) and retry; defer if none is
         left, or at once under per-iteration slots (no slot frees before the next iteration)."""
         h = self.held.get(key)
         mb = self._live_mb(key)
@@ -352,7 +353,13 @@ class DataNode(PipelineNode):
             mb.done.set()
             return
         self._wake.set()
-        await asyncio.sleep(self.config.complete_timeout / 10)
+        # Retry once one of my microbatches finishes (its slots on every stage are free again: with one data
+        # node, as here, the slots a denied microbatch waits for), at the latest after a tenth of a COMPLETE
+        # timeout (another data node's microbatch may free them unseen).
+        try:
+            await asyncio.wait_for(self._freed.wait(), self.config.complete_timeout / 10)
+        except asyncio.TimeoutError:
+            pass
         if self.held.get(key) is h:
             h.excluded.clear()
             self.spawn(self.send_forward(key))
@@ -385,6 +392,8 @@ class DataNode(PipelineNode):
             return
         mb.path, mb.recomputed, mb.t_end, mb.outcome = carry.path, carry.recomputed, self.now(), "ok"
         mb.done.set()
+        self._freed.set()
+        self._freed = asyncio.Event()
 
     # --- SENTINEL (client-routed verification, bans) ------------------------------------
 
