@@ -7,6 +7,8 @@ from phalanx.benchmarks.secure_pipeline import (
     SecurePipelineConfig,
     attackers,
     format_table,
+    goals,
+    measure,
     read_rows,
     run_bench,
     run_config,
@@ -14,6 +16,7 @@ from phalanx.benchmarks.secure_pipeline import (
 )
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
+from phalanx.runs.dp.swarm import peer_identity
 
 
 def test_each_cell_sets_its_attackers_on_each_side():
@@ -50,3 +53,24 @@ def test_the_lying_replica_is_banned_alone_and_the_clean_run_bans_nobody(tmp_pat
     table = format_table(rows, config)
     assert "goal exact bans: met" in table and "goal no honest ban: met" in table
     assert read_rows(tmp_path / "runs.csv") == rows  # read_only=true tabulates what a run wrote
+
+
+def test_a_byzantine_relay_retired_before_its_attack_counts_as_removed_and_one_retired_after_it_as_a_miss():
+    # The all cell's seed 2: relay 0 (agg_shift from step 10) left at iteration 4 and its stage retired it
+    # (departed:unverifiable); refused on every join, it never lied. Relay 3 (honest) was retired at 15.
+    config = PRESETS["full"]()
+    run = run_config(config, "protocol", "secure", 2)
+    peer = {r: peer_identity(run.seed, run.data_nodes + r).peer_id for r in (0, 3)}
+
+    def summary(retired_at: int) -> dict:
+        events = [{"kind": "retire", "peer": peer[0], "step": retired_at}, {"kind": "retire", "peer": peer[3], "step": 15}]
+        return {"bans": [], "events": events, "metrics": [{"loss": 3.0}], "microbatches": [], "attacks": [],
+                "simulated_seconds": 1.0}
+
+    byzantine = attackers(config, "protocol", "secure")
+    early = measure(run, summary(4), byzantine)
+    assert (early["exact"], early["steps_to_ban"], early["retired"], early["honest_banned"]) == (True, "0:out", "0 3", 0)
+    late = measure(run, summary(12), byzantine)  # retired after it could lie: it escaped a ban by leaving
+    assert (late["exact"], late["steps_to_ban"]) == (False, "0:-")
+    rows = [{**early, "cell": "protocol", "side": "secure", "seed": 2}]
+    assert "honest relays retired (departed leaving a check unjudged): protocol/2: 3" in goals(rows)

@@ -20,7 +20,9 @@ attacker and drops the all-reduce liar (said in the table's footer).
 
 Per run: the final loss (the last iteration's mean train loss) against the clean run of the same side
 and seed; the banned set against the Byzantine set (relay indices); steps to ban (first ban iteration
-minus the attack's first iteration, per Byzantine relay); honest relays banned; simulated seconds, and
+minus the attack's first iteration, per Byzantine relay; `out` for one its stage retired before its attack
+began: it never lied, and counts as removed); honest relays banned; relays retired (departed leaving a
+check unjudged: out for good, not banned; honest ones are listed under the goals); simulated seconds, and
 for the secure side their ratio to the plain run of the same cell and to the plain clean run.
 Writes runs.csv and table.txt into the output directory and prints the table. Presets: quick (3 cells,
 1 seed, 24 iterations), full (every cell, 3 seeds, the preset's 40 iterations); `--set key=value`
@@ -157,16 +159,25 @@ def measure(run: PipelineRunConfig, summary: dict, byzantine: dict[int, tuple[st
         relay = relay_of.get(ban["peer"])
         if relay is not None:
             first_ban[relay] = min(first_ban.get(relay, ban["step"]), ban["step"])
+    retired: dict[int, int] = {}  # relay -> the step its stage retired it at (departed:unverifiable)
+    for e in summary["events"]:
+        relay = relay_of.get(e["peer"]) if e["kind"] == "retire" else None
+        if relay is not None:
+            retired[relay] = min(retired.get(relay, e["step"]), e["step"])
+    # A Byzantine relay its stage retired before its attack began never lied: nothing can ban it, and it is out of
+    # the run for good (refused on every join). It counts as removed, shown as `out` (churn took it first).
+    out_first = {r for r, (_, start) in byzantine.items() if r not in first_ban and retired.get(r, start) < start}
     losses = [m["loss"] for m in summary["metrics"] if m["loss"] is not None]
     mbs = summary["microbatches"]
     return {
         "final_loss": losses[-1] if losses else None,
         "byzantine": " ".join(map(str, sorted(byzantine))),
         "banned": " ".join(map(str, sorted(first_ban))),
-        "exact": set(first_ban) == set(byzantine),
-        "steps_to_ban": " ".join(f"{r}:{first_ban[r] - start}" if r in first_ban else f"{r}:-"
-                                 for r, (_, start) in sorted(byzantine.items())),
+        "exact": set(first_ban) | out_first == set(byzantine),
+        "steps_to_ban": " ".join(f"{r}:{first_ban[r] - start}" if r in first_ban else f"{r}:out" if r in out_first
+                                 else f"{r}:-" for r, (_, start) in sorted(byzantine.items())),
         "honest_banned": len(set(first_ban) - set(byzantine)),
+        "retired": " ".join(map(str, sorted(retired))),  # departed leaving a check unjudged: out, not banned
         # tensors (or all-reduce vectors) the link-attack relays tampered: 0 means the attacker never lied
         "tampered": sum(bool(a["tampered"]) for a in summary["attacks"]) if run.attack.name != "none" else None,
         "finished": sum(mb["outcome"] == "ok" for mb in mbs), "slots": len(mbs),
@@ -250,9 +261,11 @@ def format_table(rows: list[dict], config: SecurePipelineConfig) -> str:
         f"all: link + protocol at churn leave {config.leave_rate} / join {config.join_rate}",
         "loss %: final loss against the clean run of the same side and seed (clean secure: against clean plain); "
         "x plain: simulated time over the plain run of the same cell; x clean: over the plain clean run; "
-        "lies: tensors the link-attack relays tampered (0: the attacker was on no path; '-': no link attacker)",
+        "lies: tensors the link-attack relays tampered (0: the attacker was on no path; '-': no link attacker); "
+        "retired: relays a stage retired (departed leaving a check unjudged: out for good, not banned); "
+        "steps to ban 'out': a Byzantine relay retired before its attack began (it never lied; counted as removed)",
         f"{'cell':>8} {'seed':>4} | {'loss %':>7} {'byz':>5} {'lies':>5} {'banned':>9} {'exact':>5} {'steps to ban':>12} "
-        f"{'honest':>6} {'sim s':>7} {'x plain':>7} {'x clean':>7} | {'plain loss %':>12} {'lies':>5} {'banned':>7} {'sim s':>7}",
+        f"{'honest':>6} {'retired':>7} {'sim s':>7} {'x plain':>7} {'x clean':>7} | {'plain loss %':>12} {'lies':>5} {'banned':>7} {'sim s':>7}",
     ]
     for cell in CELLS:
         for seed in sorted({r["seed"] for r in rows}):
@@ -263,8 +276,9 @@ def format_table(rows: list[dict], config: SecurePipelineConfig) -> str:
             ref = cp if cell == "clean" else cs
             left = (f"{_pct(s['final_loss'], ref and ref['final_loss']):>7} {s['byzantine'] or '-':>5} {_lies(s):>5} {s['banned'] or '-':>9} "
                     f"{'yes' if s['exact'] else 'NO':>5} {s['steps_to_ban'] or '-':>12} {s['honest_banned']:>6} "
+                    f"{s.get('retired') or '-':>7} "
                     f"{s['simulated_seconds']:>7.1f} {_ratio(s['simulated_seconds'], p and p['simulated_seconds']):>7} "
-                    f"{_ratio(s['simulated_seconds'], cp and cp['simulated_seconds']):>7}") if s else f"{'-':>84}"
+                    f"{_ratio(s['simulated_seconds'], cp and cp['simulated_seconds']):>7}") if s else f"{'-':>92}"
             right = (f"{_pct(p['final_loss'], cp and cp['final_loss']):>12} {_lies(p):>5} {p['banned'] or '-':>7} "
                      f"{p['simulated_seconds']:>7.1f}") if p else "-"
             lines.append(f"{cell:>8} {seed:>4} | {left} | {right}")
@@ -294,7 +308,12 @@ def goals(rows: list[dict]) -> list[str]:
             missed["no honest ban"].append(name)
         if plain and r["simulated_seconds"] > 1.2 * plain["simulated_seconds"]:
             missed["overhead <= 1.2x plain"].append(name)
-    return [f"goal {goal}: {'met' if not cells else 'missed in ' + ', '.join(cells)}" for goal, cells in missed.items()]
+    lines = [f"goal {goal}: {'met' if not cells else 'missed in ' + ', '.join(cells)}" for goal, cells in missed.items()]
+    honest_out = [f"{r['cell']}/{r['seed']}: {' '.join(out)}" for r in secure
+                  if (out := sorted(set((r.get("retired") or "").split()) - set(r["byzantine"].split())))]
+    if honest_out:  # not bans (nothing proved them liars), but out of the run for good
+        lines.append(f"honest relays retired (departed leaving a check unjudged): {', '.join(honest_out)}")
+    return lines
 
 
 def run_cli(args: argparse.Namespace) -> int:
