@@ -22,6 +22,7 @@ from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline import messages as m
 from phalanx.runtime.pipeline.config import PipelineConfig
+from phalanx.runtime.pipeline.verifier import VerifierConfig
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
 
 
@@ -118,13 +119,19 @@ def test_swarm_backward_crash_restarts_from_the_data_node():
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
 
 
-def test_forward_crash_resends_to_another_next_stage_peer():
-    # relay 1 (stage 2) is dead from the start of iteration 1, before the membership view drops it
+@pytest.mark.parametrize("verifiers", [False, True])
+def test_forward_crash_resends_to_another_next_stage_peer(verifiers):
+    # relay 1 (stage 2) is dead from the start of iteration 1, before the membership view drops it. With
+    # boundary verifiers the sender gives up on it once it leaves the view too, not after the hop's own
+    # COMPLETE timeout (it answered DENIED after 4 s, so nothing counted as failed here).
     config = replace(_crash_config("swarm"), faults=ChurnConfig(crash_relay=1, crash_iteration=1, crash_at=0.0))
+    if verifiers:
+        config = replace(config, sentinel=VerifierConfig(enabled=True, placement="boundary"))
     summary = simulate_pipeline(config, progress=False)
     victim = summary["peer_ids"][config.data_nodes + 1]
-    failed = {(e["src"], e["seq"], e["att"]) for e in summary["events"]
-              if e["kind"] == "send" and e["to"] == victim and e["answer"] is None}
+    sends = [e for e in summary["events"] if e["kind"] == "send" and e["to"] == victim and e["it"] == 1]
+    failed = {(e["src"], e["seq"], e["att"]) for e in sends if e["answer"] is None}
+    assert all(e["t1"] - e["t0"] < config.pipeline.complete_timeout for e in sends if e["answer"] is None)
     it1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
     resent = [mb for mb in it1 if (mb["src"], mb["seq"], mb["att"]) in failed]
     assert resent, "no microbatch was sent to the dead relay"

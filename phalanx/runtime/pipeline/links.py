@@ -51,7 +51,9 @@ class Links:
         if via is None:
             pad = self.config.activation_bytes - c.tensor.numel() * c.tensor.element_size()
             return await self._ask(to, topic, c.to_bytes(pad))
-        return await self._ask(via, VIA_TOPIC, via_bytes(direction, to, c), 3 * self.config.complete_timeout)
+        # The hop waits out its own COMPLETE timeout on a receiver that left: watch the receiver too.
+        return await self._ask(via, VIA_TOPIC, via_bytes(direction, to, c), 3 * self.config.complete_timeout,
+                               watch=(to,) if to else ())
 
     def signed(self, direction: str, out: m.Carry, received: m.Carry, to: str) -> m.Carry:
         """`out` with this node's signed hop record appended to the records that came with `received`
@@ -90,9 +92,10 @@ class Links:
         """What this node sends for an outgoing activation or input gradient; honest nodes send it as it is."""
         return tensor
 
-    async def _request(self, peer: str, topic: str, payload: bytes, timeout: float) -> bytes:
-        """A request that gives up as soon as `peer` leaves the membership view (PeerUnreachable),
-        instead of waiting out the whole timeout on a peer that is gone."""
+    async def _request(self, peer: str, topic: str, payload: bytes, timeout: float, watch: tuple[str, ...] = ()) -> bytes:
+        """A request that gives up as soon as `peer`, or a peer in `watch` (the receiver behind a verifier
+        hop), leaves the membership view (PeerUnreachable naming it), instead of waiting out the whole
+        timeout on a peer that is gone."""
         task = asyncio.ensure_future(self.transport.request(peer, topic, payload, timeout))
         poll = self.config.complete_timeout / 10
         try:
@@ -100,23 +103,27 @@ class Links:
                 done, _ = await asyncio.wait({task}, timeout=poll)
                 if done:
                     return task.result()
-                if peer not in self.transport.members():
-                    raise PeerUnreachable(peer, "left the membership view while we waited")
+                members = self.transport.members()
+                gone = next((p for p in (peer, *watch) if p not in members), None)
+                if gone is not None:
+                    raise PeerUnreachable(gone, "left the membership view while we waited")
         finally:
             if not task.done():
                 task.cancel()
 
-    async def _ask(self, peer: str, topic: str, payload: bytes, timeout: float | None = None) -> str | None:
-        """Send a request and return the answer word; None when the peer timed out, failed or was unreachable."""
+    async def _ask(self, peer: str, topic: str, payload: bytes, timeout: float | None = None,
+                   watch: tuple[str, ...] = ()) -> str | None:
+        """Send a request and return the answer word; None when the peer (or a watched one) timed out, failed
+        or was unreachable."""
         try:
-            response = await self._request(peer, topic, payload, timeout or self.config.complete_timeout)
+            response = await self._request(peer, topic, payload, timeout or self.config.complete_timeout, watch)
             return m.parse_answer(response, peer, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
         except PeerTimeout:
             await self.suspect(peer)
-        except PeerUnreachable:
-            await self.suspect(peer)
+        except PeerUnreachable as exc:
+            await self.suspect(exc.peer if exc.peer in (peer, *watch) else peer)
         except PhalanxError as exc:
             log.debug("%s to %s failed: %s", topic, peer[:8], exc)
         return None
