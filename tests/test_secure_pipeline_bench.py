@@ -72,5 +72,10 @@ def test_a_byzantine_relay_retired_before_its_attack_counts_as_removed_and_one_r
     assert (early["exact"], early["steps_to_ban"], early["retired"], early["honest_banned"]) == (True, "0:out", "0 3", 0)
     late = measure(run, summary(12), byzantine)  # retired after it could lie: it escaped a ban by leaving
     assert (late["exact"], late["steps_to_ban"]) == (False, "0:-")
+    link = run_config(config, "link", "secure", 2)  # relay 4 was on no path from its start: it tampered nothing
+    idle = measure(link, summary(4), attackers(config, "link", "secure"))
+    assert (idle["exact"], idle["steps_to_ban"]) == (True, "4:idle")
+    lying = {**summary(4), "attacks": [{"peer": peer_identity(link.seed, link.data_nodes + 4).peer_id, "tampered": True}]}
+    assert measure(link, lying, attackers(config, "link", "secure"))["steps_to_ban"] == "4:-"
     rows = [{**early, "cell": "protocol", "side": "secure", "seed": 2}]
     assert "honest relays retired (departed leaving a check unjudged): protocol/2: 3" in goals(rows)

@@ -21,7 +21,8 @@ attacker and drops the all-reduce liar (said in the table's footer).
 Per run: the final loss (the last iteration's mean train loss) against the clean run of the same side
 and seed; the banned set against the Byzantine set (relay indices); steps to ban (first ban iteration
 minus the attack's first iteration, per Byzantine relay; `out` for one its stage retired before its attack
-began: it never lied, and counts as removed); honest relays banned; relays retired (departed leaving a
+began: it never lied, and counts as removed; `idle` for a link attacker that tampered no tensor: exact too);
+honest relays banned; relays retired (departed leaving a
 check unjudged: out for good, not banned; honest ones are listed under the goals); simulated seconds, and
 for the secure side their ratio to the plain run of the same cell and to the plain clean run.
 Writes runs.csv and table.txt into the output directory and prints the table. Presets: quick (3 cells,
@@ -167,15 +168,20 @@ def measure(run: PipelineRunConfig, summary: dict, byzantine: dict[int, tuple[st
     # A Byzantine relay its stage retired before its attack began never lied: nothing can ban it, and it is out of
     # the run for good (refused on every join). It counts as removed, shown as `out` (churn took it first).
     out_first = {r for r, (_, start) in byzantine.items() if r not in first_ban and retired.get(r, start) < start}
+    # Likewise a link attacker that tampered no tensor (routed on no path while its attack ran): shown as `idle`.
+    lied = {a["peer"] for a in summary["attacks"] if a["tampered"]}
+    peer_of = {r: p for p, r in relay_of.items()}
+    idle = {r for r, (role, _) in byzantine.items() if role == "link" and r not in set(first_ban) | out_first
+            and peer_of[r] not in lied}
     losses = [m["loss"] for m in summary["metrics"] if m["loss"] is not None]
     mbs = summary["microbatches"]
     return {
         "final_loss": losses[-1] if losses else None,
         "byzantine": " ".join(map(str, sorted(byzantine))),
         "banned": " ".join(map(str, sorted(first_ban))),
-        "exact": set(first_ban) | out_first == set(byzantine),
+        "exact": set(first_ban) | out_first | idle == set(byzantine),
         "steps_to_ban": " ".join(f"{r}:{first_ban[r] - start}" if r in first_ban else f"{r}:out" if r in out_first
-                                 else f"{r}:-" for r, (_, start) in sorted(byzantine.items())),
+                                 else f"{r}:idle" if r in idle else f"{r}:-" for r, (_, start) in sorted(byzantine.items())),
         "honest_banned": len(set(first_ban) - set(byzantine)),
         "retired": " ".join(map(str, sorted(retired))),  # departed leaving a check unjudged: out, not banned
         # tensors (or all-reduce vectors) the link-attack relays tampered: 0 means the attacker never lied
@@ -263,7 +269,8 @@ def format_table(rows: list[dict], config: SecurePipelineConfig) -> str:
         "x plain: simulated time over the plain run of the same cell; x clean: over the plain clean run; "
         "lies: tensors the link-attack relays tampered (0: the attacker was on no path; '-': no link attacker); "
         "retired: relays a stage retired (departed leaving a check unjudged: out for good, not banned); "
-        "steps to ban 'out': a Byzantine relay retired before its attack began (it never lied; counted as removed)",
+        "steps to ban 'out': a Byzantine relay retired before its attack began, 'idle': a link attacker that tampered "
+        "no tensor (neither lied: counted as exact)",
         f"{'cell':>8} {'seed':>4} | {'loss %':>7} {'byz':>5} {'lies':>5} {'banned':>9} {'exact':>5} {'steps to ban':>12} "
         f"{'honest':>6} {'retired':>7} {'sim s':>7} {'x plain':>7} {'x clean':>7} | {'plain loss %':>12} {'lies':>5} {'banned':>7} {'sim s':>7}",
     ]
