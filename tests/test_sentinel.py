@@ -598,3 +598,115 @@ def test_a_low_but_positive_align_is_evidence_about_the_input_not_a_flag_on_the_
             assert not any(v.flagged for v in framing) and verifier.convicted() == {"u", "byz"}
         reversed_ = gradient("reversed", "x", "v", 0.35, sign=-1.0)
         assert reversed_.flagged and reversed_.outside == ("align",) and reversed_.suspects == ("x",)
+
+
+def _stage_stream(gen: torch.Generator, center: torch.Tensor) -> torch.Tensor:
+    return center + 0.5 * torch.randn(4, 8, center.shape[0], generator=gen)
+
+
+def test_a_move_of_the_whole_stage_is_relearned_not_four_convictions_and_a_liar_in_it_is_still_caught():
+    """Recorded (25% seed 2, `adaptive`): at iteration 41 the link-1 verifier flagged all four stage-1 relays on
+    `sign` (0.125-0.22) with `scale` +0.27..+0.36 and banned them all (three honest): stage 1 had nobody left.
+    Replayed here: four replicas of a stage share its parameters; their outputs move together (10 of 64 features
+    change sign, the scale grows 1.35x). That is a change of the model: nobody is convicted, the fences relearn
+    (the stage's later tensors pass) and later odd tensors convict as before. A replica that sends zeros during
+    the move does not move with its stage and is convicted. Without the rule, replicas of the stage are convicted."""
+    for liar in (False, True):
+        gen = torch.Generator().manual_seed(41)
+        verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+        center = torch.linspace(-1.0, 1.0, 64) + 0.01
+        for i in range(48):
+            verifier.check_forward(1, f"r{i % 4}", i, _stage_stream(gen, center))
+        moved = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)  # sign 10/64 = 0.156
+        verdicts = []
+        for i in range(48, 80):
+            sender = f"r{i % 4}"
+            tensor = torch.zeros(4, 8, 64) if liar and sender == "r3" else _stage_stream(gen, moved)
+            verdicts.append(verifier.check_forward(1, sender, i, tensor))
+        assert any(v.flagged for v in verdicts[:4])  # the move is outside the fences at first
+        if not liar:
+            assert verifier.convicted() == frozenset() and verifier.banned() == frozenset()
+            assert any(v.reason == "drift" for v in verdicts)
+            assert not any(v.flagged for v in verdicts[-8:])  # relearned: the moved stage passes
+            for i in range(80, 86):  # an odd tensor after the move still convicts its sender
+                verifier.check_forward(1, "r0" if i % 2 else "r1", i, _stage_stream(gen, moved))
+                verifier.check_forward(1, "r2", 1000 + i, -_stage_stream(gen, moved))
+            assert verifier.banned() == {"r2"}
+        else:
+            assert verifier.banned() == {"r3"}
+            assert all(v.flagged for v in verdicts if v.worker == "r3")
+
+
+def test_flags_confined_to_a_minority_upstream_are_no_stage_drift():
+    """The adversary that knows the drift rule sits upstream: it feeds honest stage-2 replicas inputs that pass the
+    link-1 fences but make their outputs odd at link 2, so that most of stage 2 is flagged and the rule would
+    excuse everyone (itself included). The flags then fall only on microbatches through that one of the four
+    stage-1 senders: no drift, the strike rule convicts it, and the honest stage-2 replicas keep no strike."""
+    gen = torch.Generator().manual_seed(42)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    for i in range(48):
+        verifier.check_forward(2, f"s2r{i % 4}", i, _stage_stream(gen, center), upstream={1: f"s1r{(i // 4) % 4}"})
+    odd = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    verdicts = [verifier.check_forward(2, f"s2r{i % 4}", i, _stage_stream(gen, odd), upstream={1: "s1r0"})
+                for i in range(48, 52)]
+    assert all(v.flagged and v.reason == "fence" for v in verdicts[:3])
+    assert verifier.banned() == {"s1r0"}
+
+
+def test_a_resent_tensor_is_judged_once():
+    """Recorded (issue 18's churn run, seed 1): stage 2 stalled and every stage-1 relay resent its outputs to one
+    receiver after another, up to 24 times each, so the link's warm-up (200 tensors) held a dozen microbatches of
+    one model version and the first step after it flagged and convicted all four stage-1 replicas (iteration 4,
+    `swd`). A resend of the same tensor of the same microbatch gets the first verdict back and is not learned
+    again; a different tensor for the same microbatch is judged as new."""
+    gen = torch.Generator().manual_seed(43)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=32))
+    center = _center()
+    for i in range(12):
+        first = _honest(gen, center)
+        for _ in range(10):
+            verdict = verifier.check_forward(1, f"r{i % 4}", i, first)
+            assert verdict.reason == "warmup"
+    assert verifier.fences(1, FORWARD) is None  # 12 tensors, not 120: still warming up
+    for i in range(12, 50):
+        verifier.check_forward(1, f"r{i % 4}", i, _honest(gen, center))
+    bad = torch.full((4, 8, 16), 7.0)
+    once = verifier.check_forward(1, "r1", 60, bad)
+    again = verifier.check_forward(1, "r1", 60, bad.clone())
+    assert once.flagged and again.flagged and again.bans == ()
+    assert verifier.check_forward(1, "r1", 60, -bad).flagged  # another tensor: judged as new
+    assert verifier.banned() == frozenset()  # one microbatch, one strike
+
+
+def test_a_constant_output_against_a_varied_input_is_its_senders_own():
+    """Recorded (37.5% seed 1, `zeros`): an honest stage-1 relay fed two stage-2 attackers within an iteration; their
+    all-zero outputs were flagged (`sign, swd, scale`) and shared with it, three shares, and it was banned with them.
+    On an all-zero sketch ``align`` and ``bind`` are undefined, so the reversed-output rule did not apply. No input
+    makes a stage answer a constant: the flag is the sender's alone. A constant input (a substitute) excuses it."""
+    gen = torch.Generator().manual_seed(44)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=16, window=16, bind_projections=8))
+
+    def hop(mb, sender, link, inp, out, upstream=None):
+        verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
+        return verifier.check_forward(link, sender, mb, out, upstream=upstream)
+
+    for i in range(20):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(i, f"s1r{i % 4}", 1, x, block(x))
+        hop(i, f"s2r{i % 4}", 2, block(x), block(block(x)))
+    zeros = []
+    for mb, attacker in (("m0", "a"), ("m1", "b"), ("m2", "a")):
+        x = torch.randn(2, 32, 16, generator=gen)
+        assert not hop(mb, "up", 1, x, block(x)).flagged
+        zeros.append(hop(mb, attacker, 2, block(x), torch.zeros(2, 32, 16)))
+    assert all(v.flagged and v.suspects == (v.worker,) for v in zeros)
+    assert verifier.convicted() == frozenset()  # "up" holds no share; a has 2 strikes, b 1
+    assert hop("m3", "a", 2, block(torch.randn(2, 32, 16, generator=gen)), torch.zeros(2, 32, 16)).bans == ("a",)
+    constant_in = torch.ones(2, 32, 16)  # a stage fed a constant (the verifier's substitute) may answer one
+    x = torch.randn(2, 32, 16, generator=gen)
+    assert not hop("m4", "up2", 1, x, block(x)).flagged
+    excused = hop("m4", "c", 2, constant_in, torch.zeros(2, 32, 16))
+    assert excused.flagged and excused.suspects == ("c", "up2")

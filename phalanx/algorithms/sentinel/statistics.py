@@ -130,6 +130,7 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections import deque
 from collections.abc import Hashable, Mapping
@@ -433,8 +434,29 @@ def _scaled(name: str, value: float, config: SentinelConfig) -> float:
     return math.log(max(value, 1e-300))
 
 
+def _digest(tensor: Tensor) -> bytes | None:
+    """What identifies a resent tensor: a hash of its shape, dtype and bytes (None: not a tensor)."""
+    if not isinstance(tensor, Tensor):
+        return None
+    raw = tensor.detach().cpu().contiguous()
+    head = f"{tuple(raw.shape)}{raw.dtype}".encode()
+    return hashlib.blake2b(head + raw.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+
+
 # ---------------------------------------------------------------------------
 # the verifier's state machine
+
+
+@dataclass
+class _Judged:
+    """One tensor a track judged, as the stage-wide drift rule remembers it."""
+
+    worker: str
+    microbatch: Hashable
+    scaled: dict[str, float]  # its distances on the fenced scale
+    outside: tuple[str, ...]  # the distances that flagged it (empty: not flagged, or flagged as the sender's own)
+    path: dict[int, str]  # who else sent the microbatch forward, per link (not the sender's own stage)
+    forgiven: bool = False
 
 
 class _Track:
@@ -446,6 +468,7 @@ class _Track:
         self.proj: Tensor | None = None
         self.accepted = 0
         self.windows = {n: deque(maxlen=window) for n in names}
+        self.recent: deque[_Judged] = deque(maxlen=window)  # the last tensors judged, flagged or not
 
 
 class Sentinel:
@@ -470,6 +493,7 @@ class Sentinel:
         self._replaced: dict[Hashable, int] = {}  # microbatch -> backward link where a substitute was sent
         self._inputs: dict[Hashable, dict[tuple[int, str], Tensor]] = {}  # microbatch -> (stage, direction) -> sketch
         self._bind_proj: dict[int, Tensor] = {}  # features -> projection of the bind sketches
+        self._judged: dict[Hashable, dict[tuple[int, str, str], tuple[bytes, Verdict]]] = {}  # resends: see `_once`
 
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
@@ -486,7 +510,9 @@ class Sentinel:
         earlier links, for a verifier that did not see those links itself (one
         verifier per boundary); links it saw keep what it saw.
         """
-        self._learn_path(microbatch, upstream)
+        return self._once(link, FORWARD, worker, microbatch, tensor, upstream, self._judge_forward)
+
+    def _judge_forward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
         origin = self._tainted.get(microbatch)
         if origin is not None and link > origin[0]:
             return self._check_bound(link, worker, microbatch, tensor)
@@ -506,7 +532,9 @@ class Sentinel:
         are honest work on a tensor the verifier itself made. `upstream` as in
         `check_forward`.
         """
-        self._learn_path(microbatch, upstream)
+        return self._once(link, BACKWARD, worker, microbatch, tensor, upstream, self._judge_backward)
+
+    def _judge_backward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
         origin = self._tainted.get(microbatch)
         replaced = self._replaced.get(microbatch)
         # the gradient a worker computed from a substitute follows the momentum (a per-feature mean: about 18x
@@ -552,6 +580,7 @@ class Sentinel:
         self._replaced.pop(microbatch, None)
         self._paths.pop(microbatch, None)
         self._inputs.pop(microbatch, None)
+        self._judged.pop(microbatch, None)
 
     @property
     def binds(self) -> bool:
@@ -637,6 +666,25 @@ class Sentinel:
 
     # -- internals ---------------------------------------------------------
 
+    def _once(self, link: int, direction: str, worker: str, microbatch: Hashable, tensor: Tensor,
+              upstream: Mapping[int, str] | None, judge) -> Verdict:
+        """Judge a tensor once: a sender that sends the same tensor of the same microbatch over the same link
+        again (a delivery retried after the receiver refused or left) gets the first verdict back; nothing is
+        learned or struck twice. Measured (issue 18's churn run, seed 1): stage 2 stalled and every stage-1
+        relay resent its outputs up to 24 times, so the link's 200 warm-up tensors were a dozen microbatches of
+        one model version, the fences that narrow, and the first step after it flagged every replica of the
+        stage (all four convicted). A different tensor for the same microbatch is judged as new."""
+        self._learn_path(microbatch, upstream)
+        digest = _digest(tensor)
+        key = (link, direction, worker)
+        earlier = self._judged.get(microbatch, {}).get(key)
+        if digest is not None and earlier is not None and earlier[0] == digest and worker not in self._banned:
+            return dataclasses.replace(earlier[1], bans=(), convicted=())
+        verdict = judge(link, worker, microbatch, tensor)
+        if digest is not None and not (direction == BACKWARD and link == 0):  # link 0's backward ends the microbatch
+            self._judged.setdefault(microbatch, {})[key] = (digest, verdict)
+        return verdict
+
     def _learn_path(self, microbatch: Hashable, upstream: Mapping[int, str] | None) -> None:
         if upstream:
             path = self._paths.setdefault(microbatch, {})
@@ -662,16 +710,86 @@ class Sentinel:
         if track.accepted < self.config.warmup:
             if learn:
                 self._accept(track, direction, summary, dist)
+                self._remember(track, link, direction, worker, microbatch, dist, ())
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
         flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
+        own = flagged and (self._disowns_input(track, dist) or self._constant_against_input(link, direction, microbatch, tensor))
+        if learn:
+            judged = self._remember(track, link, direction, worker, microbatch, dist, outside if flagged and not own else ())
+            if judged.outside and self._stage_drift(track, judged):
+                # the stage moved, not this sender: relearn (accept the tensor), and the flags of the move are no evidence
+                self._accept(track, direction, summary, dist)
+                return self._strike(Verdict(link, direction, worker, microbatch, False, "drift", named, outside))
         corrected = not flagged and self._large_correction(track, dist)
         if learn and not flagged and not corrected and self._inner(track, dist):
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         # learn=False: the sender's own forward flag explains it
-        return self._strike(verdict, blame_upstream=learn, own=flagged and self._disowns_input(track, dist),
-                            upstream_only=learn and corrected)
+        return self._strike(verdict, blame_upstream=learn, own=own, upstream_only=learn and corrected)
+
+    def _remember(self, track: _Track, link: int, direction: str, worker: str, microbatch: Hashable,
+                  dist: dict[str, float], outside: tuple[str, ...]) -> _Judged:
+        own_link = link if direction == FORWARD else link + 1  # where the sender's stage sent it forward
+        path = {l: w for l, w in self._paths.get(microbatch, {}).items() if l != own_link and w != worker}
+        judged = _Judged(worker, microbatch, {n: _scaled(n, v, self.config) for n, v in dist.items()}, outside, path)
+        track.recent.append(judged)
+        return judged
+
+    def _stage_drift(self, track: _Track, judged: _Judged) -> bool:
+        """Whether a flagged tensor is part of a move of its whole stage (a change of the model), not a lie.
+
+        Honest majority per stage: more than half of a stage's replicas are honest and share its parameters,
+        so their outputs move together when the model (or the link's reference) moves, and a minority of liars
+        cannot make most of them look odd. Three conditions, all on this track's last `window` judged tensors:
+        (1) fence flags (not the sender's own: a reversed or unrelated output is never drift) fall on more than
+        half of the stage's live senders, at least two; (2) on every other link of the flagged microbatches'
+        paths they fall on more than half of that link's senders, at least two (flags confined to the
+        microbatches of a minority upstream are evidence about that minority: the strike rule handles them);
+        (3) the tensor's outside distances lie inside median fences (breakdown 50%) around the stage's latest
+        tensor per live sender: it moves with the majority of its stage, so a liar sending something else
+        during a move is still flagged. Measured: 25% seed 2 `adaptive`, the link-1 verifier flagged all four
+        stage-1 relays on `sign` within iteration 41 (3 honest) and banned them all."""
+        live = {j.worker: j for j in track.recent if j.worker not in self._convicted}  # latest tensor per sender
+        flagged = {j.worker for j in track.recent if j.outside and j.worker in live}
+        if len(flagged) < 2 or 2 * len(flagged) <= len(live):
+            return False
+        for link in {link for j in track.recent for link in j.path}:
+            senders = {j.path[link] for j in track.recent if link in j.path} - self._convicted
+            hit = {j.path[link] for j in track.recent if link in j.path and j.outside} - self._convicted
+            if len(senders) >= 2 and (len(hit) < 2 or 2 * len(hit) <= len(senders)):
+                return False
+        stage = self._stage_fences(track, live.values())
+        if not self._moves_with(stage, judged):
+            return False
+        self._forgive(track, stage)
+        return True
+
+    def _stage_fences(self, track: _Track, latest) -> dict[str, Fence]:
+        """Median fences (k, the usual IQR floors) around the latest tensor of each live sender, per distance."""
+        fences = {}
+        for name in self._names:
+            values = [j.scaled[name] for j in latest if name in j.scaled]
+            if len(values) >= 3:
+                fences[name] = median_fence(values, self.config.k, self._floor(track, name))
+        return fences
+
+    @staticmethod
+    def _moves_with(stage: dict[str, Fence], judged: _Judged) -> bool:
+        return all(n in stage and stage[n].contains(judged.scaled[n]) for n in judged.outside)
+
+    def _forgive(self, track: _Track, stage: dict[str, Fence]) -> None:
+        """The strikes this track's flags of the move gave (to their senders and the workers upstream) are
+        taken back: the flags that moved with the stage, not those of a sender that stood out."""
+        for judged in track.recent:
+            if not judged.outside or judged.forgiven or not self._moves_with(stage, judged):
+                continue
+            judged.forgiven = True
+            for worker, history in self._history.items():
+                for entry in history:
+                    if entry[0] == judged.microbatch and not entry[3] and (
+                            worker == judged.worker or judged.worker in entry[2]):
+                        entry[1], entry[2] = False, set()
 
     def _check_bound(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
         """An activation of a microbatch tainted upstream: the stage computed on a tampered input, so the
@@ -686,6 +804,8 @@ class Sentinel:
                 or worker in self._banned or not self._well_formed(track, tensor)):
             return tainted
         inp = self._inputs.get(microbatch, {}).get((link, FORWARD))
+        if self._constant_against_input(link, FORWARD, microbatch, tensor):
+            return self._strike(Verdict(link, FORWARD, worker, microbatch, True, "constant"), blame_upstream=False, own=True)
         bound = None if inp is None else binding(inp, self.sketch(tensor))
         if bound is None:
             return tainted
@@ -747,6 +867,28 @@ class Sentinel:
             return True
         return fenced("bind") and dist["bind"] > max(self.config.tainted_bind_floor, self._fence(track, "bind").high)
 
+    def _constant_against_input(self, link: int, direction: str, microbatch: Hashable, tensor: Tensor) -> bool:
+        """Whether the sender's output is constant over the microbatch's tokens (its centred sketch vanishes: an
+        all-zero or constant tensor) while what the verifiers delivered to its stage for this microbatch is not.
+        No input explains that: a residual stage passes its input's token structure on (its input gradient
+        likewise), and a stage fed a constant input (a substitute) is excluded. So such a flag is the sender's
+        own, wherever the stage sits (the head included: no crafted input makes it answer a constant).
+        Measured: 37.5% seed 1 `zeros`, two stage-2 attackers' zero outputs were shared with the honest stage-1
+        relay that fed them, three shares within an iteration, and it was banned with them; on an all-zero
+        sketch ``align`` and ``bind`` are not defined, so the rule for reversed outputs did not apply."""
+        if not self.binds:
+            return False
+        stage = link if direction == FORWARD else link + 1
+        inp = self._inputs.get(microbatch, {}).get((stage, direction))
+        if inp is None or inp.shape[0] < 2 or not isinstance(tensor, Tensor):
+            return False
+        out = self.sketch(tensor)
+        if out.shape != inp.shape:
+            return False
+        spread_in = (inp - inp.mean(dim=0, keepdim=True)).norm().item()
+        spread_out = (out - out.mean(dim=0, keepdim=True)).norm().item()
+        return math.isfinite(spread_in) and spread_in > 1e-30 and spread_out <= 1e-6 * spread_in
+
     def _large_correction(self, track: _Track, dist: dict[str, float]) -> bool:
         """``align`` below its fence but above `align_floor`: the stage's correction outweighs its pass-through,
         which an honest stage does now and then and an honest stage fed a shrunk input does often: evidence about
@@ -778,8 +920,11 @@ class Sentinel:
 
     def _fence(self, track: _Track, name: str, k: float | None = None) -> Fence:
         fence = median_fence if self.config.fence == "median" else tukey_fence
-        floor = 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
-        return fence(list(track.windows[name]), self.config.k if k is None else k, floor)
+        return fence(list(track.windows[name]), self.config.k if k is None else k, self._floor(track, name))
+
+    def _floor(self, track: _Track, name: str) -> float:
+        """The spread floor of a distance's fences: one feature's resolution for ``sign``, else `min_spread`."""
+        return 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
 
     def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False,
                 upstream_only: bool = False) -> Verdict:
