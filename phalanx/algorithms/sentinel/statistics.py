@@ -114,10 +114,27 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   and such flags also ban at `strikes` among the sender's last `own_window`
   (32) microbatches: an attacker that knows the strike rule (`budget`) keeps
   2 flags in every 8, and no input makes an honest stage reverse its output.
+  So is a constant output (its centred sketch vanishes: zeros) against an
+  input that is not constant: ``align`` and ``bind`` are undefined there, and
+  no input makes a stage answer a constant (37.5% `zeros`: an honest relay
+  upstream of two attackers was banned with them).
   The other way round, an ``align`` between `align_floor` and its fence (a
   large correction) flags no tensor and is a strike against the upstream
   workers alone. A gradient the flagged worker computed from a substitute
   is not judged (it follows the momentum, not honest traffic).
+* **Stage-wide drift.** Under the honest-majority-per-stage assumption the
+  replicas of a stage share its parameters, so when fence flags fall on more
+  than half of a stage's live senders at once (spread over a majority of
+  every other link's senders, so not explained by a minority upstream) and a
+  tensor moves with its stage (inside median fences around each live
+  sender's latest tensor), the model moved: the tensor is learned (reason
+  "drift"), and the strikes of the move are taken back. A verifier never
+  wipes out a stage that way (25% `adaptive`, seed 2: all four stage-1
+  relays were banned at once). A sender that stands out during a move
+  (zeros) is flagged as usual.
+* **Resends.** The same tensor of the same microbatch resent by the same
+  sender over the same link (a retried delivery) gets its first verdict back:
+  nothing is learned or struck twice (churn: resends filled a warm-up).
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
   checks of it downstream are on ``bind`` alone (above), and every gradient of
