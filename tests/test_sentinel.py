@@ -710,3 +710,28 @@ def test_a_constant_output_against_a_varied_input_is_its_senders_own():
     assert not hop("m4", "up2", 1, x, block(x)).flagged
     excused = hop("m4", "c", 2, constant_in, torch.zeros(2, 32, 16))
     assert excused.flagged and excused.suspects == ("c", "up2")
+
+
+def test_a_large_correction_after_an_input_seen_shrunk_is_evidence_about_the_upstream_alone():
+    """Recorded (37.5% seed 0, `adaptive`, after cb3ba64 made the sender share a large correction): an honest stage-2
+    relay's gradients showed large corrections (align 0.67, 0.40, 0.32, 0.18) on four microbatches whose inputs came
+    from three different stage-1 attackers, accepted at link 1 while shrunk (`scale` -0.21..-1.85); each attacker
+    collected one or two shares, the honest relay four, and it was banned. The verifier saw those inputs arrive
+    shrunk, so the correction is explained by them: the upstream workers alone. On inputs of normal scale the
+    sender still shares it (the reviewer's framing sender is still convicted)."""
+    gen = torch.Generator().manual_seed(45)
+    verifier = Sentinel(SentinelConfig(warmup=16, window=16, distances="align,scale", bind_projections=8))
+
+    def microbatch(mb, upstream: str, scale: float, sender: str, correction: float):
+        verifier.check_forward(1, upstream, mb, scale * torch.randn(4, 32, 16, generator=gen))
+        out_grad = torch.randn(4, 32, 16, generator=gen)
+        verifier.record_input(mb, 2, BACKWARD, verifier.sketch(out_grad))
+        return verifier.check_backward(1, sender, mb, out_grad + correction * torch.randn(4, 32, 16, generator=gen))
+
+    for i in range(24):  # honest inputs of any scale in [0.15, 1] (a wide `scale` fence), align about 0.94
+        microbatch(i, f"u{i % 4}", 0.15 + 0.85 * (i * 7 % 24) / 23, f"w{i % 4}", 0.35)
+    shrunk = [microbatch(("s", j), attacker, 0.2, "honest", 1.7) for j, attacker in enumerate("abac")]
+    assert not any(v.flagged for v in shrunk) and [v.suspects for v in shrunk] == [(a,) for a in "abac"]
+    assert "honest" not in verifier.convicted()
+    framing = [microbatch(("f", j), "u0", 1.0, "byz", 1.7) for j in range(3)]
+    assert [v.suspects for v in framing[:2]] == [("byz", "u0")] * 2 and verifier.convicted() == {"byz"}
