@@ -735,3 +735,191 @@ def test_a_large_correction_after_an_input_seen_shrunk_is_evidence_about_the_ups
     assert "honest" not in verifier.convicted()
     framing = [microbatch(("f", j), "u0", 1.0, "byz", 1.7) for j in range(3)]
     assert [v.suspects for v in framing[:2]] == [("byz", "u0")] * 2 and verifier.convicted() == {"byz"}
+
+
+def _warm_stage(verifier: Sentinel, replicas: int, count: int, gen: torch.Generator, center: torch.Tensor) -> int:
+    for i in range(count):
+        verifier.check_forward(1, f"r{i % replicas}", i, _stage_stream(gen, center))
+    return count
+
+
+def test_changed_resends_neither_flood_the_drift_rule_nor_teach_the_baseline():
+    """Review of session 20 (r1): two liars of five replicas resent one microbatch many times, each copy changed by
+    1e-6 (judged as new, one drift-window entry each), so the window's live senders shrank to them and one honest
+    replica; their sign-flipped tensors then passed as drift, the EMA turned to the attack, and the three honest
+    replicas were banned. Now a resend is never remembered or learned again (one entry per sender and microbatch,
+    and the stage size is the most senders the window ever held): the liars are banned, the EMA stays honest."""
+    gen = torch.Generator().manual_seed(7)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    mb = _warm_stage(verifier, 5, 60, gen, center)
+    for rnd in range(6):
+        for liar in ("r3", "r4"):
+            base = _stage_stream(gen, -center)
+            for k in range(24):
+                verifier.check_forward(1, liar, ("flood", liar, rnd), base + 1e-6 * k)
+        verifier.check_forward(1, f"r{rnd % 3}", mb, _stage_stream(gen, center))
+        for liar in ("r3", "r4"):
+            verifier.check_forward(1, liar, mb + 1, _stage_stream(gen, -center))
+            mb += 2
+    assert verifier.banned() == {"r3", "r4"}
+    assert torch.nn.functional.cosine_similarity(verifier.reference(1, FORWARD).mean, center, dim=0) > 0.9
+
+
+@pytest.mark.parametrize("replicas, liars", [(3, ("r2",)), (5, ("r3", "r4"))])
+def test_one_honest_false_flag_does_not_make_a_minority_a_move_of_the_stage(replicas, liars):
+    """Review of session 20 (r2): the liars counted themselves toward "more than half of the stage is flagged", so one
+    honest outlier in the window (one tensor at 1.6x) was all they needed (3 replicas with 1 liar, 5 with 2): their
+    tampered tensors (10 of 64 features flipped) were learned as drift and nobody was banned. Now the judged sender
+    never counts for itself and each other sender counts by its latest tensor: the liars are banned."""
+    gen = torch.Generator().manual_seed(3)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    bad = center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    mb = _warm_stage(verifier, replicas, 60, gen, center)
+    verdicts = []
+    for i in range(6 * replicas):
+        sender = f"r{i % replicas}"
+        tensor = _stage_stream(gen, bad) if sender in liars else (1.6 if i == 0 else 1.0) * _stage_stream(gen, center)
+        verdicts.append(verifier.check_forward(1, sender, mb + i, tensor))
+    assert not any(v.reason == "drift" for v in verdicts)
+    assert verifier.banned() == set(liars)
+
+
+def test_a_liar_in_the_stage_cannot_spread_its_flags_over_honest_upstream_senders_to_fake_a_move():
+    """Review of session 20 (r3): the upstream framer s1r0 makes two honest stage-2 replicas' outputs odd, and the
+    stage-2 liar s2r3 tampers microbatches that came through the three honest stage-1 senders, so the flagged
+    microbatches' upstream senders were a majority of stage 1: drift fired and s2r3's strikes were forgiven. Now an
+    upstream sender counts as hit only when it carried flagged microbatches of at least half of the stage's
+    distinct senders (two here): only s1r0 is; both liars are banned, the honest replicas are not."""
+    gen = torch.Generator().manual_seed(42)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    for i in range(48):
+        verifier.check_forward(2, f"s2r{i % 4}", i, _stage_stream(gen, center), upstream={1: f"s1r{(i // 4) % 4}"})
+    odd = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    mb, verdicts = 48, []
+    for rnd in range(4):
+        for sender, tensor, up in (("s2r0", odd, "s1r0"), ("s2r1", odd, "s1r0"),
+                                   ("s2r3", odd, f"s1r{1 + rnd % 3}"), ("s2r2", center, f"s1r{1 + rnd % 3}")):
+            verdicts.append(verifier.check_forward(2, sender, mb, _stage_stream(gen, tensor), upstream={1: up}))
+            mb += 1
+    assert not any(v.reason == "drift" for v in verdicts)
+    assert verifier.banned() == {"s1r0", "s2r3"}
+
+
+def _residual_setup(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=16, window=16, bind_projections=8))
+
+    def hop(mb, sender, link, inp, out):
+        verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
+        return verifier.check_forward(link, sender, mb, out)
+
+    for i in range(20):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(i, f"s1r{i % 4}", 1, x, block(x))
+        hop(i, f"s2r{i % 4}", 2, block(x), block(block(x)))
+    return gen, block, verifier, hop
+
+
+@pytest.mark.parametrize("shrink", ["zeros + 1e-5 noise", "zeros + 1e-3 noise", "1e-5 * input", "1e-3 * input"])
+def test_an_output_shrunk_to_almost_nothing_is_its_senders_own(shrink):
+    """Review of session 20 (r4): the constant rule fired only at a spread 1e-6 of the input's, so zeros plus 1e-5
+    noise, or 1e-3 times the input, were flagged on `swd, scale` and shared with the honest stage-1 relay that fed
+    the two stage-2 liars, which was banned in their place. An honest residual stage keeps its input's spread
+    (0.6-4); an output at 1e-2 of it or below is the sender's own."""
+    gen, block, verifier, hop = _residual_setup(44)
+    make = {"zeros + 1e-5 noise": lambda x: 1e-5 * torch.randn(x.shape, generator=gen),
+            "zeros + 1e-3 noise": lambda x: 1e-3 * torch.randn(x.shape, generator=gen),
+            "1e-5 * input": lambda x: 1e-5 * x, "1e-3 * input": lambda x: 1e-3 * x}[shrink]
+    verdicts = []
+    for mb, liar in (("m0", "a"), ("m1", "b"), ("m2", "a"), ("m3", "b")):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(mb, "up", 1, x, block(x))
+        verdicts.append(hop(mb, liar, 2, block(x), make(block(x))))
+    assert all(v.flagged and v.suspects == (v.worker,) for v in verdicts)
+    assert "up" not in verifier.convicted()
+
+
+def test_an_upstream_liar_cannot_frame_the_honest_head_with_inputs_that_differ_only_in_scale():
+    """Review of session 20 (r5b): the head is a LayerNorm then a linear map, and a LayerNorm ignores scale, so the
+    stage before it sent tokens a[b,t] * v (one direction, varied scales) once in four microbatches: the input
+    varies, the logits are the same for every token (spread 1e-11 of the input's at a ~ 1e4). The liar's tensor was
+    flagged (tainting the microbatch) and the constant-output rule then gave the honest head a strike of its own
+    each time: banned at the third. Now (1) on a tainted microbatch there is no such rule, and ``bind`` is not
+    measured on an output with no token structure left (the CKA of its rounding noise with the input is near 0,
+    bind 0.98); (2) on an untainted one (an input that passed, a ~ 1) the rule applies only where the output follows
+    the input, which the head's does not (align fence low -0.2): the head's flags stay shared, 2 in 8, no ban."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(32, 48, generator=gen) / 6
+
+    def head(t):  # LayerNorm, then the vocabulary projection
+        return ((t - t.mean(-1, keepdim=True)) / (t.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()) @ weight
+
+    direction = torch.randn(32, generator=gen)
+    verifier = Sentinel(SentinelConfig(warmup=16, window=16))
+    last = 3
+    for i in range(20):
+        x = torch.randn(4, 32, 32, generator=gen)
+        verifier.check_forward(last - 1, f"u{i % 3}", i, x)
+        verifier.record_input(i, last, FORWARD, verifier.sketch(x))
+        verifier.check_forward(last, f"h{i % 2}", i, head(x))
+    for tainted, scale in ((True, 1e4), (False, 1.0)):
+        framed = []
+        for j in range(16):
+            crafted = j % 4 == 0
+            x = (scale * (1 + torch.rand(4, 32, 1, generator=gen)) * direction if crafted
+                 else torch.randn(4, 32, 32, generator=gen))
+            mb = (tainted, j)
+            if tainted:  # the liar's tensor is judged (and flagged); else it passed and is only delivered
+                assert verifier.check_forward(last - 1, "liar", mb, x).flagged == crafted
+            verifier.record_input(mb, last, FORWARD, verifier.sketch(x))
+            verdict = verifier.check_forward(last, "h0", mb, head(x))
+            if crafted:
+                framed.append(verdict)
+        assert not tainted or not any(v.flagged for v in framed)
+        assert "h0" not in verifier.convicted()
+
+
+def test_a_changed_resend_of_a_microbatch_on_the_same_input_is_equivocation():
+    """Review of session 20: a different tensor for a microbatch already judged was judged as new, so a sender could
+    probe the fences with variants of one microbatch (and fill the drift window). An honest stage computes one output
+    per input: with the same input delivered, a changed resend is flagged against its sender alone
+    ("equivocation"), not learned. With another input delivered meanwhile (its upstream resent), it is judged
+    again, not learned."""
+    gen, block, verifier, hop = _residual_setup(46)
+    x = torch.randn(2, 32, 16, generator=gen)
+    first = hop("m", "s2r0", 2, block(x), block(block(x)))
+    assert not first.flagged
+    probe = verifier.check_forward(2, "s2r0", "m", block(block(x)) * 1.01)
+    assert probe.flagged and probe.reason == "equivocation" and probe.suspects == ("s2r0",)
+    accepted = verifier.fences(2, FORWARD)
+    x2 = torch.randn(2, 32, 16, generator=gen)
+    again = hop("m", "s2r0", 2, block(x2), block(block(x2)))  # another input: judged, not learned
+    assert not again.flagged and again.reason == "ok" and verifier.fences(2, FORWARD) == accepted
+
+
+def test_a_move_forgives_this_tracks_strikes_only():
+    """Review of session 20: deleting the forgiving left every test passing, and it wiped a worker's whole strike entry
+    of a microbatch, so under `data_node` placement (one verifier sees every link) a move seen forward also erased
+    a lie on that microbatch's gradient. Here r0 sends a zero gradient on the first microbatch of a move, r1 only
+    moves; both then send two zero outputs. r1's strike of the move is taken back (two strikes: kept), r0's gradient
+    lie is not (three: banned)."""
+    gen = torch.Generator().manual_seed(41)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    for i in range(48):
+        verifier.check_forward(1, f"r{i % 4}", i, _stage_stream(gen, center))
+        verifier.check_backward(0, f"r{i % 4}", i, 0.1 * _stage_stream(gen, center))
+    moved = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    assert verifier.check_forward(1, "r0", 48, _stage_stream(gen, moved)).flagged
+    assert verifier.check_backward(0, "r0", 48, torch.zeros(4, 8, 64)).flagged
+    verdicts = [verifier.check_forward(1, f"r{i % 4}", i, _stage_stream(gen, moved)) for i in range(49, 64)]
+    assert verdicts[0].flagged and any(v.reason == "drift" for v in verdicts)
+    for worker, base in (("r0", 100), ("r1", 200)):
+        for mb in (base, base + 1):
+            assert verifier.check_forward(1, worker, mb, torch.zeros(4, 8, 64)).flagged
+    assert verifier.banned() == {"r0"}

@@ -114,27 +114,38 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   and such flags also ban at `strikes` among the sender's last `own_window`
   (32) microbatches: an attacker that knows the strike rule (`budget`) keeps
   2 flags in every 8, and no input makes an honest stage reverse its output.
-  So is a constant output (its centred sketch vanishes: zeros) against an
-  input that is not constant: ``align`` and ``bind`` are undefined there, and
-  no input makes a stage answer a constant (37.5% `zeros`: an honest relay
-  upstream of two attackers was banned with them).
+  So is an output shrunk to nothing (its centred sketch spreads at most
+  1e-2 of its input's: zeros, zeros plus tiny noise, 1e-3 * x) on an
+  untainted microbatch, on a link whose output follows its input (``align``
+  fence above 0.2: residual stages, not the head, which a LayerNorm makes
+  answer one logit vector to tokens that differ only in scale): ``align``
+  and ``bind`` are undefined or blind there, and no delivered input makes a
+  residual stage cancel itself (37.5% `zeros`: an honest relay upstream of
+  two attackers was banned with them).
   The other way round, an ``align`` between `align_floor` and its fence (a
   large correction) flags no tensor and is a strike against the upstream
   workers alone. A gradient the flagged worker computed from a substitute
   is not judged (it follows the momentum, not honest traffic).
 * **Stage-wide drift.** Under the honest-majority-per-stage assumption the
-  replicas of a stage share its parameters, so when fence flags fall on more
-  than half of a stage's live senders at once (spread over a majority of
-  every other link's senders, so not explained by a minority upstream) and a
-  tensor moves with its stage (inside median fences around each live
-  sender's latest tensor), the model moved: the tensor is learned (reason
-  "drift"), and the strikes of the move are taken back. A verifier never
-  wipes out a stage that way (25% `adaptive`, seed 2: all four stage-1
-  relays were banned at once). A sender that stands out during a move
-  (zeros) is flagged as usual.
+  replicas of a stage share its parameters, so when the latest tensors of at
+  least half of a stage's other senders are fence-flagged (the judged sender
+  never counts for itself; the stage size is the most senders the window
+  ever held, so at least two honest replicas must be flagged at once), the
+  flags are spread over most of every other link's senders (each carrying
+  flagged microbatches of at least half the stage's distinct senders, so not
+  explained by a minority upstream nor faked by one liar), and a tensor
+  moves with its stage (inside median fences around the other senders'
+  latest tensors), the model moved: the tensor is judged "drift" (learned
+  only within `learn_k`), and this track's strikes of the move are taken
+  back. A verifier never wipes out a stage that way (25% `adaptive`, seed 2:
+  all four stage-1 relays were banned at once). A sender that stands out
+  during a move (zeros) is flagged as usual.
 * **Resends.** The same tensor of the same microbatch resent by the same
   sender over the same link (a retried delivery) gets its first verdict back:
-  nothing is learned or struck twice (churn: resends filled a warm-up).
+  nothing is learned or struck twice (churn: resends filled a warm-up). A
+  different tensor on the same delivered input is equivocation, flagged
+  against the sender alone; resends judged again (the input or taint
+  changed) are neither learned nor remembered by the drift rule.
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
   checks of it downstream are on ``bind`` alone (above), and every gradient of
@@ -454,6 +465,17 @@ def _scaled(name: str, value: float, config: SentinelConfig) -> float:
     if name not in MAGNITUDES or not config.log_fences:
         return value
     return math.log(max(value, 1e-300))
+
+
+def _spread_ratio(inp: Tensor, out: Tensor) -> float:
+    """The spread of an output's centred sketch over its input's (inf: not comparable, or an input with no spread)."""
+    if inp.shape != out.shape or inp.shape[0] < 2:
+        return math.inf
+    spread_in = (inp - inp.mean(dim=0, keepdim=True)).norm().item()
+    spread_out = (out - out.mean(dim=0, keepdim=True)).norm().item()
+    if not (math.isfinite(spread_in) and math.isfinite(spread_out)) or spread_in <= 1e-30:
+        return math.inf
+    return spread_out / spread_in
 
 
 def _same(a: Tensor | None, b: Tensor | None) -> bool:
@@ -920,7 +942,11 @@ class Sentinel:
                 or worker in self._banned or not self._well_formed(track, tensor)):
             return tainted
         inp = self._inputs.get(microbatch, {}).get((link, FORWARD))
-        bound = None if inp is None else binding(inp, self.sketch(tensor))
+        out = self.sketch(tensor)
+        # an output with (almost) no token structure left binds to nothing: on a tampered input that says nothing
+        # against the stage (the head fed tokens that differ only in scale answers one logit vector, and the CKA of
+        # its rounding noise with the input is near 0)
+        bound = None if inp is None or _spread_ratio(inp, out) <= SHRUNK_RATIO else binding(inp, out)
         if bound is None:
             return tainted
         dist = {"bind": bound}
@@ -1001,12 +1027,7 @@ class Sentinel:
         inp = self._given(link, direction, microbatch)
         if inp is None or inp.shape[0] < 2:
             return False
-        out = self.sketch(tensor)
-        if out.shape != inp.shape:
-            return False
-        spread_in = (inp - inp.mean(dim=0, keepdim=True)).norm().item()
-        spread_out = (out - out.mean(dim=0, keepdim=True)).norm().item()
-        return math.isfinite(spread_in) and spread_in > 1e-30 and spread_out <= SHRUNK_RATIO * spread_in
+        return _spread_ratio(inp, self.sketch(tensor)) <= SHRUNK_RATIO
 
     def _large_correction(self, track: _Track, dist: dict[str, float]) -> bool:
         """``align`` below its fence but above `align_floor`: the stage's correction outweighs its pass-through,
