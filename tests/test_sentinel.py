@@ -598,3 +598,328 @@ def test_a_low_but_positive_align_is_evidence_about_the_input_not_a_flag_on_the_
             assert not any(v.flagged for v in framing) and verifier.convicted() == {"u", "byz"}
         reversed_ = gradient("reversed", "x", "v", 0.35, sign=-1.0)
         assert reversed_.flagged and reversed_.outside == ("align",) and reversed_.suspects == ("x",)
+
+
+def _stage_stream(gen: torch.Generator, center: torch.Tensor) -> torch.Tensor:
+    return center + 0.5 * torch.randn(4, 8, center.shape[0], generator=gen)
+
+
+def test_a_move_of_the_whole_stage_is_relearned_not_four_convictions_and_a_liar_in_it_is_still_caught():
+    """Recorded (25% seed 2, `adaptive`): at iteration 41 the link-1 verifier flagged all four stage-1 relays on
+    `sign` (0.125-0.22) with `scale` +0.27..+0.36 and banned them all (three honest): stage 1 had nobody left.
+    Replayed here: four replicas of a stage share its parameters; their outputs move together (10 of 64 features
+    change sign, the scale grows 1.35x). That is a change of the model: nobody is convicted, the fences relearn
+    (the stage's later tensors pass) and later odd tensors convict as before. A replica that sends zeros during
+    the move does not move with its stage and is convicted. Without the rule, replicas of the stage are convicted."""
+    for liar in (False, True):
+        gen = torch.Generator().manual_seed(41)
+        verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+        center = torch.linspace(-1.0, 1.0, 64) + 0.01
+        for i in range(48):
+            verifier.check_forward(1, f"r{i % 4}", i, _stage_stream(gen, center))
+        moved = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)  # sign 10/64 = 0.156
+        verdicts = []
+        for i in range(48, 80):
+            sender = f"r{i % 4}"
+            tensor = torch.zeros(4, 8, 64) if liar and sender == "r3" else _stage_stream(gen, moved)
+            verdicts.append(verifier.check_forward(1, sender, i, tensor))
+        assert any(v.flagged for v in verdicts[:4])  # the move is outside the fences at first
+        if not liar:
+            assert verifier.convicted() == frozenset() and verifier.banned() == frozenset()
+            assert any(v.reason == "drift" for v in verdicts)
+            assert not any(v.flagged for v in verdicts[-8:])  # relearned: the moved stage passes
+            for i in range(80, 86):  # an odd tensor after the move still convicts its sender
+                verifier.check_forward(1, "r0" if i % 2 else "r1", i, _stage_stream(gen, moved))
+                verifier.check_forward(1, "r2", 1000 + i, -_stage_stream(gen, moved))
+            assert verifier.banned() == {"r2"}
+        else:
+            assert verifier.banned() == {"r3"}
+            assert all(v.flagged for v in verdicts if v.worker == "r3")
+
+
+def test_flags_confined_to_a_minority_upstream_are_no_stage_drift():
+    """The adversary that knows the drift rule sits upstream: it feeds honest stage-2 replicas inputs that pass the
+    link-1 fences but make their outputs odd at link 2, so that most of stage 2 is flagged and the rule would
+    excuse everyone (itself included). The flags then fall only on microbatches through that one of the four
+    stage-1 senders: no drift, the strike rule convicts it, and the honest stage-2 replicas keep no strike."""
+    gen = torch.Generator().manual_seed(42)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    for i in range(48):
+        verifier.check_forward(2, f"s2r{i % 4}", i, _stage_stream(gen, center), upstream={1: f"s1r{(i // 4) % 4}"})
+    odd = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    verdicts = [verifier.check_forward(2, f"s2r{i % 4}", i, _stage_stream(gen, odd), upstream={1: "s1r0"})
+                for i in range(48, 52)]
+    assert all(v.flagged and v.reason == "fence" for v in verdicts[:3])
+    assert verifier.banned() == {"s1r0"}
+
+
+def test_a_resent_tensor_is_judged_once():
+    """Recorded (issue 18's churn run, seed 1): stage 2 stalled and every stage-1 relay resent its outputs to one
+    receiver after another, up to 24 times each, so the link's warm-up (200 tensors) held a dozen microbatches of
+    one model version and the first step after it flagged and convicted all four stage-1 replicas (iteration 4,
+    `swd`). A resend of the same tensor of the same microbatch gets the first verdict back and is not learned
+    again; a different tensor for the same microbatch is judged as new."""
+    gen = torch.Generator().manual_seed(43)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=32))
+    center = _center()
+    for i in range(12):
+        first = _honest(gen, center)
+        for _ in range(10):
+            verdict = verifier.check_forward(1, f"r{i % 4}", i, first)
+            assert verdict.reason == "warmup"
+    assert verifier.fences(1, FORWARD) is None  # 12 tensors, not 120: still warming up
+    for i in range(12, 50):
+        verifier.check_forward(1, f"r{i % 4}", i, _honest(gen, center))
+    bad = torch.full((4, 8, 16), 7.0)
+    once = verifier.check_forward(1, "r1", 60, bad)
+    again = verifier.check_forward(1, "r1", 60, bad.clone())
+    assert once.flagged and again.flagged and again.bans == ()
+    assert verifier.check_forward(1, "r1", 60, -bad).flagged  # another tensor: judged as new
+    assert verifier.banned() == frozenset()  # one microbatch, one strike
+
+
+def test_a_constant_output_against_a_varied_input_is_its_senders_own():
+    """Recorded (37.5% seed 1, `zeros`): an honest stage-1 relay fed two stage-2 attackers within an iteration; their
+    all-zero outputs were flagged (`sign, swd, scale`) and shared with it, three shares, and it was banned with them.
+    On an all-zero sketch ``align`` and ``bind`` are undefined, so the reversed-output rule did not apply. No input
+    makes a stage answer a constant: the flag is the sender's alone. A constant input (a substitute) excuses it."""
+    gen = torch.Generator().manual_seed(44)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=16, window=16, bind_projections=8))
+
+    def hop(mb, sender, link, inp, out, upstream=None):
+        verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
+        return verifier.check_forward(link, sender, mb, out, upstream=upstream)
+
+    for i in range(20):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(i, f"s1r{i % 4}", 1, x, block(x))
+        hop(i, f"s2r{i % 4}", 2, block(x), block(block(x)))
+    zeros = []
+    for mb, attacker in (("m0", "a"), ("m1", "b"), ("m2", "a")):
+        x = torch.randn(2, 32, 16, generator=gen)
+        assert not hop(mb, "up", 1, x, block(x)).flagged
+        zeros.append(hop(mb, attacker, 2, block(x), torch.zeros(2, 32, 16)))
+    assert all(v.flagged and v.suspects == (v.worker,) for v in zeros)
+    assert verifier.convicted() == frozenset()  # "up" holds no share; a has 2 strikes, b 1
+    assert hop("m3", "a", 2, block(torch.randn(2, 32, 16, generator=gen)), torch.zeros(2, 32, 16)).bans == ("a",)
+    constant_in = torch.ones(2, 32, 16)  # a stage fed a constant (the verifier's substitute) may answer one
+    x = torch.randn(2, 32, 16, generator=gen)
+    assert not hop("m4", "up2", 1, x, block(x)).flagged
+    excused = hop("m4", "c", 2, constant_in, torch.zeros(2, 32, 16))
+    assert excused.flagged and excused.suspects == ("c", "up2")
+
+
+def test_a_large_correction_after_an_input_seen_shrunk_is_evidence_about_the_upstream_alone():
+    """Recorded (37.5% seed 0, `adaptive`, after cb3ba64 made the sender share a large correction): an honest stage-2
+    relay's gradients showed large corrections (align 0.67, 0.40, 0.32, 0.18) on four microbatches whose inputs came
+    from three different stage-1 attackers, accepted at link 1 while shrunk (`scale` -0.21..-1.85); each attacker
+    collected one or two shares, the honest relay four, and it was banned. The verifier saw those inputs arrive
+    shrunk, so the correction is explained by them: the upstream workers alone. On inputs of normal scale the
+    sender still shares it (the reviewer's framing sender is still convicted)."""
+    gen = torch.Generator().manual_seed(45)
+    verifier = Sentinel(SentinelConfig(warmup=16, window=16, distances="align,scale", bind_projections=8))
+
+    def microbatch(mb, upstream: str, scale: float, sender: str, correction: float):
+        verifier.check_forward(1, upstream, mb, scale * torch.randn(4, 32, 16, generator=gen))
+        out_grad = torch.randn(4, 32, 16, generator=gen)
+        verifier.record_input(mb, 2, BACKWARD, verifier.sketch(out_grad))
+        return verifier.check_backward(1, sender, mb, out_grad + correction * torch.randn(4, 32, 16, generator=gen))
+
+    for i in range(24):  # honest inputs of any scale in [0.15, 1] (a wide `scale` fence), align about 0.94
+        microbatch(i, f"u{i % 4}", 0.15 + 0.85 * (i * 7 % 24) / 23, f"w{i % 4}", 0.35)
+    shrunk = [microbatch(("s", j), attacker, 0.2, "honest", 1.7) for j, attacker in enumerate("abac")]
+    assert not any(v.flagged for v in shrunk) and [v.suspects for v in shrunk] == [(a,) for a in "abac"]
+    assert "honest" not in verifier.convicted()
+    framing = [microbatch(("f", j), "u0", 1.0, "byz", 1.7) for j in range(3)]
+    assert [v.suspects for v in framing[:2]] == [("byz", "u0")] * 2 and verifier.convicted() == {"byz"}
+
+
+def _warm_stage(verifier: Sentinel, replicas: int, count: int, gen: torch.Generator, center: torch.Tensor) -> int:
+    for i in range(count):
+        verifier.check_forward(1, f"r{i % replicas}", i, _stage_stream(gen, center))
+    return count
+
+
+def test_changed_resends_neither_flood_the_drift_rule_nor_teach_the_baseline():
+    """Review of session 20 (r1): two liars of five replicas resent one microbatch many times, each copy changed by
+    1e-6 (judged as new, one drift-window entry each), so the window's live senders shrank to them and one honest
+    replica; their sign-flipped tensors then passed as drift, the EMA turned to the attack, and the three honest
+    replicas were banned. Now a resend is never remembered or learned again (one entry per sender and microbatch,
+    and the stage size is the most senders the window ever held): the liars are banned, the EMA stays honest."""
+    gen = torch.Generator().manual_seed(7)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    mb = _warm_stage(verifier, 5, 60, gen, center)
+    for rnd in range(6):
+        for liar in ("r3", "r4"):
+            base = _stage_stream(gen, -center)
+            for k in range(24):
+                verifier.check_forward(1, liar, ("flood", liar, rnd), base + 1e-6 * k)
+        verifier.check_forward(1, f"r{rnd % 3}", mb, _stage_stream(gen, center))
+        for liar in ("r3", "r4"):
+            verifier.check_forward(1, liar, mb + 1, _stage_stream(gen, -center))
+            mb += 2
+    assert verifier.banned() == {"r3", "r4"}
+    assert torch.nn.functional.cosine_similarity(verifier.reference(1, FORWARD).mean, center, dim=0) > 0.9
+
+
+@pytest.mark.parametrize("replicas, liars", [(3, ("r2",)), (5, ("r3", "r4"))])
+def test_one_honest_false_flag_does_not_make_a_minority_a_move_of_the_stage(replicas, liars):
+    """Review of session 20 (r2): the liars counted themselves toward "more than half of the stage is flagged", so one
+    honest outlier in the window (one tensor at 1.6x) was all they needed (3 replicas with 1 liar, 5 with 2): their
+    tampered tensors (10 of 64 features flipped) were learned as drift and nobody was banned. Now the judged sender
+    never counts for itself and each other sender counts by its latest tensor: the liars are banned."""
+    gen = torch.Generator().manual_seed(3)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    bad = center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    mb = _warm_stage(verifier, replicas, 60, gen, center)
+    verdicts = []
+    for i in range(6 * replicas):
+        sender = f"r{i % replicas}"
+        tensor = _stage_stream(gen, bad) if sender in liars else (1.6 if i == 0 else 1.0) * _stage_stream(gen, center)
+        verdicts.append(verifier.check_forward(1, sender, mb + i, tensor))
+    assert not any(v.reason == "drift" for v in verdicts)
+    assert verifier.banned() == set(liars)
+
+
+def test_a_liar_in_the_stage_cannot_spread_its_flags_over_honest_upstream_senders_to_fake_a_move():
+    """Review of session 20 (r3): the upstream framer s1r0 makes two honest stage-2 replicas' outputs odd, and the
+    stage-2 liar s2r3 tampers microbatches that came through the three honest stage-1 senders, so the flagged
+    microbatches' upstream senders were a majority of stage 1: drift fired and s2r3's strikes were forgiven. Now an
+    upstream sender counts as hit only when it carried flagged microbatches of at least half of the stage's
+    distinct senders (two here): only s1r0 is; both liars are banned, the honest replicas are not."""
+    gen = torch.Generator().manual_seed(42)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    for i in range(48):
+        verifier.check_forward(2, f"s2r{i % 4}", i, _stage_stream(gen, center), upstream={1: f"s1r{(i // 4) % 4}"})
+    odd = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    mb, verdicts = 48, []
+    for rnd in range(4):
+        for sender, tensor, up in (("s2r0", odd, "s1r0"), ("s2r1", odd, "s1r0"),
+                                   ("s2r3", odd, f"s1r{1 + rnd % 3}"), ("s2r2", center, f"s1r{1 + rnd % 3}")):
+            verdicts.append(verifier.check_forward(2, sender, mb, _stage_stream(gen, tensor), upstream={1: up}))
+            mb += 1
+    assert not any(v.reason == "drift" for v in verdicts)
+    assert verifier.banned() == {"s1r0", "s2r3"}
+
+
+def _residual_setup(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=16, window=16, bind_projections=8))
+
+    def hop(mb, sender, link, inp, out):
+        verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
+        return verifier.check_forward(link, sender, mb, out)
+
+    for i in range(20):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(i, f"s1r{i % 4}", 1, x, block(x))
+        hop(i, f"s2r{i % 4}", 2, block(x), block(block(x)))
+    return gen, block, verifier, hop
+
+
+@pytest.mark.parametrize("shrink", ["zeros + 1e-5 noise", "zeros + 1e-3 noise", "1e-5 * input", "1e-3 * input"])
+def test_an_output_shrunk_to_almost_nothing_is_its_senders_own(shrink):
+    """Review of session 20 (r4): the constant rule fired only at a spread 1e-6 of the input's, so zeros plus 1e-5
+    noise, or 1e-3 times the input, were flagged on `swd, scale` and shared with the honest stage-1 relay that fed
+    the two stage-2 liars, which was banned in their place. An honest residual stage keeps its input's spread
+    (0.6-4); an output at 1e-2 of it or below is the sender's own."""
+    gen, block, verifier, hop = _residual_setup(44)
+    make = {"zeros + 1e-5 noise": lambda x: 1e-5 * torch.randn(x.shape, generator=gen),
+            "zeros + 1e-3 noise": lambda x: 1e-3 * torch.randn(x.shape, generator=gen),
+            "1e-5 * input": lambda x: 1e-5 * x, "1e-3 * input": lambda x: 1e-3 * x}[shrink]
+    verdicts = []
+    for mb, liar in (("m0", "a"), ("m1", "b"), ("m2", "a"), ("m3", "b")):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(mb, "up", 1, x, block(x))
+        verdicts.append(hop(mb, liar, 2, block(x), make(block(x))))
+    assert all(v.flagged and v.suspects == (v.worker,) for v in verdicts)
+    assert "up" not in verifier.convicted()
+
+
+def test_an_upstream_liar_cannot_frame_the_honest_head_with_inputs_that_differ_only_in_scale():
+    """Review of session 20 (r5b): the head is a LayerNorm then a linear map, and a LayerNorm ignores scale, so the
+    stage before it sent tokens a[b,t] * v (one direction, varied scales) once in four microbatches: the input
+    varies, the logits are the same for every token (spread 1e-11 of the input's at a ~ 1e4). The liar's tensor was
+    flagged (tainting the microbatch) and the constant-output rule then gave the honest head a strike of its own
+    each time: banned at the third. Now (1) on a tainted microbatch there is no such rule, and ``bind`` is not
+    measured on an output with no token structure left (the CKA of its rounding noise with the input is near 0,
+    bind 0.98); (2) on an untainted one (an input that passed, a ~ 1) the rule applies only where the output follows
+    the input, which the head's does not (align fence low -0.2): the head's flags stay shared, 2 in 8, no ban."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(32, 48, generator=gen) / 6
+
+    def head(t):  # LayerNorm, then the vocabulary projection
+        return ((t - t.mean(-1, keepdim=True)) / (t.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()) @ weight
+
+    direction = torch.randn(32, generator=gen)
+    verifier = Sentinel(SentinelConfig(warmup=16, window=16))
+    last = 3
+    for i in range(20):
+        x = torch.randn(4, 32, 32, generator=gen)
+        verifier.check_forward(last - 1, f"u{i % 3}", i, x)
+        verifier.record_input(i, last, FORWARD, verifier.sketch(x))
+        verifier.check_forward(last, f"h{i % 2}", i, head(x))
+    for tainted, scale in ((True, 1e4), (False, 1.0)):
+        framed = []
+        for j in range(16):
+            crafted = j % 4 == 0
+            x = (scale * (1 + torch.rand(4, 32, 1, generator=gen)) * direction if crafted
+                 else torch.randn(4, 32, 32, generator=gen))
+            mb = (tainted, j)
+            if tainted:  # the liar's tensor is judged (and flagged); else it passed and is only delivered
+                assert verifier.check_forward(last - 1, "liar", mb, x).flagged == crafted
+            verifier.record_input(mb, last, FORWARD, verifier.sketch(x))
+            verdict = verifier.check_forward(last, "h0", mb, head(x))
+            if crafted:
+                framed.append(verdict)
+        assert not tainted or not any(v.flagged for v in framed)
+        assert "h0" not in verifier.convicted()
+
+
+def test_a_changed_resend_of_a_microbatch_on_the_same_input_is_equivocation():
+    """Review of session 20: a different tensor for a microbatch already judged was judged as new, so a sender could
+    probe the fences with variants of one microbatch (and fill the drift window). An honest stage computes one output
+    per input: with the same input delivered, a changed resend is flagged against its sender alone
+    ("equivocation"), not learned. With another input delivered meanwhile (its upstream resent), it is judged
+    again, not learned."""
+    gen, block, verifier, hop = _residual_setup(46)
+    x = torch.randn(2, 32, 16, generator=gen)
+    first = hop("m", "s2r0", 2, block(x), block(block(x)))
+    assert not first.flagged
+    probe = verifier.check_forward(2, "s2r0", "m", block(block(x)) * 1.01)
+    assert probe.flagged and probe.reason == "equivocation" and probe.suspects == ("s2r0",)
+    accepted = verifier.fences(2, FORWARD)
+    x2 = torch.randn(2, 32, 16, generator=gen)
+    again = hop("m", "s2r0", 2, block(x2), block(block(x2)))  # another input: judged, not learned
+    assert not again.flagged and again.reason == "ok" and verifier.fences(2, FORWARD) == accepted
+
+
+def test_a_move_forgives_this_tracks_strikes_only():
+    """Review of session 20: deleting the forgiving left every test passing, and it wiped a worker's whole strike entry
+    of a microbatch, so under `data_node` placement (one verifier sees every link) a move seen forward also erased
+    a lie on that microbatch's gradient. Here r0 sends a zero gradient on the first microbatch of a move, r1 only
+    moves; both then send two zero outputs. r1's strike of the move is taken back (two strikes: kept), r0's gradient
+    lie is not (three: banned)."""
+    gen = torch.Generator().manual_seed(41)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    for i in range(48):
+        verifier.check_forward(1, f"r{i % 4}", i, _stage_stream(gen, center))
+        verifier.check_backward(0, f"r{i % 4}", i, 0.1 * _stage_stream(gen, center))
+    moved = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    assert verifier.check_forward(1, "r0", 48, _stage_stream(gen, moved)).flagged
+    assert verifier.check_backward(0, "r0", 48, torch.zeros(4, 8, 64)).flagged
+    verdicts = [verifier.check_forward(1, f"r{i % 4}", i, _stage_stream(gen, moved)) for i in range(49, 64)]
+    assert verdicts[0].flagged and any(v.reason == "drift" for v in verdicts)
+    for worker, base in (("r0", 100), ("r1", 200)):
+        for mb in (base, base + 1):
+            assert verifier.check_forward(1, worker, mb, torch.zeros(4, 8, 64)).flagged
+    assert verifier.banned() == {"r0"}

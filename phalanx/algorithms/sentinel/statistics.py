@@ -114,10 +114,38 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   and such flags also ban at `strikes` among the sender's last `own_window`
   (32) microbatches: an attacker that knows the strike rule (`budget`) keeps
   2 flags in every 8, and no input makes an honest stage reverse its output.
+  So is an output shrunk to nothing (its centred sketch spreads at most
+  1e-2 of its input's: zeros, zeros plus tiny noise, 1e-3 * x) on an
+  untainted microbatch, on a link whose output follows its input (``align``
+  fence above 0.2: residual stages, not the head, which a LayerNorm makes
+  answer one logit vector to tokens that differ only in scale): ``align``
+  and ``bind`` are undefined or blind there, and no delivered input makes a
+  residual stage cancel itself (37.5% `zeros`: an honest relay upstream of
+  two attackers was banned with them).
   The other way round, an ``align`` between `align_floor` and its fence (a
   large correction) flags no tensor and is a strike against the upstream
   workers alone. A gradient the flagged worker computed from a substitute
   is not judged (it follows the momentum, not honest traffic).
+* **Stage-wide drift.** Under the honest-majority-per-stage assumption the
+  replicas of a stage share its parameters, so when the latest tensors of at
+  least half of a stage's other senders are fence-flagged (the judged sender
+  never counts for itself; the stage size is the most senders the window
+  ever held, so at least two honest replicas must be flagged at once), the
+  flags are spread over most of every other link's senders (each carrying
+  flagged microbatches of at least half the stage's distinct senders, so not
+  explained by a minority upstream nor faked by one liar), and a tensor
+  moves with its stage (inside median fences around the other senders'
+  latest tensors), the model moved: the tensor is judged "drift" (learned
+  only within `learn_k`), and this track's strikes of the move are taken
+  back. A verifier never wipes out a stage that way (25% `adaptive`, seed 2:
+  all four stage-1 relays were banned at once). A sender that stands out
+  during a move (zeros) is flagged as usual.
+* **Resends.** The same tensor of the same microbatch resent by the same
+  sender over the same link (a retried delivery) gets its first verdict back:
+  nothing is learned or struck twice (churn: resends filled a warm-up). A
+  different tensor on the same delivered input is equivocation, flagged
+  against the sender alone; resends judged again (the input or taint
+  changed) are neither learned nor remembered by the drift rule.
 * **Response.** Forward, the tensor is passed on unchanged (the pipeline keeps
   moving, as in the paper's figure 5) and the microbatch is tainted: later
   checks of it downstream are on ``bind`` alone (above), and every gradient of
@@ -130,6 +158,7 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections import deque
 from collections.abc import Hashable, Mapping
@@ -150,6 +179,10 @@ FORWARD, BACKWARD = "forward", "backward"
 
 
 OWN_ALIGN_BASELINE = 0.2  # a flag is the sender's own only on a link whose align fence stays above this (review, session 18)
+# an output whose centred sketch spreads less than this fraction of its input's is "shrunk to nothing": no honest residual
+# stage does that (measured: 0.6-4 on the GPT's block stages, both directions), an attacker's zeros or 1e-3 * x does
+SHRUNK_RATIO = 1e-2
+SHRUNK_INPUT = -0.2  # ``scale`` of a stage's input (log) below which its large correction is explained by it (c < 0.82)
 
 @dataclass(frozen=True)
 class SentinelConfig:
@@ -179,6 +212,7 @@ class SentinelConfig:
     fence: str = "tukey"  # tukey: [Q1 - k*IQR, Q3 + k*IQR]; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%, not 25%)
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
+    remembered: int = 4096  # microbatches whose first verdicts are kept for resends (oldest dropped first)
 
     def __post_init__(self) -> None:
         for key in ("beta_h", "beta_g"):
@@ -213,7 +247,7 @@ class SentinelConfig:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be in [-1, 1] (a cosine)")
         if not 0.0 <= self.min_spread < 1.0:
             raise ConfigError(f"sentinel.min_spread={self.min_spread} must be in [0, 1)")
-        for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window", "own_window"):
+        for key in ("projections", "bind_projections", "quantiles", "strikes", "strike_window", "own_window", "remembered"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"sentinel.{key}={getattr(self, key)} must be >= 1")
         if self.strikes > self.strike_window:
@@ -433,19 +467,68 @@ def _scaled(name: str, value: float, config: SentinelConfig) -> float:
     return math.log(max(value, 1e-300))
 
 
+def _spread_ratio(inp: Tensor, out: Tensor) -> float:
+    """The spread of an output's centred sketch over its input's (inf: not comparable, or an input with no spread)."""
+    if inp.shape != out.shape or inp.shape[0] < 2:
+        return math.inf
+    spread_in = (inp - inp.mean(dim=0, keepdim=True)).norm().item()
+    spread_out = (out - out.mean(dim=0, keepdim=True)).norm().item()
+    if not (math.isfinite(spread_in) and math.isfinite(spread_out)) or spread_in <= 1e-30:
+        return math.inf
+    return spread_out / spread_in
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether two recorded input sketches are the same (both missing counts as the same)."""
+    return a is b or (a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b)))
+
+
+def _digest(tensor: Tensor) -> bytes | None:
+    """What identifies a resent tensor: a hash of its shape, dtype and bytes (None: not a tensor)."""
+    if not isinstance(tensor, Tensor):
+        return None
+    raw = tensor.detach().cpu().contiguous()
+    head = f"{tuple(raw.shape)}{raw.dtype}".encode()
+    return hashlib.blake2b(head + raw.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+
+
 # ---------------------------------------------------------------------------
 # the verifier's state machine
+
+
+@dataclass
+class _Judged:
+    """One tensor a track judged, as the stage-wide drift rule remembers it."""
+
+    worker: str
+    microbatch: Hashable
+    scaled: dict[str, float]  # its distances on the fenced scale
+    outside: tuple[str, ...]  # the distances that flagged it (empty: not flagged, or flagged as the sender's own)
+    path: dict[int, str]  # who else sent the microbatch forward, per link (not the sender's own stage)
+    forgiven: bool = False
+
+
+@dataclass(frozen=True)
+class _First:
+    """The first judgement of a sender's tensor of a microbatch over a link, and what it was judged against."""
+
+    digest: bytes
+    verdict: Verdict
+    given: Tensor | None  # the sketch of the input the verifiers had delivered to the sender's stage (None: none)
+    taint: tuple[int, str] | None  # the microbatch's forward flag at the time
 
 
 class _Track:
     """EMA, projections and distance windows of one link and direction."""
 
-    def __init__(self, names: tuple[str, ...], window: int, direction: str) -> None:
-        self.direction = direction
+    def __init__(self, names: tuple[str, ...], window: int, link: int, direction: str) -> None:
+        self.link, self.direction = link, direction
         self.ref: Summary | None = None
         self.proj: Tensor | None = None
         self.accepted = 0
         self.windows = {n: deque(maxlen=window) for n in names}
+        self.recent: deque[_Judged] = deque(maxlen=window)  # the last tensors judged, one per (sender, microbatch)
+        self.peak: frozenset[str] = frozenset()  # the most senders `recent` ever held: flooding cannot shrink the stage
 
 
 class Sentinel:
@@ -462,7 +545,8 @@ class Sentinel:
         self.config = config or SentinelConfig()
         self._names = self.config.distance_names
         self._tracks: dict[tuple[int, str], _Track] = {}
-        self._history: dict[str, deque[list]] = {}  # worker -> [microbatch, flagged, co-suspects] of its last microbatches
+        # worker -> [microbatch, flagged, co-suspects, own, (link, direction) of the flags] of its last microbatches
+        self._history: dict[str, deque[list]] = {}
         self._paths: dict[Hashable, dict[int, str]] = {}  # microbatch -> forward sender per link
         self._banned: set[str] = set()
         self._convicted: set[str] = set()  # reached the strike rule (banned, or only reported in detect-only mode)
@@ -470,6 +554,8 @@ class Sentinel:
         self._replaced: dict[Hashable, int] = {}  # microbatch -> backward link where a substitute was sent
         self._inputs: dict[Hashable, dict[tuple[int, str], Tensor]] = {}  # microbatch -> (stage, direction) -> sketch
         self._bind_proj: dict[int, Tensor] = {}  # features -> projection of the bind sketches
+        self._judged: dict[Hashable, dict[tuple[int, str, str], _First]] = {}  # resends: see `_once`
+        self._scales: dict[Hashable, dict[int, float]] = {}  # microbatch -> forward link -> ``scale`` judged there
 
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
@@ -486,11 +572,13 @@ class Sentinel:
         earlier links, for a verifier that did not see those links itself (one
         verifier per boundary); links it saw keep what it saw.
         """
-        self._learn_path(microbatch, upstream)
+        return self._once(link, FORWARD, worker, microbatch, tensor, upstream, self._judge_forward)
+
+    def _judge_forward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor, learn: bool) -> Verdict:
         origin = self._tainted.get(microbatch)
         if origin is not None and link > origin[0]:
             return self._check_bound(link, worker, microbatch, tensor)
-        verdict = self._check(link, FORWARD, worker, microbatch, tensor, learn=True)
+        verdict = self._check(link, FORWARD, worker, microbatch, tensor, learn=learn)
         if verdict.flagged and origin is None:
             self._tainted[microbatch] = (link, worker)
         return verdict
@@ -506,7 +594,9 @@ class Sentinel:
         are honest work on a tensor the verifier itself made. `upstream` as in
         `check_forward`.
         """
-        self._learn_path(microbatch, upstream)
+        return self._once(link, BACKWARD, worker, microbatch, tensor, upstream, self._judge_backward)
+
+    def _judge_backward(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor, learn: bool) -> Verdict:
         origin = self._tainted.get(microbatch)
         replaced = self._replaced.get(microbatch)
         # the gradient a worker computed from a substitute follows the momentum (a per-feature mean: about 18x
@@ -515,13 +605,13 @@ class Sentinel:
         from_substitute = replaced is not None and link < replaced
         if origin is not None and link >= origin[0] - 1:
             if link == origin[0] - 1 and worker == origin[1] and not from_substitute:
-                verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=False)
+                verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=False, alone=True)
             else:
                 verdict = Verdict(link, BACKWARD, worker, microbatch, False, "tainted")
         elif replaced is not None and link < replaced:
             verdict = Verdict(link, BACKWARD, worker, microbatch, False, "tainted")
         else:
-            verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=True)
+            verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=learn)
         if link == 0:
             self.forget(microbatch)
         if not (verdict.flagged or verdict.reason == "banned" or origin is not None and link >= origin[0] - 1):
@@ -552,6 +642,8 @@ class Sentinel:
         self._replaced.pop(microbatch, None)
         self._paths.pop(microbatch, None)
         self._inputs.pop(microbatch, None)
+        self._judged.pop(microbatch, None)
+        self._scales.pop(microbatch, None)
 
     @property
     def binds(self) -> bool:
@@ -637,6 +729,47 @@ class Sentinel:
 
     # -- internals ---------------------------------------------------------
 
+    def _once(self, link: int, direction: str, worker: str, microbatch: Hashable, tensor: Tensor,
+              upstream: Mapping[int, str] | None, judge) -> Verdict:
+        """Judge a tensor once: a sender that sends the same tensor of the same microbatch over the same link
+        again (a delivery retried after the receiver refused or left) gets the first verdict back; nothing is
+        learned or struck twice. Measured (issue 18's churn run, seed 1): stage 2 stalled and every stage-1
+        relay resent its outputs up to 24 times, so the link's 200 warm-up tensors were a dozen microbatches of
+        one model version, the fences that narrow, and the first step after it flagged every replica of the
+        stage (all four convicted).
+
+        A resend is never learned nor remembered by the drift rule again (one entry per sender and microbatch:
+        resends cannot flood it). A *different* tensor of the same microbatch from the same sender while the
+        input the verifiers delivered to its stage is the same is equivocation (an honest stage computes one
+        output per input): flagged against the sender alone (reason "equivocation"), so a sender cannot probe
+        the fences with variants of one microbatch. Where the input is unknown (link 0 forward, no ``bind``)
+        or changed (its upstream resent another input), and where the same tensor comes back after the
+        microbatch was tainted or its input recorded, it is judged again against the current state, but
+        neither learned nor remembered."""
+        self._learn_path(microbatch, upstream)
+        digest = _digest(tensor)
+        key = (link, direction, worker)
+        given = self._given(link, direction, microbatch)
+        earlier = self._judged.get(microbatch, {}).get(key)
+        if digest is None or earlier is None or worker in self._banned:
+            verdict = judge(link, worker, microbatch, tensor, True)
+        elif earlier.digest == digest and earlier.taint == self._tainted.get(microbatch) and _same(earlier.given, given):
+            return dataclasses.replace(earlier.verdict, bans=(), convicted=())
+        elif earlier.digest != digest and earlier.given is not None and _same(earlier.given, given):
+            return self.reject(link, direction, worker, microbatch, "equivocation", tensor)
+        else:
+            return judge(link, worker, microbatch, tensor, False)
+        if digest is not None and not (direction == BACKWARD and link == 0):  # link 0's backward ends the microbatch
+            self._judged.setdefault(microbatch, {})[key] = _First(digest, verdict, given, self._tainted.get(microbatch))
+            while len(self._judged) > self.config.remembered:  # microbatches whose link-0 backward never came
+                del self._judged[next(iter(self._judged))]
+        return verdict
+
+    def _given(self, link: int, direction: str, microbatch: Hashable) -> Tensor | None:
+        """The sketch of what the verifiers delivered to the stage that sends over `link` in `direction`."""
+        stage = link if direction == FORWARD else link + 1
+        return self._inputs.get(microbatch, {}).get((stage, direction))
+
     def _learn_path(self, microbatch: Hashable, upstream: Mapping[int, str] | None) -> None:
         if upstream:
             path = self._paths.setdefault(microbatch, {})
@@ -644,10 +777,13 @@ class Sentinel:
                 path.setdefault(link, worker)
 
     def _check(self, link: int, direction: str, worker: str, microbatch: Hashable, tensor: Tensor,
-               learn: bool) -> Verdict:
+               learn: bool, alone: bool = False) -> Verdict:
+        """Judge a tensor on the link's fences. `learn`: it may update the baseline and is remembered by the
+        drift rule (not for resends); `alone`: a flag is held against the sender only (its own forward flag
+        explains it)."""
         if worker in self._banned:
             return Verdict(link, direction, worker, microbatch, True, "banned")
-        track = self._tracks.setdefault((link, direction), _Track(self._names, self.config.window, direction))
+        track = self._tracks.setdefault((link, direction), _Track(self._names, self.config.window, link, direction))
         if not self._well_formed(track, tensor):
             return self._strike(Verdict(link, direction, worker, microbatch, True, "malformed"))
         if track.proj is None:
@@ -662,16 +798,134 @@ class Sentinel:
         if track.accepted < self.config.warmup:
             if learn:
                 self._accept(track, direction, summary, dist)
+                self._remember(track, link, direction, worker, microbatch, dist, ())
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
         flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
+        own = flagged and (self._disowns_input(track, dist) or self._shrunk_to_nothing(track, link, direction, microbatch, tensor))
+        if learn:
+            judged = self._remember(track, link, direction, worker, microbatch, dist, outside if flagged and not own else ())
+            stage = self._stage_drift(track, judged) if judged.outside else None
+            if stage is not None:
+                # the stage moved, not this sender: relearn (only what lies near the stage's median, with `learn_k`),
+                # and the flags of the move are no evidence
+                if self._inner_stage(stage, judged):
+                    self._accept(track, direction, summary, dist)
+                return self._strike(Verdict(link, direction, worker, microbatch, False, "drift", named, outside))
+        if learn and direction == FORWARD and "scale" in dist:
+            self._scales.setdefault(microbatch, {})[link] = dist["scale"]
         corrected = not flagged and self._large_correction(track, dist)
         if learn and not flagged and not corrected and self._inner(track, dist):
             self._accept(track, direction, summary, dist)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
-        # learn=False: the sender's own forward flag explains it
-        return self._strike(verdict, blame_upstream=learn, own=flagged and self._disowns_input(track, dist),
-                            upstream_only=learn and corrected)
+        # the sender's forward input crossed link - 1 (its output gradient's forward input, link itself)
+        shrunk = self._scales.get(microbatch, {}).get(link - 1 if direction == FORWARD else link, 0.0) < SHRUNK_INPUT
+        return self._strike(verdict, blame_upstream=not alone, own=own, upstream_only=not alone and corrected,
+                            shrunk_input=corrected and shrunk)
+
+    def _remember(self, track: _Track, link: int, direction: str, worker: str, microbatch: Hashable,
+                  dist: dict[str, float], outside: tuple[str, ...]) -> _Judged:
+        own_link = link if direction == FORWARD else link + 1  # where the sender's stage sent it forward
+        path = {l: w for l, w in self._paths.get(microbatch, {}).items() if l != own_link and w != worker}
+        judged = _Judged(worker, microbatch, {n: _scaled(n, v, self.config) for n, v in dist.items()}, outside, path)
+        for old in [j for j in track.recent if j.worker == worker and j.microbatch == microbatch]:
+            track.recent.remove(old)
+        track.recent.append(judged)
+        return judged
+
+    def _stage_drift(self, track: _Track, judged: _Judged) -> dict[str, Fence] | None:
+        """Whether a flagged tensor is part of a move of its whole stage (a change of the model), not a lie: the
+        stage's median fences it moves with, or None.
+
+        Honest majority per stage: more than half of a stage's replicas are honest and share its parameters,
+        so their outputs move together when the model (or the link's reference) moves, and a minority of liars
+        cannot make most of them look odd. Three conditions, on each other live sender's latest tensor among
+        this track's last `window` judged tensors (one entry per sender and microbatch; the judged sender's own
+        tensors never count for itself):
+        (1) the latest tensors of at least half of the stage's live senders other than this one are fence-flagged
+        (not the sender's own), at least two. The stage size is the larger of the senders in the window and the
+        most it ever held (flooding cannot shrink it; departures and fresh identities only make the rule
+        stricter). With f < n/2 liars, f - 1 of them among the others, this needs at least two honest replicas
+        whose latest tensor is flagged (one background false flag is not enough), and on an even stage it holds
+        when every honest replica moves, whatever the liars send; on an odd stage the liars can withhold it (the
+        strike rule then applies, as without this rule). A stage of 2 live senders never drifts (one other
+        sender: no fence in (3)); in a stage of 3, both others' latest tensors must be flagged.
+        (2) on every other link of the flagged microbatches' paths, the upstream senders that carried flagged
+        microbatches of at least max(2, half the stage) distinct flagged senders are more than half of that
+        link's senders, at least two: flags confined to the microbatches of a minority upstream are evidence
+        about that minority (the strike rule handles them), and one liar in the stage cannot spread its own
+        flags over honest upstream senders to fake a spread.
+        (3) the tensor's outside distances lie inside median fences (breakdown 50%; k, the usual IQR floors) around
+        the latest tensors of the other live senders (at least 2): it moves with the majority of its stage, so a liar sending something else during
+        a move is still flagged. Measured: 25% seed 2 `adaptive`, the link-1 verifier flagged all four stage-1
+        relays on `sign` within iteration 41 (3 honest) and banned them all."""
+        latest = {j.worker: j for j in track.recent if j.worker not in self._convicted}  # latest tensor per sender
+        if len(latest) > len(track.peak - self._convicted):
+            track.peak = frozenset(latest)
+        size = max(len(latest), len(track.peak - self._convicted))
+        others = [j for w, j in latest.items() if w != judged.worker]
+        moved = {j.worker for j in others if j.outside}
+        if len(moved) < 2 or 2 * len(moved) < size:
+            return None
+        spread = max(2, (size + 1) // 2)
+        for link in {link for j in track.recent for link in j.path}:
+            senders = {j.path[link] for j in track.recent if link in j.path} - self._convicted
+            carried: dict[str, set[str]] = {}
+            for j in track.recent:
+                if link in j.path and j.outside and j.worker not in self._convicted:
+                    carried.setdefault(j.path[link], set()).add(j.worker)
+            hit = {w for w, movers in carried.items() if len(movers) >= spread} - self._convicted
+            if len(senders) >= 2 and (len(hit) < 2 or 2 * len(hit) <= len(senders)):
+                return None
+        stage = self._stage_fences(others, self.config.k, track)
+        if not self._moves_with(stage, judged):
+            return None
+        self._forgive(track, stage)
+        return stage
+
+    def _stage_fences(self, latest: list[_Judged], k: float, track: _Track) -> dict[str, Fence]:
+        """Median fences (multiplier `k`, the usual IQR floors) around the given latest tensors, per distance."""
+        fences = {}
+        for name in self._names:
+            values = [j.scaled[name] for j in latest if name in j.scaled]
+            if len(values) >= 2:
+                fences[name] = median_fence(values, k, self._floor(track, name))
+        return fences
+
+    @staticmethod
+    def _moves_with(stage: dict[str, Fence], judged: _Judged) -> bool:
+        return all(n in stage and stage[n].contains(judged.scaled[n]) for n in judged.outside)
+
+    def _inner_stage(self, stage: dict[str, Fence], judged: _Judged) -> bool:
+        """Whether a drift tensor may update the baseline: with `learn_k`, only when its outside distances lie
+        within the stage's median fences narrowed to `learn_k` (as `_inner` on the link's fences)."""
+        if self.config.learn_k <= 0:
+            return True
+        scale = (self.config.learn_k + 0.5) / (self.config.k + 0.5)
+        for name in judged.outside:
+            fence = stage[name]
+            mid, half = (fence.low + fence.high) / 2, (fence.high - fence.low) / 2 * scale
+            if not mid - half <= judged.scaled[name] <= mid + half:
+                return False
+        return True
+
+    def _forgive(self, track: _Track, stage: dict[str, Fence]) -> None:
+        """The strikes this track's flags of the move gave (to their senders and the workers upstream) are
+        taken back: the flags that moved with the stage, not those of a sender that stood out. Only this
+        track's share of a strike goes: a flag on the same microbatch from another link or direction (one
+        verifier sees every link under `data_node` placement) keeps it."""
+        source = (track.link, track.direction)
+        for judged in track.recent:
+            if not judged.outside or judged.forgiven or not self._moves_with(stage, judged):
+                continue
+            judged.forgiven = True
+            for worker, history in self._history.items():
+                for entry in history:
+                    if entry[0] == judged.microbatch and not entry[3] and (
+                            worker == judged.worker or judged.worker in entry[2]):
+                        entry[4].discard(source)
+                        if not entry[4]:
+                            entry[1], entry[2] = False, set()
 
     def _check_bound(self, link: int, worker: str, microbatch: Hashable, tensor: Tensor) -> Verdict:
         """An activation of a microbatch tainted upstream: the stage computed on a tampered input, so the
@@ -679,14 +933,20 @@ class Sentinel:
         output with the input this microbatch actually delivered to it). Judged on ``bind`` alone, never
         learned, only above its upper fence (and `tainted_bind_floor`), a flag held against the sender alone;
         otherwise passed as "tainted". Without this, a second
-        attacker on a microbatch the first one tainted is never judged."""
+        attacker on a microbatch the first one tainted is never judged. No "shrunk to nothing" rule here: the
+        input is tampered by definition, and a crafted input can make an honest stage answer a constant (the
+        head: LayerNorm ignores scale, so tokens a[b,t] * v give identical logits; review of session 20)."""
         tainted = Verdict(link, FORWARD, worker, microbatch, False, "tainted")
         track = self._tracks.get((link, FORWARD))
         if ("bind" not in self._names or track is None or track.ref is None or track.accepted < self.config.warmup
                 or worker in self._banned or not self._well_formed(track, tensor)):
             return tainted
         inp = self._inputs.get(microbatch, {}).get((link, FORWARD))
-        bound = None if inp is None else binding(inp, self.sketch(tensor))
+        out = self.sketch(tensor)
+        # an output with (almost) no token structure left binds to nothing: on a tampered input that says nothing
+        # against the stage (the head fed tokens that differ only in scale answers one logit vector, and the CKA of
+        # its rounding noise with the input is near 0)
+        bound = None if inp is None or _spread_ratio(inp, out) <= SHRUNK_RATIO else binding(inp, out)
         if bound is None:
             return tainted
         dist = {"bind": bound}
@@ -747,6 +1007,28 @@ class Sentinel:
             return True
         return fenced("bind") and dist["bind"] > max(self.config.tainted_bind_floor, self._fence(track, "bind").high)
 
+    def _shrunk_to_nothing(self, track: _Track, link: int, direction: str, microbatch: Hashable,
+                           tensor: Tensor) -> bool:
+        """Whether the sender's output has (almost) no token structure left against what the verifiers delivered
+        to its stage for this microbatch: the spread of its centred sketch is at most `SHRUNK_RATIO` of the
+        input's (zeros, a constant, zeros plus tiny noise, 1e-3 * x). Only on a link whose output follows its
+        input (its ``align`` fence stays above `OWN_ALIGN_BASELINE`: residual stages, forward and backward),
+        where an honest stage passes its input's token structure on at about its size (0.6-4 measured), and
+        only on an untainted microbatch (`_check` only). Not on the head: behind a LayerNorm, an upstream liar
+        can feed it tokens that differ only in scale, and it answers identical logits (review of session 20).
+        No input the verifiers passed makes a residual stage cancel itself, so such a flag is the sender's own.
+        Measured: 37.5% seed 1 `zeros`, two stage-2 attackers' zero outputs were shared with the honest
+        stage-1 relay that fed them, three shares within an iteration, and it was banned with them; on an
+        all-zero sketch ``align`` and ``bind`` are not defined, so the rule for reversed outputs did not apply."""
+        if not self.binds or not isinstance(tensor, Tensor):
+            return False
+        if len(track.windows.get("align", ())) < 4 or self._fence(track, "align").low < OWN_ALIGN_BASELINE:
+            return False
+        inp = self._given(link, direction, microbatch)
+        if inp is None or inp.shape[0] < 2:
+            return False
+        return _spread_ratio(inp, self.sketch(tensor)) <= SHRUNK_RATIO
+
     def _large_correction(self, track: _Track, dist: dict[str, float]) -> bool:
         """``align`` below its fence but above `align_floor`: the stage's correction outweighs its pass-through,
         which an honest stage does now and then and an honest stage fed a shrunk input does often: evidence about
@@ -778,15 +1060,21 @@ class Sentinel:
 
     def _fence(self, track: _Track, name: str, k: float | None = None) -> Fence:
         fence = median_fence if self.config.fence == "median" else tukey_fence
-        floor = 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
-        return fence(list(track.windows[name]), self.config.k if k is None else k, floor)
+        return fence(list(track.windows[name]), self.config.k if k is None else k, self._floor(track, name))
+
+    def _floor(self, track: _Track, name: str) -> float:
+        """The spread floor of a distance's fences: one feature's resolution for ``sign``, else `min_spread`."""
+        return 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
 
     def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False,
-                upstream_only: bool = False) -> Verdict:
+                upstream_only: bool = False, shrunk_input: bool = False) -> Verdict:
         """Count the verdict in the strike histories of the sender and (`blame_upstream`) the workers upstream
         of it; a flag is held against all of them, or against the sender alone when it is its `own`;
-        `upstream_only`: no flag on the tensor, evidence about the sender's input held against the upstream workers."""
+        `upstream_only`: no flag on the tensor, evidence about the sender's input, shared by the sender and the
+        upstream workers, or held against the upstream workers alone when this verifier saw that input arrive
+        shrunk (`shrunk_input`)."""
         mb = verdict.microbatch
+        source = (verdict.link, verdict.direction)  # which track's flag a strike is (see `_forgive`)
         if verdict.direction == FORWARD:
             self._paths.setdefault(mb, {})[verdict.link] = verdict.worker
         # everyone upstream of the sender handled this microbatch: a flag may be explained by what flowed into
@@ -797,7 +1085,12 @@ class Sentinel:
             bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
             handlers |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
         blames = verdict.flagged or upstream_only
-        if upstream_only:
+        if upstream_only and shrunk_input:
+            # the input the verifier delivered was shrunk: an honest stage behind a LayerNorm corrects that much
+            # (measured: 37.5% `adaptive`, an honest stage-2 relay fed by three shrinking attackers collected a share
+            # of each and was banned), so it is evidence about the upstream workers only
+            suspects = handlers - {verdict.worker}
+        elif upstream_only:
             # the sender shares it: one sender that keeps its outputs just above align_floor convicts itself
             # first, which explains the shared strikes away from the honest workers upstream (no framing)
             suspects = handlers
@@ -815,11 +1108,12 @@ class Sentinel:
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
             disowned = flagged and own and worker == verdict.worker
             if entry is None:
-                history.append([mb, flagged, others if flagged else set(), disowned])
+                history.append([mb, flagged, others if flagged else set(), disowned, {source} if flagged else set()])
             elif flagged:
                 entry[1] = True
                 entry[2] |= others
                 entry[3] = entry[3] or disowned
+                entry[4].add(source)
                 if entry not in list(history)[-self.config.strike_window:]:
                     # a late flag (a gradient) on a microbatch older than the strike window counts as a new
                     # entry, as in a history only that long: else a relay that holds more than strike_window
@@ -845,4 +1139,4 @@ class Sentinel:
         for history in self._history.values():
             for entry in history:
                 if worker in entry[2]:
-                    entry[1], entry[2] = False, set()
+                    entry[1], entry[2], entry[4] = False, set(), set()
