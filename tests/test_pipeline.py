@@ -575,6 +575,90 @@ def test_a_second_backward_for_a_microbatch_already_done_is_not_evidence():
     assert evidence == []
 
 
+def test_only_an_attempt_its_data_node_signed_frees_the_attempt_held():
+    # A forward of attempt k frees the slots of attempts < k (session 19: a restart was denied by its own old
+    # attempt). The stage-1 relay upstream of a stage-2 relay of capacity 1 writes attempt 1 of the microbatch
+    # the stage-2 relay holds: without the data node's signature it is evidence against that relay and the
+    # honest attempt 0 stays held; the data node's signed restart (attempt 1) frees it.
+    from phalanx.core.errors import RequestFailed
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=3, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=2, microbatches=1, capacity=1))
+    data, upstream, relay = (peer_identity(config.seed, i) for i in range(3))
+    directory = {data.peer_id: 0, upstream.peer_id: 1, relay.peer_id: 2}
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        home, liar, transport = network.add_peer(data), network.add_peer(upstream), network.add_peer(relay)
+        home.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 2, directory, pipeline_task(config), lambda event: None, stage=2)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(2)[1:])
+        path = (data.peer_id, upstream.peer_id)
+        first, second = (data.peer_id, 0, 0), (data.peer_id, 0, 1)
+        words = [await liar.request(relay.peer_id, m.FORWARD, m.Carry(first, 0, 2, path, x).to_bytes(), 5.0)]
+        with pytest.raises(RequestFailed, match="forged_attempt"):
+            await liar.request(relay.peer_id, m.FORWARD, m.Carry(second, 0, 2, path, x).to_bytes(), 5.0)
+        held_after_forgery = sorted(node.held)
+        signed = m.Carry(second, 0, 2, path, x, restart=m.Restart.make(data, second))
+        words.append(await liar.request(relay.peer_id, m.FORWARD, signed.to_bytes(), 5.0))
+        held_after_restart = sorted(node.held)
+        await node.close()
+        return words, held_after_forgery, held_after_restart, transport.evidence
+
+    words, after_forgery, after_restart, evidence = run_simulation(main)
+    assert words == [m.answer(m.OK)] * 2
+    assert after_forgery == [(data.peer_id, 0, 0)]  # before: the forgery freed it and took the slot
+    assert after_restart == [(data.peer_id, 0, 1)]
+    assert [(e.peer, e.kind) for e in evidence] == [(upstream.peer_id, "forged_attempt")]
+
+
+def test_a_second_backward_from_a_peer_never_sent_the_microbatch_is_stale_and_changes_nothing():
+    # Choice (session 20): a backward for a microbatch whose backward already ran here answers STALE whoever
+    # sends it, also a peer this relay never passed the microbatch to. It changes nothing (no compute, nothing
+    # sent upstream, the kept gradient stays), and an honest sender can be one that was never `next_peer`
+    # (a forward whose delivery timed out here but was computed there): evidence would accuse it.
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=4, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=2, microbatches=1))
+    data, relay, nxt, other = (peer_identity(config.seed, i) for i in range(4))
+    directory = {data.peer_id: 0, relay.peer_id: 1, nxt.peer_id: 2}  # the relay knows no other stage-2 peer
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        home, transport = network.add_peer(data), network.add_peer(relay)
+        nxt_transport, other_transport = network.add_peer(nxt), network.add_peer(other)
+        upstream: list[str] = []
+
+        async def on_backward(sender: str, payload: bytes) -> bytes:
+            upstream.append(sender)
+            return m.answer(m.OK)
+
+        home.add_request_handler(m.BACKWARD, on_backward)
+        nxt_transport.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None, stage=1)
+        key = (data.peer_id, 0, 0)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        await home.request(relay.peer_id, m.FORWARD, m.Carry(key, 0, 1, (data.peer_id,), x).to_bytes(), 5.0)
+        while node.held[key].next_peer is None:
+            await asyncio.sleep(0.05)
+        grad = torch.ones_like(node.held[key].out)
+        first = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, nxt.peer_id), grad)
+        words = [await nxt_transport.request(relay.peer_id, m.BACKWARD, first.to_bytes(), 5.0)]
+        kept = node.grads[key].clone()
+        second = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, other.peer_id), 2 * grad)
+        words.append(await other_transport.request(relay.peer_id, m.BACKWARD, second.to_bytes(), 5.0))
+        await asyncio.sleep(1.0)
+        same = torch.equal(node.grads[key], kept)
+        await node.close()
+        return words, upstream, same, transport.evidence
+
+    words, upstream, same, evidence = run_simulation(main)
+    assert words == [m.answer(m.OK), m.answer(m.STALE)] and evidence == []
+    assert upstream == [relay.peer_id] and same  # one input gradient upstream; the kept gradient unchanged
+
+
 def test_a_backward_for_a_microbatch_given_up_here_is_not_evidence():
     # The same Table II run on this session's code: a repair's REFORWARD made the stage-1 holder of a microbatch
     # look for another stage-2 peer while the first one's backward was on its way; it found none, gave the

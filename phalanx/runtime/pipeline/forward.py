@@ -61,6 +61,9 @@ class Forward:
                 raise RemoteError(Evidence(c.seal.signer, "equivocation", f"two sealed activations for {m.key_name(c.key)}", c.it))
         if c.key in self.held:
             return m.answer(m.OK)  # a resend of what we already hold
+        if c.key[2] > 0 and (c.restart is None or not c.restart.valid(c.key)):
+            # only its data node restarts a microbatch: an attempt it did not sign would drop the honest one held
+            raise RemoteError(Evidence(sender, "forged_attempt", f"{m.key_name(c.key)} without its data node's signature", c.it))
         self.supersede(c.key)
         if self.full():
             return m.answer(m.DENIED)
@@ -125,7 +128,7 @@ class Forward:
                 return
             tensor = h.sent if h.sent is not None else h.out.detach()
             carry = m.Carry(key, h.carry.it, nxt, path, tensor, h.carry.repair, h.carry.holder, h.recomputed,
-                            seal=self.seal(CHECK_FORWARD, key, h.carry.it, nxt, tensor))
+                            seal=self.seal(CHECK_FORWARD, key, h.carry.it, nxt, tensor), restart=h.carry.restart)
             carry = self.signed(CHECK_FORWARD, carry, h.carry, peer)
             t0 = self.now()
             word = await self.deliver("" if client else peer, CHECK_FORWARD, carry)
@@ -162,9 +165,10 @@ class Forward:
         return used >= self.capacity
 
     def supersede(self, key: m.Key) -> None:
-        """A newer attempt of a microbatch arrives: its data node restarted it, so the earlier attempts held
-        here will never finish. Free their slots (they filled a stage whose next peer had died, and denied the
-        restart itself), and answer a late backward of theirs STALE, not as evidence."""
+        """A newer attempt of a microbatch arrives, signed by its data node (checked before): the data node
+        restarted it, so the earlier attempts held here will never finish. Free their slots (they filled a
+        stage whose next peer had died, and denied the restart itself), and answer a late backward of theirs
+        STALE, not as evidence."""
         for old in [k for k in self.held if k[:2] == key[:2] and k[2] < key[2]]:
             self.release(old)
             self.rerouted.add(old)
