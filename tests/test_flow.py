@@ -413,3 +413,26 @@ def test_a_lost_handover_answer_heals():
     drv.run(100)
     drv.settle(10)
     assert lost and drv.paths() == [("d1", ["a", "b"], 3.0)]
+
+
+def test_in_the_runtime_handover_ends_when_the_first_iteration_starts():
+    # Table II in the paper's regime (session 20): a handover's round trip takes ~2 x (stages + 1) flow periods
+    # (minutes), the runtime's quiet window between iterations is its aggregation (a second), so handovers
+    # relabelled chains 2-9 s into an iteration. By default (pipeline.flow_handover=warmup) the runtime's
+    # FlowDriver ends them at its first pause; with `always` a query passes once the iteration is over.
+    from types import SimpleNamespace
+
+    from phalanx.algorithms.gwtf.messages import HandoverQuery
+    from phalanx.runtime.pipeline.gwtf import FlowDriver
+
+    for in_iterations in (False, True):
+        drv = _chain3()
+        a, m = drv.nodes["a"], drv.nodes["m"]
+        (u,) = _units_of(drv, "a", "d0")
+        transport = SimpleNamespace(peer_id="m", add_message_handler=lambda topic, handler: None)
+        driver = FlowDriver(transport, 2, 3, 1, 0, FlowConfig(), random.Random(0), 1.0, handover_in_iterations=in_iterations)
+        driver.node = m
+        driver.pause(True)  # the iteration's first forward
+        driver.pause(False)  # its aggregation: the flow may optimise again
+        passed = _deliver(drv, a._pass_query(u, HandoverQuery("d0", "a", u.in_link, "d0", "d1", -100.0)))
+        assert bool(m._pending) == in_iterations and bool(passed) == in_iterations

@@ -84,8 +84,10 @@ def make_routing(config: PipelineRunConfig, transport: Transport, stage: int, ca
     router = make_router(config, transport.peer_id)
     if config.pipeline.routing != "gwtf":
         return router, None
-    flow = FlowDriver(transport, stage, config.pipeline.stages, capacity, config.pipeline.microbatches, FlowConfig(),
-                      py_stream(config.seed, transport.peer_id, "gwtf-flow"), config.pipeline.flow_period)
+    flow = FlowDriver(transport, stage, config.pipeline.stages, capacity, config.pipeline.microbatches,
+                      FlowConfig(handover=config.pipeline.flow_handover != "off"),
+                      py_stream(config.seed, transport.peer_id, "gwtf-flow"), config.pipeline.flow_period,
+                      handover_in_iterations=config.pipeline.flow_handover == "always")
     return FlowRouter(flow.node, router, units_are_slots=config.pipeline.capacity_mode == "iteration"), flow
 
 

@@ -15,6 +15,7 @@ Backward failures are repaired (GWTF V-D), never restarted.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from ...algorithms.gwtf.flow import (
     DATA,
@@ -90,10 +91,12 @@ class FlowDriver:
         config: FlowConfig,
         rng,
         period: float,
+        handover_in_iterations: bool = True,
     ) -> None:
         self.transport = transport
         self.stage = stage
         self.period = period
+        self.handover_in_iterations = handover_in_iterations
         self.node = FlowNode(transport.peer_id, None if stage == 0 else stage - 1, capacity, stages, config, rng,
                              demand=demand if stage == 0 else 0)
         self.compute = 0.0  # EMA of own compute seconds per microbatch
@@ -162,8 +165,11 @@ class FlowDriver:
 
     def pause(self, paused: bool) -> None:
         """Pause Request Change / Redirect while an iteration's microbatches run (GWTF Sec. V-C);
-        Request Flow and repairs go on."""
+        Request Flow and repairs go on. Without `handover_in_iterations` the first call (this node's first
+        iteration began) also ends handovers for good: what is still in flight is ignored and its locks expire."""
         self.node.optimising = not paused
+        if not self.handover_in_iterations and self.node.config.handover:
+            self.node.config = replace(self.node.config, handover=False)
 
     def lost(self, peer: str) -> list[FlowMessage]:
         if peer in self.known:
