@@ -659,6 +659,82 @@ def test_a_second_backward_from_a_peer_never_sent_the_microbatch_is_stale_and_ch
     assert upstream == [relay.peer_id] and same  # one input gradient upstream; the kept gradient unchanged
 
 
+def test_a_backward_that_arrives_while_the_first_one_computes_is_stale():
+    # Table II homogeneous 20 % gwtf seed 6 (session 20, no attacker): a data node got the same microbatch's
+    # backward twice from its stage-1 relay, the second while the first was still computing; the key was then
+    # neither held nor in `grads`: `unknown_microbatch` against the honest relay. Here the relay of the one
+    # stage gets the same backward twice at once, with a backward that takes simulated compute time.
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=2, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1, flops_scale=1e6))
+    data, relay = peer_identity(config.seed, 0), peer_identity(config.seed, 1)
+    directory = {data.peer_id: 0, relay.peer_id: 1}
+
+    async def main() -> tuple[list[bytes], list]:
+        network = SimNetwork(SimConfig(seed=config.seed))
+        source, transport = network.add_peer(data), network.add_peer(relay)
+        source.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        source.add_request_handler(m.BACKWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        key = (data.peer_id, 0, 0)
+        await source.request(relay.peer_id, m.FORWARD, m.Carry(key, 0, 1, (data.peer_id,), x).to_bytes(), 30.0)
+        backward = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id), torch.ones_like(node.held[key].out)).to_bytes()
+        words = await asyncio.gather(*(source.request(relay.peer_id, m.BACKWARD, backward, 30.0) for _ in range(2)))
+        await node.close()
+        return sorted(words), transport.evidence
+
+    words, evidence = run_simulation(main)
+    assert words == sorted([m.answer(m.OK), m.answer(m.STALE)]) and evidence == []  # before: unknown_microbatch
+
+
+def test_a_broken_report_about_the_data_node_itself_restarts_and_the_old_attempt_is_stale():
+    # The same run: the stage-1 relay's delivery of that input gradient to the data node failed, and it reported
+    # BROKEN with stage 0 (the data node's own stage), which the data node took for a malformed report. A stage-1
+    # relay on the microbatch's path may report it: the data node restarts the microbatch (it does not wait out
+    # the microbatch timeout), and a late backward of the old attempt is STALE, not evidence.
+    from phalanx.core.serialization import encode as enc
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.runtime.pipeline.data_node import Microbatch
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=2, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1))
+    data, relay = peer_identity(config.seed, 0), peer_identity(config.seed, 1)
+    directory = {data.peer_id: 0, relay.peer_id: 1}
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        transport, stage1 = network.add_peer(data), network.add_peer(relay)
+        forwards: list[int] = []
+
+        async def on_forward(sender: str, payload: bytes) -> bytes:
+            forwards.append(m.parse_carry(payload, sender, transport.limits, 2).key[2])
+            return m.answer(m.OK)
+
+        stage1.add_request_handler(m.FORWARD, on_forward)
+        node = build_node(config, transport, 0, directory, pipeline_task(config), lambda event: None)
+        x, y = node.task.batch(config.seed, data.peer_id, 0, config.train.batch_size)
+        mb = Microbatch(0, x, y, 0)
+        node.mbs = {0: mb}
+        await node.start(mb, 0)
+        out_shape = node.held[(data.peer_id, 0, 0)].out.shape
+        mb.path = (data.peer_id, relay.peer_id)  # its output came home: the path is known
+        await stage1.send(data.peer_id, m.BROKEN, enc({"src": data.peer_id, "seq": 0, "att": 0, "stage": 0}))
+        for _ in range(100):
+            if len(forwards) > 1:
+                break
+            await asyncio.sleep(0.05)
+        late = m.Carry((data.peer_id, 0, 0), 0, 0, (data.peer_id, relay.peer_id), torch.ones(out_shape))
+        word = await stage1.request(data.peer_id, m.BACKWARD, late.to_bytes(), 5.0)
+        await node.close()
+        return forwards, mb.att, word, transport.evidence
+
+    forwards, att, word, evidence = run_simulation(main)
+    assert forwards == [0, 1] and att == 1  # before: a malformed report, no restart
+    assert word == m.answer(m.STALE) and evidence == []
+
+
 def test_a_backward_for_a_microbatch_given_up_here_is_not_evidence():
     # The same Table II run on this session's code: a repair's REFORWARD made the stage-1 holder of a microbatch
     # look for another stage-2 peer while the first one's backward was on its way; it found none, gave the

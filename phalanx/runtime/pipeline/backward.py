@@ -31,7 +31,7 @@ class Backward:
         if h is None or h.x is None and self.stage > 0 or c.path[: self.stage] != h.carry.path:
             if c.it < self.version or c.key in self.rerouted:
                 return m.answer(m.STALE)
-            if h is None and c.key in self.grads:
+            if h is None and c.key in self.backed:
                 # its backward already ran here: a forward delivered twice (a resend racing a repair's REFORWARD,
                 # issue-15 Table II) comes back twice; the second changes nothing and is no lie
                 return m.answer(m.STALE)
@@ -43,6 +43,7 @@ class Backward:
         if grad_out is None:
             return m.answer(m.STALE)  # a verifying data node refused it: the attempt is being rerouted
         del self.held[c.key]  # a second backward for it (a resend) finds nothing to do
+        self.backed.add(c.key)  # also while this one computes (the key is in neither held nor grads then)
         t0 = self.now()
         async with self.compute_lock:
             if c.it != self.version:
