@@ -579,7 +579,9 @@ def test_only_an_attempt_its_data_node_signed_frees_the_attempt_held():
     # A forward of attempt k frees the slots of attempts < k (session 19: a restart was denied by its own old
     # attempt). The stage-1 relay upstream of a stage-2 relay of capacity 1 writes attempt 1 of the microbatch
     # the stage-2 relay holds: without the data node's signature it is evidence against that relay and the
-    # honest attempt 0 stays held; the data node's signed restart (attempt 1) frees it.
+    # honest attempt 0 stays held; the data node's signed restart (attempt 1) frees it. Session 20 review: nor
+    # does a signature by another key, or the data node's for another seq, attempt or iteration (H1: a deferred
+    # microbatch starts again at attempt 0 in a later iteration, so an old signature would free the new attempt).
     from phalanx.core.errors import RequestFailed
     from phalanx.runs.pipeline.run import build_node, pipeline_task
     from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
@@ -597,10 +599,20 @@ def test_only_an_attempt_its_data_node_signed_frees_the_attempt_held():
         path = (data.peer_id, upstream.peer_id)
         first, second = (data.peer_id, 0, 0), (data.peer_id, 0, 1)
         words = [await liar.request(relay.peer_id, m.FORWARD, m.Carry(first, 0, 2, path, x).to_bytes(), 5.0)]
-        with pytest.raises(RequestFailed, match="forged_attempt"):
-            await liar.request(relay.peer_id, m.FORWARD, m.Carry(second, 0, 2, path, x).to_bytes(), 5.0)
+        by_liar = m.Restart.make(upstream, second, 0)
+        forgeries = [
+            None,  # unsigned
+            by_liar,  # signed by the liar itself
+            m.Restart(data.public_key, by_liar.signature),  # the liar's signature under the data node's key
+            m.Restart.make(data, (data.peer_id, 1, 1), 0),  # the data node's, for another seq
+            m.Restart.make(data, (data.peer_id, 0, 2), 0),  # for another attempt
+            m.Restart.make(data, second, 1),  # for this attempt in another iteration (a deferred seq restarts at 0)
+        ]
+        for restart in forgeries:
+            with pytest.raises(RequestFailed, match="forged_attempt"):
+                await liar.request(relay.peer_id, m.FORWARD, m.Carry(second, 0, 2, path, x, restart=restart).to_bytes(), 5.0)
         held_after_forgery = sorted(node.held)
-        signed = m.Carry(second, 0, 2, path, x, restart=m.Restart.make(data, second))
+        signed = m.Carry(second, 0, 2, path, x, restart=m.Restart.make(data, second, 0))
         words.append(await liar.request(relay.peer_id, m.FORWARD, signed.to_bytes(), 5.0))
         held_after_restart = sorted(node.held)
         await node.close()
@@ -610,14 +622,45 @@ def test_only_an_attempt_its_data_node_signed_frees_the_attempt_held():
     assert words == [m.answer(m.OK)] * 2
     assert after_forgery == [(data.peer_id, 0, 0)]  # before: the forgery freed it and took the slot
     assert after_restart == [(data.peer_id, 0, 1)]
-    assert [(e.peer, e.kind) for e in evidence] == [(upstream.peer_id, "forged_attempt")]
+    assert [(e.peer, e.kind) for e in evidence] == [(upstream.peer_id, "forged_attempt")] * 6
 
 
-def test_a_second_backward_from_a_peer_never_sent_the_microbatch_is_stale_and_changes_nothing():
-    # Choice (session 20): a backward for a microbatch whose backward already ran here answers STALE whoever
-    # sends it, also a peer this relay never passed the microbatch to. It changes nothing (no compute, nothing
-    # sent upstream, the kept gradient stays), and an honest sender can be one that was never `next_peer`
-    # (a forward whose delivery timed out here but was computed there): evidence would accuse it.
+def test_a_key_planted_first_makes_the_relay_deny_the_other_path():
+    # Session 20 review (L2): a relay that guesses a key (attempt 0 is predictable) can plant it at a next-stage
+    # peer before the honest upstream sends it. The honest carry was answered "OK, already held": its sender
+    # waited for a backward that goes to the planter. A carry for a held key from another path is DENIED (the
+    # sender tries another peer); a resend along the same path is still OK. No evidence: either may be honest.
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=4, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=2, microbatches=1, capacity=4))
+    data, planter, honest, relay = (peer_identity(config.seed, i) for i in range(4))
+    directory = {data.peer_id: 0, planter.peer_id: 1, honest.peer_id: 1, relay.peer_id: 2}
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        home, liar, upstream, transport = (network.add_peer(p) for p in (data, planter, honest, relay))
+        home.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 3, directory, pipeline_task(config), lambda event: None, stage=2)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(2)[1:])
+        key = (data.peer_id, 0, 0)
+        planted = m.Carry(key, 0, 2, (data.peer_id, planter.peer_id), x).to_bytes()
+        words = [await liar.request(relay.peer_id, m.FORWARD, planted, 5.0)]
+        words.append(await upstream.request(relay.peer_id, m.FORWARD, m.Carry(key, 0, 2, (data.peer_id, honest.peer_id), x).to_bytes(), 5.0))
+        words.append(await liar.request(relay.peer_id, m.FORWARD, planted, 5.0))
+        await node.close()
+        return words, transport.evidence
+
+    words, evidence = run_simulation(main)
+    assert words == [m.answer(m.OK), m.answer(m.DENIED), m.answer(m.OK)] and evidence == []  # before: OK, OK, OK
+
+
+def test_a_backward_from_a_peer_never_sent_the_microbatch_is_evidence_and_changes_nothing():
+    # Session 20 review (H2): a peer writes its own path, so checking the sender against path[stage + 1] let any
+    # peer take a microbatch's first backward (its key is predictable): the relay kept the forger's gradient and
+    # answered the honest next peer STALE. A relay accepts a backward only from a peer it sent (or tried to send)
+    # the microbatch to; a forward that timed out here but was computed there still counts as sent.
+    from phalanx.core.errors import RequestFailed
     from phalanx.runs.pipeline.run import build_node, pipeline_task
     from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
@@ -644,19 +687,23 @@ def test_a_second_backward_from_a_peer_never_sent_the_microbatch_is_stale_and_ch
         while node.held[key].next_peer is None:
             await asyncio.sleep(0.05)
         grad = torch.ones_like(node.held[key].out)
-        first = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, nxt.peer_id), grad)
-        words = [await nxt_transport.request(relay.peer_id, m.BACKWARD, first.to_bytes(), 5.0)]
-        kept = node.grads[key].clone()
-        second = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, other.peer_id), 2 * grad)
-        words.append(await other_transport.request(relay.peer_id, m.BACKWARD, second.to_bytes(), 5.0))
+        honest = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, nxt.peer_id), grad)
+        forged = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, other.peer_id), 1000 * grad)
+        words = []
+        for sender, carry in ((other_transport, forged), (nxt_transport, honest), (other_transport, forged)):
+            try:
+                words.append(await sender.request(relay.peer_id, m.BACKWARD, carry.to_bytes(), 5.0))
+            except RequestFailed as exc:
+                words.append("unknown_microbatch" if "unknown_microbatch" in str(exc) else str(exc))
         await asyncio.sleep(1.0)
-        same = torch.equal(node.grads[key], kept)
+        kept = node.grads[key].clone()
         await node.close()
-        return words, upstream, same, transport.evidence
+        return words, upstream, kept, transport.evidence
 
-    words, upstream, same, evidence = run_simulation(main)
-    assert words == [m.answer(m.OK), m.answer(m.STALE)] and evidence == []
-    assert upstream == [relay.peer_id] and same  # one input gradient upstream; the kept gradient unchanged
+    words, upstream, kept, evidence = run_simulation(main)
+    assert words == ["unknown_microbatch", m.answer(m.OK), "unknown_microbatch"]  # before: [OK, STALE, STALE]
+    assert [(e.peer, e.kind) for e in evidence] == [(other.peer_id, "unknown_microbatch")] * 2
+    assert upstream == [relay.peer_id] and kept.abs().max() < 1000  # the honest gradient was used
 
 
 def test_a_backward_that_arrives_while_the_first_one_computes_is_stale():
@@ -806,3 +853,4 @@ def test_a_download_that_ends_after_the_replica_caught_up_leaves_its_weights_alo
 
     got, word, same = run_simulation(main)
     assert got is None and same and word == m.answer(m.OK)  # before: the weights were replaced, the backward crashed
+

@@ -109,6 +109,7 @@ class Aggregation:
         self.suspects.clear()
         self.rerouted.clear()
         self.backed.clear()
+        self.forwarded_to.clear()
         self.ready_event(version).set()
         if self.stage < self.last:
             try:

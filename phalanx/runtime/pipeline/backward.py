@@ -26,7 +26,12 @@ class Backward:
         expected = c.path[self.stage + 1] if self.stage < self.last else c.path[0]
         if sender != expected and not self.relayed_by(sender, c):
             raise RemoteError(Evidence(sender, "false_stage", "backward sender is not the next node of the path", c.it))
+        trusted_route = sender != expected and self.client_routed  # the data node chose the next peer, not me
         sender = expected  # through a verifier hop: the peer it verified for
+        if c.it >= self.version and not trusted_route and sender not in self.forwarded_to.get(c.key, ()):
+            # a peer writes its own path: one this node never sent the microbatch to would get its gradient
+            # taken (the first backward wins) and the honest next peer's answered STALE
+            raise RemoteError(Evidence(sender, "unknown_microbatch", f"never sent {m.key_name(c.key)} to it", c.it))
         h = self.held.get(c.key)
         if h is None or h.x is None and self.stage > 0 or c.path[: self.stage] != h.carry.path:
             if c.it < self.version or c.key in self.rerouted:

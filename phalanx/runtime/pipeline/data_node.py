@@ -318,7 +318,7 @@ class DataNode(PipelineNode):
             await self._compute(self.staged.forward_flops[0])
         if self.mbs.get(mb.seq) is not mb or mb.att != key[2] or mb.done.is_set():
             return
-        restart = m.Restart.make(self.transport.identity, key) if key[2] > 0 else None  # relays free the old attempt on it
+        restart = m.Restart.make(self.transport.identity, key, it) if key[2] > 0 else None  # relays free the old attempt on it
         self.held[key] = Held(m.Carry(key, it, 0, (), out.detach(), restart=restart), None, out)
         self._emit("fwd", key, it, t0, recompute=mb.restarts > 0)
         await self.send_forward(key)

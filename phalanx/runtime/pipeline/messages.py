@@ -164,23 +164,27 @@ class Restart:
 
     A relay that holds an earlier attempt frees its slot only for an attempt that carries this: any
     relay on the path could otherwise write a higher attempt number and drop the honest attempt held
-    downstream. It travels unchanged with every forward of the attempt; attempt 0 needs none.
+    downstream. It travels unchanged with every forward of the attempt; attempt 0 needs none. It names
+    the iteration: a deferred microbatch starts again at attempt 0 in a later iteration, so (src, seq,
+    att) recurs, and a signature kept from the earlier iteration must not free the new one's attempts.
     """
 
     public_key: bytes
     signature: bytes
 
     @staticmethod
-    def statement(key: Key) -> bytes:
-        return digest(encode(["pp.attempt", list(key)]))
+    def statement(key: Key, it: int) -> bytes:
+        return digest(encode(["pp.attempt", list(key), it]))
 
     @classmethod
-    def make(cls, identity: Identity, key: Key) -> "Restart":
-        return cls(identity.public_key, identity.sign(cls.statement(key)))
+    def make(cls, identity: Identity, key: Key, it: int) -> "Restart":
+        return cls(identity.public_key, identity.sign(cls.statement(key, it)))
 
-    def valid(self, key: Key) -> bool:
-        """Signed by the microbatch's data node (its public key hashes to key[0]) for exactly this attempt."""
-        return peer_id_of(self.public_key) == key[0] and verify_signature(self.public_key, self.statement(key), self.signature)
+    def valid(self, key: Key, it: int) -> bool:
+        """Signed by the microbatch's data node (its public key hashes to key[0]) for exactly this attempt
+        in iteration `it`."""
+        return peer_id_of(self.public_key) == key[0] and verify_signature(
+            self.public_key, self.statement(key, it), self.signature)
 
     def to_obj(self) -> dict:
         return {"pk": self.public_key, "sig": self.signature}
