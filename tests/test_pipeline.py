@@ -854,3 +854,26 @@ def test_a_download_that_ends_after_the_replica_caught_up_leaves_its_weights_alo
     got, word, same = run_simulation(main)
     assert got is None and same and word == m.answer(m.OK)  # before: the weights were replaced, the backward crashed
 
+
+def test_flow_handover_modes_reach_the_flow_driver():
+    # Session 20 review (M3, L1): pipeline.flow_handover maps onto the FlowDriver (off: no handover; warmup:
+    # handovers end at the first iteration; always: they run in iterations too), `off` by default (warmup
+    # completed no handover in Table II's regime). A relay that joins mid-run under warmup starts with handovers
+    # ended: its peers ended theirs, so its queries would go unanswered and lock its units until its first forward.
+    from types import SimpleNamespace
+
+    from phalanx.runs.pipeline.run import make_routing
+
+    transport = SimpleNamespace(peer_id=peer_identity(0, 1).peer_id, add_message_handler=lambda topic, handler: None)
+    seen = {}
+    for mode in ("off", "warmup", "always"):
+        config = _mlp_config(pipeline=PipelineConfig(stages=2, routing="gwtf", flow_handover=mode))
+        for joiner in (False, True):
+            _, flow = make_routing(config, transport, 1, 2, joiner=joiner)
+            seen[mode, joiner] = (flow.node.config.handover, flow.handover_in_iterations, flow.node.handovers_ended)
+    assert PipelineConfig().flow_handover == "off"
+    assert seen == {
+        ("off", False): (False, False, False), ("off", True): (False, False, True),
+        ("warmup", False): (True, False, False), ("warmup", True): (True, False, True),  # before: a joiner probed
+        ("always", False): (True, True, False), ("always", True): (True, True, False),
+    }

@@ -35,11 +35,13 @@ class PipelineConfig:
     ema: float = 0.3  # weight of a new latency sample in a router's moving average
     flow_period: float = 0.2  # gwtf: seconds between two rounds of the flow algorithm
     flow_warmup: float = 2.0  # gwtf: seconds the flow algorithm runs before the first iteration
-    # gwtf: when a chain may change data node (FlowConfig.handover): warmup = only until the node's first
-    # iteration starts (a handover takes a round trip of ~2 x (stages + 1) flow periods, and between two
-    # iterations the runtime's quiet window is its aggregation, far shorter: handovers then relabel chains
-    # while microbatches run on them, issue-15 session 20), always, off
-    flow_handover: str = "warmup"
+    # gwtf: when a chain may change data node (FlowConfig.handover): off; always (handovers then relabel
+    # chains while microbatches run on them: a round trip takes ~2 x (stages + 1) flow periods, the quiet
+    # window between iterations is the aggregation, far shorter); warmup = only until the node's first
+    # iteration starts: a handover needs the chain built, then pending_timeout flow periods before its unit
+    # is asked about, then ~2 x (stages + 1) periods; in Table II's regime (flow_warmup = 20 periods) warmup
+    # completed none in 20 runs, as off (issue-15 session 20), hence `off` by default
+    flow_handover: str = "off"
     activation_bytes: int = 0  # > 0: an activation or gradient weighs this many bytes on the wire (padded)
     watch_period: float = 0.0  # > 0: every node looks this often whether a peer it passed a microbatch to left
     # (0: only when pipeline traffic wakes it, which keeps the simulator's event order of runs without churn)

@@ -15,7 +15,6 @@ Backward failures are repaired (GWTF V-D), never restarted.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 from ...algorithms.gwtf.flow import (
     DATA,
@@ -92,6 +91,7 @@ class FlowDriver:
         rng,
         period: float,
         handover_in_iterations: bool = True,
+        handovers_ended: bool = False,
     ) -> None:
         self.transport = transport
         self.stage = stage
@@ -99,6 +99,7 @@ class FlowDriver:
         self.handover_in_iterations = handover_in_iterations
         self.node = FlowNode(transport.peer_id, None if stage == 0 else stage - 1, capacity, stages, config, rng,
                              demand=demand if stage == 0 else 0)
+        self.node.handovers_ended = handovers_ended  # a joiner under `warmup`: its peers ended theirs long ago
         self.compute = 0.0  # EMA of own compute seconds per microbatch
         self.rtt: dict[str, float] = {}
         self.known: dict[str, int] = {}
@@ -166,10 +167,12 @@ class FlowDriver:
     def pause(self, paused: bool) -> None:
         """Pause Request Change / Redirect while an iteration's microbatches run (GWTF Sec. V-C);
         Request Flow and repairs go on. Without `handover_in_iterations` the first call (this node's first
-        iteration began) also ends handovers for good: what is still in flight is ignored and its locks expire."""
+        iteration began) also ends handovers for good: no new probe, queries answered "no"; the answers of
+        handovers in flight (done, ack) are still taken, so that a chain another node already relabelled is
+        relabelled here too instead of broken (paused, this node relabels nothing on its own)."""
         self.node.optimising = not paused
-        if not self.handover_in_iterations and self.node.config.handover:
-            self.node.config = replace(self.node.config, handover=False)
+        if not self.handover_in_iterations:
+            self.node.handovers_ended = True
 
     def lost(self, peer: str) -> list[FlowMessage]:
         if peer in self.known:
