@@ -413,3 +413,58 @@ def test_a_lost_handover_answer_heals():
     drv.run(100)
     drv.settle(10)
     assert lost and drv.paths() == [("d1", ["a", "b"], 3.0)]
+
+
+def _runtime_driver(node: FlowNode, in_iterations: bool):
+    """The runtime's FlowDriver around a SyncDriver's node (pause() is what the pipeline calls)."""
+    from types import SimpleNamespace
+
+    from phalanx.runtime.pipeline.gwtf import FlowDriver
+
+    transport = SimpleNamespace(peer_id=node.peer, add_message_handler=lambda topic, handler: None)
+    driver = FlowDriver(transport, 2, 3, 1, 0, FlowConfig(), random.Random(0), 1.0, handover_in_iterations=in_iterations)
+    driver.node = node
+    return driver
+
+
+def test_in_the_runtime_handover_ends_when_the_first_iteration_starts():
+    # Table II in the paper's regime (session 20): a handover's round trip takes ~2 x (stages + 1) flow periods
+    # (minutes), the runtime's quiet window between iterations is its aggregation (a second), so handovers
+    # relabelled chains 2-9 s into an iteration. Under pipeline.flow_handover=warmup the runtime's FlowDriver
+    # ends them at its first pause (a query is answered "no"); with `always` a query passes once the iteration
+    # is over.
+    from phalanx.algorithms.gwtf.messages import Handover, HandoverQuery
+
+    for in_iterations in (False, True):
+        drv = _chain3()
+        a, m = drv.nodes["a"], drv.nodes["m"]
+        (u,) = _units_of(drv, "a", "d0")
+        driver = _runtime_driver(m, in_iterations)
+        driver.pause(True)  # the iteration's first forward
+        driver.pause(False)  # its aggregation: the flow may optimise again
+        passed = _deliver(drv, a._pass_query(u, HandoverQuery("d0", "a", u.in_link, "d0", "d1", -100.0)))
+        assert bool(m._pending) == in_iterations
+        assert [type(x) for x in passed] == [HandoverQuery if in_iterations else Handover]
+        assert in_iterations or not passed[0].done  # a "no": a unlocks at once (before: dropped, a's lock expired)
+
+
+def test_a_handover_answer_in_flight_is_taken_after_handovers_end():
+    # Session 20 review (M2): m passed a handover query on to z, then m's first iteration began (warmup ends
+    # its handovers) while z relabelled the chain to d1. Ending handovers used to drop every handover message
+    # at m: z's Handover(done) was ignored, never acknowledged, and z DENYed its link to m, breaking the chain
+    # mid-iteration. Only new probes and queries end; the answer in flight is taken and acknowledged.
+    from phalanx.algorithms.gwtf.messages import Deny, Handover, HandoverQuery
+
+    drv = _chain3()
+    a, m, z = drv.nodes["a"], drv.nodes["m"], drv.nodes["z"]
+    (u,) = _units_of(drv, "a", "d0")
+    to_z = _deliver(drv, a._pass_query(u, HandoverQuery("d0", "a", u.in_link, "d0", "d1", -100.0)))
+    _runtime_driver(m, False).pause(True)  # m's first iteration starts while the query is at z
+    seen: list = []
+    handle = m.handle
+    m.handle = lambda msg: seen.append(msg) or handle(msg)
+    drv.queue += to_z
+    drv.run(60)
+    assert z.handovers == 1 and any(isinstance(x, Handover) and x.done for x in seen)
+    assert not any(isinstance(x, Deny) for x in seen)  # before: z broke its link to m
+    assert {x.sink for p in "amz" for x in drv.nodes[p]._units.values() if x.kind == "relay"} == {"d1"}

@@ -582,6 +582,213 @@ def test_a_second_backward_for_a_microbatch_already_done_is_not_evidence():
     assert evidence == []
 
 
+def test_only_an_attempt_its_data_node_signed_frees_the_attempt_held():
+    # A forward of attempt k frees the slots of attempts < k (session 19: a restart was denied by its own old
+    # attempt). The stage-1 relay upstream of a stage-2 relay of capacity 1 writes attempt 1 of the microbatch
+    # the stage-2 relay holds: without the data node's signature it is evidence against that relay and the
+    # honest attempt 0 stays held; the data node's signed restart (attempt 1) frees it. Session 20 review: nor
+    # does a signature by another key, or the data node's for another seq, attempt or iteration (H1: a deferred
+    # microbatch starts again at attempt 0 in a later iteration, so an old signature would free the new attempt).
+    from phalanx.core.errors import RequestFailed
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=3, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=2, microbatches=1, capacity=1))
+    data, upstream, relay = (peer_identity(config.seed, i) for i in range(3))
+    directory = {data.peer_id: 0, upstream.peer_id: 1, relay.peer_id: 2}
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        home, liar, transport = network.add_peer(data), network.add_peer(upstream), network.add_peer(relay)
+        home.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 2, directory, pipeline_task(config), lambda event: None, stage=2)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(2)[1:])
+        path = (data.peer_id, upstream.peer_id)
+        first, second = (data.peer_id, 0, 0), (data.peer_id, 0, 1)
+        words = [await liar.request(relay.peer_id, m.FORWARD, m.Carry(first, 0, 2, path, x).to_bytes(), 5.0)]
+        by_liar = m.Restart.make(upstream, second, 0)
+        forgeries = [
+            None,  # unsigned
+            by_liar,  # signed by the liar itself
+            m.Restart(data.public_key, by_liar.signature),  # the liar's signature under the data node's key
+            m.Restart.make(data, (data.peer_id, 1, 1), 0),  # the data node's, for another seq
+            m.Restart.make(data, (data.peer_id, 0, 2), 0),  # for another attempt
+            m.Restart.make(data, second, 1),  # for this attempt in another iteration (a deferred seq restarts at 0)
+        ]
+        for restart in forgeries:
+            with pytest.raises(RequestFailed, match="forged_attempt"):
+                await liar.request(relay.peer_id, m.FORWARD, m.Carry(second, 0, 2, path, x, restart=restart).to_bytes(), 5.0)
+        held_after_forgery = sorted(node.held)
+        signed = m.Carry(second, 0, 2, path, x, restart=m.Restart.make(data, second, 0))
+        words.append(await liar.request(relay.peer_id, m.FORWARD, signed.to_bytes(), 5.0))
+        held_after_restart = sorted(node.held)
+        await node.close()
+        return words, held_after_forgery, held_after_restart, transport.evidence
+
+    words, after_forgery, after_restart, evidence = run_simulation(main)
+    assert words == [m.answer(m.OK)] * 2
+    assert after_forgery == [(data.peer_id, 0, 0)]  # before: the forgery freed it and took the slot
+    assert after_restart == [(data.peer_id, 0, 1)]
+    assert [(e.peer, e.kind) for e in evidence] == [(upstream.peer_id, "forged_attempt")] * 6
+
+
+def test_a_key_planted_first_makes_the_relay_deny_the_other_path():
+    # Session 20 review (L2): a relay that guesses a key (attempt 0 is predictable) can plant it at a next-stage
+    # peer before the honest upstream sends it. The honest carry was answered "OK, already held": its sender
+    # waited for a backward that goes to the planter. A carry for a held key from another path is DENIED (the
+    # sender tries another peer); a resend along the same path is still OK. No evidence: either may be honest.
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=4, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=2, microbatches=1, capacity=4))
+    data, planter, honest, relay = (peer_identity(config.seed, i) for i in range(4))
+    directory = {data.peer_id: 0, planter.peer_id: 1, honest.peer_id: 1, relay.peer_id: 2}
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        home, liar, upstream, transport = (network.add_peer(p) for p in (data, planter, honest, relay))
+        home.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 3, directory, pipeline_task(config), lambda event: None, stage=2)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(2)[1:])
+        key = (data.peer_id, 0, 0)
+        planted = m.Carry(key, 0, 2, (data.peer_id, planter.peer_id), x).to_bytes()
+        words = [await liar.request(relay.peer_id, m.FORWARD, planted, 5.0)]
+        words.append(await upstream.request(relay.peer_id, m.FORWARD, m.Carry(key, 0, 2, (data.peer_id, honest.peer_id), x).to_bytes(), 5.0))
+        words.append(await liar.request(relay.peer_id, m.FORWARD, planted, 5.0))
+        await node.close()
+        return words, transport.evidence
+
+    words, evidence = run_simulation(main)
+    assert words == [m.answer(m.OK), m.answer(m.DENIED), m.answer(m.OK)] and evidence == []  # before: OK, OK, OK
+
+
+def test_a_backward_from_a_peer_never_sent_the_microbatch_is_evidence_and_changes_nothing():
+    # Session 20 review (H2): a peer writes its own path, so checking the sender against path[stage + 1] let any
+    # peer take a microbatch's first backward (its key is predictable): the relay kept the forger's gradient and
+    # answered the honest next peer STALE. A relay accepts a backward only from a peer it sent (or tried to send)
+    # the microbatch to; a forward that timed out here but was computed there still counts as sent.
+    from phalanx.core.errors import RequestFailed
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=4, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=2, microbatches=1))
+    data, relay, nxt, other = (peer_identity(config.seed, i) for i in range(4))
+    directory = {data.peer_id: 0, relay.peer_id: 1, nxt.peer_id: 2}  # the relay knows no other stage-2 peer
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        home, transport = network.add_peer(data), network.add_peer(relay)
+        nxt_transport, other_transport = network.add_peer(nxt), network.add_peer(other)
+        upstream: list[str] = []
+
+        async def on_backward(sender: str, payload: bytes) -> bytes:
+            upstream.append(sender)
+            return m.answer(m.OK)
+
+        home.add_request_handler(m.BACKWARD, on_backward)
+        nxt_transport.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None, stage=1)
+        key = (data.peer_id, 0, 0)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        await home.request(relay.peer_id, m.FORWARD, m.Carry(key, 0, 1, (data.peer_id,), x).to_bytes(), 5.0)
+        while node.held[key].next_peer is None:
+            await asyncio.sleep(0.05)
+        grad = torch.ones_like(node.held[key].out)
+        honest = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, nxt.peer_id), grad)
+        forged = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id, other.peer_id), 1000 * grad)
+        words = []
+        for sender, carry in ((other_transport, forged), (nxt_transport, honest), (other_transport, forged)):
+            try:
+                words.append(await sender.request(relay.peer_id, m.BACKWARD, carry.to_bytes(), 5.0))
+            except RequestFailed as exc:
+                words.append("unknown_microbatch" if "unknown_microbatch" in str(exc) else str(exc))
+        await asyncio.sleep(1.0)
+        kept = node.grads[key].clone()
+        await node.close()
+        return words, upstream, kept, transport.evidence
+
+    words, upstream, kept, evidence = run_simulation(main)
+    assert words == ["unknown_microbatch", m.answer(m.OK), "unknown_microbatch"]  # before: [OK, STALE, STALE]
+    assert [(e.peer, e.kind) for e in evidence] == [(other.peer_id, "unknown_microbatch")] * 2
+    assert upstream == [relay.peer_id] and kept.abs().max() < 1000  # the honest gradient was used
+
+
+def test_a_backward_that_arrives_while_the_first_one_computes_is_stale():
+    # Table II homogeneous 20 % gwtf seed 6 (session 20, no attacker): a data node got the same microbatch's
+    # backward twice from its stage-1 relay, the second while the first was still computing; the key was then
+    # neither held nor in `grads`: `unknown_microbatch` against the honest relay. Here the relay of the one
+    # stage gets the same backward twice at once, with a backward that takes simulated compute time.
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=2, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1, flops_scale=1e6))
+    data, relay = peer_identity(config.seed, 0), peer_identity(config.seed, 1)
+    directory = {data.peer_id: 0, relay.peer_id: 1}
+
+    async def main() -> tuple[list[bytes], list]:
+        network = SimNetwork(SimConfig(seed=config.seed))
+        source, transport = network.add_peer(data), network.add_peer(relay)
+        source.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        source.add_request_handler(m.BACKWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
+        key = (data.peer_id, 0, 0)
+        await source.request(relay.peer_id, m.FORWARD, m.Carry(key, 0, 1, (data.peer_id,), x).to_bytes(), 30.0)
+        backward = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id), torch.ones_like(node.held[key].out)).to_bytes()
+        words = await asyncio.gather(*(source.request(relay.peer_id, m.BACKWARD, backward, 30.0) for _ in range(2)))
+        await node.close()
+        return sorted(words), transport.evidence
+
+    words, evidence = run_simulation(main)
+    assert words == sorted([m.answer(m.OK), m.answer(m.STALE)]) and evidence == []  # before: unknown_microbatch
+
+
+def test_a_broken_report_about_the_data_node_itself_restarts_and_the_old_attempt_is_stale():
+    # The same run: the stage-1 relay's delivery of that input gradient to the data node failed, and it reported
+    # BROKEN with stage 0 (the data node's own stage), which the data node took for a malformed report. A stage-1
+    # relay on the microbatch's path may report it: the data node restarts the microbatch (it does not wait out
+    # the microbatch timeout), and a late backward of the old attempt is STALE, not evidence.
+    from phalanx.core.serialization import encode as enc
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+    from phalanx.runtime.pipeline.data_node import Microbatch
+    from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
+
+    config = _mlp_config(peers=2, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1))
+    data, relay = peer_identity(config.seed, 0), peer_identity(config.seed, 1)
+    directory = {data.peer_id: 0, relay.peer_id: 1}
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=config.seed))
+        transport, stage1 = network.add_peer(data), network.add_peer(relay)
+        forwards: list[int] = []
+
+        async def on_forward(sender: str, payload: bytes) -> bytes:
+            forwards.append(m.parse_carry(payload, sender, transport.limits, 2).key[2])
+            return m.answer(m.OK)
+
+        stage1.add_request_handler(m.FORWARD, on_forward)
+        node = build_node(config, transport, 0, directory, pipeline_task(config), lambda event: None)
+        x, y = node.task.batch(config.seed, data.peer_id, 0, config.train.batch_size)
+        mb = Microbatch(0, x, y, 0)
+        node.mbs = {0: mb}
+        await node.start(mb, 0)
+        out_shape = node.held[(data.peer_id, 0, 0)].out.shape
+        mb.path = (data.peer_id, relay.peer_id)  # its output came home: the path is known
+        await stage1.send(data.peer_id, m.BROKEN, enc({"src": data.peer_id, "seq": 0, "att": 0, "stage": 0}))
+        for _ in range(100):
+            if len(forwards) > 1:
+                break
+            await asyncio.sleep(0.05)
+        late = m.Carry((data.peer_id, 0, 0), 0, 0, (data.peer_id, relay.peer_id), torch.ones(out_shape))
+        word = await stage1.request(data.peer_id, m.BACKWARD, late.to_bytes(), 5.0)
+        await node.close()
+        return forwards, mb.att, word, transport.evidence
+
+    forwards, att, word, evidence = run_simulation(main)
+    assert forwards == [0, 1] and att == 1  # before: a malformed report, no restart
+    assert word == m.answer(m.STALE) and evidence == []
+
+
 def test_a_backward_for_a_microbatch_given_up_here_is_not_evidence():
     # The same Table II run on this session's code: a repair's REFORWARD made the stage-1 holder of a microbatch
     # look for another stage-2 peer while the first one's backward was on its way; it found none, gave the
@@ -678,3 +885,27 @@ def test_a_denied_microbatch_is_sent_again_as_soon_as_one_of_its_data_nodes_micr
             denied[key] = e["t1"]
     assert len(waited) >= 2
     assert all(any(abs(t - end) < 1e-9 for end in ends) for t in waited)
+
+
+def test_flow_handover_modes_reach_the_flow_driver():
+    # Session 20 review (M3, L1): pipeline.flow_handover maps onto the FlowDriver (off: no handover; warmup:
+    # handovers end at the first iteration; always: they run in iterations too), `off` by default (warmup
+    # completed no handover in Table II's regime). A relay that joins mid-run under warmup starts with handovers
+    # ended: its peers ended theirs, so its queries would go unanswered and lock its units until its first forward.
+    from types import SimpleNamespace
+
+    from phalanx.runs.pipeline.run import make_routing
+
+    transport = SimpleNamespace(peer_id=peer_identity(0, 1).peer_id, add_message_handler=lambda topic, handler: None)
+    seen = {}
+    for mode in ("off", "warmup", "always"):
+        config = _mlp_config(pipeline=PipelineConfig(stages=2, routing="gwtf", flow_handover=mode))
+        for joiner in (False, True):
+            _, flow = make_routing(config, transport, 1, 2, joiner=joiner)
+            seen[mode, joiner] = (flow.node.config.handover, flow.handover_in_iterations, flow.node.handovers_ended)
+    assert PipelineConfig().flow_handover == "off"
+    assert seen == {
+        ("off", False): (False, False, False), ("off", True): (False, False, True),
+        ("warmup", False): (True, False, False), ("warmup", True): (True, False, True),  # before: a joiner probed
+        ("always", False): (True, True, False), ("always", True): (True, True, False),
+    }

@@ -49,7 +49,7 @@ class HandoverRules(RequestFlowRules):
         """A stage-0 relay asks, for one (unit, other data node) pair at a time in turn, whether the chain
         would cost less as the other data node's; a unit is asked about once its links held for a while."""
         asking = any(p.kind == "handover" for p in self._pending.values())
-        if not self.config.handover or self.stage != 0 or not self.optimising or asking:
+        if not self.config.handover or self.handovers_ended or self.stage != 0 or not self.optimising or asking:
             return []
         data = self._peers_at(DATA)
         candidates = sorted(
@@ -70,7 +70,7 @@ class HandoverRules(RequestFlowRules):
         if not self.config.handover:
             return []
         u = self._unit_by("in_link", msg.link, msg.src)
-        if (not self.optimising or self.is_data or u is None or u.kind != "relay"
+        if (not self.optimising or self.handovers_ended or self.is_data or u is None or u.kind != "relay"
                 or u.sink != msg.old or msg.new == msg.old or not self._may_be_data(msg.new) or u.locked
                 or u.downstream is None or u.downstream not in self._costs):
             return [Handover(self.peer, msg.src, msg.link, "", 0.0, False)]

@@ -91,6 +91,7 @@ class FlowState:
         self._full_until: dict[str, int] = {}  # data nodes found without a free grant: not asked about until then
         self._late_handovers: dict[int, Pending] = {}  # handover locks that expired or were abandoned: late answers
         self.optimising = True  # False pauses Request Change / Redirect (routes stay put during training)
+        self.handovers_ended = False  # no new handover probe, and "no" to queries; answers in flight still taken
         self._stages: dict[str, int] = {}
         self._costs: dict[str, float] = {}
         self._units: dict[int, UnitState] = {}

@@ -199,7 +199,8 @@ async def _join_and_serve(config: PipelineRunConfig, transport, index: int, dire
     if placed is None:
         raise LocalError("no data node placed this joiner")
     stage, it = placed.stage, placed.it
-    node = build_node(config, transport, index, placed.directory, task, lambda e: write("event", e), stage=stage)
+    node = build_node(config, transport, index, placed.directory, task, lambda e: write("event", e), stage=stage,
+                      joiner=True)
     node.banned.update(placed.banned)
     placed_at = node.now()
 

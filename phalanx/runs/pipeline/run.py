@@ -79,13 +79,20 @@ def make_router(config: PipelineRunConfig, peer: str) -> Router:
                        paper=config.pipeline.routing == "swarm-paper")
 
 
-def make_routing(config: PipelineRunConfig, transport: Transport, stage: int, capacity: int) -> tuple[Router, FlowDriver | None]:
-    """The router of a node and, under gwtf routing, the flow driver it routes by."""
+def make_routing(
+    config: PipelineRunConfig, transport: Transport, stage: int, capacity: int, joiner: bool = False,
+) -> tuple[Router, FlowDriver | None]:
+    """The router of a node and, under gwtf routing, the flow driver it routes by. A joiner's handovers
+    start ended unless they run in iterations too (`flow_handover=always`): its peers' ended at their first
+    iteration, and queries they would not answer would lock its units."""
     router = make_router(config, transport.peer_id)
     if config.pipeline.routing != "gwtf":
         return router, None
-    flow = FlowDriver(transport, stage, config.pipeline.stages, capacity, config.pipeline.microbatches, FlowConfig(),
-                      py_stream(config.seed, transport.peer_id, "gwtf-flow"), config.pipeline.flow_period)
+    flow = FlowDriver(transport, stage, config.pipeline.stages, capacity, config.pipeline.microbatches,
+                      FlowConfig(handover=config.pipeline.flow_handover != "off"),
+                      py_stream(config.seed, transport.peer_id, "gwtf-flow"), config.pipeline.flow_period,
+                      handover_in_iterations=config.pipeline.flow_handover == "always",
+                      handovers_ended=joiner and config.pipeline.flow_handover != "always")
     return FlowRouter(flow.node, router, units_are_slots=config.pipeline.capacity_mode == "iteration"), flow
 
 
@@ -102,14 +109,14 @@ def verifier_identity(seed: int, link: int):
 
 def build_node(
     config: PipelineRunConfig, transport: Transport, index: int, directory: dict[str, int], task: Task,
-    on_event: Callable[[dict], None], stage: int | None = None, probe=None,
+    on_event: Callable[[dict], None], stage: int | None = None, probe=None, joiner: bool = False,
 ) -> DataNode | Relay:
     """A data node or relay; with SENTINEL it knows the boundary verifiers (or verifies, client-routed);
     a relay listed in `attack.relays` is an `AttackingRelay` that logs to `on_event` (kind "attack")."""
     stage = config.stage_of(index) if stage is None else stage
     staged = StagedModel(task, config.seed, config.pipeline.stages, config.train.batch_size, config.train.device)
     capacity = capacities(config)[index] if index < config.peers else config.pipeline.capacity  # a fresh joiner
-    router, flow = make_routing(config, transport, stage, capacity)
+    router, flow = make_routing(config, transport, stage, capacity, joiner)
     client = config.sentinel.enabled and config.sentinel.placement == "data_node"
     extra: dict = {"verifiers": verifier_ids(config), "client_routed": client}
     if index < config.data_nodes:
@@ -358,7 +365,7 @@ def simulate_pipeline(
                 return  # a banned identity: stays out
             if placed is None:
                 return  # no leader answered or no stage can take it: stays idle
-            node = build_node(config, transport, index, placed.directory, task, on_event, stage=placed.stage)
+            node = build_node(config, transport, index, placed.directory, task, on_event, stage=placed.stage, joiner=True)
             node.banned.update(placed.banned)
             seed_mprng(node, config.seed, incarnations[index])
             nodes[ids[index]] = node

@@ -108,6 +108,8 @@ class Aggregation:
         self.pending.clear()
         self.suspects.clear()
         self.rerouted.clear()
+        self.backed.clear()
+        self.forwarded_to.clear()
         self.ready_event(version).set()
         if self.stage < self.last:
             try:

@@ -26,12 +26,17 @@ class Backward:
         expected = c.path[self.stage + 1] if self.stage < self.last else c.path[0]
         if sender != expected and not self.relayed_by(sender, c):
             raise RemoteError(Evidence(sender, "false_stage", "backward sender is not the next node of the path", c.it))
+        trusted_route = sender != expected and self.client_routed  # the data node chose the next peer, not me
         sender = expected  # through a verifier hop: the peer it verified for
+        if c.it >= self.version and not trusted_route and sender not in self.forwarded_to.get(c.key, ()):
+            # a peer writes its own path: one this node never sent the microbatch to would get its gradient
+            # taken (the first backward wins) and the honest next peer's answered STALE
+            raise RemoteError(Evidence(sender, "unknown_microbatch", f"never sent {m.key_name(c.key)} to it", c.it))
         h = self.held.get(c.key)
         if h is None or h.x is None and self.stage > 0 or c.path[: self.stage] != h.carry.path:
             if c.it < self.version or c.key in self.rerouted:
                 return m.answer(m.STALE)
-            if h is None and c.key in self.grads:
+            if h is None and c.key in self.backed:
                 # its backward already ran here: a forward delivered twice (a resend racing a repair's REFORWARD,
                 # issue-15 Table II) comes back twice; the second changes nothing and is no lie
                 return m.answer(m.STALE)
@@ -43,6 +48,7 @@ class Backward:
         if grad_out is None:
             return m.answer(m.STALE)  # a verifying data node refused it: the attempt is being rerouted
         del self.held[c.key]  # a second backward for it (a resend) finds nothing to do
+        self.backed.add(c.key)  # also while this one computes (the key is in neither held nor grads then)
         t0 = self.now()
         async with self.compute_lock:
             if c.it != self.version:

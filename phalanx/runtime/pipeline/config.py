@@ -9,6 +9,7 @@ from ...core.errors import ConfigError
 
 ROUTINGS = ("swarm", "swarm-paper", "gwtf")
 CAPACITY_MODES = ("held", "iteration")
+HANDOVERS = ("warmup", "always", "off")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class PipelineConfig:
     ema: float = 0.3  # weight of a new latency sample in a router's moving average
     flow_period: float = 0.2  # gwtf: seconds between two rounds of the flow algorithm
     flow_warmup: float = 2.0  # gwtf: seconds the flow algorithm runs before the first iteration
+    # gwtf: when a chain may change data node (FlowConfig.handover): off; always (handovers then relabel
+    # chains while microbatches run on them: a round trip takes ~2 x (stages + 1) flow periods, the quiet
+    # window between iterations is the aggregation, far shorter); warmup = only until the node's first
+    # iteration starts: a handover needs the chain built, then pending_timeout flow periods before its unit
+    # is asked about, then ~2 x (stages + 1) periods; in Table II's regime (flow_warmup = 20 periods) warmup
+    # completed none in 20 runs, as off (issue-15 session 20), hence `off` by default
+    flow_handover: str = "off"
     activation_bytes: int = 0  # > 0: an activation or gradient weighs this many bytes on the wire (padded)
     watch_period: float = 0.0  # > 0: every node looks this often whether a peer it passed a microbatch to left
     # (0: only when pipeline traffic wakes it, which keeps the simulator's event order of runs without churn)
@@ -53,6 +61,8 @@ class PipelineConfig:
                 raise ConfigError(f"pipeline.{name}={value!r} must be a finite number > 0")
         if self.capacity_mode not in CAPACITY_MODES:
             raise ConfigError(f"pipeline.capacity_mode={self.capacity_mode!r} is not known; allowed: {', '.join(CAPACITY_MODES)}")
+        if self.flow_handover not in HANDOVERS:
+            raise ConfigError(f"pipeline.flow_handover={self.flow_handover!r} is not known; allowed: {', '.join(HANDOVERS)}")
         if type(self.activation_bytes) is not int or self.activation_bytes < 0:
             raise ConfigError(f"pipeline.activation_bytes={self.activation_bytes!r} must be an integer >= 0 (0: no padding)")
         if not (math.isfinite(self.watch_period) and self.watch_period >= 0):

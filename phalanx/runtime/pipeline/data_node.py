@@ -163,6 +163,7 @@ class DataNode(PipelineNode):
             if mb.outcome != "ok":
                 mb.outcome = "deferred"
                 self.held.pop(mb.key(self.me), None)
+                self.rerouted.add(mb.key(self.me))  # its backward may still come before the aggregation: STALE
                 self.deferred.append(Microbatch(mb.seq, mb.x, mb.y, mb.first_it))
         report = {"it": it, "done": [[self.me, mb.seq, mb.att, list(mb.path)] for mb in finished],
                   "suspects": sorted(self.suspects)}
@@ -318,12 +319,15 @@ class DataNode(PipelineNode):
             await self._compute(self.staged.forward_flops[0])
         if self.mbs.get(mb.seq) is not mb or mb.att != key[2] or mb.done.is_set():
             return
-        self.held[key] = Held(m.Carry(key, it, 0, (), out.detach()), None, out)
+        restart = m.Restart.make(self.transport.identity, key, it) if key[2] > 0 else None  # relays free the old attempt on it
+        self.held[key] = Held(m.Carry(key, it, 0, (), out.detach(), restart=restart), None, out)
         self._emit("fwd", key, it, t0, recompute=mb.restarts > 0)
         await self.send_forward(key)
 
     def restart(self, mb: Microbatch, it: int) -> None:
-        """Start the microbatch again from scratch under a new attempt number."""
+        """Start the microbatch again from scratch under a new attempt number (a late backward of the old
+        attempt is STALE, not evidence)."""
+        self.rerouted.add(mb.key(self.me))
         self.held.pop(mb.key(self.me), None)
         self.pending.pop(mb.key(self.me), None)
         if self.verifier is not None:
@@ -349,6 +353,7 @@ class DataNode(PipelineNode):
             return
         if not self.live(1) or self.now() >= self.deadline or self.config.capacity_mode == "iteration":
             self.held.pop(key, None)
+            self.rerouted.add(key)  # a backward racing the last refusal is STALE, not evidence
             mb.outcome = "denied"
             mb.done.set()
             return
@@ -427,8 +432,13 @@ class DataNode(PipelineNode):
         obj = m.parse_mapping(payload, sender, self.transport.limits, "broken report")
         key = m.parse_key(obj, sender)
         stage, lost = obj.get("stage"), obj.get("lost", False)
-        if type(stage) is not int or not 1 <= stage <= self.last or not isinstance(lost, bool):
+        if type(stage) is not int or not 0 <= stage <= self.last or not isinstance(lost, bool):
             raise RemoteError(Evidence(sender, "malformed", "broken report with a bad stage"))
+        if stage == 0:  # the input gradient a stage-1 relay sent me did not arrive (a timeout, or I refused it)
+            mb = self._live_mb(key)
+            if mb is not None and not lost and mb.path[1:2] == (sender,):
+                self.restart(mb, self.version)  # not wait out the microbatch timeout
+            return
         if lost:
             self.forward_lost(key)
         else:

@@ -59,8 +59,13 @@ class Forward:
             if (earlier is not None and earlier.seal is not None and earlier.it == c.it
                     and m.tensor_digest(earlier.tensor) != m.tensor_digest(c.tensor)):
                 raise RemoteError(Evidence(c.seal.signer, "equivocation", f"two sealed activations for {m.key_name(c.key)}", c.it))
-        if c.key in self.held:
-            return m.answer(m.OK)  # a resend of what we already hold
+        if c.key in self.held:  # a resend of what we already hold; from another path, a key planted here first
+            # (by a relay that guessed it) or the honest one: which is unknown, so no evidence, but the sender
+            # of the second is told to try elsewhere instead of waiting for a backward that will not come
+            return m.answer(m.OK if self.held[c.key].carry.path == c.path else m.DENIED)
+        if c.key[2] > 0 and (c.restart is None or not c.restart.valid(c.key, c.it)):
+            # only its data node restarts a microbatch: an attempt it did not sign would drop the honest one held
+            raise RemoteError(Evidence(sender, "forged_attempt", f"{m.key_name(c.key)} without its data node's signature", c.it))
         self.supersede(c.key)
         if self.full():
             return m.answer(m.DENIED)
@@ -92,7 +97,8 @@ class Forward:
         self.served += 1
         if self.flow is not None:
             self.flow.pause(True)  # routes stay put while this iteration's microbatches run
-        if c.repair == self.stage:
+        if c.repair == self.stage:  # the holder of the stored gradient sends it here
+            self.forwarded_to.setdefault(c.key, set()).add(c.holder)
             self.spawn(self._resume(c.key))
         else:
             self.spawn(self.send_forward(c.key))
@@ -125,8 +131,9 @@ class Forward:
                 return
             tensor = h.sent if h.sent is not None else h.out.detach()
             carry = m.Carry(key, h.carry.it, nxt, path, tensor, h.carry.repair, h.carry.holder, h.recomputed,
-                            seal=self.seal(CHECK_FORWARD, key, h.carry.it, nxt, tensor))
+                            seal=self.seal(CHECK_FORWARD, key, h.carry.it, nxt, tensor), restart=h.carry.restart)
             carry = self.signed(CHECK_FORWARD, carry, h.carry, peer)
+            self.forwarded_to.setdefault(key, set()).add(peer)  # also when it times out here but computes there
             t0 = self.now()
             word = await self.deliver("" if client else peer, CHECK_FORWARD, carry)
             if client and word == m.DENIED:  # the data node found no next peer: it restarts the microbatch
@@ -162,9 +169,10 @@ class Forward:
         return used >= self.capacity
 
     def supersede(self, key: m.Key) -> None:
-        """A newer attempt of a microbatch arrives: its data node restarted it, so the earlier attempts held
-        here will never finish. Free their slots (they filled a stage whose next peer had died, and denied the
-        restart itself), and answer a late backward of theirs STALE, not as evidence."""
+        """A newer attempt of a microbatch arrives, signed by its data node (checked before): the data node
+        restarted it, so the earlier attempts held here will never finish. Free their slots (they filled a
+        stage whose next peer had died, and denied the restart itself), and answer a late backward of theirs
+        STALE, not as evidence."""
         for old in [k for k in self.held if k[:2] == key[:2] and k[2] < key[2]]:
             self.release(old)
             self.rerouted.add(old)

@@ -90,12 +90,16 @@ class FlowDriver:
         config: FlowConfig,
         rng,
         period: float,
+        handover_in_iterations: bool = True,
+        handovers_ended: bool = False,
     ) -> None:
         self.transport = transport
         self.stage = stage
         self.period = period
+        self.handover_in_iterations = handover_in_iterations
         self.node = FlowNode(transport.peer_id, None if stage == 0 else stage - 1, capacity, stages, config, rng,
                              demand=demand if stage == 0 else 0)
+        self.node.handovers_ended = handovers_ended  # a joiner under `warmup`: its peers ended theirs long ago
         self.compute = 0.0  # EMA of own compute seconds per microbatch
         self.rtt: dict[str, float] = {}
         self.known: dict[str, int] = {}
@@ -162,8 +166,13 @@ class FlowDriver:
 
     def pause(self, paused: bool) -> None:
         """Pause Request Change / Redirect while an iteration's microbatches run (GWTF Sec. V-C);
-        Request Flow and repairs go on."""
+        Request Flow and repairs go on. Without `handover_in_iterations` the first call (this node's first
+        iteration began) also ends handovers for good: no new probe, queries answered "no"; the answers of
+        handovers in flight (done, ack) are still taken, so that a chain another node already relabelled is
+        relabelled here too instead of broken (paused, this node relabels nothing on its own)."""
         self.node.optimising = not paused
+        if not self.handover_in_iterations:
+            self.node.handovers_ended = True
 
     def lost(self, peer: str) -> list[FlowMessage]:
         if peer in self.known:

@@ -55,6 +55,7 @@ class Carry:
     recomputed: tuple[int, ...] = ()
     hops: tuple[Hop, ...] = ()  # signed hop records of this direction's journey so far (boundary verifiers)
     seal: Seal | None = None  # its sender's signature on the tensor (BTARD per stage with validators)
+    restart: Restart | None = None  # attempt > 0: its data node's signature on the attempt (a restart)
 
     def to_bytes(self, pad: int = 0) -> bytes:
         """The wire form; `pad` zero bytes ride along (a simulated larger activation, ignored on receipt)."""
@@ -65,6 +66,8 @@ class Carry:
         }
         if self.seal is not None:
             body["seal"] = self.seal.to_obj()
+        if self.restart is not None:
+            body["restart"] = self.restart.to_obj()
         if pad > 0:
             body["pad"] = bytes(pad)
         return encode(body)
@@ -155,6 +158,45 @@ class Seal:
         return {"by": self.signer, "pk": self.public_key, "sig": self.signature}
 
 
+@dataclass(frozen=True)
+class Restart:
+    """A data node's signature on a new attempt of its own microbatch (it restarted the microbatch).
+
+    A relay that holds an earlier attempt frees its slot only for an attempt that carries this: any
+    relay on the path could otherwise write a higher attempt number and drop the honest attempt held
+    downstream. It travels unchanged with every forward of the attempt; attempt 0 needs none. It names
+    the iteration: a deferred microbatch starts again at attempt 0 in a later iteration, so (src, seq,
+    att) recurs, and a signature kept from the earlier iteration must not free the new one's attempts.
+    """
+
+    public_key: bytes
+    signature: bytes
+
+    @staticmethod
+    def statement(key: Key, it: int) -> bytes:
+        return digest(encode(["pp.attempt", list(key), it]))
+
+    @classmethod
+    def make(cls, identity: Identity, key: Key, it: int) -> "Restart":
+        return cls(identity.public_key, identity.sign(cls.statement(key, it)))
+
+    def valid(self, key: Key, it: int) -> bool:
+        """Signed by the microbatch's data node (its public key hashes to key[0]) for exactly this attempt
+        in iteration `it`."""
+        return peer_id_of(self.public_key) == key[0] and verify_signature(
+            self.public_key, self.statement(key, it), self.signature)
+
+    def to_obj(self) -> dict:
+        return {"pk": self.public_key, "sig": self.signature}
+
+
+def parse_restart(obj: object, sender: str) -> Restart:
+    """A restart signature, checked for types only (`Restart.valid` checks it)."""
+    if not (isinstance(obj, dict) and all(isinstance(obj.get(k), bytes) and len(obj[k]) <= 128 for k in ("pk", "sig"))):
+        raise _bad(sender, "bad restart signature")
+    return Restart(obj["pk"], obj["sig"])
+
+
 def parse_seal(obj: object, sender: str) -> Seal:
     """A seal, checked for types only (`Seal.valid` checks the signature)."""
     if not (isinstance(obj, dict) and isinstance(obj.get("by"), str) and len(obj["by"]) <= 256
@@ -219,8 +261,9 @@ def parse_carry(payload: bytes, sender: str, limits: Limits, max_stage: int) -> 
     if not (isinstance(hops, list) and len(hops) <= 4 * (max_stage + 1)):
         raise _bad(sender, "bad hop records", it)
     seal = parse_seal(obj["seal"], sender) if "seal" in obj else None
+    restart = parse_restart(obj["restart"], sender) if "restart" in obj else None
     return Carry(key, it, stage, tuple(path), tensor, repair, holder, tuple(rec), tuple(parse_hop(h, sender) for h in hops),
-                 seal)
+                 seal, restart)
 
 
 def answer(word: str) -> bytes:

@@ -133,6 +133,9 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         self.banned: set[str] = set()  # peers we hold evidence against (or a relay told us it does)
         self.rerouted: set[m.Key] = set()  # microbatches dropped here (a verifier banned a peer on their path, a newer
         # attempt superseded them, no next peer took them): a late backward for one is STALE, not evidence
+        self.backed: set[m.Key] = set()  # microbatches whose backward ran or runs here: a second one is STALE
+        self.forwarded_to: dict[m.Key, set[str]] = {}  # key -> next-stage peers this node sent (or tried to send)
+        # its output to, and the holder a repair resumes from: the only peers whose backward for it is accepted
         transport.on_evidence(self._on_evidence)
         self.compute_lock = asyncio.Lock()
         self._ready: dict[int, asyncio.Event] = {}
