@@ -33,7 +33,7 @@ from phalanx.algorithms.btard.checks import (
 )
 from phalanx.algorithms.robust.attacks import Attack
 from phalanx.algorithms.robust.reducers import make_reducer
-from phalanx.benchmarks.btard_redteam import RedTeamConfig, run_trial
+from phalanx.benchmarks.btard_redteam import RedTeamConfig, Update, bounded_effect, run_trial
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
@@ -420,6 +420,37 @@ def test_red_team_regression_equivocator_parts_judged_alike_under_either_version
 )
 def test_red_team_regression_a_peer_left_out_of_some_declarations_decides_as_the_others(seed, points):
     assert run_trial(seed, RedTeamConfig(steps=3, max_peers=8, points=points)).violations == []
+
+
+def test_red_team_regression_an_owner_that_stops_is_passed_over_not_a_push():
+    # Seed 602864: the colluder's report, timed at the deadline, missed its own agreed set, so it banned
+    # itself (not_validating, its view only) and stopped; the honest peers passed its partition over at
+    # step 2 (zero everywhere, as for a crashed honest owner) and it left the group. The old bound
+    # counted the zero slice as a push of 0.35 > 0.333.
+    trial = run_trial(602864, RedTeamConfig(steps=4, max_peers=8, points="report_edge,withhold_aggregate"))
+    assert trial.moves and trial.violations == [], trial
+
+
+def test_red_team_bound_excuses_a_left_out_partition_only_of_a_colluder_that_goes():
+    reduce = make_reducer("centered_clip", tau=1.0)
+    group = ["a", "b", "c", "d"]  # "c" colludes; partition j belongs to group[j]
+    rows = {p: 1 + 0.1 * torch.randn(8, generator=torch.Generator().manual_seed(i)) for i, p in enumerate("abd")}
+    honest = reduce(torch.stack(list(rows.values())))
+    gradients = {0: rows, 1: rows}
+
+    def left_out(owner: str) -> torch.Tensor:
+        vector = honest.clone()
+        a = group.index(owner) * 2
+        vector[a:a + 2] = 0
+        return vector
+
+    def check(owner: str, next_group: list[str]) -> list[str]:
+        updates = {0: Update(group, left_out(owner), {owner}), 1: Update(next_group, honest.clone(), set())}
+        return bounded_effect(updates, gradients, frozenset({"c"}), [], k=2)
+
+    assert check("c", ["a", "b", "d"]) == []
+    assert any("stayed in the group" in v for v in check("c", group))
+    assert any("honest-only CenteredClip" in v for v in check("b", ["a", "b", "d"]))
 
 
 def test_a_commitment_timed_at_the_deadline_splits_nobody(tmp_path):
