@@ -5,6 +5,11 @@ import json
 import pytest
 
 from phalanx.algorithms.btard.admission import Admission, AdmissionConfig, Roles
+from phalanx.algorithms.btard.anchor import Link, genesis, verify_chain
+from phalanx.core.envelope import SignedEnvelope
+from phalanx.core.identity import Identity
+from phalanx.core.serialization import encode
+from phalanx.runs.dp.churn import FaultDriver
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
@@ -156,3 +161,78 @@ def test_a_crashed_trusted_peer_costs_the_survivors_about_one_timeout(tmp_path):
     assert summary["banned"] == []
     assert len({summary["final_digests"][p] for p in summary["final_digests"] if p != victim}) == 1
     _agree(summary, metrics)
+
+
+def _sybils(monkeypatch, count):
+    """`count` Sybil identities in every run's network: members that never train, answer a joiner's
+    catch-up offers with a snapshot of their own, its admission-state request with a made-up state
+    that lists only themselves as trusted, and its anchor request with a chain they signed from a
+    genesis of their own (and one from the real genesis: signed by nobody the joiner trusts)."""
+    made_up = {"approvals": T, "trusted": [], "untrusted": {}, "queue": [], "banned": []}
+    original = FaultDriver.__init__
+
+    def with_sybils(self, config, network, transports, *args, **kwargs):
+        original(self, config, network, transports, *args, **kwargs)
+        identities = [Identity.from_seed(f"sybil/{i}".encode()) for i in range(count)]
+        made_up["trusted"] = sorted(i.peer_id for i in identities)
+        initial = [t.peer_id for t in transports[: config.peers]]
+        chain = []
+        for prev in (genesis(made_up["trusted"]), genesis(initial)):
+            link = Link(0, prev, b"model", b"ledger", tuple(made_up["trusted"])).to_bytes()
+            signed = [SignedEnvelope.create(i, "bt.join", 1, link) for i in identities]
+            chain.append([link, [[e.sender, e.public_key, e.signature] for e in signed]])
+        answers = {
+            "catchup.offer": {"latest": config.steps, "snapshots": {"0": b"made-up"}, "updates": {}, "roster": {}},
+            "catchup.manifest": {"manifest": None},
+            "catchup.chunk": {"data": None},
+            "catchup.updates": {"vectors": None},
+            "adm.state": {"state": made_up},
+        }
+        for identity in identities:
+            transport = network.add_peer(identity)
+            for topic, answer in answers.items():
+                transport.add_request_handler(topic, lambda sender, payload, answer=answer: _answer(answer))
+            transport.add_request_handler("adm.chain", lambda sender, payload: _answer({"links": chain}))
+
+    monkeypatch.setattr(FaultDriver, "__init__", with_sybils)
+    return made_up
+
+
+async def _answer(obj):
+    return encode(obj)
+
+
+def test_sybils_that_outnumber_the_swarm_win_no_vote_of_a_joiner(tmp_path, monkeypatch):
+    # Five Sybils against four trusted peers: counting every unbanned member, their snapshot won
+    # catch-up's vote (the joiner never caught up) and their state won the admission-state vote.
+    # Anchored to the chain from the initial set, only the trusted peers vote.
+    made_up = _sybils(monkeypatch, 5)
+    summary, metrics, admissions = _run(tmp_path, "faults.join=1", *JOIN)
+    joiner = summary["peer_ids"][4]
+    assert [a["event"] for a in admissions if a["peer"] == joiner] == ["untrusted", *["approved"] * T, "trusted"]
+    assert not set(made_up["trusted"]) & {a["peer"] for a in admissions}
+    assert metrics[-1]["trusted"] == 5
+    assert len(set(summary["final_digests"].values())) == 1 and joiner in summary["final_digests"]
+    _agree(summary, metrics)
+
+
+def test_the_anchor_chain_verifies_only_links_a_majority_of_the_last_trusted_set_signed():
+    initial = ["a", "b", "c", "d"]
+    first = Link(0, genesis(initial), b"m0", b"l0", ("a", "b", "c", "d"))
+    grown = Link(1, first.digest(), b"m1", b"l1", ("a", "b", "c", "d", "e"))  # e became trusted
+    after = Link(2, grown.digest(), b"m2", b"l2", ("a", "b", "c", "d", "e"))
+    honest = {0: {first: {"a", "b", "c"}}, 1: {grown: {"a", "b", "c"}}, 2: {after: {"a", "b", "e"}}}
+    assert verify_chain(initial, honest) == [first, grown, after]
+    # Two of four is no majority: step 1 carries the chain unverified, and step 2 is judged by the set
+    # of step 0 (e not in it): a, b and e are two of four again.
+    thin = {**honest, 1: {grown: {"a", "b"}}}
+    assert verify_chain(initial, thin) == [first]
+    assert verify_chain(initial, {**thin, 2: {after: {"a", "b", "c"}}}) == [first, after]
+    # Sybils: a link listing only themselves, signed by all of them, verifies nothing (neither from their
+    # own genesis nor as a rival of step 1), and a broken `prev` ends the chain.
+    sybils = ("x", "y", "z", "w", "v")
+    rival = Link(1, first.digest(), b"m1", b"l1", sybils)
+    assert verify_chain(initial, {0: {Link(0, genesis(sybils), b"m", b"l", sybils): set(sybils)}}) == []
+    assert verify_chain(initial, {**honest, 1: {grown: {"a", "b", "c"}, rival: set(sybils)}}) == [first, grown, after]
+    assert verify_chain(initial, {**honest, 2: {Link(2, b"elsewhere", b"m2", b"l2", after.trusted): {"a", "b", "e"}}}) == [first, grown]
+    assert Link.from_bytes(after.to_bytes(), "a") == after and Link.from_bytes(b"junk", "a") is None

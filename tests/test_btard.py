@@ -35,6 +35,7 @@ from phalanx.algorithms.robust.attacks import Attack
 from phalanx.algorithms.robust.reducers import make_reducer
 from phalanx.benchmarks.btard_redteam import RedTeamConfig, Update, bounded_effect, run_trial
 from phalanx.core.errors import ConfigError
+from phalanx.core.serialization import decode, encode
 from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.dp.swarm import peer_identity
@@ -42,7 +43,8 @@ from phalanx.runs.presets import get_preset
 from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
 from phalanx.runtime.rounds import btard_verify
 from phalanx.runtime.rounds.btard_judge import _missing_meta
-from phalanx.runtime.rounds.btard_state import StepState
+from phalanx.runtime.rounds.btard import AGGREGATE_ANSWERS
+from phalanx.runtime.rounds.btard_state import BTARDConfig, StepState
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
@@ -102,6 +104,36 @@ def test_short_vector_from_the_last_partition_owner_is_evidence_not_a_crash():
     assert all(p.step == 3 for p in peers)  # this stack of unequal rows used to crash the run
     assert all(torch.isfinite(p).all() for peer in peers for p in peer.model.parameters())
     # The short part is the villain's own partition: nobody else receives it, so there is no evidence.
+    assert [e for peer in peers for e in peer.transport.evidence] == []
+
+
+def test_a_member_that_pulls_one_aggregate_again_and_again_gets_it_at_most_twice():
+    # bt.aggregate is a small request for a partition-sized answer: each (requester, step, owner) is
+    # answered AGGREGATE_ANSWERS times, then the requester gets nothing (and nobody crashes).
+    identities = [peer_identity(0, i) for i in range(4)]
+    ids = sorted(i.peer_id for i in identities)
+    task = make_task("digits-mlp")
+    peers, answers = [], []
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=0))
+        for identity in identities:
+            btard = BTARDConfig(enabled=True, timeout=1.0)
+            peers.append(DataParallelPeer(network.add_peer(identity), task, TrainConfig(), 0, allreduce=AllReduceConfig(reducer="centered_clip"), btard=btard))
+        tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(1)) for i in range(4)]
+        for t in tasks:
+            await t
+        server = next(p for p in peers if p.transport.peer_id == ids[0])
+        puller = next(p for p in peers if p.transport.peer_id == ids[1])
+        query = encode({"step": 0, "g": server.allreduce._group[0], "owner": ids[2]})
+        for _ in range(AGGREGATE_ANSWERS + 3):
+            answer = await puller.transport.request(ids[0], "bt.aggregate", query, 1.0)
+            answers.append(decode(answer, ids[0])["t"])
+        other = next(p for p in peers if p.transport.peer_id == ids[3])  # another requester is not limited by it
+        answers.append(decode(await other.transport.request(ids[0], "bt.aggregate", query, 1.0), ids[0])["t"])
+
+    run_simulation(main)
+    assert [a is not None for a in answers] == [True] * AGGREGATE_ANSWERS + [False] * 3 + [True]
     assert [e for peer in peers for e in peer.transport.evidence] == []
 
 
@@ -363,13 +395,16 @@ def test_a_forger_that_will_not_send_its_gradient_is_convicted_from_its_owners_p
     assert [r["reason"] for r in rows] == ["gradient"] and rows[0]["accuser"] in honest
 
 
-def test_a_joiner_that_catches_up_across_a_ban_takes_the_ban_with_the_replayed_updates(tmp_path):
+@pytest.mark.parametrize("admission", [0, 3])
+def test_a_joiner_that_catches_up_across_a_ban_takes_the_ban_with_the_replayed_updates(tmp_path, admission):
     # The joiner loads the step-10 snapshot and replays the updates since; the sign flipper is banned
     # in between. Each replayed update carries the bans that took effect in its step (and its
-    # digest covers them), so the joiner's ledger, group and state equal the others'.
+    # digest covers them), so the joiner's ledger, group and state equal the others'. With admission
+    # the joiner's votes count only the trusted peers of the anchor chain, whose trusted set loses
+    # the banned peer on the way.
     summary, honest, views = _btard_run(
         tmp_path, "sign_flip", "byzantine.start_step=11", "btard.validators=2", "faults.join=1", "faults.join_after_step=12",
-        "btard.admission_after=0", peers=5, steps=19,
+        f"btard.admission_after={admission}", peers=5, steps=19,
     )
     joiner = summary["peer_ids"][5]
     assert joiner in honest and all(view == set(summary["byzantine"]) for view in views.values())
