@@ -10,6 +10,7 @@ from phalanx.core.envelope import SignedEnvelope
 from phalanx.core.identity import Identity
 from phalanx.core.serialization import encode
 from phalanx.runs.dp.churn import FaultDriver
+from phalanx.runtime.dp import admission as admission_service
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
@@ -207,8 +208,15 @@ def test_sybils_that_outnumber_the_swarm_win_no_vote_of_a_joiner(tmp_path, monke
     # catch-up's vote (the joiner never caught up) and their state won the admission-state vote.
     # Anchored to the chain from the initial set, only the trusted peers vote.
     made_up = _sybils(monkeypatch, 5)
+    monkeypatch.setattr(admission_service, "CHAIN_PAGE", 4)  # the joiner fetches the chain in several pages
+    services = []
+    built = admission_service.AdmissionService.__init__
+    monkeypatch.setattr(admission_service.AdmissionService, "__init__", lambda self, *a, **k: (built(self, *a, **k), services.append(self))[0])
     summary, metrics, admissions = _run(tmp_path, "faults.join=1", *JOIN)
     joiner = summary["peer_ids"][4]
+    entered = next(a["step"] for a in admissions if a["peer"] == joiner)
+    anchor = next(s for s in services if s.transport.peer_id == joiner)._tip
+    assert anchor is not None and anchor.step >= entered - 3  # it verified the chain to where the swarm stood
     assert [a["event"] for a in admissions if a["peer"] == joiner] == ["untrusted", *["approved"] * T, "trusted"]
     assert not set(made_up["trusted"]) & {a["peer"] for a in admissions}
     assert metrics[-1]["trusted"] == 5

@@ -322,9 +322,12 @@ class AdmissionService:
             rows = answer.get("links") if isinstance(answer, dict) else None
             if not isinstance(rows, list):
                 return
-            for row in rows:
+            for row in rows[:CHAIN_PAGE]:
                 self._add_candidate(peer, row)
-            if len(rows) < CHAIN_PAGE:
+            # The next page only while this one carried the chain to its end: a peer that makes up
+            # pages without end adds links that continue nothing, and is not asked again.
+            path = walk_chain(self.initial or (), self._candidates)
+            if len(rows) < CHAIN_PAGE or not path or path[-1][0].step < start + CHAIN_PAGE - 1:
                 return
             start += CHAIN_PAGE
 
