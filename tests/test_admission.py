@@ -8,7 +8,7 @@ from phalanx.algorithms.btard.admission import Admission, AdmissionConfig, Roles
 from phalanx.algorithms.btard.anchor import Link, genesis, verify_chain
 from phalanx.core.envelope import SignedEnvelope
 from phalanx.core.identity import Identity
-from phalanx.core.serialization import encode
+from phalanx.core.serialization import decode, encode
 from phalanx.runs.dp.churn import FaultDriver
 from phalanx.runtime.dp import admission as admission_service
 from phalanx.core.errors import ConfigError
@@ -168,7 +168,8 @@ def _sybils(monkeypatch, count):
     """`count` Sybil identities in every run's network: members that never train, answer a joiner's
     catch-up offers with a snapshot of their own, its admission-state request with a made-up state
     that lists only themselves as trusted, and its anchor request with a chain they signed from a
-    genesis of their own (and one from the real genesis: signed by nobody the joiner trusts)."""
+    genesis of their own, one from the real genesis (signed by nobody the joiner trusts), and the
+    honest chain (fetched from an honest peer) with a link of their own after its end."""
     made_up = {"approvals": T, "trusted": [], "untrusted": {}, "queue": [], "banned": []}
     original = FaultDriver.__init__
 
@@ -189,11 +190,20 @@ def _sybils(monkeypatch, count):
             "catchup.updates": {"vectors": None},
             "adm.state": {"state": made_up},
         }
+        async def chain_answer(transport, payload):
+            honest = decode(await transport.request(initial[0], "adm.chain", payload, 5.0), initial[0])["links"]
+            if honest:  # a rival for the step after the honest end, signed by them (and winning a tie on bytes)
+                last = Link.from_bytes(honest[-1][0], initial[0])
+                forged = Link(last.step + 1, last.digest(), b"\xff" * 32, b"ledger", tuple(made_up["trusted"])).to_bytes()
+                signed = [SignedEnvelope.create(i, "bt.join", last.step + 2, forged) for i in identities]
+                honest.append([forged, [[e.sender, e.public_key, e.signature] for e in signed]])
+            return encode({"links": chain + honest})
+
         for identity in identities:
             transport = network.add_peer(identity)
             for topic, answer in answers.items():
                 transport.add_request_handler(topic, lambda sender, payload, answer=answer: _answer(answer))
-            transport.add_request_handler("adm.chain", lambda sender, payload: _answer({"links": chain}))
+            transport.add_request_handler("adm.chain", lambda sender, payload, transport=transport: chain_answer(transport, payload))
 
     monkeypatch.setattr(FaultDriver, "__init__", with_sybils)
     return made_up
@@ -217,6 +227,9 @@ def test_sybils_that_outnumber_the_swarm_win_no_vote_of_a_joiner(tmp_path, monke
     entered = next(a["step"] for a in admissions if a["peer"] == joiner)
     anchor = next(s for s in services if s.transport.peer_id == joiner)._tip
     assert anchor is not None and anchor.step >= entered - 3  # it verified the chain to where the swarm stood
+    # Its chain is the swarm's to the end (no Sybil link kept past what it verified), so it links and signs.
+    chains = {s.transport.peer_id: s.links for s in services}
+    assert all(chains[joiner] == chains[p] for p in summary["peer_ids"][:4])
     assert [a["event"] for a in admissions if a["peer"] == joiner] == ["untrusted", *["approved"] * T, "trusted"]
     assert not set(made_up["trusted"]) & {a["peer"] for a in admissions}
     assert metrics[-1]["trusted"] == 5

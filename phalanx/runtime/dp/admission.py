@@ -97,6 +97,7 @@ class AdmissionService:
         self._candidates: dict[int, dict[Link, set[str]]] = {}  # a joiner's fetched links and their checked signers
         self._checked: dict[tuple[int, Link], dict[str, tuple[bytes, bytes]]] = {}  # their signatures
         self._tip: Link | None = None  # the last link this replica verified from the initial set
+        self._refreshing: asyncio.Future | None = None  # a joiner's fetch of the chain it still lacks
         peer.allreduce.admission = self
         peer.allreduce.join_payload = self.join_payload
         catchup.voters = lambda: set(self.state.trusted) if self.state is not None else set()
@@ -135,6 +136,10 @@ class AdmissionService:
         state = self._require()
         self._history[step] = state.to_dict()  # final: every settlement before this round is in
         self._harvest(step)
+        if self.initial is not None and step > 0 and step - 1 not in self.links and (self._refreshing is None or self._refreshing.done()):
+            # A joiner whose chain does not reach the last step yet (its first steps): fetch the rest in the
+            # background; it links (and, once trusted, signs) from the step after it has the one before.
+            self._refreshing = asyncio.ensure_future(self._refresh_chain())
         self._link(step, state)
         events: list[Event] = []
         entries = sorted((s, p) for p, s in self.catchup.roster.active.items() if 0 < s <= step and (p, s) not in self._entered)
@@ -287,8 +292,9 @@ class AdmissionService:
 
     async def _refresh_chain(self) -> Link | None:
         """Fetch the links after my verified tip from every other member, check each signature, and
-        verify the chain again from the initial set. Keeps the verified links (and the contents that
-        continue them) so that this replica can link its own steps and serve the chain in turn."""
+        verify the chain again from the initial set. Keeps the links up to the verified tip (each pinned
+        by the digests of the verified ones after it; a link past the tip could be anybody's) so that
+        this replica can link its own steps and serve the chain in turn."""
         if self.initial is None:
             return None
         me = self.transport.peer_id
@@ -297,9 +303,13 @@ class AdmissionService:
         await asyncio.gather(*(self._fetch_chain(p, start) for p in others))
         for s, link in self.links.items():  # my own links count as candidates, with the signatures I hold
             self._candidates.setdefault(s, {}).setdefault(link, set()).update(self.signed.get(s, {}))
-        for link, verified in walk_chain(self.initial, self._candidates):
-            if verified:
-                self._tip = link
+        path = walk_chain(self.initial, self._candidates)
+        verified = [link for link, ok in path if ok]
+        if verified:
+            self._tip = verified[-1]
+        for link, _ in path:
+            if self._tip is None or link.step > self._tip.step:
+                break
             if self.links.get(link.step) != link:
                 self.links[link.step] = link
                 self.signed[link.step] = {}
