@@ -1,16 +1,19 @@
 """Sybil-resistant admission (BTARD App. F) in simulated BTARD runs with peers joining mid-run."""
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from phalanx.algorithms.btard.admission import Admission, AdmissionConfig, Roles
-from phalanx.algorithms.btard.anchor import Link, genesis, verify_chain
+from phalanx.algorithms.btard.anchor import Link, genesis, verify_chain, walk_chain
 from phalanx.core.envelope import SignedEnvelope
 from phalanx.core.identity import Identity
-from phalanx.core.serialization import decode, encode
+from phalanx.core.serialization import DEFAULT_LIMITS, decode, encode
 from phalanx.runs.dp.churn import FaultDriver
 from phalanx.runtime.dp import admission as admission_service
+from phalanx.runtime.dp.catchup import CatchupConfig, CatchupFailed
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
@@ -257,3 +260,117 @@ def test_the_anchor_chain_verifies_only_links_a_majority_of_the_last_trusted_set
     assert verify_chain(initial, {**honest, 1: {grown: {"a", "b", "c"}, rival: set(sybils)}}) == [first, grown, after]
     assert verify_chain(initial, {**honest, 2: {Link(2, b"elsewhere", b"m2", b"l2", after.trusted): {"a", "b", "e"}}}) == [first, grown]
     assert Link.from_bytes(after.to_bytes(), "a") == after and Link.from_bytes(b"junk", "a") is None
+
+
+# --- the anchor against made-up, tied and stalled chains (pure: a bare service, a scripted swarm) ---
+
+
+class _Swarm:
+    """A joiner's transport: `serve(peer, start)` answers `adm.chain`, `states` answer `adm.state`."""
+
+    def __init__(self, members, serve, states=None):
+        self.peer_id, self.limits, self.evidence, self.asked = "joiner", DEFAULT_LIMITS, [], []
+        self._members, self._serve, self._states, self._now = members, serve, states or {}, 0.0
+        self.clock = self
+
+    def now(self):
+        self._now += 1.0
+        return self._now
+
+    def members(self):
+        return list(self._members)
+
+    def report(self, evidence):
+        self.evidence.append(evidence)
+
+    async def request(self, peer, topic, payload, timeout):
+        if topic == "adm.chain":
+            start = decode(payload, peer)["from"]
+            self.asked.append((peer, start))
+            return encode({"links": self._serve(peer, start)})
+        return encode({"state": self._states.get(peer)})
+
+
+def _bare_service(transport, initial):
+    """An AdmissionService with only what the chain fetch and the state vote use."""
+    service = admission_service.AdmissionService.__new__(admission_service.AdmissionService)
+    service.transport, service.initial = transport, sorted(initial)
+    service.peer = SimpleNamespace(ledger=SimpleNamespace(filter=lambda members: members))
+    service.catchup = SimpleNamespace(config=CatchupConfig(request_timeout=1.0, poll=0.001, timeout=3.0))
+    service.links, service.signed, service._tip = {}, {}, None
+    service._candidates, service._offers, service._checked = {}, {}, {}
+    return service
+
+
+def _signed_chain(keys, trusted_at, signers_at, steps):
+    """Rows of a chain whose link s lists `trusted_at(s)` and carries the joins of `signers_at(s)`."""
+    rows, prev = [], genesis(trusted_at(0))
+    for s in range(steps):
+        link = Link(s, prev, b"m%d" % s, b"l", tuple(sorted(trusted_at(s))))
+        joins = [SignedEnvelope.create(keys[p], "bt.join", s + 1, link.to_bytes()) for p in sorted(signers_at(s))]
+        rows.append([link.to_bytes(), [[e.sender, e.public_key, e.signature] for e in joins]])
+        prev = link.digest()
+    return rows
+
+
+def test_a_member_that_makes_up_pages_without_end_is_asked_about_one_page_past_the_signed_chain(monkeypatch):
+    # The Sybil serves the real chain (steps 0-5 signed by a majority, step 6 the unsigned tip), then
+    # links it makes up that continue it (right `prev`) with 50 signatures of names nobody trusts.
+    # Following unverified links, the joiner asked for pages without end (here: until the Sybil's 50th),
+    # kept every made-up link and checked every listed signature. Now: pages only while the *verified*
+    # tip reaches a page's end, made-up links never kept, only the voters' signatures checked.
+    monkeypatch.setattr(admission_service, "CHAIN_PAGE", 4)
+    keys = {n: Identity.from_seed(n.encode()) for n in "abcd"}
+    initial = sorted(k.peer_id for k in keys.values())
+    rows = _signed_chain({k.peer_id: k for k in keys.values()}, lambda s: initial, lambda s: initial[:3] if s < 6 else [], 7)
+    junk = [[f"nobody{i}", b"k", b"s"] for i in range(50)]
+
+    made = [Link.from_bytes(row[0], "x") for row in rows]
+    while len(made) < 300:  # one made-up continuation, the same on every page
+        made.append(Link(len(made), made[-1].digest(), b"made-up", b"l", tuple(initial)))
+
+    def serve(peer, start):
+        if len(transport.asked) > 50:
+            return []
+        return rows[start:start + 4] + [[link.to_bytes(), junk] for link in made[max(start, len(rows)):start + 4]]
+
+    transport = _Swarm(["sybil"], serve)
+    service = _bare_service(transport, initial)
+    checks = []
+    verify = SignedEnvelope.verify
+    monkeypatch.setattr(SignedEnvelope, "verify", lambda self: (checks.append(self.sender), verify(self))[1])
+    tip = asyncio.run(service._refresh_chain())
+    assert tip is not None and tip.step == 5 and len(transport.asked) <= 3, (tip, transport.asked)
+    assert sorted(service.links) == list(range(6)) and all(service.links[s].to_bytes() == rows[s][0] for s in range(6))
+    assert len(checks) <= 3 * 6 and not any(c.startswith("nobody") for c in checks)
+    assert sum(len(links) for links in service._candidates.values()) <= 4
+
+
+def test_an_unsigned_rival_of_the_unsigned_tip_link_is_not_followed():
+    # The honest tip link has no signatures until the next step's joins; a link anybody makes up for
+    # the same step has none either. The tie was broken by bytes, so the made-up one could win and the
+    # joiner link its own steps from it. Now a tie ends the path before the step.
+    initial = ("a", "b", "c", "d")
+    first = Link(0, genesis(initial), b"m0", b"l0", initial)
+    tip = Link(1, first.digest(), b"m1", b"l1", initial)
+    forged = max((Link(1, first.digest(), bytes([i]) * 32, b"l1", initial) for i in range(256)), key=Link.to_bytes)
+    assert walk_chain(initial, {0: {first: {"a", "b", "c"}}, 1: {tip: set(), forged: set()}}) == [(first, True)]
+    assert walk_chain(initial, {0: {first: {"a", "b", "c"}}, 1: {tip: {"a"}, forged: set()}}) == [(first, True), (tip, False)]
+
+
+def test_a_chain_that_stalled_far_behind_the_step_anchors_no_vote():
+    # Trusted {a, b, c, d}: d withholds its signature, c crashed, so a and b (2 of 4) never verify a link
+    # after step 0 and the electorate stays {a, b, c, d}. Once a and b are gone only d answers: its
+    # made-up state won the joiner's admission-state vote alone. Now the joiner fails closed.
+    keys = {n: Identity.from_seed(n.encode()) for n in "abcd"}
+    ids = {n: k.peer_id for n, k in keys.items()}
+    initial = sorted(ids.values())
+    later = sorted([ids["a"], ids["b"], ids["d"]])
+    rows = _signed_chain({k.peer_id: k for k in keys.values()}, lambda s: initial if s == 0 else later,
+                         lambda s: [ids["a"], ids["b"], ids["c"]] if s == 0 else [ids["a"], ids["b"]], 40)
+    forged = Admission([ids["d"]], AdmissionConfig(T)).to_dict()
+    transport = _Swarm([ids["d"]], lambda peer, start: rows[start:start + admission_service.CHAIN_PAGE], {ids["d"]: forged})
+    service = _bare_service(transport, initial)
+    with pytest.raises(CatchupFailed):
+        asyncio.run(service._fetch(40))
+    assert service._tip is not None and service._tip.step == 0

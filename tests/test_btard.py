@@ -107,7 +107,7 @@ def test_short_vector_from_the_last_partition_owner_is_evidence_not_a_crash():
     assert [e for peer in peers for e in peer.transport.evidence] == []
 
 
-def test_a_member_that_pulls_one_aggregate_again_and_again_gets_it_at_most_twice():
+def test_a_member_that_pulls_one_aggregate_again_and_again_gets_it_at_most_twice_and_a_non_member_never():
     # bt.aggregate is a small request for a partition-sized answer: each (requester, step, owner) is
     # answered AGGREGATE_ANSWERS times, then the requester gets nothing (and nobody crashes).
     identities = [peer_identity(0, i) for i in range(4)]
@@ -131,9 +131,11 @@ def test_a_member_that_pulls_one_aggregate_again_and_again_gets_it_at_most_twice
             answers.append(decode(answer, ids[0])["t"])
         other = next(p for p in peers if p.transport.peer_id == ids[3])  # another requester is not limited by it
         answers.append(decode(await other.transport.request(ids[0], "bt.aggregate", query, 1.0), ids[0])["t"])
+        outsider = network.add_peer(peer_identity(0, 9))  # not in step 0's group (a Sybil would be fresh too): never served
+        answers.append(decode(await outsider.request(ids[0], "bt.aggregate", query, 1.0), ids[0])["t"])
 
     run_simulation(main)
-    assert [a is not None for a in answers] == [True] * AGGREGATE_ANSWERS + [False] * 3 + [True]
+    assert [a is not None for a in answers] == [True] * AGGREGATE_ANSWERS + [False] * 3 + [True, False]
     assert [e for peer in peers for e in peer.transport.evidence] == []
 
 
@@ -486,6 +488,13 @@ def test_red_team_bound_excuses_a_left_out_partition_only_of_a_colluder_that_goe
     assert check("c", ["a", "b", "d"]) == []
     assert any("stayed in the group" in v for v in check("c", group))
     assert any("honest-only CenteredClip" in v for v in check("b", ["a", "b", "d"]))
+    # A colluder that stops, stays out k steps, comes back and stops again is excused only the first time
+    # (else f > k staggered colluders could zero a partition at every step).
+    away = ["a", "b", "d"]
+    gradients.update({s: rows for s in range(2, 6)})
+    again = {0: Update(group, left_out("c"), {"c"}), 1: Update(away, honest.clone(), set()), 2: Update(away, honest.clone(), set()),
+             3: Update(group, left_out("c"), {"c"}), 4: Update(away, honest.clone(), set()), 5: Update(away, honest.clone(), set())}
+    assert [v for v in bounded_effect(again, gradients, frozenset({"c"}), [], k=2) if "again" in v] == ["step 3: colluder c's partition was left out again (a crash costs it once)"]
 
 
 def test_a_commitment_timed_at_the_deadline_splits_nobody(tmp_path):

@@ -107,9 +107,11 @@ def bounded_effect(
 ) -> list[str]:
     """Invariant 3 over the honest peers' updates and honest gradients (`gradients[step][peer]`):
     the steps where a partition moved further than CenteredClip's bound from the honest-only
-    CenteredClip, or a colluder's partition was left out, with no colluder's ban to answer for it."""
+    CenteredClip, or a colluder's partition was left out (more than once per colluder, or while it
+    stayed in the group), with no colluder's ban to answer for it."""
     reduce = make_reducer("centered_clip", tau=TAU)
     violations: list[str] = []
+    excused: set[str] = set()  # colluders whose left-out partition was excused once
     for step, update in sorted(updates.items()):
         group, applied = update.group, update.vector
         present = [p for p in group if p in gradients.get(step, {})]
@@ -122,10 +124,17 @@ def bounded_effect(
         rows = torch.stack([gradients[step][p] for p in present])
         for owner, (a, z) in zip(group, part_bounds(applied.numel(), len(group))):
             if owner in colluders and owner in update.missing and not applied[a:z].any():
+                # A colluder that stops costs its partition for one step, as a crash does: excused once per
+                # colluder per trial (it could otherwise leave, come back and stop again), and only if it
+                # stays out of the next k steps (those the trial has: in its last ones, the once is the bound).
                 later = [updates[s].group for s in range(step + 1, step + k + 1) if s in updates]
                 if any(owner in g for g in later):
                     violations.append(f"step {step}: colluder {owner[:8]}'s partition was left out and it stayed in the group for {k} more steps unbanned")
                     break
+                if owner in excused:
+                    violations.append(f"step {step}: colluder {owner[:8]}'s partition was left out again (a crash costs it once)")
+                    break
+                excused.add(owner)
                 continue
             honest_only = reduce(rows[:, a:z])
             gap = float((applied[a:z] - honest_only).norm())

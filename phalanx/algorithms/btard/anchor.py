@@ -19,7 +19,7 @@ state made up by Sybils that lists only themselves has no chain.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ...core.errors import RemoteError
@@ -64,34 +64,51 @@ def genesis(initial: Iterable[str]) -> bytes:
     return digest(encode([GENESIS, sorted(set(initial))]))
 
 
-def walk_chain(initial: Iterable[str], candidates: dict[int, dict[Link, set[str]]]) -> list[tuple[Link, bool]]:
+def walk_chain(
+    initial: Iterable[str],
+    candidates: Mapping[int, Mapping[Link, Iterable[str]]],
+    tip: Link | None = None,
+    check: Callable[[Link, str], bool] | None = None,
+    slack: int | None = None,
+) -> list[tuple[Link, bool]]:
     """The chain a peer that trusts only `initial` follows, in step order, each link with whether it is verified.
 
-    `candidates[s]` maps each link offered for step s to the peers whose signature on it was
-    checked. From the first step on, each next link must name the digest of the one before; of
-    several, the one most peers of the current set signed is followed. A link is verified when a
-    strict majority of the last verified trusted set (the initial set before any) signed it; its
-    trusted set is then the one the next links need. Unverified links still carry the chain (their
-    signatures may come later). Stops at the first step with no link that continues it.
+    `candidates[s]` maps each link offered for step s to the peers said to have signed it; a signer
+    counts if it is in the current set and `check(link, signer)` holds (None: every listed signature
+    was checked already; only signers a vote could count are ever checked). The walk starts after
+    `tip`, a link already verified (its trusted set is the current set), or at the chain's start.
+    From there each next link must name the digest of the one before; of several, the one most
+    peers of the current set signed is followed, and the walk stops where two tie (an unsigned link
+    anybody can make up is no rival to follow). A link is verified when a strict majority of the
+    last verified trusted set (the initial set before any) signed it; its trusted set is then the one
+    the next links need. Unverified links still carry the chain (their signatures may come later),
+    at most `slack` of them in a row. Stops at the first step with no link that continues it.
     """
-    voters = frozenset(initial)
-    prev = genesis(voters)
+    voters = frozenset(tip.trusted) if tip is not None else frozenset(initial)
+    prev = tip.digest() if tip is not None else genesis(voters)
+    step = tip.step + 1 if tip is not None else 0
     path: list[tuple[Link, bool]] = []
-    for step in sorted(candidates):
-        if path and step != path[-1][0].step + 1:
+    unverified = 0
+    while step in candidates:
+        options = sorted(
+            ((sum(1 for p in [p for p in signers if p in voters] if check is None or check(link, p)), link)
+             for link, signers in candidates[step].items() if link.step == step and link.prev == prev),
+            key=lambda o: o[0], reverse=True,
+        )
+        if not options or (len(options) > 1 and options[1][0] == options[0][0]):
             break
-        options = [(len(signers & voters), link.to_bytes(), link) for link, signers in candidates[step].items() if link.step == step and link.prev == prev]
-        if not options:
-            break
-        votes, _, link = max(options, key=lambda o: (o[0], o[1]))
-        prev = link.digest()
+        votes, link = options[0]
         verified = 2 * votes > len(voters)
+        unverified = 0 if verified else unverified + 1
+        if slack is not None and unverified > slack:
+            break
         if verified:
             voters = frozenset(link.trusted)
         path.append((link, verified))
+        prev, step = link.digest(), step + 1
     return path
 
 
-def verify_chain(initial: Iterable[str], candidates: dict[int, dict[Link, set[str]]]) -> list[Link]:
+def verify_chain(initial: Iterable[str], candidates: Mapping[int, Mapping[Link, Iterable[str]]]) -> list[Link]:
     """The verified links of `walk_chain`."""
     return [link for link, verified in walk_chain(initial, candidates) if verified]

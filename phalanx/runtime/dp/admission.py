@@ -68,6 +68,8 @@ CHAIN = "adm.chain"
 JOIN = "bt.join"  # the round's signed join for step s + 1 carries the link of step s
 KEEP_STEPS = 64  # past steps' states each replica serves to peers that join
 CHAIN_PAGE = 64  # links per `adm.chain` answer
+CHAIN_SLACK = 2  # unverified links a joiner follows past its verified tip (their signatures come with later joins)
+ANCHOR_LAG = 4  # a verified tip further than this behind the step a joiner takes a state for anchors no vote
 
 
 class AdmissionService:
@@ -94,8 +96,11 @@ class AdmissionService:
         self.initial = sorted(initial) if initial is not None else None
         self.links: dict[int, Link] = {}
         self.signed: dict[int, dict[str, tuple[bytes, bytes]]] = {}
-        self._candidates: dict[int, dict[Link, set[str]]] = {}  # a joiner's fetched links and their checked signers
-        self._checked: dict[tuple[int, Link], dict[str, tuple[bytes, bytes]]] = {}  # their signatures
+        # A joiner's fetched links past its verified tip: per step, per link, the signatures it was served
+        # (signer -> (key, signature, the server)), each checked only once a vote could count it.
+        self._candidates: dict[int, dict[Link, dict[str, tuple[bytes, bytes, str]]]] = {}
+        self._offers: dict[tuple[str, int], Link] = {}  # (server, step) -> the one link it offers for the step
+        self._checked: dict[tuple[int, Link], dict[str, tuple[bytes, bytes]]] = {}  # signatures checked good
         self._tip: Link | None = None  # the last link this replica verified from the initial set
         self._refreshing: asyncio.Future | None = None  # a joiner's fetch of the chain it still lacks
         peer.allreduce.admission = self
@@ -291,34 +296,58 @@ class AdmissionService:
         return set(tip.trusted) if tip is not None else (None if self.initial is None else set(self.initial))
 
     async def _refresh_chain(self) -> Link | None:
-        """Fetch the links after my verified tip from every other member, check each signature, and
-        verify the chain again from the initial set. Keeps the links up to the verified tip (each pinned
-        by the digests of the verified ones after it; a link past the tip could be anybody's) so that
-        this replica can link its own steps and serve the chain in turn."""
+        """Fetch the links after my verified tip from every other member, and verify them on from it.
+        Keeps the links up to the new verified tip (each pinned by the digests of the verified ones
+        after it; a link past the tip could be anybody's) so that this replica can link its own steps
+        and serve the chain in turn."""
         if self.initial is None:
             return None
         me = self.transport.peer_id
-        others = [p for p in self.peer.ledger.filter(self.transport.members()) if p != me]
-        start = self._tip.step + 1 if self._tip is not None else 0
-        await asyncio.gather(*(self._fetch_chain(p, start) for p in others))
         for s, link in self.links.items():  # my own links count as candidates, with the signatures I hold
-            self._candidates.setdefault(s, {}).setdefault(link, set()).update(self.signed.get(s, {}))
-        path = walk_chain(self.initial, self._candidates)
-        verified = [link for link, ok in path if ok]
-        if verified:
-            self._tip = verified[-1]
-        for link, _ in path:
-            if self._tip is None or link.step > self._tip.step:
-                break
+            if self._tip is None or s > self._tip.step:
+                self._offer(me, link, [[p, key, sig] for p, (key, sig) in self.signed.get(s, {}).items()])
+        others = [p for p in self.peer.ledger.filter(self.transport.members()) if p != me]
+        await asyncio.gather(*(self._fetch_chain(p) for p in others))
+        self._advance()
+        return self._tip
+
+    def _advance(self) -> None:
+        """Walk the candidates on from my verified tip; keep the links up to the new tip, forget the rest before it."""
+        path = walk_chain(self.initial or (), self._candidates, self._tip, self._check, CHAIN_SLACK)
+        last = max((i for i, (_, ok) in enumerate(path) if ok), default=-1)
+        for link, _ in path[: last + 1]:
             if self.links.get(link.step) != link:
                 self.links[link.step] = link
                 self.signed[link.step] = {}
             self.signed.setdefault(link.step, {}).update(self._checked.get((link.step, link), {}))
-        return self._tip
+        if last < 0:
+            return
+        self._tip = path[last][0]
+        for s in [s for s in self._candidates if s <= self._tip.step]:
+            del self._candidates[s]
+        self._offers = {k: v for k, v in self._offers.items() if k[1] > self._tip.step}
+        self._checked = {k: v for k, v in self._checked.items() if k[0] > self._tip.step}
 
-    async def _fetch_chain(self, peer: str, start: int) -> None:
-        """The links `peer` holds from `start` on, page by page; each signature checked as the join it was."""
+    def _check(self, link: Link, signer: str) -> bool:
+        """Whether `signer`'s served signature on `link` is its join for the next step (checked once)."""
+        good = self._checked.setdefault((link.step, link), {})
+        if signer in good:
+            return True
+        key, signature, server = self._candidates[link.step][link][signer]
+        try:
+            SignedEnvelope(signer, key, JOIN, link.step + 1, link.to_bytes(), signature).verify()
+        except RemoteError:
+            del self._candidates[link.step][link][signer]
+            if server != self.transport.peer_id:
+                self.transport.report(Evidence(server, "bad_signature", f"anchor link of step {link.step} with a bad signature"))
+            return False
+        good[signer] = (key, signature)
+        return True
+
+    async def _fetch_chain(self, peer: str) -> None:
+        """The links `peer` holds after my verified tip, page by page."""
         config = self.catchup.config
+        start = self._tip.step + 1 if self._tip is not None else 0
         while True:
             try:
                 answer = decode(
@@ -334,12 +363,14 @@ class AdmissionService:
                 return
             for row in rows[:CHAIN_PAGE]:
                 self._add_candidate(peer, row)
-            # The next page only while this one carried the chain to its end: a peer that makes up
-            # pages without end adds links that continue nothing, and is not asked again.
-            path = walk_chain(self.initial or (), self._candidates)
-            if len(rows) < CHAIN_PAGE or not path or path[-1][0].step < start + CHAIN_PAGE - 1:
+            self._advance()
+            # The next page only while this one carried the *verified* tip to (about) its end: links
+            # nobody trusted signed continue nothing, so a peer that makes up pages without end gets
+            # at most one page past the real chain's signed end.
+            tip = self._tip.step if self._tip is not None else -1
+            if len(rows) < CHAIN_PAGE or tip < start + CHAIN_PAGE - 1 - CHAIN_SLACK:
                 return
-            start += CHAIN_PAGE
+            start = tip + 1
 
     def _add_candidate(self, peer: str, row: object) -> None:
         if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], bytes) and isinstance(row[1], list)):
@@ -349,21 +380,20 @@ class AdmissionService:
         if link is None:
             self.transport.report(Evidence(peer, "malformed", "bad anchor link"))
             return
-        signers = self._candidates.setdefault(link.step, {}).setdefault(link, set())
-        checked = self._checked.setdefault((link.step, link), {})
-        for item in row[1]:
-            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and all(isinstance(x, bytes) for x in item[1:])):
-                continue
-            signer, key, signature = item
-            if signer in checked:
-                continue
-            try:
-                SignedEnvelope(signer, key, JOIN, link.step + 1, row[0], signature).verify()
-            except RemoteError:
-                self.transport.report(Evidence(peer, "bad_signature", f"anchor link of step {link.step} with a bad signature"))
-                continue
-            signers.add(signer)
-            checked[signer] = (key, signature)
+        if self._tip is None or link.step > self._tip.step:
+            self._offer(peer, link, row[1])
+
+    def _offer(self, server: str, link: Link, items: list) -> None:
+        """`server`'s link for its step (it replaces the one it offered before) and the signatures it lists."""
+        old = self._offers.get((server, link.step))
+        self._offers[(server, link.step)] = link
+        if old is not None and old != link and old not in self._offers.values():
+            self._candidates.get(old.step, {}).pop(old, None)
+            self._checked.pop((old.step, old), None)
+        served = self._candidates.setdefault(link.step, {}).setdefault(link, {})
+        for item in items:
+            if isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and all(isinstance(x, bytes) for x in item[1:]):
+                served.setdefault(item[0], (item[1], item[2], server))
 
     def status(self, peer: str) -> str:
         """trusted | untrusted | queued | banned | unknown, in this replica's current state."""
@@ -398,6 +428,11 @@ class AdmissionService:
             # the chain reaches it): queued, untrusted and made-up identities never vote, and a state
             # made up by Sybils that lists only themselves has no chain.
             voters = await self.chain_voters()
+            if voters is not None and (self._tip is None or self._tip.step < step - ANCHOR_LAG):
+                # Fail closed: a chain whose verified tip stalled far behind `step` (more than half its
+                # trusted set left between two links, or withheld signatures) names an electorate that
+                # may be gone but for a Byzantine few; no vote counts until the chain moves on.
+                voters = set()
             anchored = self.links.get(step) if self._tip is not None and self._tip.step >= step else None
             states = {
                 p: a for p, a in states.items()

@@ -127,6 +127,7 @@ class SecureRound(ButterflyAllReduce):
         self._unreported: list[BanRecord] = []
         self._edge: asyncio.Future | None = None  # a deadline_edge attacker's delayed broadcast (kept referenced)
         self._aggregate_asks: dict[tuple[str, int, str], int] = {}  # (requester, step, owner) -> `bt.aggregate` answers given
+        self._members: dict[int, frozenset[str]] = {}  # step -> its group: only they are served `bt.aggregate`
         self.admission: AdmissionHook | None = None  # App. F; None: every member is trusted
         # What this peer's signed join for a step carries: with admission, the anchor's link of the
         # step before (`algorithms.btard.anchor`), so the join is also its signature on the chain.
@@ -154,6 +155,9 @@ class SecureRound(ButterflyAllReduce):
                 del table[key]
         for key in [k for k in self._aggregate_asks if k[1] < step - 2]:
             del self._aggregate_asks[key]
+        for key in [k for k in self._members if k < step - 2]:
+            del self._members[key]
+        self._members[step] = frozenset(group)
         roles = await self.admission.roles(step, group) if self.admission is not None else Roles(tuple(group), tuple(group))
         owners, committers = list(roles.owners), list(roles.committers)
         st = StepState(step, owners, part_bounds(self.dim, len(owners)) if owners else [], g, list(group), committers)
@@ -481,7 +485,8 @@ class SecureRound(ButterflyAllReduce):
 
         A small request for a large answer: each (requester, step, owner) is answered at most
         `AGGREGATE_ANSWERS` times (an honest member asks once when it is missing, once when it got
-        another aggregate than the committed one); past that the requester gets nothing."""
+        another aggregate than the committed one); past that the requester gets nothing. Only a
+        member of the step's group is served: any other identity (a Sybil) would get its own quota."""
         obj = decode(payload, sender, self.transport.limits)
         step, g, owner = (obj.get("step"), obj.get("g"), obj.get("owner")) if isinstance(obj, dict) else (None, None, None)
         if type(step) is not int or not isinstance(g, bytes) or not isinstance(owner, str):
@@ -491,7 +496,8 @@ class SecureRound(ButterflyAllReduce):
         else:
             held = self._inbox.get((step, REDUCED), {}).get(owner)
             tensor = held[0] if held is not None and held[1] == g else None
-        served = tensor is not None and self._group.get(step) == g and self.state.policy.serve_parts(step)
+        member = sender in self._members.get(step, ())
+        served = member and tensor is not None and self._group.get(step) == g and self.state.policy.serve_parts(step)
         if served:  # counted only when there is something to send: the table holds only steps still kept
             key = (sender, step, owner)
             self._aggregate_asks[key] = self._aggregate_asks.get(key, 0) + 1
