@@ -1,10 +1,19 @@
 """Sybil-resistant admission (BTARD App. F) in simulated BTARD runs with peers joining mid-run."""
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from phalanx.algorithms.btard.admission import Admission, AdmissionConfig, Roles
+from phalanx.algorithms.btard.anchor import Link, genesis, verify_chain, walk_chain
+from phalanx.core.envelope import SignedEnvelope
+from phalanx.core.identity import Identity
+from phalanx.core.serialization import DEFAULT_LIMITS, decode, encode
+from phalanx.runs.dp.churn import FaultDriver
+from phalanx.runtime.dp import admission as admission_service
+from phalanx.runtime.dp.catchup import CatchupConfig, CatchupFailed
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
@@ -156,3 +165,212 @@ def test_a_crashed_trusted_peer_costs_the_survivors_about_one_timeout(tmp_path):
     assert summary["banned"] == []
     assert len({summary["final_digests"][p] for p in summary["final_digests"] if p != victim}) == 1
     _agree(summary, metrics)
+
+
+def _sybils(monkeypatch, count):
+    """`count` Sybil identities in every run's network: members that never train, answer a joiner's
+    catch-up offers with a snapshot of their own, its admission-state request with a made-up state
+    that lists only themselves as trusted, and its anchor request with a chain they signed from a
+    genesis of their own, one from the real genesis (signed by nobody the joiner trusts), and the
+    honest chain (fetched from an honest peer) with a link of their own after its end."""
+    made_up = {"approvals": T, "trusted": [], "untrusted": {}, "queue": [], "banned": []}
+    original = FaultDriver.__init__
+
+    def with_sybils(self, config, network, transports, *args, **kwargs):
+        original(self, config, network, transports, *args, **kwargs)
+        identities = [Identity.from_seed(f"sybil/{i}".encode()) for i in range(count)]
+        made_up["trusted"] = sorted(i.peer_id for i in identities)
+        initial = [t.peer_id for t in transports[: config.peers]]
+        chain = []
+        for prev in (genesis(made_up["trusted"]), genesis(initial)):
+            link = Link(0, prev, b"model", b"ledger", tuple(made_up["trusted"])).to_bytes()
+            signed = [SignedEnvelope.create(i, "bt.join", 1, link) for i in identities]
+            chain.append([link, [[e.sender, e.public_key, e.signature] for e in signed]])
+        answers = {
+            "catchup.offer": {"latest": config.steps, "snapshots": {"0": b"made-up"}, "updates": {}, "roster": {}},
+            "catchup.manifest": {"manifest": None},
+            "catchup.chunk": {"data": None},
+            "catchup.updates": {"vectors": None},
+            "adm.state": {"state": made_up},
+        }
+        async def chain_answer(transport, payload):
+            honest = decode(await transport.request(initial[0], "adm.chain", payload, 5.0), initial[0])["links"]
+            if honest:  # a rival for the step after the honest end, signed by them (and winning a tie on bytes)
+                last = Link.from_bytes(honest[-1][0], initial[0])
+                forged = Link(last.step + 1, last.digest(), b"\xff" * 32, b"ledger", tuple(made_up["trusted"])).to_bytes()
+                signed = [SignedEnvelope.create(i, "bt.join", last.step + 2, forged) for i in identities]
+                honest.append([forged, [[e.sender, e.public_key, e.signature] for e in signed]])
+            return encode({"links": chain + honest})
+
+        for identity in identities:
+            transport = network.add_peer(identity)
+            for topic, answer in answers.items():
+                transport.add_request_handler(topic, lambda sender, payload, answer=answer: _answer(answer))
+            transport.add_request_handler("adm.chain", lambda sender, payload, transport=transport: chain_answer(transport, payload))
+
+    monkeypatch.setattr(FaultDriver, "__init__", with_sybils)
+    return made_up
+
+
+async def _answer(obj):
+    return encode(obj)
+
+
+def test_sybils_that_outnumber_the_swarm_win_no_vote_of_a_joiner(tmp_path, monkeypatch):
+    # Five Sybils against four trusted peers: counting every unbanned member, their snapshot won
+    # catch-up's vote (the joiner never caught up) and their state won the admission-state vote.
+    # Anchored to the chain from the initial set, only the trusted peers vote.
+    made_up = _sybils(monkeypatch, 5)
+    monkeypatch.setattr(admission_service, "CHAIN_PAGE", 4)  # the joiner fetches the chain in several pages
+    services = []
+    built = admission_service.AdmissionService.__init__
+    monkeypatch.setattr(admission_service.AdmissionService, "__init__", lambda self, *a, **k: (built(self, *a, **k), services.append(self))[0])
+    summary, metrics, admissions = _run(tmp_path, "faults.join=1", *JOIN)
+    joiner = summary["peer_ids"][4]
+    entered = next(a["step"] for a in admissions if a["peer"] == joiner)
+    anchor = next(s for s in services if s.transport.peer_id == joiner)._tip
+    assert anchor is not None and anchor.step >= entered - 3  # it verified the chain to where the swarm stood
+    # Its chain is the swarm's to the end (no Sybil link kept past what it verified), so it links and signs.
+    chains = {s.transport.peer_id: s.links for s in services}
+    assert all(chains[joiner] == chains[p] for p in summary["peer_ids"][:4])
+    assert [a["event"] for a in admissions if a["peer"] == joiner] == ["untrusted", *["approved"] * T, "trusted"]
+    assert not set(made_up["trusted"]) & {a["peer"] for a in admissions}
+    assert metrics[-1]["trusted"] == 5
+    assert len(set(summary["final_digests"].values())) == 1 and joiner in summary["final_digests"]
+    _agree(summary, metrics)
+
+
+def test_the_anchor_chain_verifies_only_links_a_majority_of_the_last_trusted_set_signed():
+    initial = ["a", "b", "c", "d"]
+    first = Link(0, genesis(initial), b"m0", b"l0", ("a", "b", "c", "d"))
+    grown = Link(1, first.digest(), b"m1", b"l1", ("a", "b", "c", "d", "e"))  # e became trusted
+    after = Link(2, grown.digest(), b"m2", b"l2", ("a", "b", "c", "d", "e"))
+    honest = {0: {first: {"a", "b", "c"}}, 1: {grown: {"a", "b", "c"}}, 2: {after: {"a", "b", "e"}}}
+    assert verify_chain(initial, honest) == [first, grown, after]
+    # Two of four is no majority: step 1 carries the chain unverified, and step 2 is judged by the set
+    # of step 0 (e not in it): a, b and e are two of four again.
+    thin = {**honest, 1: {grown: {"a", "b"}}}
+    assert verify_chain(initial, thin) == [first]
+    assert verify_chain(initial, {**thin, 2: {after: {"a", "b", "c"}}}) == [first, after]
+    # Sybils: a link listing only themselves, signed by all of them, verifies nothing (neither from their
+    # own genesis nor as a rival of step 1), and a broken `prev` ends the chain.
+    sybils = ("x", "y", "z", "w", "v")
+    rival = Link(1, first.digest(), b"m1", b"l1", sybils)
+    assert verify_chain(initial, {0: {Link(0, genesis(sybils), b"m", b"l", sybils): set(sybils)}}) == []
+    assert verify_chain(initial, {**honest, 1: {grown: {"a", "b", "c"}, rival: set(sybils)}}) == [first, grown, after]
+    assert verify_chain(initial, {**honest, 2: {Link(2, b"elsewhere", b"m2", b"l2", after.trusted): {"a", "b", "e"}}}) == [first, grown]
+    assert Link.from_bytes(after.to_bytes(), "a") == after and Link.from_bytes(b"junk", "a") is None
+
+
+# --- the anchor against made-up, tied and stalled chains (pure: a bare service, a scripted swarm) ---
+
+
+class _Swarm:
+    """A joiner's transport: `serve(peer, start)` answers `adm.chain`, `states` answer `adm.state`."""
+
+    def __init__(self, members, serve, states=None):
+        self.peer_id, self.limits, self.evidence, self.asked = "joiner", DEFAULT_LIMITS, [], []
+        self._members, self._serve, self._states, self._now = members, serve, states or {}, 0.0
+        self.clock = self
+
+    def now(self):
+        self._now += 1.0
+        return self._now
+
+    def members(self):
+        return list(self._members)
+
+    def report(self, evidence):
+        self.evidence.append(evidence)
+
+    async def request(self, peer, topic, payload, timeout):
+        if topic == "adm.chain":
+            start = decode(payload, peer)["from"]
+            self.asked.append((peer, start))
+            return encode({"links": self._serve(peer, start)})
+        return encode({"state": self._states.get(peer)})
+
+
+def _bare_service(transport, initial):
+    """An AdmissionService with only what the chain fetch and the state vote use."""
+    service = admission_service.AdmissionService.__new__(admission_service.AdmissionService)
+    service.transport, service.initial = transport, sorted(initial)
+    service.peer = SimpleNamespace(ledger=SimpleNamespace(filter=lambda members: members))
+    service.catchup = SimpleNamespace(config=CatchupConfig(request_timeout=1.0, poll=0.001, timeout=3.0))
+    service.links, service.signed, service._tip = {}, {}, None
+    service._candidates, service._offers, service._checked = {}, {}, {}
+    return service
+
+
+def _signed_chain(keys, trusted_at, signers_at, steps):
+    """Rows of a chain whose link s lists `trusted_at(s)` and carries the joins of `signers_at(s)`."""
+    rows, prev = [], genesis(trusted_at(0))
+    for s in range(steps):
+        link = Link(s, prev, b"m%d" % s, b"l", tuple(sorted(trusted_at(s))))
+        joins = [SignedEnvelope.create(keys[p], "bt.join", s + 1, link.to_bytes()) for p in sorted(signers_at(s))]
+        rows.append([link.to_bytes(), [[e.sender, e.public_key, e.signature] for e in joins]])
+        prev = link.digest()
+    return rows
+
+
+def test_a_member_that_makes_up_pages_without_end_is_asked_about_one_page_past_the_signed_chain(monkeypatch):
+    # The Sybil serves the real chain (steps 0-5 signed by a majority, step 6 the unsigned tip), then
+    # links it makes up that continue it (right `prev`) with 50 signatures of names nobody trusts.
+    # Following unverified links, the joiner asked for pages without end (here: until the Sybil's 50th),
+    # kept every made-up link and checked every listed signature. Now: pages only while the *verified*
+    # tip reaches a page's end, made-up links never kept, only the voters' signatures checked.
+    monkeypatch.setattr(admission_service, "CHAIN_PAGE", 4)
+    keys = {n: Identity.from_seed(n.encode()) for n in "abcd"}
+    initial = sorted(k.peer_id for k in keys.values())
+    rows = _signed_chain({k.peer_id: k for k in keys.values()}, lambda s: initial, lambda s: initial[:3] if s < 6 else [], 7)
+    junk = [[f"nobody{i}", b"k", b"s"] for i in range(50)]
+
+    made = [Link.from_bytes(row[0], "x") for row in rows]
+    while len(made) < 300:  # one made-up continuation, the same on every page
+        made.append(Link(len(made), made[-1].digest(), b"made-up", b"l", tuple(initial)))
+
+    def serve(peer, start):
+        if len(transport.asked) > 50:
+            return []
+        return rows[start:start + 4] + [[link.to_bytes(), junk] for link in made[max(start, len(rows)):start + 4]]
+
+    transport = _Swarm(["sybil"], serve)
+    service = _bare_service(transport, initial)
+    checks = []
+    verify = SignedEnvelope.verify
+    monkeypatch.setattr(SignedEnvelope, "verify", lambda self: (checks.append(self.sender), verify(self))[1])
+    tip = asyncio.run(service._refresh_chain())
+    assert tip is not None and tip.step == 5 and len(transport.asked) <= 3, (tip, transport.asked)
+    assert sorted(service.links) == list(range(6)) and all(service.links[s].to_bytes() == rows[s][0] for s in range(6))
+    assert len(checks) <= 3 * 6 and not any(c.startswith("nobody") for c in checks)
+    assert sum(len(links) for links in service._candidates.values()) <= 4
+
+
+def test_an_unsigned_rival_of_the_unsigned_tip_link_is_not_followed():
+    # The honest tip link has no signatures until the next step's joins; a link anybody makes up for
+    # the same step has none either. The tie was broken by bytes, so the made-up one could win and the
+    # joiner link its own steps from it. Now a tie ends the path before the step.
+    initial = ("a", "b", "c", "d")
+    first = Link(0, genesis(initial), b"m0", b"l0", initial)
+    tip = Link(1, first.digest(), b"m1", b"l1", initial)
+    forged = max((Link(1, first.digest(), bytes([i]) * 32, b"l1", initial) for i in range(256)), key=Link.to_bytes)
+    assert walk_chain(initial, {0: {first: {"a", "b", "c"}}, 1: {tip: set(), forged: set()}}) == [(first, True)]
+    assert walk_chain(initial, {0: {first: {"a", "b", "c"}}, 1: {tip: {"a"}, forged: set()}}) == [(first, True), (tip, False)]
+
+
+def test_a_chain_that_stalled_far_behind_the_step_anchors_no_vote():
+    # Trusted {a, b, c, d}: d withholds its signature, c crashed, so a and b (2 of 4) never verify a link
+    # after step 0 and the electorate stays {a, b, c, d}. Once a and b are gone only d answers: its
+    # made-up state won the joiner's admission-state vote alone. Now the joiner fails closed.
+    keys = {n: Identity.from_seed(n.encode()) for n in "abcd"}
+    ids = {n: k.peer_id for n, k in keys.items()}
+    initial = sorted(ids.values())
+    later = sorted([ids["a"], ids["b"], ids["d"]])
+    rows = _signed_chain({k.peer_id: k for k in keys.values()}, lambda s: initial if s == 0 else later,
+                         lambda s: [ids["a"], ids["b"], ids["c"]] if s == 0 else [ids["a"], ids["b"]], 40)
+    forged = Admission([ids["d"]], AdmissionConfig(T)).to_dict()
+    transport = _Swarm([ids["d"]], lambda peer, start: rows[start:start + admission_service.CHAIN_PAGE], {ids["d"]: forged})
+    service = _bare_service(transport, initial)
+    with pytest.raises(CatchupFailed):
+        asyncio.run(service._fetch(40))
+    assert service._tip is not None and service._tip.step == 0

@@ -33,8 +33,9 @@ from phalanx.algorithms.btard.checks import (
 )
 from phalanx.algorithms.robust.attacks import Attack
 from phalanx.algorithms.robust.reducers import make_reducer
-from phalanx.benchmarks.btard_redteam import RedTeamConfig, run_trial
+from phalanx.benchmarks.btard_redteam import RedTeamConfig, Update, bounded_effect, run_trial
 from phalanx.core.errors import ConfigError
+from phalanx.core.serialization import decode, encode
 from phalanx.runs.config import override
 from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.dp.swarm import peer_identity
@@ -42,7 +43,8 @@ from phalanx.runs.presets import get_preset
 from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
 from phalanx.runtime.rounds import btard_verify
 from phalanx.runtime.rounds.btard_judge import _missing_meta
-from phalanx.runtime.rounds.btard_state import StepState
+from phalanx.runtime.rounds.btard import AGGREGATE_ANSWERS
+from phalanx.runtime.rounds.btard_state import BTARDConfig, StepState
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
 from phalanx.training.task import make_task
 from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
@@ -102,6 +104,38 @@ def test_short_vector_from_the_last_partition_owner_is_evidence_not_a_crash():
     assert all(p.step == 3 for p in peers)  # this stack of unequal rows used to crash the run
     assert all(torch.isfinite(p).all() for peer in peers for p in peer.model.parameters())
     # The short part is the villain's own partition: nobody else receives it, so there is no evidence.
+    assert [e for peer in peers for e in peer.transport.evidence] == []
+
+
+def test_a_member_that_pulls_one_aggregate_again_and_again_gets_it_at_most_twice_and_a_non_member_never():
+    # bt.aggregate is a small request for a partition-sized answer: each (requester, step, owner) is
+    # answered AGGREGATE_ANSWERS times, then the requester gets nothing (and nobody crashes).
+    identities = [peer_identity(0, i) for i in range(4)]
+    ids = sorted(i.peer_id for i in identities)
+    task = make_task("digits-mlp")
+    peers, answers = [], []
+
+    async def main():
+        network = SimNetwork(SimConfig(seed=0))
+        for identity in identities:
+            btard = BTARDConfig(enabled=True, timeout=1.0)
+            peers.append(DataParallelPeer(network.add_peer(identity), task, TrainConfig(), 0, allreduce=AllReduceConfig(reducer="centered_clip"), btard=btard))
+        tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(1)) for i in range(4)]
+        for t in tasks:
+            await t
+        server = next(p for p in peers if p.transport.peer_id == ids[0])
+        puller = next(p for p in peers if p.transport.peer_id == ids[1])
+        query = encode({"step": 0, "g": server.allreduce._group[0], "owner": ids[2]})
+        for _ in range(AGGREGATE_ANSWERS + 3):
+            answer = await puller.transport.request(ids[0], "bt.aggregate", query, 1.0)
+            answers.append(decode(answer, ids[0])["t"])
+        other = next(p for p in peers if p.transport.peer_id == ids[3])  # another requester is not limited by it
+        answers.append(decode(await other.transport.request(ids[0], "bt.aggregate", query, 1.0), ids[0])["t"])
+        outsider = network.add_peer(peer_identity(0, 9))  # not in step 0's group (a Sybil would be fresh too): never served
+        answers.append(decode(await outsider.request(ids[0], "bt.aggregate", query, 1.0), ids[0])["t"])
+
+    run_simulation(main)
+    assert [a is not None for a in answers] == [True] * AGGREGATE_ANSWERS + [False] * 3 + [True, False]
     assert [e for peer in peers for e in peer.transport.evidence] == []
 
 
@@ -363,13 +397,16 @@ def test_a_forger_that_will_not_send_its_gradient_is_convicted_from_its_owners_p
     assert [r["reason"] for r in rows] == ["gradient"] and rows[0]["accuser"] in honest
 
 
-def test_a_joiner_that_catches_up_across_a_ban_takes_the_ban_with_the_replayed_updates(tmp_path):
+@pytest.mark.parametrize("admission", [0, 3])
+def test_a_joiner_that_catches_up_across_a_ban_takes_the_ban_with_the_replayed_updates(tmp_path, admission):
     # The joiner loads the step-10 snapshot and replays the updates since; the sign flipper is banned
     # in between. Each replayed update carries the bans that took effect in its step (and its
-    # digest covers them), so the joiner's ledger, group and state equal the others'.
+    # digest covers them), so the joiner's ledger, group and state equal the others'. With admission
+    # the joiner's votes count only the trusted peers of the anchor chain, whose trusted set loses
+    # the banned peer on the way.
     summary, honest, views = _btard_run(
         tmp_path, "sign_flip", "byzantine.start_step=11", "btard.validators=2", "faults.join=1", "faults.join_after_step=12",
-        "btard.admission_after=0", peers=5, steps=19,
+        f"btard.admission_after={admission}", peers=5, steps=19,
     )
     joiner = summary["peer_ids"][5]
     assert joiner in honest and all(view == set(summary["byzantine"]) for view in views.values())
@@ -420,6 +457,44 @@ def test_red_team_regression_equivocator_parts_judged_alike_under_either_version
 )
 def test_red_team_regression_a_peer_left_out_of_some_declarations_decides_as_the_others(seed, points):
     assert run_trial(seed, RedTeamConfig(steps=3, max_peers=8, points=points)).violations == []
+
+
+def test_red_team_regression_an_owner_that_stops_is_passed_over_not_a_push():
+    # Seed 602864: the colluder's report, timed at the deadline, missed its own agreed set, so it banned
+    # itself (not_validating, its view only) and stopped; the honest peers passed its partition over at
+    # step 2 (zero everywhere, as for a crashed honest owner) and it left the group. The old bound
+    # counted the zero slice as a push of 0.35 > 0.333.
+    trial = run_trial(602864, RedTeamConfig(steps=4, max_peers=8, points="report_edge,withhold_aggregate"))
+    assert trial.moves and trial.violations == [], trial
+
+
+def test_red_team_bound_excuses_a_left_out_partition_only_of_a_colluder_that_goes():
+    reduce = make_reducer("centered_clip", tau=1.0)
+    group = ["a", "b", "c", "d"]  # "c" colludes; partition j belongs to group[j]
+    rows = {p: 1 + 0.1 * torch.randn(8, generator=torch.Generator().manual_seed(i)) for i, p in enumerate("abd")}
+    honest = reduce(torch.stack(list(rows.values())))
+    gradients = {0: rows, 1: rows}
+
+    def left_out(owner: str) -> torch.Tensor:
+        vector = honest.clone()
+        a = group.index(owner) * 2
+        vector[a:a + 2] = 0
+        return vector
+
+    def check(owner: str, next_group: list[str]) -> list[str]:
+        updates = {0: Update(group, left_out(owner), {owner}), 1: Update(next_group, honest.clone(), set())}
+        return bounded_effect(updates, gradients, frozenset({"c"}), [], k=2)
+
+    assert check("c", ["a", "b", "d"]) == []
+    assert any("stayed in the group" in v for v in check("c", group))
+    assert any("honest-only CenteredClip" in v for v in check("b", ["a", "b", "d"]))
+    # A colluder that stops, stays out k steps, comes back and stops again is excused only the first time
+    # (else f > k staggered colluders could zero a partition at every step).
+    away = ["a", "b", "d"]
+    gradients.update({s: rows for s in range(2, 6)})
+    again = {0: Update(group, left_out("c"), {"c"}), 1: Update(away, honest.clone(), set()), 2: Update(away, honest.clone(), set()),
+             3: Update(group, left_out("c"), {"c"}), 4: Update(away, honest.clone(), set()), 5: Update(away, honest.clone(), set())}
+    assert [v for v in bounded_effect(again, gradients, frozenset({"c"}), [], k=2) if "again" in v] == ["step 3: colluder c's partition was left out again (a crash costs it once)"]
 
 
 def test_a_commitment_timed_at_the_deadline_splits_nobody(tmp_path):

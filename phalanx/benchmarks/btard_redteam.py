@@ -14,7 +14,11 @@ few steps, then checks three invariants on what the honest peers did:
    CenteredClip's bound (tau · b / h for b colluders, h the honest parts within
    tau of the honest-only result, plus float slack), some colluder's ban takes effect within K steps: for
    a claim of the step before (resolved after this step's update, App. B),
-   of this step, or of the next K - 1 steps.
+   of this step, or of the next K - 1 steps. A colluder's partition that the
+   honest peers left out (its owner passed over as silent: the slice is zero
+   on every honest peer) is an omission, not a push: what an honest owner's
+   crash costs. It passes if that colluder is out of the group or banned
+   within K steps (else it could leave its share of the model out for ever).
 
 A violation is printed with its trial seed and the colluders' moves (each
 move is a pure function of the seed, so the seed reproduces it).
@@ -90,6 +94,60 @@ class Trial:
     bans: list[dict]
 
 
+@dataclass
+class Update:
+    group: list[str]  # the step's group; partition j belongs to group[j] (no admission in the harness)
+    vector: torch.Tensor  # the update an honest peer applied
+    missing: set[str]  # owners whose partition it left out (passed over, or no aggregate)
+
+
+def bounded_effect(
+    updates: dict[int, Update], gradients: dict[int, dict[str, torch.Tensor]], colluders: frozenset[str],
+    banned_colluders: list[int], k: int,
+) -> list[str]:
+    """Invariant 3 over the honest peers' updates and honest gradients (`gradients[step][peer]`):
+    the steps where a partition moved further than CenteredClip's bound from the honest-only
+    CenteredClip, or a colluder's partition was left out (more than once per colluder, or while it
+    stayed in the group), with no colluder's ban to answer for it."""
+    reduce = make_reducer("centered_clip", tau=TAU)
+    violations: list[str] = []
+    excused: set[str] = set()  # colluders whose left-out partition was excused once
+    for step, update in sorted(updates.items()):
+        group, applied = update.group, update.vector
+        present = [p for p in group if p in gradients.get(step, {})]
+        b = sum(1 for p in group if p in colluders)
+        # step s's claims are resolved at the end of step s + 1's all-reduce (App. B): a ban for
+        # the step before this one takes effect after this step's update, so it counts
+        answered = any(step - 1 <= s < step + k for s in banned_colluders)
+        if not present or b == 0 or answered:
+            continue
+        rows = torch.stack([gradients[step][p] for p in present])
+        for owner, (a, z) in zip(group, part_bounds(applied.numel(), len(group))):
+            if owner in colluders and owner in update.missing and not applied[a:z].any():
+                # A colluder that stops costs its partition for one step, as a crash does: excused once per
+                # colluder per trial (it could otherwise leave, come back and stop again), and only if it
+                # stays out of the next k steps (those the trial has: in its last ones, the once is the bound).
+                later = [updates[s].group for s in range(step + 1, step + k + 1) if s in updates]
+                if any(owner in g for g in later):
+                    violations.append(f"step {step}: colluder {owner[:8]}'s partition was left out and it stayed in the group for {k} more steps unbanned")
+                    break
+                if owner in excused:
+                    violations.append(f"step {step}: colluder {owner[:8]}'s partition was left out again (a crash costs it once)")
+                    break
+                excused.add(owner)
+                continue
+            honest_only = reduce(rows[:, a:z])
+            gap = float((applied[a:z] - honest_only).norm())
+            # b clipped rows of norm <= tau move the fixed point by about tau·b over the number of honest
+            # rows that are not clipped themselves (each of those pulls back with weight 1)
+            inside = int(((rows[:, a:z] - honest_only).norm(dim=1) <= TAU).sum())
+            bound = TAU * b / max(1, inside) * (1 + SLACK) + SLACK * float(honest_only.norm())
+            if gap > bound:
+                violations.append(f"step {step}: a partition moved {gap:.3g} > {bound:.3g} from the honest-only CenteredClip and no colluder was banned within {k} steps")
+                break
+    return violations
+
+
 def run_trial(seed: int, config: RedTeamConfig) -> Trial:
     """One seeded swarm under one random strategy; the invariants it broke (empty: none)."""
     draw = random.Random(seed)
@@ -106,7 +164,7 @@ def run_trial(seed: int, config: RedTeamConfig) -> Trial:
     peers: list[DataParallelPeer] = []
     policies: list[RedTeam] = []
     gradients: dict[int, dict[str, torch.Tensor]] = {}
-    updates: dict[int, tuple[list[str], torch.Tensor]] = {}
+    updates: dict[int, Update] = {}
 
     async def main() -> None:
         network = SimNetwork(SimConfig(seed=seed))
@@ -121,7 +179,7 @@ def run_trial(seed: int, config: RedTeamConfig) -> Trial:
             if i not in byzantine:
                 peer.on_result.append(lambda step, result, peer=peer: gradients.setdefault(step, {}).update({peer.transport.peer_id: peer.allreduce.state.grads[step].clone()}))
         watcher = next(p for i, p in enumerate(peers) if i not in byzantine)
-        watcher.on_result.append(lambda step, result: updates.__setitem__(step, (list(result.group), result.vector.clone())))
+        watcher.on_result.append(lambda step, result: updates.__setitem__(step, Update(list(result.group), result.vector.clone(), set(result.missing_parts))))
         tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(config.steps)) for i in range(n)]
         for t in tasks:
             await t
@@ -146,26 +204,8 @@ def run_trial(seed: int, config: RedTeamConfig) -> Trial:
         if not eliminate or partner is None or (partner.peer in honest_ids and record.accuser in honest_ids):
             violations.append(f"honest {record.peer[:8]} banned at step {record.step} ({record.reason}, by {record.accuser[:8] or 'all'})")
     # 3. bounded effect, or a colluder's ban within k steps
-    reduce = make_reducer("centered_clip", tau=TAU)
     banned_colluders = [r.step for r in records if r.peer in colluders]
-    for step, (group, applied) in sorted(updates.items()):
-        present = [p for p in group if p in gradients.get(step, {})]
-        b = sum(1 for p in group if p in colluders)
-        if not present or b == 0:
-            continue
-        rows = torch.stack([gradients[step][p] for p in present])
-        for a, z in part_bounds(applied.numel(), len(group)):
-            honest_only = reduce(rows[:, a:z])
-            gap = float((applied[a:z] - honest_only).norm())
-            # b clipped rows of norm <= tau move the fixed point by about tau·b over the number of honest
-            # rows that are not clipped themselves (each of those pulls back with weight 1)
-            inside = int(((rows[:, a:z] - honest_only).norm(dim=1) <= TAU).sum())
-            bound = TAU * b / max(1, inside) * (1 + SLACK) + SLACK * float(honest_only.norm())
-            # step s's claims are resolved at the end of step s + 1's all-reduce (App. B): a ban for
-            # the step before this one takes effect after this step's update, so it counts
-            if gap > bound and not any(step - 1 <= s < step + config.k for s in banned_colluders):
-                violations.append(f"step {step}: a partition moved {gap:.3g} > {bound:.3g} from the honest-only CenteredClip and no colluder was banned within {config.k} steps")
-                break
+    violations += bounded_effect(updates, gradients, colluders, banned_colluders, config.k)
     moves = sorted(set(policies[0].moves)) if policies else []
     return Trial(seed, n, f, m, rate, violations, moves, [dataclasses.asdict(r) for r in records])
 

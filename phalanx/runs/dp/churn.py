@@ -71,7 +71,7 @@ class FaultDriver:
             service = admission = None
             if self.catchup:
                 service = CatchupService(peer, config.catchup, initial=self.ids[: config.peers])
-                admission = admission_for(peer, service, config.btard)
+                admission = admission_for(peer, service, config.btard, initial=self.ids[: config.peers])
             if peer_id in self.started:
                 try:
                     await service.join(end=config.steps)

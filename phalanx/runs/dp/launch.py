@@ -136,7 +136,9 @@ async def run_worker(
         role = -1 if index is None else index
         peer = build_peer(config, transport, role)
         service = CatchupService(peer, config.catchup)
-        admission = admission_for(peer, service, config.btard)
+        # A joiner anchors to the run's initial set: the identities `phalanx launch` gives indices 0 .. peers - 1.
+        initial = [peer_identity(config.seed, i).peer_id for i in range(config.peers)] if joining else None
+        admission = admission_for(peer, service, config.btard, initial)
         if joining:
             try:
                 await service.join(end=config.steps)  # a running swarm: catch up, then train from where it is

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +114,9 @@ class CatchupService:
         # Who votes at a sync-point digest check (None: the whole group). BTARD's admission sets it to the
         # trusted peers: queued and untrusted identities are cheap and must not outvote the replicas.
         self.voters: Callable[[], set[str]] | None = None
+        # Who votes while joining (offers: the snapshot, the updates, the roster); None: every peer asked.
+        # BTARD's admission sets it to the trusted set of its anchor chain's last verified link.
+        self.join_voters: Callable[[], Awaitable[set[str] | None]] | None = None
         self._sending: set[asyncio.Future] = set()
         peer.admit = self.roster.admit
         peer.on_update.append(self._record_update)
@@ -285,7 +288,14 @@ class CatchupService:
         return [p for p in self.peer.ledger.filter(self.transport.members()) if p != self.transport.peer_id]
 
     async def _offers(self, peers: list[str], joining: bool) -> dict[str, Offer]:
-        offers, self._rosters = await _gather_offers(self.transport, peers, joining, self.config)
+        """Offers of `peers` (every one is asked, so that each leaves a joiner out of its groups);
+        while this peer is not training yet, only those of `join_voters` count."""
+        voters = await self.join_voters() if self.join_voters is not None and not self.training else None
+        offers, rosters = await _gather_offers(self.transport, peers, joining, self.config)
+        if voters is not None:
+            offers = {p: o for p, o in offers.items() if p in voters}
+            rosters = {p: r for p, r in rosters.items() if p in voters}
+        self._rosters = list(rosters.values())
         return offers
 
     async def _download(self, choice: Agreed) -> bytes:
@@ -443,10 +453,10 @@ async def collect_offers(
 
 async def _gather_offers(
     transport: Transport, peers: list[str], joining: bool, config: CatchupConfig
-) -> tuple[dict[str, Offer], list[dict]]:
+) -> tuple[dict[str, Offer], dict[str, dict]]:
     """Offers of the peers that train (a peer still joining has none), and their roster views."""
     answers = await asyncio.gather(*(_request(transport, p, "catchup.offer", {"joining": joining}, config) for p in peers))
-    offers, rosters = {}, []
+    offers, rosters = {}, {}
     for peer, answer in zip(peers, answers):
         if answer is None:
             continue
@@ -458,7 +468,7 @@ async def _gather_offers(
         if offer.latest >= 0:
             offers[peer] = offer
             if isinstance(answer.get("roster"), dict):
-                rosters.append(answer["roster"])
+                rosters[peer] = answer["roster"]
     return offers, rosters
 
 

@@ -89,6 +89,8 @@ from .btard_verify import draw, edge_broadcast, verify
 from .butterfly import PART, REDUCED, AllReduceConfig, ButterflyAllReduce, group_digest, part_bounds
 from .mprng import MPRNGConfig
 
+AGGREGATE_ANSWERS = 2  # `bt.aggregate` answers per (requester, step, owner)
+
 __all__ = ["SECURE_REDUCERS", "AdmissionHook", "BTARDConfig", "InputsHook", "SecureResult", "SecureRound"]
 
 
@@ -124,7 +126,12 @@ class SecureRound(ButterflyAllReduce):
         self._pending: dict[int, tuple[StepState, asyncio.Future]] = {}  # step -> its verification, not yet resolved
         self._unreported: list[BanRecord] = []
         self._edge: asyncio.Future | None = None  # a deadline_edge attacker's delayed broadcast (kept referenced)
+        self._aggregate_asks: dict[tuple[str, int, str], int] = {}  # (requester, step, owner) -> `bt.aggregate` answers given
+        self._members: dict[int, frozenset[str]] = {}  # step -> its group: only they are served `bt.aggregate`
         self.admission: AdmissionHook | None = None  # App. F; None: every member is trusted
+        # What this peer's signed join for a step carries: with admission, the anchor's link of the
+        # step before (`algorithms.btard.anchor`), so the join is also its signature on the chain.
+        self.join_payload: Callable[[int], bytes] = lambda step: b""
         state = self.state
         transport.add_request_handler("bt.grad", partial(serve_gradient, state))
         transport.add_request_handler("bt.parts", partial(serve_parts, state))
@@ -146,6 +153,11 @@ class SecureRound(ButterflyAllReduce):
         for table in (state.grads, state.used):
             for key in [k for k in table if k < step - 2]:
                 del table[key]
+        for key in [k for k in self._aggregate_asks if k[1] < step - 2]:
+            del self._aggregate_asks[key]
+        for key in [k for k in self._members if k < step - 2]:
+            del self._members[key]
+        self._members[step] = frozenset(group)
         roles = await self.admission.roles(step, group) if self.admission is not None else Roles(tuple(group), tuple(group))
         owners, committers = list(roles.owners), list(roles.committers)
         st = StepState(step, owners, part_bounds(self.dim, len(owners)) if owners else [], g, list(group), committers)
@@ -186,7 +198,7 @@ class SecureRound(ButterflyAllReduce):
         Joins for step k + 1 are sent during step k, so this wait is normally already over."""
         tr, me = self.transport, self.transport.peer_id
         if step not in self._joined:
-            await tr.broadcast("bt.join", step, b"")
+            await tr.broadcast("bt.join", step, self.join_payload(step))
         self._joined = {s for s in self._joined if s > step}
         await tr.collect_broadcasts("bt.join", step, candidates, self.state.btard.timeout, relays=len(candidates))
         joined = set(tr.board.get("bt.join", step)) | {me}
@@ -228,7 +240,7 @@ class SecureRound(ButterflyAllReduce):
             for owner, tensor in sent.items():
                 if owner != me and tensor is not None:
                     await tr.send(owner, "ar.part", encode({"step": step, "g": g, "t": tensor}))
-        await tr.broadcast("bt.join", step + 1, b"")
+        await tr.broadcast("bt.join", step + 1, self.join_payload(step + 1))
         self._joined.add(step + 1)
         lo, hi = st.bounds[index] if index is not None else (0, 0)
         relays = len(st.members)
@@ -469,7 +481,12 @@ class SecureRound(ButterflyAllReduce):
 
     async def _serve_aggregate(self, sender: str, payload: bytes) -> bytes:
         """`bt.aggregate`: an owner's aggregate as this member holds it for the step's group (what an
-        owner sent the asker, or what a receiver got), for a member its owner left out."""
+        owner sent the asker, or what a receiver got), for a member its owner left out.
+
+        A small request for a large answer: each (requester, step, owner) is answered at most
+        `AGGREGATE_ANSWERS` times (an honest member asks once when it is missing, once when it got
+        another aggregate than the committed one); past that the requester gets nothing. Only a
+        member of the step's group is served: any other identity (a Sybil) would get its own quota."""
         obj = decode(payload, sender, self.transport.limits)
         step, g, owner = (obj.get("step"), obj.get("g"), obj.get("owner")) if isinstance(obj, dict) else (None, None, None)
         if type(step) is not int or not isinstance(g, bytes) or not isinstance(owner, str):
@@ -479,12 +496,17 @@ class SecureRound(ButterflyAllReduce):
         else:
             held = self._inbox.get((step, REDUCED), {}).get(owner)
             tensor = held[0] if held is not None and held[1] == g else None
-        served = tensor is not None and self._group.get(step) == g and self.state.policy.serve_parts(step)
+        member = sender in self._members.get(step, ())
+        served = member and tensor is not None and self._group.get(step) == g and self.state.policy.serve_parts(step)
+        if served:  # counted only when there is something to send: the table holds only steps still kept
+            key = (sender, step, owner)
+            self._aggregate_asks[key] = self._aggregate_asks.get(key, 0) + 1
+            served = self._aggregate_asks[key] <= AGGREGATE_ANSWERS
         return encode({"step": step, "t": tensor if served else None})
 
     async def _unaggregated(self, st: StepState) -> SecureResult:
         """A step with no trusted member in view: no update; its (empty) verification settles like any other."""
-        await self.transport.broadcast("bt.join", st.step + 1, b"")
+        await self.transport.broadcast("bt.join", st.step + 1, self.join_payload(st.step + 1))
         self._joined.add(st.step + 1)
         self.state.used[st.step] = {}
         nothing = asyncio.get_running_loop().create_future()
