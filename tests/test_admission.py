@@ -1,6 +1,7 @@
 """Sybil-resistant admission (BTARD App. F) in simulated BTARD runs with peers joining mid-run."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -257,3 +258,7 @@ def test_the_anchor_chain_verifies_only_links_a_majority_of_the_last_trusted_set
     assert verify_chain(initial, {**honest, 1: {grown: {"a", "b", "c"}, rival: set(sybils)}}) == [first, grown, after]
     assert verify_chain(initial, {**honest, 2: {Link(2, b"elsewhere", b"m2", b"l2", after.trusted): {"a", "b", "e"}}}) == [first, grown]
     assert Link.from_bytes(after.to_bytes(), "a") == after and Link.from_bytes(b"junk", "a") is None
+    # What a replica serves: consecutive links from a step, cut where the byte strings would pass a budget.
+    held = SimpleNamespace(links={0: first, 1: grown, 2: after}, signed={s: {p: (b"key", b"sig") for p in "abc"} for s in range(3)})
+    assert [r[0] for r in admission_service.AdmissionService._chain_rows(held, 1, 64)] == [grown.to_bytes(), after.to_bytes()]
+    assert len(admission_service.AdmissionService._chain_rows(held, 0, 64, blobs=13)) == 1  # 7 strings a link

@@ -67,7 +67,8 @@ STATE = "adm.state"
 CHAIN = "adm.chain"
 JOIN = "bt.join"  # the round's signed join for step s + 1 carries the link of step s
 KEEP_STEPS = 64  # past steps' states each replica serves to peers that join
-CHAIN_PAGE = 64  # links per `adm.chain` answer
+CHAIN_PAGE = 64  # links per `adm.chain` answer, at most
+CHAIN_BLOBS = 1024  # byte strings per answer, at most (a link and a key and a signature per signer; a decoder takes 4096)
 
 
 class AdmissionService:
@@ -268,12 +269,17 @@ class AdmissionService:
                 if env.payload == mine and sender in self.links[s].trusted:
                     signed[sender] = (env.public_key, env.signature)
 
-    def _chain_rows(self, start: int, count: int) -> list[list]:
-        rows = []
+    def _chain_rows(self, start: int, count: int, blobs: int | None = None) -> list[list]:
+        """Up to `count` consecutive links from `start`, each with its signers' (id, key, signature);
+        with `blobs`, no more byte strings than that (the first link always goes)."""
+        rows, used = [], 0
         for s in range(start, start + count):
             if s not in self.links:
                 break
             signers = sorted(self.signed.get(s, {}).items())
+            used += 1 + 2 * len(signers)
+            if rows and blobs is not None and used > blobs:
+                break
             rows.append([self.links[s].to_bytes(), [[p, key, sig] for p, (key, sig) in signers]])
         return rows
 
@@ -282,7 +288,8 @@ class AdmissionService:
         start = obj.get("from") if isinstance(obj, dict) else None
         if type(start) is not int or start < 0:
             raise RemoteError(Evidence(sender, "malformed", "anchor chain request needs an integer 'from' >= 0"))
-        return encode({"links": self._chain_rows(start, CHAIN_PAGE)})
+        rows = self._chain_rows(start, CHAIN_PAGE, CHAIN_BLOBS)
+        return encode({"links": rows, "more": start + len(rows) in self.links})
 
     async def chain_voters(self) -> set[str] | None:
         """The trusted set of the last link verified from the initial set (fetched from the others
@@ -317,8 +324,13 @@ class AdmissionService:
         return self._tip
 
     async def _fetch_chain(self, peer: str, start: int) -> None:
-        """The links `peer` holds from `start` on, page by page; each signature checked as the join it was."""
+        """The links `peer` holds from `start` on, page by page; each signature checked as the join it was.
+
+        The next page is asked for only while the peer says it holds more and the last page moved the
+        verified tip (links a majority of trusted peers signed): a peer that makes up links without end
+        adds none that verify, and is not asked again."""
         config = self.catchup.config
+        reached = -1
         while True:
             try:
                 answer = decode(
@@ -334,12 +346,11 @@ class AdmissionService:
                 return
             for row in rows[:CHAIN_PAGE]:
                 self._add_candidate(peer, row)
-            # The next page only while this one carried the chain to its end: a peer that makes up
-            # pages without end adds links that continue nothing, and is not asked again.
-            path = walk_chain(self.initial or (), self._candidates)
-            if len(rows) < CHAIN_PAGE or not path or path[-1][0].step < start + CHAIN_PAGE - 1:
+            verified = [link for link, ok in walk_chain(self.initial or (), self._candidates) if ok]
+            tip = verified[-1].step if verified else -1
+            if not rows or answer.get("more") is not True or tip <= max(reached, start - 1):
                 return
-            start += CHAIN_PAGE
+            reached, start = tip, tip + 1
 
     def _add_candidate(self, peer: str, row: object) -> None:
         if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], bytes) and isinstance(row[1], list)):
