@@ -223,7 +223,7 @@ def test_sybils_that_outnumber_the_swarm_win_no_vote_of_a_joiner(tmp_path, monke
     services = []
     built = admission_service.AdmissionService.__init__
     monkeypatch.setattr(admission_service.AdmissionService, "__init__", lambda self, *a, **k: (built(self, *a, **k), services.append(self))[0])
-    summary, metrics, admissions = _run(tmp_path, "faults.join=1", *JOIN)
+    summary, metrics, admissions = _run(tmp_path, "faults.join=1", *JOIN, "steps=16")
     joiner = summary["peer_ids"][4]
     entered = next(a["step"] for a in admissions if a["peer"] == joiner)
     anchor = next(s for s in services if s.transport.peer_id == joiner)._tip
