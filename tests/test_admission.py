@@ -225,7 +225,7 @@ def test_sybils_that_outnumber_the_swarm_win_no_vote_of_a_joiner(tmp_path, monke
     services = []
     built = admission_service.AdmissionService.__init__
     monkeypatch.setattr(admission_service.AdmissionService, "__init__", lambda self, *a, **k: (built(self, *a, **k), services.append(self))[0])
-    summary, metrics, admissions = _run(tmp_path, "faults.join=1", *JOIN)
+    summary, metrics, admissions = _run(tmp_path, "faults.join=1", *JOIN, "steps=16")
     joiner = summary["peer_ids"][4]
     entered = next(a["step"] for a in admissions if a["peer"] == joiner)
     anchor = next(s for s in services if s.transport.peer_id == joiner)._tip
@@ -260,6 +260,10 @@ def test_the_anchor_chain_verifies_only_links_a_majority_of_the_last_trusted_set
     assert verify_chain(initial, {**honest, 1: {grown: {"a", "b", "c"}, rival: set(sybils)}}) == [first, grown, after]
     assert verify_chain(initial, {**honest, 2: {Link(2, b"elsewhere", b"m2", b"l2", after.trusted): {"a", "b", "e"}}}) == [first, grown]
     assert Link.from_bytes(after.to_bytes(), "a") == after and Link.from_bytes(b"junk", "a") is None
+    # What a replica serves: consecutive links from a step, cut where the byte strings would pass a budget.
+    held = SimpleNamespace(links={0: first, 1: grown, 2: after}, signed={s: {p: (b"key", b"sig") for p in "abc"} for s in range(3)})
+    assert [r[0] for r in admission_service.AdmissionService._chain_rows(held, 1, 64)] == [grown.to_bytes(), after.to_bytes()]
+    assert len(admission_service.AdmissionService._chain_rows(held, 0, 64, blobs=13)) == 1  # 7 strings a link
 
 
 # --- the anchor against made-up, tied and stalled chains (pure: a bare service, a scripted swarm) ---
@@ -287,7 +291,8 @@ class _Swarm:
         if topic == "adm.chain":
             start = decode(payload, peer)["from"]
             self.asked.append((peer, start))
-            return encode({"links": self._serve(peer, start)})
+            rows = self._serve(peer, start)
+            return encode({"links": rows, "more": bool(rows)})
         return encode({"state": self._states.get(peer)})
 
 

@@ -67,7 +67,8 @@ STATE = "adm.state"
 CHAIN = "adm.chain"
 JOIN = "bt.join"  # the round's signed join for step s + 1 carries the link of step s
 KEEP_STEPS = 64  # past steps' states each replica serves to peers that join
-CHAIN_PAGE = 64  # links per `adm.chain` answer
+CHAIN_PAGE = 64  # links per `adm.chain` answer, at most
+CHAIN_BLOBS = 1024  # byte strings per answer, at most (a link and a key and a signature per signer; a decoder takes 4096)
 CHAIN_SLACK = 2  # unverified links a joiner follows past its verified tip (their signatures come with later joins)
 ANCHOR_LAG = 4  # a verified tip further than this behind the step a joiner takes a state for anchors no vote
 
@@ -273,12 +274,17 @@ class AdmissionService:
                 if env.payload == mine and sender in self.links[s].trusted:
                     signed[sender] = (env.public_key, env.signature)
 
-    def _chain_rows(self, start: int, count: int) -> list[list]:
-        rows = []
+    def _chain_rows(self, start: int, count: int, blobs: int | None = None) -> list[list]:
+        """Up to `count` consecutive links from `start`, each with its signers' (id, key, signature);
+        with `blobs`, no more byte strings than that (the first link always goes)."""
+        rows, used = [], 0
         for s in range(start, start + count):
             if s not in self.links:
                 break
             signers = sorted(self.signed.get(s, {}).items())
+            used += 1 + 2 * len(signers)
+            if rows and blobs is not None and used > blobs:
+                break
             rows.append([self.links[s].to_bytes(), [[p, key, sig] for p, (key, sig) in signers]])
         return rows
 
@@ -287,7 +293,8 @@ class AdmissionService:
         start = obj.get("from") if isinstance(obj, dict) else None
         if type(start) is not int or start < 0:
             raise RemoteError(Evidence(sender, "malformed", "anchor chain request needs an integer 'from' >= 0"))
-        return encode({"links": self._chain_rows(start, CHAIN_PAGE)})
+        rows = self._chain_rows(start, CHAIN_PAGE, CHAIN_BLOBS)
+        return encode({"links": rows, "more": start + len(rows) in self.links})
 
     async def chain_voters(self) -> set[str] | None:
         """The trusted set of the last link verified from the initial set (fetched from the others
@@ -345,7 +352,11 @@ class AdmissionService:
         return True
 
     async def _fetch_chain(self, peer: str) -> None:
-        """The links `peer` holds after my verified tip, page by page."""
+        """The links `peer` holds after my verified tip, page by page.
+
+        The next page is asked for only while the peer says it holds more and the last page carried the
+        verified tip (links a majority of trusted peers signed) on to about its end: a peer that makes up
+        links without end adds none that verify, and is asked at most about one page past the signed chain."""
         config = self.catchup.config
         start = self._tip.step + 1 if self._tip is not None else 0
         while True:
@@ -364,11 +375,10 @@ class AdmissionService:
             for row in rows[:CHAIN_PAGE]:
                 self._add_candidate(peer, row)
             self._advance()
-            # The next page only while this one carried the *verified* tip to (about) its end: links
-            # nobody trusted signed continue nothing, so a peer that makes up pages without end gets
-            # at most one page past the real chain's signed end.
+            # Pages may be short (an answer stays under a byte-string budget), so the test is on this page:
+            # it must move the verified tip to within CHAIN_SLACK links of its own end.
             tip = self._tip.step if self._tip is not None else -1
-            if len(rows) < CHAIN_PAGE or tip < start + CHAIN_PAGE - 1 - CHAIN_SLACK:
+            if not rows or answer.get("more") is not True or tip < start or tip < start + len(rows) - 1 - CHAIN_SLACK:
                 return
             start = tip + 1
 
