@@ -72,6 +72,10 @@ def test_a_byzantine_relay_retired_before_its_attack_counts_as_removed_and_one_r
     assert (early["exact"], early["steps_to_ban"], early["retired"], early["honest_banned"]) == (True, "0:out", "0 3", 0)
     late = measure(run, summary(12), byzantine)  # retired after it could lie: it escaped a ban by leaving
     assert (late["exact"], late["steps_to_ban"]) == (False, "0:-")
+    # retired at step 9 but the retirement settled late: it rejoined and aggregated at 10 and 11, so it could lie
+    rejoined = summary(9)
+    rejoined["events"] += [{"kind": "aggregate", "peer": peer[0], "it": it, "in_group": True} for it in (10, 11)]
+    assert (measure(run, rejoined, byzantine)["exact"], measure(run, rejoined, byzantine)["steps_to_ban"]) == (False, "0:-")
     link = run_config(config, "link", "secure", 2)  # relay 4 was on no path from its start: it tampered nothing
     idle = measure(link, summary(4), attackers(config, "link", "secure"))
     assert (idle["exact"], idle["steps_to_ban"]) == (True, "4:idle")

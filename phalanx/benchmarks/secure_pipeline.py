@@ -166,8 +166,13 @@ def measure(run: PipelineRunConfig, summary: dict, byzantine: dict[int, tuple[st
         if relay is not None:
             retired[relay] = min(retired.get(relay, e["step"]), e["step"])
     # A Byzantine relay its stage retired before its attack began never lied: nothing can ban it, and it is out of
-    # the run for good (refused on every join). It counts as removed, shown as `out` (churn took it first).
-    out_first = {r for r, (_, start) in byzantine.items() if r not in first_ban and retired.get(r, start) < start}
+    # the run for good (refused on every join). It counts as removed, shown as `out` (churn took it first), only
+    # if it took no part from its start on: a retirement settles a round or more after the step it names, and a
+    # relay that rejoined and served meanwhile could have lied unseen.
+    served = {(relay_of[e["peer"]], e["it"]) for e in summary["events"]
+              if e["kind"] in ("fwd", "bwd", "send", "aggregate") and e["peer"] in relay_of and e.get("in_group", True)}
+    out_first = {r for r, (_, start) in byzantine.items() if r not in first_ban and retired.get(r, start) < start
+                 and not any(relay == r and it >= start for relay, it in served)}
     # Likewise a link attacker that tampered no tensor (routed on no path while its attack ran): shown as `idle`.
     lied = {a["peer"] for a in summary["attacks"] if a["tampered"]}
     peer_of = {r: p for p, r in relay_of.items()}
