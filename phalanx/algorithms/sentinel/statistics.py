@@ -734,11 +734,13 @@ class Sentinel:
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
         flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
-        own = flagged and (self._disowns_input(track, dist) or self._constant_against_input(link, direction, microbatch, tensor))
+        own = flagged and (self._disowns_input(track, dist)
+                           or self._constant_against_input(link, direction, microbatch, tensor))
         if learn:
-            judged = self._remember(track, link, direction, worker, microbatch, dist, outside if flagged and not own else ())
+            flags = outside if flagged and not own else ()
+            judged = self._remember(track, link, direction, worker, microbatch, dist, flags)
             if judged.outside and self._stage_drift(track, judged):
-                # the stage moved, not this sender: relearn (accept the tensor), and the flags of the move are no evidence
+                # the stage moved, not this sender: relearn (accept the tensor); the flags of the move are no evidence
                 self._accept(track, direction, summary, dist)
                 return self._strike(Verdict(link, direction, worker, microbatch, False, "drift", named, outside))
         if learn and direction == FORWARD and "scale" in dist:
@@ -830,7 +832,8 @@ class Sentinel:
             return tainted
         inp = self._inputs.get(microbatch, {}).get((link, FORWARD))
         if self._constant_against_input(link, FORWARD, microbatch, tensor):
-            return self._strike(Verdict(link, FORWARD, worker, microbatch, True, "constant"), blame_upstream=False, own=True)
+            constant = Verdict(link, FORWARD, worker, microbatch, True, "constant")
+            return self._strike(constant, blame_upstream=False, own=True)
         bound = None if inp is None else binding(inp, self.sketch(tensor))
         if bound is None:
             return tainted
