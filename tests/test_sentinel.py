@@ -780,7 +780,8 @@ def test_fresh_microbatches_cannot_shrink_the_stage_the_drift_rule_counts():
     assert verifier.check_forward(1, "r0", mb, 1.6 * _stage_stream(gen, center)).flagged
     for k in range(45):
         assert not verifier.check_forward(1, ("r3", "r4")[k % 2], ("fresh", k), _stage_stream(gen, center)).flagged
-    tampered = [verifier.check_forward(1, liar, mb + 1 + i, _stage_stream(gen, bad)) for i, liar in enumerate(("r4", "r3"))]
+    tampered = [verifier.check_forward(1, liar, mb + 1 + i, _stage_stream(gen, bad))
+                for i, liar in enumerate(("r4", "r3"))]
     assert [v.reason for v in tampered] == ["fence", "fence"]
 
 
