@@ -659,7 +659,7 @@ def test_a_resent_tensor_is_judged_once():
     receiver after another, up to 24 times each, so the link's warm-up (200 tensors) held a dozen microbatches of
     one model version and the first step after it flagged and convicted all four stage-1 replicas (iteration 4,
     `swd`). A resend of the same tensor of the same microbatch gets the first verdict back and is not learned
-    again; a different tensor for the same microbatch is judged as new."""
+    again; a different tensor for the same microbatch (no input recorded here) is judged again, not learned."""
     gen = torch.Generator().manual_seed(43)
     verifier = Sentinel(SentinelConfig(warmup=40, window=32))
     center = _center()
@@ -675,7 +675,7 @@ def test_a_resent_tensor_is_judged_once():
     once = verifier.check_forward(1, "r1", 60, bad)
     again = verifier.check_forward(1, "r1", 60, bad.clone())
     assert once.flagged and again.flagged and again.bans == ()
-    assert verifier.check_forward(1, "r1", 60, -bad).flagged  # another tensor: judged as new
+    assert verifier.check_forward(1, "r1", 60, -bad).flagged  # another tensor: judged again
     assert verifier.banned() == frozenset()  # one microbatch, one strike
 
 
@@ -766,6 +766,25 @@ def test_changed_resends_neither_flood_the_drift_rule_nor_teach_the_baseline():
     assert torch.nn.functional.cosine_similarity(verifier.reference(1, FORWARD).mean, center, dim=0) > 0.9
 
 
+def test_fresh_microbatches_cannot_shrink_the_stage_the_drift_rule_counts():
+    """The flood of r1 with microbatches that pass instead of resends: two liars of five replicas fill the drift
+    window with 45 clean tensors, so it holds one honest replica (whose latest tensor was an outlier) besides them;
+    counted from the window alone the stage is three, and two flagged others (the other liar and the outlier) make
+    a "move". The stage size is the most senders the window ever held (five): the liars' tampered tensors are
+    flagged, not excused."""
+    gen = torch.Generator().manual_seed(8)
+    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
+    center = torch.linspace(-1.0, 1.0, 64) + 0.01
+    bad = center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    mb = _warm_stage(verifier, 5, 60, gen, center)
+    assert verifier.check_forward(1, "r0", mb, 1.6 * _stage_stream(gen, center)).flagged
+    for k in range(45):
+        assert not verifier.check_forward(1, ("r3", "r4")[k % 2], ("fresh", k), _stage_stream(gen, center)).flagged
+    tampered = [verifier.check_forward(1, liar, mb + 1 + i, _stage_stream(gen, bad))
+                for i, liar in enumerate(("r4", "r3"))]
+    assert [v.reason for v in tampered] == ["fence", "fence"]
+
+
 @pytest.mark.parametrize("replicas, liars", [(3, ("r2",)), (5, ("r3", "r4"))])
 def test_one_honest_false_flag_does_not_make_a_minority_a_move_of_the_stage(replicas, liars):
     """Review of session 20 (r2): the liars counted themselves toward "more than half of the stage is flagged", so one
@@ -830,7 +849,7 @@ def test_an_output_shrunk_to_almost_nothing_is_its_senders_own(shrink):
     """Review of session 20 (r4): the constant rule fired only at a spread 1e-6 of the input's, so zeros plus 1e-5
     noise, or 1e-3 times the input, were flagged on `swd, scale` and shared with the honest stage-1 relay that fed
     the two stage-2 liars, which was banned in their place. An honest residual stage keeps its input's spread
-    (0.6-4); an output at 1e-2 of it or below is the sender's own."""
+    (1.0-1.25 at initialisation); an output at 1e-2 of it or below is the sender's own."""
     gen, block, verifier, hop = _residual_setup(44)
     make = {"zeros + 1e-5 noise": lambda x: 1e-5 * torch.randn(x.shape, generator=gen),
             "zeros + 1e-3 noise": lambda x: 1e-3 * torch.randn(x.shape, generator=gen),
