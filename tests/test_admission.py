@@ -9,15 +9,15 @@ import pytest
 from phalanx.algorithms.btard.admission import Admission, AdmissionConfig, Roles
 from phalanx.algorithms.btard.anchor import Link, genesis, verify_chain, walk_chain
 from phalanx.core.envelope import SignedEnvelope
+from phalanx.core.errors import ConfigError
 from phalanx.core.identity import Identity
 from phalanx.core.serialization import DEFAULT_LIMITS, decode, encode
-from phalanx.runs.dp.churn import FaultDriver
-from phalanx.runtime.dp import admission as admission_service
-from phalanx.runtime.dp.catchup import CatchupConfig, CatchupFailed
-from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
+from phalanx.runs.dp.churn import FaultDriver
 from phalanx.runs.dp.simulate import simulate
 from phalanx.runs.presets import get_preset
+from phalanx.runtime.dp import admission as admission_service
+from phalanx.runtime.dp.catchup import CatchupConfig, CatchupFailed
 
 T = 3  # approvals a joiner needs in these runs
 BASE = ["peers=4", "steps=24", "byzantine.count=0", "btard.timeout=1.0", "train.eval_every=1", f"btard.admission_after={T}"]

@@ -42,8 +42,8 @@ from phalanx.runs.dp.swarm import peer_identity
 from phalanx.runs.presets import get_preset
 from phalanx.runtime.dp.peer import DataParallelPeer, TrainConfig
 from phalanx.runtime.rounds import btard_verify
-from phalanx.runtime.rounds.btard_judge import _missing_meta
 from phalanx.runtime.rounds.btard import AGGREGATE_ANSWERS
+from phalanx.runtime.rounds.btard_judge import _missing_meta
 from phalanx.runtime.rounds.btard_state import BTARDConfig, StepState
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
 from phalanx.training.task import make_task

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ...algorithms.btard.anchor import Link, genesis, walk_chain
 from ...algorithms.btard.admission import (
     Admission,
     AdmissionConfig,
@@ -52,6 +51,7 @@ from ...algorithms.btard.admission import (
     Roles,
     Trusted,
 )
+from ...algorithms.btard.anchor import Link, genesis, walk_chain
 from ...algorithms.catchup import agreed
 from ...core.envelope import SignedEnvelope
 from ...core.errors import Evidence, PhalanxError, RemoteError
