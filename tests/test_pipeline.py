@@ -547,13 +547,23 @@ def test_two_replicas_behind_together_download_from_the_ones_that_hold_the_versi
     assert all(len(d) == 1 for d in _replicas_agree(summary).values()) and summary["evidence"] == []
 
 
+def _relay_behind_a_bare_data_node(network, config: PipelineRunConfig, data, relay, directory: dict):
+    """A stage-1 relay built by `build_node` on a simulated network, and its data node's bare transport, which
+    answers every FORWARD and BACKWARD with OK."""
+    from phalanx.runs.pipeline.run import build_node, pipeline_task
+
+    source, transport = network.add_peer(data), network.add_peer(relay)
+    for kind in (m.FORWARD, m.BACKWARD):
+        source.add_request_handler(kind, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
+    return source, build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+
+
 def test_a_second_backward_for_a_microbatch_already_done_is_not_evidence():
     # Table II in the paper's regime, homogeneous 20 % gwtf seed 1 (no attacker): a stage-4 relay's send to a
     # stage-5 peer timed out while a repair's REFORWARD started a second send of the same microbatch; both
     # reached the new stage-5 peer, whose second backward found the stage-4 relay done with it:
     # `unknown_microbatch` evidence against an honest peer. Here the one relay of stage 1 takes a forward
     # and its backward from the data node, then the same backward again.
-    from phalanx.runs.pipeline.run import build_node, pipeline_task
     from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
     config = _mlp_config(peers=2, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1))
@@ -562,10 +572,7 @@ def test_a_second_backward_for_a_microbatch_already_done_is_not_evidence():
 
     async def main() -> tuple[list[bytes], list]:
         network = SimNetwork(SimConfig(seed=config.seed))
-        source, transport = network.add_peer(data), network.add_peer(relay)
-        source.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
-        source.add_request_handler(m.BACKWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
-        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        source, node = _relay_behind_a_bare_data_node(network, config, data, relay, directory)
         x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
         key = (data.peer_id, 0, 0)
         forward = m.Carry(key, 0, 1, (data.peer_id,), x)
@@ -575,7 +582,7 @@ def test_a_second_backward_for_a_microbatch_already_done_is_not_evidence():
         for _ in range(2):
             words.append(await source.request(relay.peer_id, m.BACKWARD, backward.to_bytes(), 5.0))
         await node.close()
-        return words, transport.evidence
+        return words, node.transport.evidence
 
     words, evidence = run_simulation(main)
     assert words[:2] == [m.answer(m.OK)] * 2 and words[2] == m.answer(m.STALE)  # before: evidence against the sender
@@ -718,7 +725,6 @@ def test_a_backward_that_arrives_while_the_first_one_computes_is_stale():
     # backward twice from its stage-1 relay, the second while the first was still computing; the key was then
     # neither held nor in `grads`: `unknown_microbatch` against the honest relay. Here the relay of the one
     # stage gets the same backward twice at once, with a backward that takes simulated compute time.
-    from phalanx.runs.pipeline.run import build_node, pipeline_task
     from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
     config = _mlp_config(peers=2, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1, flops_scale=1e6))
@@ -727,17 +733,14 @@ def test_a_backward_that_arrives_while_the_first_one_computes_is_stale():
 
     async def main() -> tuple[list[bytes], list]:
         network = SimNetwork(SimConfig(seed=config.seed))
-        source, transport = network.add_peer(data), network.add_peer(relay)
-        source.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
-        source.add_request_handler(m.BACKWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
-        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        source, node = _relay_behind_a_bare_data_node(network, config, data, relay, directory)
         x = torch.randn(config.train.batch_size, *node.staged.input_shape(1)[1:])
         key = (data.peer_id, 0, 0)
         await source.request(relay.peer_id, m.FORWARD, m.Carry(key, 0, 1, (data.peer_id,), x).to_bytes(), 30.0)
         backward = m.Carry(key, 0, 1, (data.peer_id, relay.peer_id), torch.ones_like(node.held[key].out)).to_bytes()
         words = await asyncio.gather(*(source.request(relay.peer_id, m.BACKWARD, backward, 30.0) for _ in range(2)))
         await node.close()
-        return sorted(words), transport.evidence
+        return sorted(words), node.transport.evidence
 
     words, evidence = run_simulation(main)
     assert words == sorted([m.answer(m.OK), m.answer(m.STALE)]) and evidence == []  # before: unknown_microbatch
@@ -829,7 +832,6 @@ def test_a_download_that_ends_after_the_replica_caught_up_leaves_its_weights_alo
     # a microbatch computed with them failed ("modified by an inplace operation"). Here a relay at version 1
     # computes a forward, then downloads version 1 from two peers that serve other weights, then gets the backward.
     from phalanx.core.serialization import digest
-    from phalanx.runs.pipeline.run import build_node, pipeline_task
     from phalanx.transport.sim import SimConfig, SimNetwork, run_simulation
 
     config = _mlp_config(peers=4, data_nodes=1, steps=1, pipeline=PipelineConfig(stages=1, microbatches=1))
@@ -838,10 +840,7 @@ def test_a_download_that_ends_after_the_replica_caught_up_leaves_its_weights_alo
 
     async def main():
         network = SimNetwork(SimConfig(seed=config.seed))
-        source, transport = network.add_peer(data), network.add_peer(relay)
-        source.add_request_handler(m.FORWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
-        source.add_request_handler(m.BACKWARD, lambda sender, payload: asyncio.sleep(0, m.answer(m.OK)))
-        node = build_node(config, transport, 1, directory, pipeline_task(config), lambda event: None)
+        source, node = _relay_behind_a_bare_data_node(network, config, data, relay, directory)
         other = [p.detach() + 0.5 for p in node.params]
         body = {"version": 1, "digest": digest(b"".join(t.numpy().tobytes() for t in other)), "params": other, "state": {}}
         for identity in peers:

@@ -684,19 +684,7 @@ def test_a_constant_output_against_a_varied_input_is_its_senders_own():
     all-zero outputs were flagged (`sign, swd, scale`) and shared with it, three shares, and it was banned with them.
     On an all-zero sketch ``align`` and ``bind`` are undefined, so the reversed-output rule did not apply. No input
     makes a stage answer a constant: the flag is the sender's alone. A constant input (a substitute) excuses it."""
-    gen = torch.Generator().manual_seed(44)
-    weight = torch.randn(16, 16, generator=gen) / 4
-    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
-    verifier = Sentinel(SentinelConfig(warmup=16, window=16, bind_projections=8))
-
-    def hop(mb, sender, link, inp, out, upstream=None):
-        verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
-        return verifier.check_forward(link, sender, mb, out, upstream=upstream)
-
-    for i in range(20):
-        x = torch.randn(2, 32, 16, generator=gen)
-        hop(i, f"s1r{i % 4}", 1, x, block(x))
-        hop(i, f"s2r{i % 4}", 2, block(x), block(block(x)))
+    gen, block, verifier, hop = _residual_setup(44)
     zeros = []
     for mb, attacker in (("m0", "a"), ("m1", "b"), ("m2", "a")):
         x = torch.randn(2, 32, 16, generator=gen)
@@ -833,9 +821,9 @@ def _residual_setup(seed: int):
     block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
     verifier = Sentinel(SentinelConfig(warmup=16, window=16, bind_projections=8))
 
-    def hop(mb, sender, link, inp, out):
+    def hop(mb, sender, link, inp, out, upstream=None):
         verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
-        return verifier.check_forward(link, sender, mb, out)
+        return verifier.check_forward(link, sender, mb, out, upstream=upstream)
 
     for i in range(20):
         x = torch.randn(2, 32, 16, generator=gen)
