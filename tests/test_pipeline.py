@@ -56,12 +56,17 @@ def test_mlp_pipeline_equals_single_process_training():
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
 
 
-def test_gpt_pipeline_equals_single_process_training():
-    config = PipelineRunConfig(
-        peers=5, data_nodes=1, steps=3,
+def _gpt_config(steps: int, capacity: int) -> PipelineRunConfig:
+    """chars-gpt in 2 stages of 2 relays, one data node, 4 microbatches of 4."""
+    return PipelineRunConfig(
+        peers=5, data_nodes=1, steps=steps,
         train=TrainConfig(task="chars-gpt", optimizer="adam", lr=0.003, batch_size=4),
-        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=2),
+        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=capacity),
     )
+
+
+def test_gpt_pipeline_equals_single_process_training():
+    config = _gpt_config(steps=3, capacity=2)
     summary = simulate_pipeline(config, progress=False)
     losses = [m["loss"] for m in summary["metrics"]]
     assert losses == pytest.approx(reference_losses(config), rel=1e-4)
@@ -865,11 +870,7 @@ def test_a_denied_microbatch_is_sent_again_as_soon_as_one_of_its_data_nodes_micr
     # 4 microbatches, 2 stage-1 slots (2 relays x capacity 1): two are denied and wait for a slot. Each is sent
     # again the moment a microbatch of its data node finishes (its slots are free again), not a tenth of a
     # COMPLETE timeout later (a stage that lost a banned replica waited 0.5 s per iteration for that).
-    config = PipelineRunConfig(
-        peers=5, data_nodes=1, steps=2,
-        train=TrainConfig(task="chars-gpt", optimizer="adam", lr=0.003, batch_size=4),
-        pipeline=PipelineConfig(stages=2, microbatches=4, capacity=1),
-    )
+    config = _gpt_config(steps=2, capacity=1)
     summary = simulate_pipeline(config, progress=False)
     assert [(m["completed"], m["deferred"]) for m in summary["metrics"]] == [(4, 0), (4, 0)]
     ends = [mb["t_end"] for mb in summary["microbatches"]]

@@ -637,17 +637,23 @@ def test_a_move_of_the_whole_stage_is_relearned_not_four_convictions_and_a_liar_
             assert all(v.flagged for v in verdicts if v.worker == "r3")
 
 
-def test_flags_confined_to_a_minority_upstream_are_no_stage_drift():
-    """The adversary that knows the drift rule sits upstream: it feeds honest stage-2 replicas inputs that pass the
-    link-1 fences but make their outputs odd at link 2, so that most of stage 2 is flagged and the rule would
-    excuse everyone (itself included). The flags then fall only on microbatches through that one of the four
-    stage-1 senders: no drift, the strike rule convicts it, and the honest stage-2 replicas keep no strike."""
+def _stage2_after_warm_up():
+    """A link-2 verifier warmed up on four stage-2 senders fed by four stage-1 senders in turn, the honest centre of
+    their outputs, and an odd output (a scaled centre with every sixth coordinate reversed)."""
     gen = torch.Generator().manual_seed(42)
     verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
     center = torch.linspace(-1.0, 1.0, 64) + 0.01
     for i in range(48):
         verifier.check_forward(2, f"s2r{i % 4}", i, _stage_stream(gen, center), upstream={1: f"s1r{(i // 4) % 4}"})
-    odd = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    return gen, verifier, center, 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+
+
+def test_flags_confined_to_a_minority_upstream_are_no_stage_drift():
+    """The adversary that knows the drift rule sits upstream: it feeds honest stage-2 replicas inputs that pass the
+    link-1 fences but make their outputs odd at link 2, so that most of stage 2 is flagged and the rule would
+    excuse everyone (itself included). The flags then fall only on microbatches through that one of the four
+    stage-1 senders: no drift, the strike rule convicts it, and the honest stage-2 replicas keep no strike."""
+    gen, verifier, center, odd = _stage2_after_warm_up()
     verdicts = [verifier.check_forward(2, f"s2r{i % 4}", i, _stage_stream(gen, odd), upstream={1: "s1r0"})
                 for i in range(48, 52)]
     assert all(v.flagged and v.reason == "fence" for v in verdicts[:3])
@@ -799,12 +805,7 @@ def test_a_liar_in_the_stage_cannot_spread_its_flags_over_honest_upstream_sender
     microbatches' upstream senders were a majority of stage 1: drift fired and s2r3's strikes were forgiven. Now an
     upstream sender counts as hit only when it carried flagged microbatches of at least half of the stage's
     distinct senders (two here): only s1r0 is; both liars are banned, the honest replicas are not."""
-    gen = torch.Generator().manual_seed(42)
-    verifier = Sentinel(SentinelConfig(warmup=40, window=48, distances="sign,swd,scale"))
-    center = torch.linspace(-1.0, 1.0, 64) + 0.01
-    for i in range(48):
-        verifier.check_forward(2, f"s2r{i % 4}", i, _stage_stream(gen, center), upstream={1: f"s1r{(i // 4) % 4}"})
-    odd = 1.35 * center * torch.where(torch.arange(64) % 6 == 0, -1.0, 1.0)
+    gen, verifier, center, odd = _stage2_after_warm_up()
     mb, verdicts = 48, []
     for rnd in range(4):
         for sender, tensor, up in (("s2r0", odd, "s1r0"), ("s2r1", odd, "s1r0"),
