@@ -490,8 +490,10 @@ def _digest(tensor: Tensor) -> bytes | None:
     if not isinstance(tensor, Tensor):
         return None
     raw = tensor.detach().cpu().contiguous()
-    head = f"{tuple(raw.shape)}{raw.dtype}".encode()
-    return hashlib.blake2b(head + raw.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+    h = hashlib.blake2b(f"{tuple(raw.shape)}{raw.dtype}".encode(), digest_size=16)
+    if raw.numel():
+        h.update(memoryview(raw.reshape(-1).view(torch.uint8).numpy()))  # read in place, not copied to bytes
+    return h.digest()
 
 
 # ---------------------------------------------------------------------------
