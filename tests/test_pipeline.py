@@ -76,6 +76,15 @@ def test_gpt_pipeline_equals_single_process_training():
     assert len(paths) > 1  # microbatches went through more than one pipeline
 
 
+def test_each_stage_clips_its_gradient_as_single_process_training_clipped_per_stage():
+    # a bound below every stage's gradient norm, so that each step is clipped
+    config = _gpt_config(steps=3, capacity=2)
+    clipped = replace(config, pipeline=replace(config.pipeline, grad_clip=0.01))
+    losses = [m["loss"] for m in simulate_pipeline(clipped, progress=False)["metrics"]]
+    assert losses == pytest.approx(reference_losses(clipped), rel=1e-4)
+    assert losses != pytest.approx(reference_losses(config), rel=1e-3)  # the clip changed training
+
+
 def _crash_config(routing: str) -> PipelineRunConfig:
     # 1 data node + 3 stages x 2 relays (forward 0.27 s per stage and microbatch); the first
     # stage-2 relay to finish a forward in iteration 1 dies 0.1 s later: the backward of that

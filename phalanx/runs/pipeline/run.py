@@ -477,13 +477,15 @@ def param_digest(node: DataNode | Relay) -> str:
 
 
 def reference_losses(config: PipelineRunConfig) -> list[float]:
-    """Single-process training on the same microbatches: mean loss per iteration (no churn)."""
+    """Single-process training on the same microbatches: mean loss per iteration (no churn); with
+    `pipeline.grad_clip`, each stage's gradient clipped on its own, as the pipeline does."""
     torch.set_num_threads(1)
     task = pipeline_task(config)
     model = task.build_model(config.seed)
     from ...runtime.dp.peer import make_optimizer
 
     optimizer = make_optimizer(config.train, model.parameters())
+    stages = task.stages(model, config.pipeline.stages + 1)  # each clips its own gradient (pipeline.grad_clip)
     sources = sorted(peer_identity(config.seed, i).peer_id for i in range(config.data_nodes))
     m = config.pipeline.microbatches
     losses = []
@@ -496,6 +498,9 @@ def reference_losses(config: PipelineRunConfig) -> list[float]:
                 loss = task.output_loss(model(x), y)
                 (loss / (m * len(sources))).backward()
                 values.append(float(loss.detach()))
+        if config.pipeline.grad_clip > 0:
+            for stage in stages:
+                torch.nn.utils.clip_grad_norm_(stage.parameters(), config.pipeline.grad_clip)
         optimizer.step()
         losses.append(sum(values) / len(values))
     return losses

@@ -14,7 +14,7 @@ from ...core.errors import Evidence, RemoteError
 from ...core.serialization import decode, encode
 from ...training.task import num_params
 from . import messages as m
-from .stages import contribution
+from .stages import clipped, contribution
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,10 @@ class Aggregation:
             missing = len(result.missing_parts)
             if work > 0 and not behind and self.version == it:
                 norm = float(result.vector.norm())
+                step = clipped(result.vector, self.config.grad_clip)
                 offset = 0
                 for p in self.params:
-                    p.grad = result.vector[offset: offset + p.numel()].view_as(p).to(p.device).clone()
+                    p.grad = step[offset: offset + p.numel()].view_as(p).to(p.device).clone()
                     offset += p.numel()
                 async with self.compute_lock:  # no forward or backward runs across a step
                     if self.version == it:  # a download may have caught it up while it waited for the lock

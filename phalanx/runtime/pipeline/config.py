@@ -45,6 +45,11 @@ class PipelineConfig:
     activation_bytes: int = 0  # > 0: an activation or gradient weighs this many bytes on the wire (padded)
     watch_period: float = 0.0  # > 0: every node looks this often whether a peer it passed a microbatch to left
     # (0: only when pipeline traffic wakes it, which keeps the simulator's event order of runs without churn)
+    # > 0: every stage clips the gradient it steps with (the stage all-reduce's result) to this L2 norm (0: off).
+    # A stage sees only its own gradient, so this is the norm per stage, not over the whole model. One
+    # gradient spike (chars-gpt: x500 the usual norm in one step) otherwise fills Adam's second moment for
+    # hundreds of steps and stalls that stage's learning (issue-15 session 21)
+    grad_clip: float = 0.0
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -67,6 +72,8 @@ class PipelineConfig:
             raise ConfigError(f"pipeline.activation_bytes={self.activation_bytes!r} must be an integer >= 0 (0: no padding)")
         if not (math.isfinite(self.watch_period) and self.watch_period >= 0):
             raise ConfigError(f"pipeline.watch_period={self.watch_period!r} must be a finite number >= 0 (0: off)")
+        if not (isinstance(self.grad_clip, (int, float)) and math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ConfigError(f"pipeline.grad_clip={self.grad_clip!r} must be a finite number >= 0 (0: off)")
         if not (math.isfinite(self.flow_warmup) and self.flow_warmup >= 0):
             raise ConfigError(f"pipeline.flow_warmup={self.flow_warmup!r} must be a finite number >= 0")
         if not 0 < self.ema <= 1:

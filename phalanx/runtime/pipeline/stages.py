@@ -71,3 +71,12 @@ def contribution(total: torch.Tensor, work: int, replicas: int) -> torch.Tensor:
     if work == 0:
         return torch.zeros_like(total)
     return total * (replicas / work)
+
+
+def clipped(vector: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """`vector` scaled down to L2 norm `max_norm` when it is longer (`max_norm` 0: unchanged), as
+    torch.nn.utils.clip_grad_norm_ scales a stage's gradients."""
+    if max_norm <= 0:
+        return vector
+    scale = max_norm / (float(vector.norm()) + 1e-6)
+    return vector * scale if scale < 1 else vector
