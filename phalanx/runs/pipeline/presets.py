@@ -14,11 +14,12 @@ def chars_gpt_pipeline() -> PipelineRunConfig:
     """Character GPT cut in 3: 1 data node (embedding + loss) + 2 stages x 3 relays, SWARM routing, capacity 2.
 
     1000 iterations of 4 microbatches x 8 windows of 64 characters (about 7 passes over the 300 KB
-    corpus): the train loss falls to about 1.9 (unigram entropy 3.27 nats, bigram 2.59); the simulator
+    corpus): the train loss falls to about 1.6 (unigram entropy 3.27 nats, bigram 2.59); the simulator
     takes about 0.04 s of wall time per iteration on an idle 2-core machine. Each stage clips its gradient
     to norm 1 (pipeline.grad_clip): without it one gradient spike (x500 the usual norm, iterations 10-40)
-    stalled learning for hundreds of iterations, and where it struck moved with any perturbation (one
-    microbatch lost to churn), so churn runs ended 14 % above or below the churn-free one (issue-15 s21).
+    stalled learning for hundreds of iterations (1.9 after 1000), and where it struck moved with any
+    perturbation (one microbatch lost to churn), so churn runs ended up to 14 % above or below the
+    churn-free one (issue-15 s21).
     """
     return PipelineRunConfig(
         preset="chars-gpt-pipeline",
