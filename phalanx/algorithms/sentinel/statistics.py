@@ -485,6 +485,16 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
     return a is b or (a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b)))
 
 
+def _tokens(sketch: Tensor) -> Tensor:
+    """The token rows of a `Sentinel.sketch` (what ``bind`` and ``align`` compare)."""
+    return sketch[:-1]
+
+
+def _mean_row(sketch: Tensor) -> Tensor:
+    """The projected per-feature mean of a `Sentinel.sketch`."""
+    return sketch[-1]
+
+
 def _digest(tensor: Tensor) -> bytes | None:
     """What identifies a resent tensor: a hash of its shape, dtype and bytes (None: not a tensor)."""
     if not isinstance(tensor, Tensor):
@@ -522,6 +532,24 @@ class _First:
     taint: tuple[int, str] | None  # the microbatch's forward flag at the time
 
 
+class _MeanTrack:
+    """EMA of a projected per-feature mean (a stage's input, or the correction it adds to it) and the window of the
+    distances of accepted ones to it (linear: on a log scale a Tukey fence of k = 5 lets a mean move 20-50x its
+    usual distance, measured on the GPT's stages, where a bias attacker moves it 15-30x)."""
+
+    def __init__(self, window: int) -> None:
+        self.ref: Tensor | None = None
+        self.window: deque[float] = deque(maxlen=window)
+
+    def distance(self, value: Tensor) -> float:
+        return (value - self.ref).norm().item()
+
+    def learn(self, value: Tensor, beta: float) -> None:
+        if self.ref is not None:
+            self.window.append(self.distance(value))
+        self.ref = value if self.ref is None else self.ref * beta + value * (1 - beta)
+
+
 class _Track:
     """EMA, projections and distance windows of one link and direction."""
 
@@ -533,6 +561,9 @@ class _Track:
         self.windows = {n: deque(maxlen=window) for n in names}
         self.recent: deque[_Judged] = deque(maxlen=window)  # the last tensors judged, one per (sender, microbatch)
         self.peak: frozenset[str] = frozenset()  # the most senders `recent` ever held: flooding cannot shrink the stage
+        self.given = _MeanTrack(window)  # the mean of what the verifiers delivered to the sender's stage
+        self.given_spread = _MeanTrack(window)  # the log spread of its centred token sketch
+        self.correction = _MeanTrack(window)  # the sender's output mean minus that input mean
 
 
 class Sentinel:
@@ -655,11 +686,17 @@ class Sentinel:
         return any(n in self._names for n in BOUND)
 
     def sketch(self, tensor: Tensor) -> Tensor:
-        """The bind sketch of a tensor (directions seeded by the run and the feature count, shared by every link)."""
-        features = tensor.shape[-1]
+        """The bind sketch of a tensor (directions seeded by the run and the feature count, shared by every link),
+        with one more row: the tensor's per-feature mean projected on the same directions (for the stage's
+        correction, `_adds_its_own_mean`). `_tokens` and `_mean_row` take it apart."""
+        proj = self._projection(tensor.shape[-1])
+        mean = tensor.detach().float().reshape(-1, tensor.shape[-1]).mean(dim=0) @ proj
+        return torch.cat([bind_sketch(tensor, proj), mean[None]])
+
+    def _projection(self, features: int) -> Tensor:
         if features not in self._bind_proj:
             self._bind_proj[features] = projections(self.config.seed, -1, "bind", features, self.config.bind_projections)
-        return bind_sketch(tensor, self._bind_proj[features])
+        return self._bind_proj[features]
 
     def record_input(self, microbatch: Hashable, stage: int, direction: str, sketch: Tensor) -> None:
         """What was delivered to `stage` for `microbatch` in `direction` (its forward input, or the gradient of
@@ -799,16 +836,19 @@ class Sentinel:
                 track.ref, track.accepted = summary, 1
             return Verdict(link, direction, worker, microbatch, False, "warmup")
         dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        means = self._means(link, direction, microbatch, tensor)
         named = tuple(dist.items())
         if track.accepted < self.config.warmup:
             if learn:
-                self._accept(track, direction, summary, dist)
+                self._accept(track, direction, summary, dist, means)
                 self._remember(track, link, direction, worker, microbatch, dist, ())
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist)
         flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
         own = flagged and (self._disowns_input(track, dist)
                            or self._shrunk_to_nothing(track, link, direction, microbatch, tensor))
+        # the sender's alone too, but remembered as long as any flag, and still a flag a move of the stage explains
+        adds_own_mean = flagged and not own and self._adds_its_own_mean(track, dist, means)
         if learn:
             flags = outside if flagged and not own else ()
             judged = self._remember(track, link, direction, worker, microbatch, dist, flags)
@@ -817,18 +857,18 @@ class Sentinel:
                 # the stage moved, not this sender: relearn (only what lies near the stage's median, with `learn_k`),
                 # and the flags of the move are no evidence
                 if self._inner_stage(stage, judged):
-                    self._accept(track, direction, summary, dist)
+                    self._accept(track, direction, summary, dist, means)
                 return self._strike(Verdict(link, direction, worker, microbatch, False, "drift", named, outside))
         if learn and direction == FORWARD and "scale" in dist:
             self._scales.setdefault(microbatch, {})[link] = dist["scale"]
         corrected = not flagged and self._large_correction(track, dist)
         if learn and not flagged and not corrected and self._inner(track, dist):
-            self._accept(track, direction, summary, dist)
+            self._accept(track, direction, summary, dist, means)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         # the sender's forward input crossed link - 1 (its output gradient's forward input, link itself)
         shrunk = self._scales.get(microbatch, {}).get(link - 1 if direction == FORWARD else link, 0.0) < SHRUNK_INPUT
-        return self._strike(verdict, blame_upstream=not alone, own=own, upstream_only=not alone and corrected,
-                            shrunk_input=corrected and shrunk)
+        return self._strike(verdict, blame_upstream=not alone, own=own or adds_own_mean, lasting=own,
+                            upstream_only=not alone and corrected, shrunk_input=corrected and shrunk)
 
     def _remember(self, track: _Track, link: int, direction: str, worker: str, microbatch: Hashable,
                   dist: dict[str, float], outside: tuple[str, ...]) -> _Judged:
@@ -949,7 +989,8 @@ class Sentinel:
                 or worker in self._banned or not self._well_formed(track, tensor)):
             return tainted
         inp = self._inputs.get(microbatch, {}).get((link, FORWARD))
-        out = self.sketch(tensor)
+        inp = None if inp is None else _tokens(inp)
+        out = _tokens(self.sketch(tensor))
         # an output with (almost) no token structure left binds to nothing: on a tampered input that says nothing
         # against the stage (the head fed tokens that differ only in scale answers one logit vector, and the CKA of
         # its rounding noise with the input is near 0)
@@ -974,12 +1015,58 @@ class Sentinel:
             return False
         return bool(torch.isfinite(tensor).all())
 
-    def _accept(self, track: _Track, direction: str, summary: Summary, dist: dict[str, float]) -> None:
+    def _accept(self, track: _Track, direction: str, summary: Summary, dist: dict[str, float],
+                means: tuple[Tensor, Tensor] | None = None) -> None:
         beta = self.config.beta_h if direction == FORWARD else self.config.beta_g
         track.ref = ema(track.ref, summary, beta)
         track.accepted += 1
         for name, value in dist.items():
             track.windows[name].append(_scaled(name, value, self.config))
+        if means is not None:
+            track.given.learn(means[0], beta)
+            track.given_spread.learn(means[2], beta)
+            track.correction.learn(means[1], beta)
+
+    def _means(self, link: int, direction: str, microbatch: Hashable,
+               tensor: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(the projected mean of what the verifiers delivered to the sender's stage for this microbatch, the
+        sender's output mean minus it, both on the bind directions, and the log spread of that input's centred
+        token sketch); None without a recorded input."""
+        given = self._given(link, direction, microbatch) if self.binds else None
+        if given is None or given.dim() != 2 or given.shape[0] < 3 or given.shape[1] != self.config.bind_projections:
+            return None
+        tokens = _tokens(given)
+        spread = (tokens - tokens.mean(dim=0, keepdim=True)).norm().clamp_min(1e-30).log()
+        out = tensor.detach().float().reshape(-1, tensor.shape[-1]).mean(dim=0) @ self._projection(tensor.shape[-1])
+        return _mean_row(given), out - _mean_row(given), spread.reshape(1)
+
+    def _adds_its_own_mean(self, track: _Track, dist: dict[str, float],
+                           means: tuple[Tensor, Tensor, Tensor] | None) -> bool:
+        """Whether a flagged tensor's stage added a mean of its own to a usual input: the correction (output mean
+        minus the mean of what the verifiers delivered to the stage, per feature) lies above its fence while that
+        input's mean lies inside its own, and the output otherwise follows the input as usual (``align`` not
+        below its fence, ``bind`` not above it), on a link whose output follows its input (residual stages).
+
+        A pre-norm residual stage answers x + f(LayerNorm(x)): a shift of every feature of its input by one
+        constant passes through unchanged and leaves its correction f exactly as it was, so an honest stage fed
+        a biased input is not odd here (its flag stays shared with the upstream workers), while a sender that
+        adds a bias is. Measured: 37.5% seed 1 `bias`, the honest stage-1 relay that fed two stage-2 attackers
+        took a share of each one's biased outputs (`sign, swd`) and was banned at its third, before either.
+        Such a flag is held against the sender alone (`strikes` in `strike_window`; not the longer
+        `own_window`, since an input this stage rarely gets can also move its correction)."""
+        if means is None or len(track.correction.window) < 4:
+            return False
+        fenced = lambda n: n in dist and len(track.windows[n]) >= 4  # noqa: E731
+        if not fenced("align") or self._fence(track, "align").low < OWN_ALIGN_BASELINE:
+            return False
+        if dist["align"] < self._fence(track, "align").low or (
+                fenced("bind") and dist["bind"] > self._fence(track, "bind").high):
+            return False  # a large correction, or one loosely bound to the input: an odd input may explain it
+        # a usual input: its mean and its spread inside Tukey's inner fences (k = 1.5) of the inputs the stage got
+        usual_input = all(part.distance(value) <= tukey_fence(list(part.window), 1.5).high
+                          for part, value in ((track.given, means[0]), (track.given_spread, means[2])))
+        odd = track.correction.distance(means[1]) > tukey_fence(list(track.correction.window), self.config.k).high
+        return usual_input and odd
 
     def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
                    summary: Summary) -> dict[str, float]:
@@ -988,7 +1075,7 @@ class Sentinel:
             stage = link if direction == FORWARD else link + 1
             inp = self._inputs.get(microbatch, {}).get((stage, direction))
             if inp is not None:
-                out = self.sketch(tensor)
+                inp, out = _tokens(inp), _tokens(self.sketch(tensor))
                 for name, measure in (("bind", binding), ("align", align)):
                     value = measure(inp, out) if name in self._names else None
                     if value is not None:
@@ -1032,9 +1119,9 @@ class Sentinel:
         if len(track.windows.get("align", ())) < 4 or self._fence(track, "align").low < OWN_ALIGN_BASELINE:
             return False
         inp = self._given(link, direction, microbatch)
-        if inp is None or inp.shape[0] < 2:
+        if inp is None or inp.shape[0] < 3:
             return False
-        return _spread_ratio(inp, self.sketch(tensor)) <= SHRUNK_RATIO
+        return _spread_ratio(_tokens(inp), _tokens(self.sketch(tensor))) <= SHRUNK_RATIO
 
     def _large_correction(self, track: _Track, dist: dict[str, float]) -> bool:
         """``align`` below its fence but above `align_floor`: the stage's correction outweighs its pass-through,
@@ -1073,10 +1160,11 @@ class Sentinel:
         """The spread floor of a distance's fences: one feature's resolution for ``sign``, else `min_spread`."""
         return 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
 
-    def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False,
+    def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False, lasting: bool = True,
                 upstream_only: bool = False, shrunk_input: bool = False) -> Verdict:
         """Count the verdict in the strike histories of the sender and (`blame_upstream`) the workers upstream
-        of it; a flag is held against all of them, or against the sender alone when it is its `own`;
+        of it; a flag is held against all of them, or against the sender alone when it is its `own` (`lasting`:
+        also counted among its last `own_window` microbatches);
         `upstream_only`: no flag on the tensor, evidence about the sender's input, shared by the sender and the
         upstream workers, or held against the upstream workers alone when this verifier saw that input arrive
         shrunk (`shrunk_input`)."""
@@ -1113,7 +1201,7 @@ class Sentinel:
             history = self._history.setdefault(
                 worker, deque(maxlen=max(self.config.strike_window, self.config.own_window)))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
-            disowned = flagged and own and worker == verdict.worker
+            disowned = flagged and own and lasting and worker == verdict.worker
             if entry is None:
                 history.append([mb, flagged, others if flagged else set(), disowned, {source} if flagged else set()])
             elif flagged:
