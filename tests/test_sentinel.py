@@ -422,7 +422,8 @@ def test_on_a_tainted_microbatch_only_outputs_with_no_relation_to_their_input_co
 def test_the_white_box_attacker_cannot_reverse_a_tensor_once_align_is_measured_nor_shrink_it_once_scale_is():
     """The adaptive attacker (largest step towards -x the verifier accepts) against a residual stage: the sign-blind
     distances accept the full negation; with ``align`` whatever it gets accepted still points along x, but may be
-    shrunk to about 0.4 of it; with ``scale`` as well, no further than about 0.7."""
+    shrunk to about 0.4 of it; with ``scale`` as well, no further than about 0.7 (at first: see the test after
+    next)."""
     from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
 
     gen = torch.Generator().manual_seed(14)
@@ -996,3 +997,32 @@ def test_an_honest_stage_fed_an_odd_input_keeps_sharing_its_flags_with_the_upstr
             framed.append(hop(("f", j), f"h{j}", 2, x, block(x), upstream={1: "liar"}))
         assert all(v.flagged and v.suspects == (v.worker, "liar") for v in framed), shift
         assert verifier.convicted() == {"liar"}
+
+
+def test_the_white_box_attackers_accepted_shrink_stays_bounded_when_three_of_eight_senders_ride_the_fence():
+    """Session 19, 37.5% `adaptive`: the attackers' accepted scale c fell from 0.7 to 0.11 within 12 attacked
+    iterations: ``scale`` compares a tensor with the link's EMA, which learns the accepted shrunk tensors, and 3 of 8
+    senders hold more than the 25% of the window a Tukey fence withstands, so the fence dropped each time the window
+    turned over: the damage grew with the run (here: c at the bisection's floor, 0.107, by the end). The gain
+    option (output spread over input spread, anchored on what the verifiers delivered, under a median fence) does
+    not follow them: c stays near its first accepted value."""
+    from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
+
+    lowest = {}
+    for gain in (False, True):
+        gen = torch.Generator().manual_seed(21)
+        weight = torch.randn(16, 16, generator=gen) / 4
+        verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, gain=gain))
+        attack = make_link_attack("adaptive", steps=8)
+        scales = []
+        for i in range(224):
+            x = _center() + torch.randn(4, 32, 16, generator=gen)
+            out = x + torch.tanh(x @ weight)
+            verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+            if i >= 40 and i % 8 < 3:  # three of eight senders from microbatch 40 on
+                probe = lambda t, i=i: verifier.would_accept(1, FORWARD, t, i)  # noqa: E731
+                honest, out = out, attack.relay(LinkView("activation", i, i, out, probe)).tensor
+                scales.append(float((out * honest).sum() / (honest * honest).sum()))
+            verifier.check_forward(1, f"r{i % 8}", i, out)
+        lowest[gain] = min(scales[-12:])
+    assert lowest[False] < 0.2 and lowest[True] > 0.6

@@ -48,6 +48,16 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   damaging the model flagged 35 honest gradients and convicted 3 honest relays.
   Measured on activations only, it let the attackers' shrunk gradients
   through (37.5%: fewer attackers banned, one honest relay banned).
+* **Gain** (option `gain`, off; not a voting distance; on links whose output follows its input,
+  ``align`` fence above 0.2): log of the spread of the output's centred
+  token sketch over that of the input the verifiers delivered to its stage,
+  flagged below a median fence of the link's accepted gains. ``scale``'s
+  reference is the link's EMA, which learns accepted shrunk tensors, so at
+  37.5% (above a Tukey fence's 25% breakdown) the white-box attacker's
+  accepted shrink grew with the run (c = 0.11 after 12 iterations); the
+  gain is anchored on what the verifiers delivered, an honest residual stage
+  fed a shrunk input has a larger gain, not a smaller one, and the median
+  fence stays bounded against fewer than half of the window.
 * **Staleness: ``bind``.** The distances above compare a tensor with the
   link's history, so a replayed tensor (delay: an honest tensor of another
   microbatch, sent many steps earlier) passes them all. ``bind`` ties a
@@ -122,6 +132,12 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   and ``bind`` are undefined or blind there, and no delivered input makes a
   residual stage cancel itself (37.5% `zeros`: an honest relay upstream of
   two attackers was banned with them).
+  A flag on a tensor whose stage added a mean (output mean minus input mean,
+  fenced against the link's history) or shrank it (gain) to a usual input
+  (its mean and spread inside Tukey's inner fences), with ``align`` and
+  ``bind`` as usual, is the sender's alone too, in `strike_window` only: a
+  pre-norm residual stage's correction ignores a shift of its whole input
+  (37.5% `bias`: an honest relay upstream of two attackers was banned).
   The other way round, an ``align`` between `align_floor` and its fence (a
   large correction) flags no tensor and is a strike against the upstream
   workers alone. A gradient the flagged worker computed from a substitute
@@ -214,6 +230,7 @@ class SentinelConfig:
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
     remembered: int = 4096  # microbatches whose first verdicts are kept for resends (oldest dropped first)
+    gain: bool = False  # flag outputs whose gain over their input lies below the link's median fence (off: see `_shrinks`)
 
     def __post_init__(self) -> None:
         for key in ("beta_h", "beta_g"):
@@ -495,6 +512,11 @@ def _mean_row(sketch: Tensor) -> Tensor:
     return sketch[-1]
 
 
+def _log_spread(tokens: Tensor) -> Tensor:
+    """log of the norm of a token sketch centred over its tokens."""
+    return (tokens - tokens.mean(dim=0, keepdim=True)).norm().clamp_min(1e-30).log()
+
+
 def _digest(tensor: Tensor) -> bytes | None:
     """What identifies a resent tensor: a hash of its shape, dtype and bytes (None: not a tensor)."""
     if not isinstance(tensor, Tensor):
@@ -564,6 +586,7 @@ class _Track:
         self.given = _MeanTrack(window)  # the mean of what the verifiers delivered to the sender's stage
         self.given_spread = _MeanTrack(window)  # the log spread of its centred token sketch
         self.correction = _MeanTrack(window)  # the sender's output mean minus that input mean
+        self.gains: deque[float] = deque(maxlen=window)  # log spread of the output's token sketch over its input's
 
 
 class Sentinel:
@@ -755,7 +778,9 @@ class Sentinel:
         if fences is None or track is None or not self._well_formed(track, tensor):
             return None if fences is None else tuple(self._names)
         summary = summarize(tensor, track.proj, self.config.quantiles)
-        return self._outside(track, self._distances(track, link, direction, microbatch, tensor, summary))
+        dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        shrinks = self._shrinks(track, dist, self._means(link, direction, microbatch, tensor))
+        return self._outside(track, dist) + (("gain",) if shrinks else ())
 
     def would_accept(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> bool:
         """Whether `tensor` would pass the vote right now (no state change; True while warming up)."""
@@ -766,6 +791,8 @@ class Sentinel:
             return False
         summary = summarize(tensor, track.proj, self.config.quantiles)
         dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        if self._shrinks(track, dist, self._means(link, direction, microbatch, tensor)):
+            return False
         return not vote(len(self._outside(track, dist)), self._voters(track, dist), self.config.vote)
 
     # -- internals ---------------------------------------------------------
@@ -843,8 +870,9 @@ class Sentinel:
                 self._accept(track, direction, summary, dist, means)
                 self._remember(track, link, direction, worker, microbatch, dist, ())
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
-        outside = self._outside(track, dist)
-        flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
+        outside = self._outside(track, dist) + (("gain",) if self._shrinks(track, dist, means) else ())
+        # the gain is not one of the voting distances: below its fence it flags on its own
+        flagged = "gain" in outside or vote(len(outside), self._voters(track, dist), self.config.vote)
         own = flagged and (self._disowns_input(track, dist)
                            or self._shrunk_to_nothing(track, link, direction, microbatch, tensor))
         # the sender's alone too, but remembered as long as any flag, and still a flag a move of the stage explains
@@ -1026,22 +1054,25 @@ class Sentinel:
             track.given.learn(means[0], beta)
             track.given_spread.learn(means[2], beta)
             track.correction.learn(means[1], beta)
+            track.gains.append(means[3])
 
     def _means(self, link: int, direction: str, microbatch: Hashable,
-               tensor: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+               tensor: Tensor) -> tuple[Tensor, Tensor, Tensor, float] | None:
         """(the projected mean of what the verifiers delivered to the sender's stage for this microbatch, the
-        sender's output mean minus it, both on the bind directions, and the log spread of that input's centred
-        token sketch); None without a recorded input."""
+        sender's output mean minus it, both on the bind directions, the log spread of that input's centred
+        token sketch, and the log gain: the output's spread minus it); None without a recorded input."""
         given = self._given(link, direction, microbatch) if self.binds else None
         if given is None or given.dim() != 2 or given.shape[0] < 3 or given.shape[1] != self.config.bind_projections:
             return None
-        tokens = _tokens(given)
-        spread = (tokens - tokens.mean(dim=0, keepdim=True)).norm().clamp_min(1e-30).log()
-        out = tensor.detach().float().reshape(-1, tensor.shape[-1]).mean(dim=0) @ self._projection(tensor.shape[-1])
-        return _mean_row(given), out - _mean_row(given), spread.reshape(1)
+        spread = _log_spread(_tokens(given))
+        out = self.sketch(tensor)
+        if out.shape != given.shape:
+            return None
+        gain = (_log_spread(_tokens(out)) - spread).item()
+        return _mean_row(given), _mean_row(out) - _mean_row(given), spread.reshape(1), gain
 
     def _adds_its_own_mean(self, track: _Track, dist: dict[str, float],
-                           means: tuple[Tensor, Tensor, Tensor] | None) -> bool:
+                           means: tuple[Tensor, Tensor, Tensor, float] | None) -> bool:
         """Whether a flagged tensor's stage added a mean of its own to a usual input: the correction (output mean
         minus the mean of what the verifiers delivered to the stage, per feature) lies above its fence while that
         input's mean lies inside its own, and the output otherwise follows the input as usual (``align`` not
@@ -1065,8 +1096,33 @@ class Sentinel:
         # a usual input: its mean and its spread inside Tukey's inner fences (k = 1.5) of the inputs the stage got
         usual_input = all(part.distance(value) <= tukey_fence(list(part.window), 1.5).high
                           for part, value in ((track.given, means[0]), (track.given_spread, means[2])))
-        odd = track.correction.distance(means[1]) > tukey_fence(list(track.correction.window), self.config.k).high
+        odd = (track.correction.distance(means[1]) > tukey_fence(list(track.correction.window), self.config.k).high
+               or self._shrinks(track, dist, means))
         return usual_input and odd
+
+    def _shrinks(self, track: _Track, dist: dict[str, float], means: tuple[Tensor, Tensor, Tensor, float] | None) -> bool:
+        """Whether the sender's output is smaller against its own input than the stage's outputs are: its log gain
+        (the spread of its centred token sketch over that of what the verifiers delivered to its stage) lies below
+        the median fence of the gains of the link's accepted tensors, on a link whose output follows its input.
+
+        `scale` compares a tensor with the link's EMA, which learns the accepted tensors: at 37.5% the white-box
+        attackers' shrunk tensors (and the honest ones a residual stage carries on from them) drag it down, so the
+        accepted shrink grows with the run (session 19: c = 0.11 by iteration 37). The gain is anchored on the
+        input the verifiers delivered, which relays cannot feed: an honest residual stage fed c x passes a gain
+        at least its usual one (its correction is not shrunk), so only the attackers' own values sit at the low
+        edge, and against fewer than half of the window a median fence stays bounded (`median_fence`).
+
+        Off by default (`SentinelConfig.gain`), measured (37.5%, seed 0, white-box `adaptive`, docs/notes/issue-16.md,
+        session 21): it holds the accepted shrink (toy stage: c >= 0.64 for 184 microbatches, 0.107 without), and
+        the 40-iteration gap falls from +1.84% to +0.75%, but over 120 iterations that run collapsed at iteration
+        62 (a move of the head's gradients shared upstream: five honest relays banned, +19.6%; without it +4.31%,
+        two honest relays banned)."""
+        if not self.config.gain or means is None or len(track.gains) < 4 or "align" not in dist or len(
+                track.windows["align"]) < 4:
+            return False
+        if self._fence(track, "align").low < OWN_ALIGN_BASELINE:
+            return False
+        return means[3] < median_fence(list(track.gains), self.config.k, self.config.min_spread).low
 
     def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
                    summary: Summary) -> dict[str, float]:
