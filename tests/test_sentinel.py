@@ -1026,3 +1026,68 @@ def test_the_white_box_attackers_accepted_shrink_stays_bounded_when_three_of_eig
             verifier.check_forward(1, f"r{i % 8}", i, out)
         lowest[gain] = min(scales[-12:])
     assert lowest[False] < 0.2 and lowest[True] > 0.6
+
+
+def _null_directions(verifier: Sentinel, features: int = 16) -> torch.Tensor:
+    """Unit vectors orthogonal to every bind direction (a mean along them does not move the bind sketch)."""
+    _, _, vh = torch.linalg.svd(verifier._projection(features).T)
+    return vh[verifier.config.bind_projections:]
+
+
+@pytest.mark.parametrize("hidden", ["null-space bias", "noise under the align fence"])
+def test_a_liar_cannot_hide_its_added_mean_from_the_rule(hidden):
+    """Review RC (session 21), the recorded case of the rule above with the bias hidden from it. (1) HIGH 1: the
+    mean was kept on the bind directions alone, so a bias in their null space (half the features on the GPT)
+    did not move the correction; now the full per-feature mean is recorded. (2) HIGH 2: the rule stood down when
+    the output's ``align`` fell below its fence, which the sender controls: noise of the output's size opted it
+    out; now only the input decides. Before either fix every flag was shared and the honest "up" convicted."""
+    gen, block, verifier, hop = _prenorm_setup(46)
+    verdicts = []
+    for mb, liar in (("m0", "a"), ("m1", "b"), ("m2", "a")):
+        x = torch.randn(2, 32, 16, generator=gen)
+        assert not hop(mb, "up", 1, x, block(x)).flagged
+        out = block(block(x))
+        if hidden == "null-space bias":
+            out = out + 4.0 * _null_directions(verifier)[1]
+        else:
+            out = out + out.abs().mean() + torch.randn(out.shape, generator=gen) * out.std()
+        verdicts.append(hop(mb, liar, 2, block(x), out, upstream={1: "up"}))
+    assert all(v.flagged and v.suspects == (v.worker,) for v in verdicts)
+    assert "up" not in verifier.convicted()
+
+
+def test_an_upstream_shift_the_bind_directions_cannot_see_is_not_the_honest_stages_own():
+    """Review RC (session 21), MED 3: a stage-1 liar shifts its activations' mean along a null direction of the
+    bind directions, inside link 1's fences most of the time; an honest pre-norm stage does not undo a per-feature
+    shift, so its outputs are flagged at link 2. With the input's mean on the bind directions alone the gate saw
+    a usual input and made each flag the honest replica's own (measured: all three replicas convicted, never the
+    liar); on the full mean the input is odd, the flags are shared and the liar is convicted."""
+    gen, block, verifier, hop = _prenorm_setup(47)
+    shift = 3.2 * _null_directions(verifier)[1]
+    for j in range(12):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(("f", j), "liar", 1, x, block(x) + shift)
+        down = hop(("f", j), f"h{j % 3}", 2, block(x) + shift, block(block(x) + shift), upstream={1: "liar"})
+        assert down.suspects != (down.worker,)
+    assert verifier.convicted() == {"liar"}
+
+
+def test_a_gradient_flag_is_not_made_the_senders_own_by_the_mean_rule():
+    """Review RC (session 21), LOW 6: the rule above is argued on activations (a pre-norm stage ignores a shift of
+    its input), and a backward flag's shares belong to the forward upstream, whose input its gate does not see;
+    so a biased gradient's flag stays shared with the upstream sender, as before the rule (on hC: the sender's)."""
+    gen = torch.Generator().manual_seed(46)
+    weight = torch.randn(16, 16, generator=gen) / 2
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=24, window=24, bind_projections=8))
+
+    def hop(mb, sender, gradient, upstream):
+        verifier.record_input(mb, 2, BACKWARD, verifier.sketch(gradient))
+        out = block(gradient)
+        return verifier.check_backward(1, sender, mb, out if upstream[1] != "up" else out + out.abs().mean(),
+                                       upstream=upstream)
+
+    for i in range(30):
+        hop(i, f"s2r{i % 4}", torch.randn(2, 32, 16, generator=gen), {1: f"s1r{i % 4}", 2: f"s2r{i % 4}"})
+    verdicts = [hop(mb, "a", torch.randn(2, 32, 16, generator=gen), {1: "up", 2: "a"}) for mb in ("m0", "m1")]
+    assert all(v.flagged and v.suspects == ("a", "up") for v in verdicts)

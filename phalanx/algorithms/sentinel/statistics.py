@@ -132,12 +132,13 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   and ``bind`` are undefined or blind there, and no delivered input makes a
   residual stage cancel itself (37.5% `zeros`: an honest relay upstream of
   two attackers was banned with them).
-  A flag on a tensor whose stage added a mean (output mean minus input mean,
-  fenced against the link's history) or shrank it (gain) to a usual input
-  (its mean and spread inside Tukey's inner fences), with ``align`` and
-  ``bind`` as usual, is the sender's alone too, in `strike_window` only: a
-  pre-norm residual stage's correction ignores a shift of its whole input
-  (37.5% `bias`: an honest relay upstream of two attackers was banned).
+  A flag on an activation whose stage added a mean (output mean minus input
+  mean on every feature, fenced against the link's history) or shrank it
+  (gain) to a usual input (its mean and spread inside Tukey's inner fences,
+  not seen shrunk upstream; decided from the input alone, never from the
+  output the sender controls) is the sender's alone too, in `strike_window`
+  only: a pre-norm residual stage's correction ignores a shift of its whole
+  input (37.5% `bias`: an honest relay upstream of two attackers was banned).
   The other way round, an ``align`` between `align_floor` and its fence (a
   large correction) flags no tensor and is a strike against the upstream
   workers alone. A gradient the flagged worker computed from a substitute
@@ -502,14 +503,29 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
     return a is b or (a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b)))
 
 
+def _split(sketch: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The token rows of a `Sentinel.sketch` (what ``bind`` and ``align`` compare) and the tensor's full
+    per-feature mean; None when the sketch is not laid out as `Sentinel.sketch` lays it out."""
+    if sketch.dim() != 2 or sketch.shape[0] < 2 or sketch.shape[1] < 1:
+        return None
+    features = float(sketch[-1, 0])
+    if not features.is_integer() or features < 1 or bool(sketch[-1, 1:].any()):
+        return None
+    features = int(features)
+    rows = -(-features // sketch.shape[1])
+    if sketch.shape[0] < rows + 2:  # at least one token row
+        return None
+    return sketch[:-rows - 1], sketch[-rows - 1:-1].reshape(-1)[:features]
+
+
 def _tokens(sketch: Tensor) -> Tensor:
-    """The token rows of a `Sentinel.sketch` (what ``bind`` and ``align`` compare)."""
-    return sketch[:-1]
+    """The token rows of a well-formed `Sentinel.sketch` (`record_input` keeps no other)."""
+    return _split(sketch)[0]
 
 
-def _mean_row(sketch: Tensor) -> Tensor:
-    """The projected per-feature mean of a `Sentinel.sketch`."""
-    return sketch[-1]
+def _mean(sketch: Tensor) -> Tensor:
+    """The full per-feature mean of a well-formed `Sentinel.sketch`."""
+    return _split(sketch)[1]
 
 
 def _log_spread(tokens: Tensor) -> Tensor:
@@ -710,11 +726,18 @@ class Sentinel:
 
     def sketch(self, tensor: Tensor) -> Tensor:
         """The bind sketch of a tensor (directions seeded by the run and the feature count, shared by every link),
-        with one more row: the tensor's per-feature mean projected on the same directions (for the stage's
-        correction, `_adds_its_own_mean`). `_tokens` and `_mean_row` take it apart."""
-        proj = self._projection(tensor.shape[-1])
-        mean = tensor.detach().float().reshape(-1, tensor.shape[-1]).mean(dim=0) @ proj
-        return torch.cat([bind_sketch(tensor, proj), mean[None]])
+        then the tensor's full per-feature mean (C floats, zero-padded to ceil(C / bind_projections) rows; for the
+        stage's correction, `_adds_its_own_mean`: on the bind directions alone a bias in their null space, half the
+        features on the GPT, would not move it; review RC, session 21) and a last row that holds C. `_split` takes
+        it apart."""
+        features = tensor.shape[-1]
+        proj = self._projection(features)
+        width = proj.shape[1]
+        rows = -(-features // width)
+        mean = torch.zeros(rows * width + width)
+        mean[:features] = tensor.detach().float().reshape(-1, features).mean(dim=0)
+        mean[rows * width] = features
+        return torch.cat([bind_sketch(tensor, proj), mean.reshape(rows + 1, width)])
 
     def _projection(self, features: int) -> Tensor:
         if features not in self._bind_proj:
@@ -724,8 +747,10 @@ class Sentinel:
     def record_input(self, microbatch: Hashable, stage: int, direction: str, sketch: Tensor) -> None:
         """What was delivered to `stage` for `microbatch` in `direction` (its forward input, or the gradient of
         its output); the stage's own output in that direction is then bound to it. A boundary verifier
-        records what it delivers and passes the sketch to the verifier of the stage's outgoing link."""
-        self._inputs.setdefault(microbatch, {})[(stage, direction)] = sketch
+        records what it delivers and passes the sketch to the verifier of the stage's outgoing link. A sketch not
+        laid out as `sketch` lays it out is not kept."""
+        if _split(sketch) is not None:
+            self._inputs.setdefault(microbatch, {})[(stage, direction)] = sketch
 
     def mark_tainted(self, microbatch: Hashable, link: int, worker: str) -> None:
         """Another verifier flagged `worker`'s activation of `microbatch` on `link` (as `check_forward` would here)."""
@@ -876,7 +901,7 @@ class Sentinel:
         own = flagged and (self._disowns_input(track, dist)
                            or self._shrunk_to_nothing(track, link, direction, microbatch, tensor))
         # the sender's alone too, but remembered as long as any flag, and still a flag a move of the stage explains
-        adds_own_mean = flagged and not own and self._adds_its_own_mean(track, dist, means)
+        adds_own_mean = flagged and not own and self._adds_its_own_mean(track, link, direction, microbatch, dist, means)
         if learn:
             flags = outside if flagged and not own else ()
             judged = self._remember(track, link, direction, worker, microbatch, dist, flags)
@@ -1058,25 +1083,26 @@ class Sentinel:
 
     def _means(self, link: int, direction: str, microbatch: Hashable,
                tensor: Tensor) -> tuple[Tensor, Tensor, Tensor, float] | None:
-        """(the projected mean of what the verifiers delivered to the sender's stage for this microbatch, the
-        sender's output mean minus it, both on the bind directions, the log spread of that input's centred
-        token sketch, and the log gain: the output's spread minus it); None without a recorded input."""
+        """(the full per-feature mean of what the verifiers delivered to the sender's stage for this microbatch,
+        the sender's output mean minus it, the log spread of that input's centred token sketch, and the log gain:
+        the output's spread minus it); None without a recorded input, or where the stage changes the feature
+        count (the head: its output mean and its input mean are not in one space)."""
         given = self._given(link, direction, microbatch) if self.binds else None
-        if given is None or given.dim() != 2 or given.shape[0] < 3 or given.shape[1] != self.config.bind_projections:
+        if given is None:
             return None
-        spread = _log_spread(_tokens(given))
-        out = self.sketch(tensor)
-        if out.shape != given.shape:
+        (tokens, mean), (out_tokens, out_mean) = _split(given), _split(self.sketch(tensor))
+        if tokens.shape[0] < 2 or out_tokens.shape != tokens.shape or out_mean.shape != mean.shape:
             return None
-        gain = (_log_spread(_tokens(out)) - spread).item()
-        return _mean_row(given), _mean_row(out) - _mean_row(given), spread.reshape(1), gain
+        spread = _log_spread(tokens)
+        gain = (_log_spread(out_tokens) - spread).item()
+        return mean, out_mean - mean, spread.reshape(1), gain
 
-    def _adds_its_own_mean(self, track: _Track, dist: dict[str, float],
-                           means: tuple[Tensor, Tensor, Tensor, float] | None) -> bool:
-        """Whether a flagged tensor's stage added a mean of its own to a usual input: the correction (output mean
-        minus the mean of what the verifiers delivered to the stage, per feature) lies above its fence while that
-        input's mean lies inside its own, and the output otherwise follows the input as usual (``align`` not
-        below its fence, ``bind`` not above it), on a link whose output follows its input (residual stages).
+    def _adds_its_own_mean(self, track: _Track, link: int, direction: str, microbatch: Hashable,
+                           dist: dict[str, float], means: tuple[Tensor, Tensor, Tensor, float] | None) -> bool:
+        """Whether a flagged activation's stage added a mean of its own to a usual input: the correction (output
+        mean minus the mean of what the verifiers delivered to the stage, on every feature) lies above its fence
+        while that input's mean and spread lie inside their own, on a link whose output follows its input
+        (residual stages).
 
         A pre-norm residual stage answers x + f(LayerNorm(x)): a shift of every feature of its input by one
         constant passes through unchanged and leaves its correction f exactly as it was, so an honest stage fed
@@ -1084,15 +1110,19 @@ class Sentinel:
         adds a bias is. Measured: 37.5% seed 1 `bias`, the honest stage-1 relay that fed two stage-2 attackers
         took a share of each one's biased outputs (`sign, swd`) and was banned at its third, before either.
         Such a flag is held against the sender alone (`strikes` in `strike_window`; not the longer
-        `own_window`, since an input this stage rarely gets can also move its correction)."""
-        if means is None or len(track.correction.window) < 4:
+        `own_window`, since an input this stage rarely gets can also move its correction).
+
+        Decided from the input alone (review RC, session 21): the sender controls its output's ``align`` and
+        ``bind``, so a guard on them let a biased liar opt out with noise that took ``align`` just under its
+        fence; an input seen shrunk at link - 1 (the honest reason for a large correction) turns the rule off.
+        Activations only: "a pre-norm stage ignores a shift of its input" is about activations, and a backward
+        flag's shares belong to the forward upstream, whose input this gate does not see."""
+        if direction != FORWARD or means is None or len(track.correction.window) < 4:
             return False
-        fenced = lambda n: n in dist and len(track.windows[n]) >= 4  # noqa: E731
-        if not fenced("align") or self._fence(track, "align").low < OWN_ALIGN_BASELINE:
+        if len(track.windows.get("align", ())) < 4 or self._fence(track, "align").low < OWN_ALIGN_BASELINE:
             return False
-        if dist["align"] < self._fence(track, "align").low or (
-                fenced("bind") and dist["bind"] > self._fence(track, "bind").high):
-            return False  # a large correction, or one loosely bound to the input: an odd input may explain it
+        if self._scales.get(microbatch, {}).get(link - 1, 0.0) < SHRUNK_INPUT:
+            return False
         # a usual input: its mean and its spread inside Tukey's inner fences (k = 1.5) of the inputs the stage got
         usual_input = all(part.distance(value) <= tukey_fence(list(part.window), 1.5).high
                           for part, value in ((track.given, means[0]), (track.given_spread, means[2])))
@@ -1175,7 +1205,7 @@ class Sentinel:
         if len(track.windows.get("align", ())) < 4 or self._fence(track, "align").low < OWN_ALIGN_BASELINE:
             return False
         inp = self._given(link, direction, microbatch)
-        if inp is None or inp.shape[0] < 3:
+        if inp is None or _tokens(inp).shape[0] < 2:
             return False
         return _spread_ratio(_tokens(inp), _tokens(self.sketch(tensor))) <= SHRUNK_RATIO
 
