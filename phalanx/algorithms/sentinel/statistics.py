@@ -804,7 +804,7 @@ class Sentinel:
             return None if fences is None else tuple(self._names)
         summary = summarize(tensor, track.proj, self.config.quantiles)
         dist = self._distances(track, link, direction, microbatch, tensor, summary)
-        shrinks = self._shrinks(track, dist, self._means(link, direction, microbatch, tensor))
+        shrinks = self.config.gain and self._shrinks(track, dist, self._means(link, direction, microbatch, tensor))
         return self._outside(track, dist) + (("gain",) if shrinks else ())
 
     def would_accept(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> bool:
@@ -816,7 +816,7 @@ class Sentinel:
             return False
         summary = summarize(tensor, track.proj, self.config.quantiles)
         dist = self._distances(track, link, direction, microbatch, tensor, summary)
-        if self._shrinks(track, dist, self._means(link, direction, microbatch, tensor)):
+        if self.config.gain and self._shrinks(track, dist, self._means(link, direction, microbatch, tensor)):
             return False
         return not vote(len(self._outside(track, dist)), self._voters(track, dist), self.config.vote)
 
