@@ -422,7 +422,8 @@ def test_on_a_tainted_microbatch_only_outputs_with_no_relation_to_their_input_co
 def test_the_white_box_attacker_cannot_reverse_a_tensor_once_align_is_measured_nor_shrink_it_once_scale_is():
     """The adaptive attacker (largest step towards -x the verifier accepts) against a residual stage: the sign-blind
     distances accept the full negation; with ``align`` whatever it gets accepted still points along x, but may be
-    shrunk to about 0.4 of it; with ``scale`` as well, no further than about 0.7."""
+    shrunk to about 0.4 of it; with ``scale`` as well, no further than about 0.7 (at first: see the test after
+    next)."""
     from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
 
     gen = torch.Generator().manual_seed(14)
@@ -450,7 +451,8 @@ def test_an_output_reversed_against_its_own_input_is_held_against_its_sender_alo
     """37.5% malicious, `budget`: an honest stage-1 relay forwarded to several stage-2 attackers, and each reversed
     output was also held against it, so it reached the strike rule (3 shares) before any attacker (at most 2 each):
     an honest relay banned. A tensor reversed against the input its stage was given is the sender's own doing;
-    a flag on a distance that the input can explain (here ``scale``) is still shared with the upstream sender."""
+    a flag on a distance that the input can explain (here ``scale``, the input grown) is still shared with the
+    upstream sender."""
     gen = torch.Generator().manual_seed(16)
     weight = torch.randn(16, 16, generator=gen) / 4
     block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
@@ -472,9 +474,9 @@ def test_an_output_reversed_against_its_own_input_is_held_against_its_sender_alo
         reversed_.append(hop(mb, attacker, 2, block(x), -block(block(x))))
     assert verifier.convicted() == frozenset() and verifier.banned() == frozenset()
     assert all(v.flagged and "align" in v.outside and v.suspects == (v.worker,) for v in reversed_)
-    x = torch.randn(2, 32, 16, generator=gen)
-    assert not hop("m3", "up2", 1, x, block(x)).flagged
-    grown = hop("m3", "c", 2, block(x), 5 * block(block(x)))  # aligned with its input, too large
+    grown_in = 5 * block(torch.randn(2, 32, 16, generator=gen))  # delivered from "up2" (as if it passed link 1)
+    verifier.record_input("m3", 2, FORWARD, verifier.sketch(grown_in))
+    grown = verifier.check_forward(2, "c", "m3", block(grown_in), upstream={1: "up2"})  # aligned, too large
     assert grown.flagged and grown.outside == ("scale",) and grown.suspects == ("c", "up2")
 
 
@@ -931,3 +933,161 @@ def test_a_move_forgives_this_tracks_strikes_only():
         for mb in (base, base + 1):
             assert verifier.check_forward(1, worker, mb, torch.zeros(4, 8, 64)).flagged
     assert verifier.banned() == {"r0"}
+
+
+def _prenorm_setup(seed: int):
+    """A link-1 and a link-2 verifier's view of two pre-norm residual stages (x + tanh(LayerNorm(x) W)), warmed up
+    on four honest replicas per stage, and a `hop` that delivers a stage's input and judges its output."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(16, 16, generator=gen) / 2
+    norm = lambda t: (t - t.mean(-1, keepdim=True)) / t.std(-1, keepdim=True)  # noqa: E731
+    block = lambda t: t + torch.tanh(norm(t) @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=24, window=24, bind_projections=8))
+
+    def hop(mb, sender, link, inp, out, upstream=None):
+        verifier.record_input(mb, link, FORWARD, verifier.sketch(inp))
+        return verifier.check_forward(link, sender, mb, out, upstream=upstream)
+
+    for i in range(30):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(i, f"s1r{i % 4}", 1, x, block(x))
+        hop(i, f"s2r{i % 4}", 2, block(x), block(block(x)), upstream={1: f"s1r{i % 4}"})
+    return gen, block, verifier, hop
+
+
+def test_a_bias_the_sender_added_to_a_usual_input_is_its_own_flag():
+    """Recorded (37.5% seed 1, `bias`): the honest stage-1 relay 9a2ad0 fed two stage-2 attackers, whose outputs
+    (x + mean|x|) were flagged on `sign, swd` and shared with it: three shares within two iterations, banned before
+    either attacker. A pre-norm stage's correction (output mean minus input mean) ignores a shift of its whole
+    input, so a correction above its fence on a usual input is the stage's own: held against the sender alone."""
+    gen, block, verifier, hop = _prenorm_setup(46)
+    biased = []
+    for mb, liar in (("m0", "a"), ("m1", "b"), ("m2", "a"), ("m3", "b")):
+        x = torch.randn(2, 32, 16, generator=gen)
+        assert not hop(mb, "up", 1, x, block(x)).flagged
+        out = block(block(x))
+        biased.append(hop(mb, liar, 2, block(x), out + out.abs().mean(), upstream={1: "up"}))
+    assert all(v.flagged and v.suspects == (v.worker,) for v in biased)
+    assert verifier.convicted() == frozenset()  # a and b have 2 strikes each, "up" none
+    x = torch.randn(2, 32, 16, generator=gen)
+    hop("m4", "up", 1, x, block(x))
+    out = block(block(x))
+    assert hop("m4", "a", 2, block(x), out + out.abs().mean(), upstream={1: "up"}).bans == ("a",)
+
+
+def test_an_honest_stage_fed_an_odd_input_keeps_sharing_its_flags_with_the_upstream_sender():
+    """The adversary that knows the rule above sits upstream: it wants an honest stage's flags to be that stage's
+    alone (no share for itself, no way for its conviction to clear the honest stage). (1) A shift of every feature
+    of the input passes through a pre-norm stage and leaves its correction as it was: the output is flagged but
+    the flag stays shared. (2) A per-feature shift (one LayerNorm does not undo) moves the honest correction too,
+    but the input's mean is then far from the stage's usual input, so the rule does not apply. (3) Shrunk about
+    its own mean (x 0.25; the white-box attacker's move): the mean is usual and the honest correction leaves its
+    fence while ``align`` stays inside, but the input's spread is far from usual: the rule does not apply. Each
+    time the liar, which fed three honest replicas, collects a share of each one's flag and is convicted, which
+    clears them. Without the input guards each flag in (2) and (3) is the replica's alone and the liar is never
+    struck; in (1), when the correction is taken as the output mean alone and the guards are off."""
+    for shift in ("uniform", "per-feature", "shrunk"):
+        gen, block, verifier, hop = _prenorm_setup(47)
+        offset = {"uniform": torch.full((16,), 1.5), "per-feature": 1.5 * torch.linspace(-1.0, 1.0, 16)}.get(shift, 0.0)
+        framed = []
+        for j in range(3):
+            x = block(torch.randn(2, 32, 16, generator=gen)) + offset  # the liar's
+            if shift == "shrunk":  # about its own mean, which stays as usual
+                x = x.mean((0, 1)) + 0.25 * (x - x.mean((0, 1)))
+            framed.append(hop(("f", j), f"h{j}", 2, x, block(x), upstream={1: "liar"}))
+        assert all(v.flagged and v.suspects == (v.worker, "liar") for v in framed), shift
+        assert verifier.convicted() == {"liar"}
+
+
+def test_the_white_box_attackers_accepted_shrink_stays_bounded_when_three_of_eight_senders_ride_the_fence():
+    """Session 19, 37.5% `adaptive`: the attackers' accepted scale c fell from 0.7 to 0.11 within 12 attacked
+    iterations: ``scale`` compares a tensor with the link's EMA, which learns the accepted shrunk tensors, and 3 of 8
+    senders hold more than the 25% of the window a Tukey fence withstands, so the fence dropped each time the window
+    turned over: the damage grew with the run (here: c at the bisection's floor, 0.107, by the end). The gain
+    option (output spread over input spread, anchored on what the verifiers delivered, under a median fence) does
+    not follow them: c stays near its first accepted value."""
+    from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
+
+    lowest = {}
+    for gain in (False, True):
+        gen = torch.Generator().manual_seed(21)
+        weight = torch.randn(16, 16, generator=gen) / 4
+        verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, gain=gain))
+        attack = make_link_attack("adaptive", steps=8)
+        scales = []
+        for i in range(224):
+            x = _center() + torch.randn(4, 32, 16, generator=gen)
+            out = x + torch.tanh(x @ weight)
+            verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+            if i >= 40 and i % 8 < 3:  # three of eight senders from microbatch 40 on
+                probe = lambda t, i=i: verifier.would_accept(1, FORWARD, t, i)  # noqa: E731
+                honest, out = out, attack.relay(LinkView("activation", i, i, out, probe)).tensor
+                scales.append(float((out * honest).sum() / (honest * honest).sum()))
+            verifier.check_forward(1, f"r{i % 8}", i, out)
+        lowest[gain] = min(scales[-12:])
+    assert lowest[False] < 0.2 and lowest[True] > 0.6
+
+
+def _null_directions(verifier: Sentinel, features: int = 16) -> torch.Tensor:
+    """Unit vectors orthogonal to every bind direction (a mean along them does not move the bind sketch)."""
+    _, _, vh = torch.linalg.svd(verifier._projection(features).T)
+    return vh[verifier.config.bind_projections:]
+
+
+@pytest.mark.parametrize("hidden", ["null-space bias", "noise under the align fence"])
+def test_a_liar_cannot_hide_its_added_mean_from_the_rule(hidden):
+    """Review RC (session 21), the recorded case of the rule above with the bias hidden from it. (1) HIGH 1: the
+    mean was kept on the bind directions alone, so a bias in their null space (half the features on the GPT)
+    did not move the correction; now the full per-feature mean is recorded. (2) HIGH 2: the rule stood down when
+    the output's ``align`` fell below its fence, which the sender controls: noise of the output's size opted it
+    out; now only the input decides. Before either fix every flag was shared and the honest "up" convicted."""
+    gen, block, verifier, hop = _prenorm_setup(46)
+    verdicts = []
+    for mb, liar in (("m0", "a"), ("m1", "b"), ("m2", "a")):
+        x = torch.randn(2, 32, 16, generator=gen)
+        assert not hop(mb, "up", 1, x, block(x)).flagged
+        out = block(block(x))
+        if hidden == "null-space bias":
+            out = out + 4.0 * _null_directions(verifier)[1]
+        else:
+            out = out + out.abs().mean() + torch.randn(out.shape, generator=gen) * out.std()
+        verdicts.append(hop(mb, liar, 2, block(x), out, upstream={1: "up"}))
+    assert all(v.flagged and v.suspects == (v.worker,) for v in verdicts)
+    assert "up" not in verifier.convicted()
+
+
+def test_an_upstream_shift_the_bind_directions_cannot_see_is_not_the_honest_stages_own():
+    """Review RC (session 21), MED 3: a stage-1 liar shifts its activations' mean along a null direction of the
+    bind directions, inside link 1's fences most of the time; an honest pre-norm stage does not undo a per-feature
+    shift, so its outputs are flagged at link 2. With the input's mean on the bind directions alone the gate saw
+    a usual input and made each flag the honest replica's own (measured: all three replicas convicted, never the
+    liar); on the full mean the input is odd, the flags are shared and the liar is convicted."""
+    gen, block, verifier, hop = _prenorm_setup(47)
+    shift = 3.2 * _null_directions(verifier)[1]
+    for j in range(12):
+        x = torch.randn(2, 32, 16, generator=gen)
+        hop(("f", j), "liar", 1, x, block(x) + shift)
+        down = hop(("f", j), f"h{j % 3}", 2, block(x) + shift, block(block(x) + shift), upstream={1: "liar"})
+        assert down.suspects != (down.worker,)
+    assert verifier.convicted() == {"liar"}
+
+
+def test_a_gradient_flag_is_not_made_the_senders_own_by_the_mean_rule():
+    """Review RC (session 21), LOW 6: the rule above is argued on activations (a pre-norm stage ignores a shift of
+    its input), and a backward flag's shares belong to the forward upstream, whose input its gate does not see;
+    so a biased gradient's flag stays shared with the upstream sender, as before the rule (on hC: the sender's)."""
+    gen = torch.Generator().manual_seed(46)
+    weight = torch.randn(16, 16, generator=gen) / 2
+    block = lambda t: t + torch.tanh(t @ weight)  # noqa: E731
+    verifier = Sentinel(SentinelConfig(warmup=24, window=24, bind_projections=8))
+
+    def hop(mb, sender, gradient, upstream):
+        verifier.record_input(mb, 2, BACKWARD, verifier.sketch(gradient))
+        out = block(gradient)
+        return verifier.check_backward(1, sender, mb, out if upstream[1] != "up" else out + out.abs().mean(),
+                                       upstream=upstream)
+
+    for i in range(30):
+        hop(i, f"s2r{i % 4}", torch.randn(2, 32, 16, generator=gen), {1: f"s1r{i % 4}", 2: f"s2r{i % 4}"})
+    verdicts = [hop(mb, "a", torch.randn(2, 32, 16, generator=gen), {1: "up", 2: "a"}) for mb in ("m0", "m1")]
+    assert all(v.flagged and v.suspects == ("a", "up") for v in verdicts)

@@ -48,6 +48,16 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   damaging the model flagged 35 honest gradients and convicted 3 honest relays.
   Measured on activations only, it let the attackers' shrunk gradients
   through (37.5%: fewer attackers banned, one honest relay banned).
+* **Gain** (option `gain`, off; not a voting distance; on links whose output follows its input,
+  ``align`` fence above 0.2): log of the spread of the output's centred
+  token sketch over that of the input the verifiers delivered to its stage,
+  flagged below a median fence of the link's accepted gains. ``scale``'s
+  reference is the link's EMA, which learns accepted shrunk tensors, so at
+  37.5% (above a Tukey fence's 25% breakdown) the white-box attacker's
+  accepted shrink grew with the run (c = 0.11 after 12 iterations); the
+  gain is anchored on what the verifiers delivered, an honest residual stage
+  fed a shrunk input has a larger gain, not a smaller one, and the median
+  fence stays bounded against fewer than half of the window.
 * **Staleness: ``bind``.** The distances above compare a tensor with the
   link's history, so a replayed tensor (delay: an honest tensor of another
   microbatch, sent many steps earlier) passes them all. ``bind`` ties a
@@ -122,6 +132,13 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   and ``bind`` are undefined or blind there, and no delivered input makes a
   residual stage cancel itself (37.5% `zeros`: an honest relay upstream of
   two attackers was banned with them).
+  A flag on an activation whose stage added a mean (output mean minus input
+  mean on every feature, fenced against the link's history) or shrank it
+  (gain) to a usual input (its mean and spread inside Tukey's inner fences,
+  not seen shrunk upstream; decided from the input alone, never from the
+  output the sender controls) is the sender's alone too, in `strike_window`
+  only: a pre-norm residual stage's correction ignores a shift of its whole
+  input (37.5% `bias`: an honest relay upstream of two attackers was banned).
   The other way round, an ``align`` between `align_floor` and its fence (a
   large correction) flags no tensor and is a strike against the upstream
   workers alone. A gradient the flagged worker computed from a substitute
@@ -214,6 +231,7 @@ class SentinelConfig:
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
     remembered: int = 4096  # microbatches whose first verdicts are kept for resends (oldest dropped first)
+    gain: bool = False  # flag outputs whose gain over their input lies below the link's median fence (off: see `_shrinks`)
 
     def __post_init__(self) -> None:
         for key in ("beta_h", "beta_g"):
@@ -485,6 +503,36 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
     return a is b or (a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b)))
 
 
+def _split(sketch: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The token rows of a `Sentinel.sketch` (what ``bind`` and ``align`` compare) and the tensor's full
+    per-feature mean; None when the sketch is not laid out as `Sentinel.sketch` lays it out."""
+    if sketch.dim() != 2 or sketch.shape[0] < 2 or sketch.shape[1] < 1:
+        return None
+    features = float(sketch[-1, 0])
+    if not features.is_integer() or features < 1 or bool(sketch[-1, 1:].any()):
+        return None
+    features = int(features)
+    rows = -(-features // sketch.shape[1])
+    if sketch.shape[0] < rows + 2:  # at least one token row
+        return None
+    return sketch[:-rows - 1], sketch[-rows - 1:-1].reshape(-1)[:features]
+
+
+def _tokens(sketch: Tensor) -> Tensor:
+    """The token rows of a well-formed `Sentinel.sketch` (`record_input` keeps no other)."""
+    return _split(sketch)[0]
+
+
+def _mean(sketch: Tensor) -> Tensor:
+    """The full per-feature mean of a well-formed `Sentinel.sketch`."""
+    return _split(sketch)[1]
+
+
+def _log_spread(tokens: Tensor) -> Tensor:
+    """log of the norm of a token sketch centred over its tokens."""
+    return (tokens - tokens.mean(dim=0, keepdim=True)).norm().clamp_min(1e-30).log()
+
+
 def _digest(tensor: Tensor) -> bytes | None:
     """What identifies a resent tensor: a hash of its shape, dtype and bytes (None: not a tensor)."""
     if not isinstance(tensor, Tensor):
@@ -522,6 +570,24 @@ class _First:
     taint: tuple[int, str] | None  # the microbatch's forward flag at the time
 
 
+class _MeanTrack:
+    """EMA of a projected per-feature mean (a stage's input, or the correction it adds to it) and the window of the
+    distances of accepted ones to it (linear: on a log scale a Tukey fence of k = 5 lets a mean move 20-50x its
+    usual distance, measured on the GPT's stages, where a bias attacker moves it 15-30x)."""
+
+    def __init__(self, window: int) -> None:
+        self.ref: Tensor | None = None
+        self.window: deque[float] = deque(maxlen=window)
+
+    def distance(self, value: Tensor) -> float:
+        return (value - self.ref).norm().item()
+
+    def learn(self, value: Tensor, beta: float) -> None:
+        if self.ref is not None:
+            self.window.append(self.distance(value))
+        self.ref = value if self.ref is None else self.ref * beta + value * (1 - beta)
+
+
 class _Track:
     """EMA, projections and distance windows of one link and direction."""
 
@@ -533,6 +599,10 @@ class _Track:
         self.windows = {n: deque(maxlen=window) for n in names}
         self.recent: deque[_Judged] = deque(maxlen=window)  # the last tensors judged, one per (sender, microbatch)
         self.peak: frozenset[str] = frozenset()  # the most senders `recent` ever held: flooding cannot shrink the stage
+        self.given = _MeanTrack(window)  # the mean of what the verifiers delivered to the sender's stage
+        self.given_spread = _MeanTrack(window)  # the log spread of its centred token sketch
+        self.correction = _MeanTrack(window)  # the sender's output mean minus that input mean
+        self.gains: deque[float] = deque(maxlen=window)  # log spread of the output's token sketch over its input's
 
 
 class Sentinel:
@@ -655,17 +725,32 @@ class Sentinel:
         return any(n in self._names for n in BOUND)
 
     def sketch(self, tensor: Tensor) -> Tensor:
-        """The bind sketch of a tensor (directions seeded by the run and the feature count, shared by every link)."""
+        """The bind sketch of a tensor (directions seeded by the run and the feature count, shared by every link),
+        then the tensor's full per-feature mean (C floats, zero-padded to ceil(C / bind_projections) rows; for the
+        stage's correction, `_adds_its_own_mean`: on the bind directions alone a bias in their null space, half the
+        features on the GPT, would not move it; review RC, session 21) and a last row that holds C. `_split` takes
+        it apart."""
         features = tensor.shape[-1]
+        proj = self._projection(features)
+        width = proj.shape[1]
+        rows = -(-features // width)
+        mean = torch.zeros(rows * width + width)
+        mean[:features] = tensor.detach().float().reshape(-1, features).mean(dim=0)
+        mean[rows * width] = features
+        return torch.cat([bind_sketch(tensor, proj), mean.reshape(rows + 1, width)])
+
+    def _projection(self, features: int) -> Tensor:
         if features not in self._bind_proj:
             self._bind_proj[features] = projections(self.config.seed, -1, "bind", features, self.config.bind_projections)
-        return bind_sketch(tensor, self._bind_proj[features])
+        return self._bind_proj[features]
 
     def record_input(self, microbatch: Hashable, stage: int, direction: str, sketch: Tensor) -> None:
         """What was delivered to `stage` for `microbatch` in `direction` (its forward input, or the gradient of
         its output); the stage's own output in that direction is then bound to it. A boundary verifier
-        records what it delivers and passes the sketch to the verifier of the stage's outgoing link."""
-        self._inputs.setdefault(microbatch, {})[(stage, direction)] = sketch
+        records what it delivers and passes the sketch to the verifier of the stage's outgoing link. A sketch not
+        laid out as `sketch` lays it out is not kept."""
+        if _split(sketch) is not None:
+            self._inputs.setdefault(microbatch, {})[(stage, direction)] = sketch
 
     def mark_tainted(self, microbatch: Hashable, link: int, worker: str) -> None:
         """Another verifier flagged `worker`'s activation of `microbatch` on `link` (as `check_forward` would here)."""
@@ -718,7 +803,9 @@ class Sentinel:
         if fences is None or track is None or not self._well_formed(track, tensor):
             return None if fences is None else tuple(self._names)
         summary = summarize(tensor, track.proj, self.config.quantiles)
-        return self._outside(track, self._distances(track, link, direction, microbatch, tensor, summary))
+        dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        shrinks = self.config.gain and self._shrinks(track, dist, self._means(link, direction, microbatch, tensor))
+        return self._outside(track, dist) + (("gain",) if shrinks else ())
 
     def would_accept(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> bool:
         """Whether `tensor` would pass the vote right now (no state change; True while warming up)."""
@@ -729,6 +816,8 @@ class Sentinel:
             return False
         summary = summarize(tensor, track.proj, self.config.quantiles)
         dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        if self.config.gain and self._shrinks(track, dist, self._means(link, direction, microbatch, tensor)):
+            return False
         return not vote(len(self._outside(track, dist)), self._voters(track, dist), self.config.vote)
 
     # -- internals ---------------------------------------------------------
@@ -799,16 +888,20 @@ class Sentinel:
                 track.ref, track.accepted = summary, 1
             return Verdict(link, direction, worker, microbatch, False, "warmup")
         dist = self._distances(track, link, direction, microbatch, tensor, summary)
+        means = self._means(link, direction, microbatch, tensor)
         named = tuple(dist.items())
         if track.accepted < self.config.warmup:
             if learn:
-                self._accept(track, direction, summary, dist)
+                self._accept(track, direction, summary, dist, means)
                 self._remember(track, link, direction, worker, microbatch, dist, ())
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
-        outside = self._outside(track, dist)
-        flagged = vote(len(outside), self._voters(track, dist), self.config.vote)
+        outside = self._outside(track, dist) + (("gain",) if self._shrinks(track, dist, means) else ())
+        # the gain is not one of the voting distances: below its fence it flags on its own
+        flagged = "gain" in outside or vote(len(outside), self._voters(track, dist), self.config.vote)
         own = flagged and (self._disowns_input(track, dist)
                            or self._shrunk_to_nothing(track, link, direction, microbatch, tensor))
+        # the sender's alone too, but remembered as long as any flag, and still a flag a move of the stage explains
+        adds_own_mean = flagged and not own and self._adds_its_own_mean(track, link, direction, microbatch, dist, means)
         if learn:
             flags = outside if flagged and not own else ()
             judged = self._remember(track, link, direction, worker, microbatch, dist, flags)
@@ -817,18 +910,18 @@ class Sentinel:
                 # the stage moved, not this sender: relearn (only what lies near the stage's median, with `learn_k`),
                 # and the flags of the move are no evidence
                 if self._inner_stage(stage, judged):
-                    self._accept(track, direction, summary, dist)
+                    self._accept(track, direction, summary, dist, means)
                 return self._strike(Verdict(link, direction, worker, microbatch, False, "drift", named, outside))
         if learn and direction == FORWARD and "scale" in dist:
             self._scales.setdefault(microbatch, {})[link] = dist["scale"]
         corrected = not flagged and self._large_correction(track, dist)
         if learn and not flagged and not corrected and self._inner(track, dist):
-            self._accept(track, direction, summary, dist)
+            self._accept(track, direction, summary, dist, means)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         # the sender's forward input crossed link - 1 (its output gradient's forward input, link itself)
         shrunk = self._scales.get(microbatch, {}).get(link - 1 if direction == FORWARD else link, 0.0) < SHRUNK_INPUT
-        return self._strike(verdict, blame_upstream=not alone, own=own, upstream_only=not alone and corrected,
-                            shrunk_input=corrected and shrunk)
+        return self._strike(verdict, blame_upstream=not alone, own=own or adds_own_mean, lasting=own,
+                            upstream_only=not alone and corrected, shrunk_input=corrected and shrunk)
 
     def _remember(self, track: _Track, link: int, direction: str, worker: str, microbatch: Hashable,
                   dist: dict[str, float], outside: tuple[str, ...]) -> _Judged:
@@ -949,7 +1042,8 @@ class Sentinel:
                 or worker in self._banned or not self._well_formed(track, tensor)):
             return tainted
         inp = self._inputs.get(microbatch, {}).get((link, FORWARD))
-        out = self.sketch(tensor)
+        inp = None if inp is None else _tokens(inp)
+        out = _tokens(self.sketch(tensor))
         # an output with (almost) no token structure left binds to nothing: on a tampered input that says nothing
         # against the stage (the head fed tokens that differ only in scale answers one logit vector, and the CKA of
         # its rounding noise with the input is near 0)
@@ -974,12 +1068,91 @@ class Sentinel:
             return False
         return bool(torch.isfinite(tensor).all())
 
-    def _accept(self, track: _Track, direction: str, summary: Summary, dist: dict[str, float]) -> None:
+    def _accept(self, track: _Track, direction: str, summary: Summary, dist: dict[str, float],
+                means: tuple[Tensor, Tensor] | None = None) -> None:
         beta = self.config.beta_h if direction == FORWARD else self.config.beta_g
         track.ref = ema(track.ref, summary, beta)
         track.accepted += 1
         for name, value in dist.items():
             track.windows[name].append(_scaled(name, value, self.config))
+        if means is not None:
+            track.given.learn(means[0], beta)
+            track.given_spread.learn(means[2], beta)
+            track.correction.learn(means[1], beta)
+            track.gains.append(means[3])
+
+    def _means(self, link: int, direction: str, microbatch: Hashable,
+               tensor: Tensor) -> tuple[Tensor, Tensor, Tensor, float] | None:
+        """(the full per-feature mean of what the verifiers delivered to the sender's stage for this microbatch,
+        the sender's output mean minus it, the log spread of that input's centred token sketch, and the log gain:
+        the output's spread minus it); None without a recorded input, or where the stage changes the feature
+        count (the head: its output mean and its input mean are not in one space)."""
+        given = self._given(link, direction, microbatch) if self.binds else None
+        if given is None:
+            return None
+        (tokens, mean), (out_tokens, out_mean) = _split(given), _split(self.sketch(tensor))
+        if tokens.shape[0] < 2 or out_tokens.shape != tokens.shape or out_mean.shape != mean.shape:
+            return None
+        spread = _log_spread(tokens)
+        gain = (_log_spread(out_tokens) - spread).item()
+        return mean, out_mean - mean, spread.reshape(1), gain
+
+    def _adds_its_own_mean(self, track: _Track, link: int, direction: str, microbatch: Hashable,
+                           dist: dict[str, float], means: tuple[Tensor, Tensor, Tensor, float] | None) -> bool:
+        """Whether a flagged activation's stage added a mean of its own to a usual input: the correction (output
+        mean minus the mean of what the verifiers delivered to the stage, on every feature) lies above its fence
+        while that input's mean and spread lie inside their own, on a link whose output follows its input
+        (residual stages).
+
+        A pre-norm residual stage answers x + f(LayerNorm(x)): a shift of every feature of its input by one
+        constant passes through unchanged and leaves its correction f exactly as it was, so an honest stage fed
+        a biased input is not odd here (its flag stays shared with the upstream workers), while a sender that
+        adds a bias is. Measured: 37.5% seed 1 `bias`, the honest stage-1 relay that fed two stage-2 attackers
+        took a share of each one's biased outputs (`sign, swd`) and was banned at its third, before either.
+        Such a flag is held against the sender alone (`strikes` in `strike_window`; not the longer
+        `own_window`, since an input this stage rarely gets can also move its correction).
+
+        Decided from the input alone (review RC, session 21): the sender controls its output's ``align`` and
+        ``bind``, so a guard on them let a biased liar opt out with noise that took ``align`` just under its
+        fence; an input seen shrunk at link - 1 (the honest reason for a large correction) turns the rule off.
+        Activations only: "a pre-norm stage ignores a shift of its input" is about activations, and a backward
+        flag's shares belong to the forward upstream, whose input this gate does not see."""
+        if direction != FORWARD or means is None or len(track.correction.window) < 4:
+            return False
+        if len(track.windows.get("align", ())) < 4 or self._fence(track, "align").low < OWN_ALIGN_BASELINE:
+            return False
+        if self._scales.get(microbatch, {}).get(link - 1, 0.0) < SHRUNK_INPUT:
+            return False
+        # a usual input: its mean and its spread inside Tukey's inner fences (k = 1.5) of the inputs the stage got
+        usual_input = all(part.distance(value) <= tukey_fence(list(part.window), 1.5).high
+                          for part, value in ((track.given, means[0]), (track.given_spread, means[2])))
+        odd = (track.correction.distance(means[1]) > tukey_fence(list(track.correction.window), self.config.k).high
+               or self._shrinks(track, dist, means))
+        return usual_input and odd
+
+    def _shrinks(self, track: _Track, dist: dict[str, float], means: tuple[Tensor, Tensor, Tensor, float] | None) -> bool:
+        """Whether the sender's output is smaller against its own input than the stage's outputs are: its log gain
+        (the spread of its centred token sketch over that of what the verifiers delivered to its stage) lies below
+        the median fence of the gains of the link's accepted tensors, on a link whose output follows its input.
+
+        `scale` compares a tensor with the link's EMA, which learns the accepted tensors: at 37.5% the white-box
+        attackers' shrunk tensors (and the honest ones a residual stage carries on from them) drag it down, so the
+        accepted shrink grows with the run (session 19: c = 0.11 by iteration 37). The gain is anchored on the
+        input the verifiers delivered, which relays cannot feed: an honest residual stage fed c x passes a gain
+        at least its usual one (its correction is not shrunk), so only the attackers' own values sit at the low
+        edge, and against fewer than half of the window a median fence stays bounded (`median_fence`).
+
+        Off by default (`SentinelConfig.gain`), measured (37.5%, seed 0, white-box `adaptive`, docs/notes/issue-16.md,
+        session 21): it holds the accepted shrink (toy stage: c >= 0.64 for 184 microbatches, 0.107 without), and
+        the 40-iteration gap falls from +1.84% to +0.75%, but over 120 iterations that run collapsed at iteration
+        62 (a move of the head's gradients shared upstream: five honest relays banned, +19.6%; without it +4.31%,
+        two honest relays banned)."""
+        if not self.config.gain or means is None or len(track.gains) < 4 or "align" not in dist or len(
+                track.windows["align"]) < 4:
+            return False
+        if self._fence(track, "align").low < OWN_ALIGN_BASELINE:
+            return False
+        return means[3] < median_fence(list(track.gains), self.config.k, self.config.min_spread).low
 
     def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
                    summary: Summary) -> dict[str, float]:
@@ -988,7 +1161,7 @@ class Sentinel:
             stage = link if direction == FORWARD else link + 1
             inp = self._inputs.get(microbatch, {}).get((stage, direction))
             if inp is not None:
-                out = self.sketch(tensor)
+                inp, out = _tokens(inp), _tokens(self.sketch(tensor))
                 for name, measure in (("bind", binding), ("align", align)):
                     value = measure(inp, out) if name in self._names else None
                     if value is not None:
@@ -1032,9 +1205,9 @@ class Sentinel:
         if len(track.windows.get("align", ())) < 4 or self._fence(track, "align").low < OWN_ALIGN_BASELINE:
             return False
         inp = self._given(link, direction, microbatch)
-        if inp is None or inp.shape[0] < 2:
+        if inp is None or _tokens(inp).shape[0] < 2:
             return False
-        return _spread_ratio(inp, self.sketch(tensor)) <= SHRUNK_RATIO
+        return _spread_ratio(_tokens(inp), _tokens(self.sketch(tensor))) <= SHRUNK_RATIO
 
     def _large_correction(self, track: _Track, dist: dict[str, float]) -> bool:
         """``align`` below its fence but above `align_floor`: the stage's correction outweighs its pass-through,
@@ -1073,10 +1246,11 @@ class Sentinel:
         """The spread floor of a distance's fences: one feature's resolution for ``sign``, else `min_spread`."""
         return 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
 
-    def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False,
+    def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False, lasting: bool = True,
                 upstream_only: bool = False, shrunk_input: bool = False) -> Verdict:
         """Count the verdict in the strike histories of the sender and (`blame_upstream`) the workers upstream
-        of it; a flag is held against all of them, or against the sender alone when it is its `own`;
+        of it; a flag is held against all of them, or against the sender alone when it is its `own` (`lasting`:
+        also counted among its last `own_window` microbatches);
         `upstream_only`: no flag on the tensor, evidence about the sender's input, shared by the sender and the
         upstream workers, or held against the upstream workers alone when this verifier saw that input arrive
         shrunk (`shrunk_input`)."""
@@ -1113,7 +1287,7 @@ class Sentinel:
             history = self._history.setdefault(
                 worker, deque(maxlen=max(self.config.strike_window, self.config.own_window)))
             entry = next((e for e in history if e[0] == mb), None)  # one strike per microbatch at most
-            disowned = flagged and own and worker == verdict.worker
+            disowned = flagged and own and lasting and worker == verdict.worker
             if entry is None:
                 history.append([mb, flagged, others if flagged else set(), disowned, {source} if flagged else set()])
             elif flagged:
