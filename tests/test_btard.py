@@ -370,6 +370,33 @@ def test_a_report_timed_at_the_deadline_counts_for_every_honest_peer(tmp_path):
     assert all(view == set(summary["byzantine"]) for view in views.values())
     assert len({summary["final_digests"][p] for p in honest}) == 1
 
+def test_a_member_that_looks_gone_to_one_peer_is_decided_on_as_the_others_do(tmp_path, monkeypatch):
+    # Peer 0's membership view lacks honest peer 1 (as over hivemind when 1's record expired at 0 only): 0
+    # passes 1 over in the verification's waits (metadata, reports) as soon as the others' are in, while
+    # the others wait for 1. 0 must then wait for the others' report lists, which name 1's report, and take
+    # it: with the lists cut btard.timeout / 2 after 0's own early cut, 0 alone banned 1 (not_validating).
+    from phalanx.transport.sim import SimTransport
+
+    blind, hidden = peer_identity(0, 0).peer_id, peer_identity(0, 1).peer_id
+    members, collect = SimTransport.members, btard_verify._collect_passing_over
+    cut: list[str] = []
+
+    def view(self):
+        return [p for p in members(self) if not (self.peer_id == blind and p == hidden)]
+
+    async def watched(state, topic, step, senders, *args):
+        got = await collect(state, topic, step, senders, *args)
+        if state.transport.peer_id == blind and hidden in senders and hidden not in got:
+            cut.append(topic)
+        return got
+
+    monkeypatch.setattr(SimTransport, "members", view)
+    monkeypatch.setattr(btard_verify, "_collect_passing_over", watched)
+    summary, honest, views = _btard_run(tmp_path, "none", "btard.validators=2", peers=5, steps=2, count=0)
+    assert "bt.report" in cut
+    assert all(view == set() for view in views.values())
+    assert len({summary["final_digests"][p] for p in honest}) == 1
+
 
 def test_a_no_meta_claim_is_judged_on_the_agreed_metadata():
     part = torch.ones(2)

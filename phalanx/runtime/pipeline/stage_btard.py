@@ -507,8 +507,10 @@ class StageInputs:
         cannot judge; the target is retired when it departs, `StageAdmission`). The device is charged
         for the recomputation that follows (a forward and a backward per microbatch)."""
         node = self.node
+        # a target that already left my view is asked briefly (it may only look gone to me), not for the whole timeout
+        timeout = self.timeout if target in node.transport.members() else self.timeout / 10
         try:
-            answer = decode(await node.transport.request(target, STAGE_INPUTS, encode({"it": step}), self.timeout),
+            answer = decode(await node.transport.request(target, STAGE_INPUTS, encode({"it": step}), timeout),
                             target, node.transport.limits)
         except RemoteError as exc:
             node.transport.report(exc.evidence)

@@ -166,9 +166,11 @@ def _matches_commit(state: RoundState, st: StepState, target: str, gradient) -> 
 
 
 async def ask(state: RoundState, peer: str, topic: str, query: dict) -> dict | None:
-    """One verification request; a peer that answers badly is reported, one that does not is None."""
+    """One verification request; a peer that answers badly is reported, one that does not is None.
+    A peer that already left my membership view is asked briefly (it may only look gone to me)."""
+    timeout = state.btard.timeout if peer in state.transport.members() else state.btard.timeout / 10
     try:
-        answer = decode(await state.transport.request(peer, topic, encode(query), state.btard.timeout), peer, state.transport.limits)
+        answer = decode(await state.transport.request(peer, topic, encode(query), timeout), peer, state.transport.limits)
     except RemoteError as exc:
         state.transport.report(exc.evidence)
         return None
