@@ -398,6 +398,29 @@ def test_a_member_that_looks_gone_to_one_peer_is_decided_on_as_the_others_do(tmp
     assert len({summary["final_digests"][p] for p in honest}) == 1
 
 
+def test_an_owner_that_starts_its_step_early_takes_the_commitments_that_come_in_time_for_the_others(tmp_path, monkeypatch):
+    # Every peer but peer 0 starts step 1 1.5 x btard.timeout late (as a stage's replicas still settling the step
+    # before while a joiner, which ran no round then, starts at once). Peer 0's commitment deadline counted from
+    # its own start: it dropped their commitments as late_commit, and the ELIMINATE banned it and honest peer 1.
+    # Now it counts from when half of the others' are in: nobody is banned. The parts' collect (allreduce.timeout)
+    # has ended before those commitments came: their parts are collected after them (else: missing_part).
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    early, join = peer_identity(0, 0).peer_id, SecureRound._join
+
+    async def late(self, step, candidates):
+        if step == 1 and self.transport.peer_id != early:
+            await asyncio.sleep(1.5)
+        return await join(self, step, candidates)
+
+    monkeypatch.setattr(SecureRound, "_join", late)
+    summary, honest, views = _btard_run(tmp_path, "none", "allreduce.timeout=1.0", peers=5, steps=2, count=0)
+    assert all(view == set() for view in views.values())
+    assert len({summary["final_digests"][p] for p in honest}) == 1
+
+
 def test_a_no_meta_claim_is_judged_on_the_agreed_metadata():
     part = torch.ones(2)
     st = StepState(0, ["a", "b"], [(0, 2), (2, 4)], members=["a", "b"], committers=["a", "b"])

@@ -243,11 +243,16 @@ class SecureRound(ButterflyAllReduce):
         await tr.broadcast("bt.join", step + 1, self.join_payload(step + 1))
         self._joined.add(step + 1)
         lo, hi = st.bounds[index] if index is not None else (0, 0)
-        relays = len(st.members)
-        envelopes, valid = await asyncio.gather(
-            tr.collect_broadcasts("bt.commit", step, st.committers, self.state.btard.timeout, relays=relays),
-            self._collect(step, PART, {p: (hi - lo,) for p in owners if p != me} if index is not None else {}),
-        )
+        shapes = {p: (hi - lo,) for p in owners if p != me} if index is not None else {}
+
+        async def parts() -> tuple[dict[str, torch.Tensor], set[str]]:
+            got = await self._collect(step, PART, shapes)
+            return got, set(tr.board.get("bt.commit", step))
+
+        envelopes, (valid, committed) = await asyncio.gather(self._commitments(st), parts())
+        late = {p: shape for p, shape in shapes.items() if p not in valid and p in envelopes and p not in committed}
+        if late:  # committed after my parts' collect ended (I started early): their parts are collected now
+            valid.update(await self._collect(step, PART, late))
         for peer, env in envelopes.items():
             obj = decoded(env.payload, peer, tr)
             if group_in(obj) != g:
@@ -259,6 +264,32 @@ class SecureRound(ButterflyAllReduce):
                 st.commits[peer] = parsed
                 st.take_inputs(peer, obj)
         return valid
+
+    async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
+        """The step's commitments, waited for btard.timeout from my start, plus how much later than my
+        start at least half of the other committers still in my view had committed (at most one more
+        btard.timeout). So a member that started early (a joiner, whose join collection ended sooner)
+        does not count its head start against the others: a commitment is late against the group, not
+        against my clock (an owner drops a late one, and the drop ELIMINATEs both of them). In step,
+        that lag is a latency; a committer that left my view (crashed) adds nothing to it."""
+        tr, me, timeout, relays = self.transport, self.transport.peer_id, self.state.btard.timeout, len(st.members)
+        start = tr.clock.now()
+        others = [p for p in st.committers if p != me]
+
+        def half_in(got: dict[str, SignedEnvelope], present: list[str]) -> bool:
+            return 2 * sum(1 for p in present if p in got) >= len(present)
+
+        def anchored(got: dict[str, SignedEnvelope]) -> bool:
+            view = set(tr.members())
+            return half_in(got, [p for p in others if p in view])
+
+        got = await tr.collect_broadcasts(
+            "bt.commit", st.step, st.committers, 2 * timeout, relays=relays, enough=anchored, patience=timeout / 4
+        )
+        lag = min(tr.clock.now() - start, timeout) if half_in(got, others) else 0.0
+        return await tr.collect_broadcasts(
+            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays
+        )
 
     async def _reduce(
         self, st: StepState, parts: list[torch.Tensor], index: int, trusted: list[str], valid: dict[str, torch.Tensor],
