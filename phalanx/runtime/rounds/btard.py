@@ -66,6 +66,7 @@ The config, hooks and shared state are in `btard_state` (re-exported here).
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 from collections.abc import Callable
 from dataclasses import asdict
@@ -251,8 +252,12 @@ class SecureRound(ButterflyAllReduce):
 
         envelopes, (valid, committed) = await asyncio.gather(self._commitments(st), parts())
         late = {p: shape for p, shape in shapes.items() if p not in valid and p in envelopes and p not in committed}
-        if late:  # committed after my parts' collect ended (I started early): their parts are collected now
-            valid.update(await self._collect(step, PART, late))
+        if late:
+            # Committed after my parts' collect ended (I started early). An honest committer's part travels
+            # right behind its commitment: what is not here within one pull is missing. A fresh
+            # allreduce.timeout would let a committer hold my scatter back until the others stopped waiting
+            # for my aggregate (their missing_aggregate, then my no_meta, would ban the honest owners).
+            valid.update(await self._collect(step, PART, late, self._one_pull(late)))
         for peer, env in envelopes.items():
             obj = decoded(env.payload, peer, tr)
             if group_in(obj) != g:
@@ -265,9 +270,14 @@ class SecureRound(ButterflyAllReduce):
                 st.take_inputs(peer, obj)
         return valid
 
+    def _one_pull(self, shapes: dict[str, tuple[int, ...]]) -> float:
+        """One pull attempt for the largest of `shapes`, transfer included: how long a tensor that is
+        late after its (late) commitment is still waited for."""
+        return self.config.pull_timeout + 4 * max(math.prod(s) for s in shapes.values()) / self.config.pull_bandwidth
+
     async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
         """The step's commitments, waited for btard.timeout from my start, plus how much later than my
-        start at least half of the other committers still in my view had committed (at most one more
+        start more than half of the other committers still in my view had committed (at most one more
         btard.timeout). So a member that started early (a joiner, whose join collection ended sooner)
         does not count its head start against the others: a commitment is late against the group, not
         against my clock (an owner drops a late one, and the drop ELIMINATEs both of them). In step,
@@ -277,7 +287,9 @@ class SecureRound(ButterflyAllReduce):
         others = [p for p in st.committers if p != me]
 
         def half_in(got: dict[str, SignedEnvelope], present: list[str]) -> bool:
-            return 2 * sum(1 for p in present if p in got) >= len(present)
+            # More than half, so that the anchor holds an honest commitment: f < n / 2 colluders that
+            # commit at once are at most half of the others, and would set the group's clock alone.
+            return not present or 2 * sum(1 for p in present if p in got) > len(present)
 
         def anchored(got: dict[str, SignedEnvelope]) -> bool:
             view = set(tr.members())
@@ -286,7 +298,7 @@ class SecureRound(ButterflyAllReduce):
         got = await tr.collect_broadcasts(
             "bt.commit", st.step, st.committers, 2 * timeout, relays=relays, enough=anchored, patience=timeout / 4
         )
-        lag = min(tr.clock.now() - start, timeout) if half_in(got, others) else 0.0
+        lag = min(tr.clock.now() - start, timeout) if anchored(got) else 0.0
         return await tr.collect_broadcasts(
             "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays
         )
@@ -410,6 +422,12 @@ class SecureRound(ButterflyAllReduce):
                     st.rcommits[peer] = (h, [], {})
             else:
                 st.rcommits[peer] = parsed
+        late = {o: others[o] for o in others if o in st.rcommits and o not in st.passed and o not in results}
+        if late:
+            # Committed but not collected in time (its owner's scatter ended after my collect, or the aggregate
+            # came after it): one more pull before missing_aggregate, and a well-formed late one is used, not
+            # accused as bad_aggregate.
+            results.update(await self._collect(step, REDUCED, late, self._one_pull(late)))
         rbox = self._inbox.get((step, REDUCED), {})
         out = torch.zeros(self.dim, dtype=torch.float32)
         if mine is not None and me not in st.passed:

@@ -149,6 +149,9 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
     everyone += [Claim(ACCUSE, "", peer, "equivocation") for peer in sorted(equivocators)]
     _absorb(state, st)
     if st.z is not None:
+        # V3 counts norms on the agreed metadata: counted on what my own cut held (a member that looked gone
+        # to me alone sent it to the others only), it ran CHECKAVERAGING on some honest peers and not others.
+        await _v3(state, st)
         await _agreed_checks(state, st, equivocators)
     return everyone + _derived_claims(st, equivocators)
 
@@ -237,7 +240,6 @@ async def _check(
         if parsed is not None:
             st.meta[peer] = parsed
     claims += _owner_checks(state, st, me)
-    await _v3(state, st)
     for validator, target in st.pairs:
         if validator == me:
             claim = await validate(state, st, target)
