@@ -12,7 +12,8 @@ The critical path has one synchronisation before aggregation (App. B):
    (the hash of the part hashes), immediately followed by the parts: an owner
    uses a part only once it holds the sender's commitment, so commitments need
    no round of their own. An owner aggregates the parts of the owners whose
-   commitment it holds by its deadline.
+   commitment it holds by its deadline (counted from when half of the others
+   had committed, if that came after its own start: `_commitments`).
 2. scatter: the owner checks each part against its commitment: missing or
    mismatching -> ELIMINATE(owner, sender); matching but NaN/Inf, wrong shape
    or dtype -> ACCUSE with the part as proof.
@@ -280,7 +281,7 @@ class SecureRound(ButterflyAllReduce):
         start more than half of the other committers still in my view had committed (at most one more
         btard.timeout). So a member that started early (a joiner, whose join collection ended sooner)
         does not count its head start against the others: a commitment is late against the group, not
-        against my clock (an owner drops a late one, and the drop ELIMINATEs both of them). In step,
+        against my clock (an owner drops a late one, and the drop ELIMINATEs both of them). In lockstep
         that lag is a latency; a committer that left my view (crashed) adds nothing to it."""
         tr, me, timeout, relays = self.transport, self.transport.peer_id, self.state.btard.timeout, len(st.members)
         start = tr.clock.now()

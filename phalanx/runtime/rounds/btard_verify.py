@@ -17,7 +17,8 @@ It runs while the next step computes and all-reduces:
 
 A member silent in an earlier phase of the step (no MPRNG commitment, no reveal, no commitment or metadata
 in any report at hand) is waited for only a grace of btard.timeout / 4 in the later waits, once every other
-member's message is in (`Transport.collect_passing_over`), not the whole timeout again.
+member's message is in (`Transport.collect_passing_over`), not the whole timeout again; one that has left the
+membership view is not waited for once everyone still in it has sent (`_collect_passing_over`).
 
 `verify` returns every claim of the step; `btard_judge` resolves them.
 """
