@@ -12,8 +12,8 @@ The critical path has one synchronisation before aggregation (App. B):
    (the hash of the part hashes), immediately followed by the parts: an owner
    uses a part only once it holds the sender's commitment, so commitments need
    no round of their own. An owner aggregates the parts of the owners whose
-   commitment it holds by its deadline (counted from when half of the others
-   had committed, if that came after its own start: `_commitments`).
+   commitment it holds by its deadline (counted from when more than half of
+   the others had committed, if that came after its own start: `_commitments`).
 2. scatter: the owner checks each part against its commitment: missing or
    mismatching -> ELIMINATE(owner, sender); matching but NaN/Inf, wrong shape
    or dtype -> ACCUSE with the part as proof.
