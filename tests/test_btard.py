@@ -370,6 +370,254 @@ def test_a_report_timed_at_the_deadline_counts_for_every_honest_peer(tmp_path):
     assert all(view == set(summary["byzantine"]) for view in views.values())
     assert len({summary["final_digests"][p] for p in honest}) == 1
 
+def test_a_member_that_looks_gone_to_one_peer_is_decided_on_as_the_others_do(tmp_path, monkeypatch):
+    # Peer 0's membership view lacks honest peer 1 (as over hivemind when 1's record expired at 0 only): 0
+    # passes 1 over in the verification's waits (metadata, reports) as soon as the others' are in, while
+    # the others wait for 1. 0 must then wait for the others' report lists, which name 1's report, and take
+    # it: with the lists cut btard.timeout / 2 after 0's own early cut, 0 alone banned 1 (not_validating).
+    from phalanx.transport.sim import SimTransport
+
+    blind, hidden = peer_identity(0, 0).peer_id, peer_identity(0, 1).peer_id
+    members, collect = SimTransport.members, btard_verify._collect_passing_over
+    cut: list[str] = []
+
+    def view(self):
+        return [p for p in members(self) if not (self.peer_id == blind and p == hidden)]
+
+    async def watched(state, topic, step, senders, *args):
+        got = await collect(state, topic, step, senders, *args)
+        if state.transport.peer_id == blind and hidden in senders and hidden not in got:
+            cut.append(topic)
+        return got
+
+    monkeypatch.setattr(SimTransport, "members", view)
+    monkeypatch.setattr(btard_verify, "_collect_passing_over", watched)
+    summary, honest, views = _btard_run(tmp_path, "none", "btard.validators=2", peers=5, steps=2, count=0)
+    assert "bt.report" in cut
+    assert all(view == set() for view in views.values())
+    assert len({summary["final_digests"][p] for p in honest}) == 1
+
+
+def test_an_owner_that_starts_its_step_early_takes_the_commitments_that_come_in_time_for_the_others(tmp_path, monkeypatch):
+    # Every peer but peer 0 starts step 1 1.5 x btard.timeout late (as a stage's replicas still settling the step
+    # before while a joiner, which ran no round then, starts at once). Peer 0's commitment deadline counted from
+    # its own start: it dropped their commitments as late_commit, and the ELIMINATE banned it and honest peer 1.
+    # Now it counts from when half of the others' are in: nobody is banned. The parts' collect (allreduce.timeout)
+    # has ended before those commitments came: their parts are collected after them (else: missing_part).
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    early, join = peer_identity(0, 0).peer_id, SecureRound._join
+
+    async def late(self, step, candidates):
+        if step == 1 and self.transport.peer_id != early:
+            await asyncio.sleep(1.5)
+        return await join(self, step, candidates)
+
+    monkeypatch.setattr(SecureRound, "_join", late)
+    summary, honest, views = _btard_run(tmp_path, "none", "allreduce.timeout=1.0", peers=5, steps=2, count=0)
+    assert all(view == set() for view in views.values())
+    assert len({summary["final_digests"][p] for p in honest}) == 1
+
+
+def test_a_committer_timed_into_an_owners_extension_costs_no_honest_peer_but_that_owner(tmp_path, monkeypatch):
+    # Byzantine peer 4 (scripted here: it runs the protocol and lies with its timing) commits so that its
+    # commitment reaches owners 0 and 1 after their parts' collect ended but within their commitment deadline,
+    # and sends them its parts only ~1 s later (withholding them from pulls until then). The late parts were
+    # re-collected with a fresh allreduce.timeout: 0 and 1 then ended their scatter so late that the others
+    # claimed missing_aggregate against them, and no_meta turned against the others: all honest peers banned.
+    # Now the late part gets one pull: 4 is dropped (missing_part), and 0's ELIMINATE costs 0 alone.
+    import asyncio
+
+    from phalanx.core.envelope import SignedEnvelope
+    from phalanx.runtime.rounds.btard import SecureRound
+    from phalanx.runtime.rounds.butterfly import PART, ButterflyAllReduce
+    from phalanx.transport.base import BROADCAST_TOPIC
+    from phalanx.transport.sim import SimTransport
+
+    x, step = peer_identity(0, 4).peer_id, 1
+    victims = {peer_identity(0, 0).peer_id: 1.96, peer_identity(0, 1).peer_id: 1.99}
+    send, pull, board, gather = SimTransport.send, ButterflyAllReduce._on_pull, SimTransport._serve_board, SecureRound._gather
+    release: dict[str, float] = {}
+    held = set()
+
+    def now() -> float:
+        return asyncio.get_running_loop().time()
+
+    def later(delay: float, *message) -> None:
+        async def go():
+            await asyncio.sleep(delay)
+            await send(*message)
+        held.add(asyncio.ensure_future(go()))
+
+    async def timed_send(self, peer, topic, payload):
+        if self.peer_id == x and topic == BROADCAST_TOPIC:
+            env = SignedEnvelope.from_bytes(payload, x)
+            if env.topic == "bt.commit" and env.step == step:
+                release.setdefault("commit", now() + 0.997)
+                return later(0.997, self, peer, topic, payload)
+        elif self.peer_id == x and topic == "ar.part" and peer in victims and decode(payload, x)["step"] == step:
+            release[peer] = now() + victims[peer]
+            return later(victims[peer], self, peer, topic, payload)
+        return await send(self, peer, topic, payload)
+
+    async def timed_pull(self, sender, payload):
+        obj = decode(payload, sender)
+        if self.transport.peer_id == x and obj.get("kind") == PART and obj.get("step") == step and now() < release.get(sender, 1e18):
+            return encode({"step": step})
+        return await pull(self, sender, payload)
+
+    async def timed_board(self, sender, payload):
+        obj = decode(payload, sender)
+        if self.peer_id == x and obj.get("topic") == "bt.commit" and obj.get("step") == step and now() < release.get("commit", 1e18):
+            return encode([])
+        return await board(self, sender, payload)
+
+    async def quiet_gather(self, st, mine, rc):  # 4 keeps to itself what its own delays make its gather claim
+        if self.transport.peer_id == x and st.step == step:
+            await asyncio.sleep(1.25)
+        out = await gather(self, st, mine, rc)
+        if self.transport.peer_id == x:
+            st.claims[:] = [c for c in st.claims if c.reason not in ("bad_aggregate", "missing_aggregate", "aggregate_hash")]
+        return out
+
+    monkeypatch.setattr(SimTransport, "send", timed_send)
+    monkeypatch.setattr(ButterflyAllReduce, "_on_pull", timed_pull)
+    monkeypatch.setattr(SimTransport, "_serve_board", timed_board)
+    monkeypatch.setattr(SecureRound, "_gather", quiet_gather)
+    summary, _, views = _btard_run(tmp_path, "none", "allreduce.timeout=1.0", peers=5, steps=2, count=0)
+    honest = [p for p in summary["peer_ids"] if p != x]
+    assert all(views[p] == {x, peer_identity(0, 0).peer_id} for p in honest)
+    assert len({summary["final_digests"][p] for p in honest}) == 1
+
+
+def test_colluders_that_commit_at_once_do_not_set_an_early_owners_commitment_deadline(tmp_path, monkeypatch):
+    # As the test above, peer 0 starts step 1 early and honest peers 1 and 2 start it 1.5 x btard.timeout late;
+    # peers 3 and 4 (colluders, scripted: they lie only with their timing) start it with 0. They were half of
+    # 0's others, so 0 counted the group's deadline from them and dropped 1's and 2's commitments (late_commit):
+    # 0, 1 and 2 banned. The anchor now takes more than half of the others: one honest commitment at least.
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    late_peers, join = {peer_identity(0, 1).peer_id, peer_identity(0, 2).peer_id}, SecureRound._join
+
+    async def late(self, step, candidates):
+        if step == 1 and self.transport.peer_id in late_peers:
+            await asyncio.sleep(1.5)
+        return await join(self, step, candidates)
+
+    monkeypatch.setattr(SecureRound, "_join", late)
+    summary, _, views = _btard_run(tmp_path, "none", "allreduce.timeout=1.0", peers=5, steps=2, count=0)
+    assert all(view == set() for view in views.values())
+
+
+def test_v3_runs_checkaveraging_on_every_honest_peer_when_a_member_looks_gone_to_one(tmp_path, monkeypatch):
+    # Colluders 3 (an owner that refuses bt.parts) and 4 report a huge norm for 3's partition (V3's trigger).
+    # 4 looks gone to honest peer 0 only and withholds its metadata from 0. 0 cut its metadata wait without
+    # 4's and counted V3 on three norms of five: the others ran CHECKAVERAGING and banned 3, 0 did not, and the
+    # honest models parted. V3 now counts on the agreed metadata (and the cut asks the others for 4's once).
+    from phalanx.core.envelope import SignedEnvelope
+    from phalanx.runtime.rounds import btard as btard_round
+    from phalanx.transport.base import BROADCAST_TOPIC
+    from phalanx.transport.sim import SimTransport
+
+    x, owner, blind = (peer_identity(0, i).peer_id for i in (4, 3, 0))
+    members, send, send_meta, serve_parts = SimTransport.members, SimTransport.send, btard_verify._send_meta, btard_round.serve_parts
+
+    def view(self):
+        return [p for p in members(self) if not (self.peer_id == blind and p == x)]
+
+    async def withheld(self, peer, topic, payload):
+        if self.peer_id == x and peer == blind and topic == BROADCAST_TOPIC and SignedEnvelope.from_bytes(payload, x).topic == "bt.meta":
+            return None
+        return await send(self, peer, topic, payload)
+
+    async def inflated(state, st, parts, me):
+        if me in (x, owner) and st.step == 1:
+            report = state.policy.report
+            monkeypatch.setattr(state.policy, "report", lambda step, norms, s: ({**report(step, norms, s)[0], owner: 1e6}, s))
+        return await send_meta(state, st, parts, me)
+
+    async def refused(state, sender, payload):
+        return encode({"step": 1, "parts": {}}) if state.transport.peer_id == owner else await serve_parts(state, sender, payload)
+
+    monkeypatch.setattr(SimTransport, "members", view)
+    monkeypatch.setattr(SimTransport, "send", withheld)
+    monkeypatch.setattr(btard_verify, "_send_meta", inflated)
+    monkeypatch.setattr(btard_round, "serve_parts", refused)
+    summary, _, views = _btard_run(tmp_path, "none", "btard.delta_max=0.4", "btard.validators=0", peers=5, steps=2, count=0)
+    honest = [p for p in summary["peer_ids"] if p not in (x, owner)]
+    assert all(views[p] == {owner} for p in honest)
+    assert len({summary["final_digests"][p] for p in honest}) == 1
+
+
+def test_a_validator_that_lacks_its_targets_metadata_does_not_approve_it(tmp_path, monkeypatch):
+    # Peer 4 (scripted) computes its gradient honestly but reports a false norm for colluder 3's partition (3 does
+    # not claim it), looks gone to its validator 0 only, and withholds its metadata from 0. 0 cut its metadata wait
+    # without it, found the gradient clean and approved 4; 3 then accused 4 of `gradient` (judged on the agreed
+    # metadata, which holds the lie): 0 was banned with 4 as covered:gradient. 0 now reports 4 unverified.
+    from phalanx.core.envelope import SignedEnvelope
+    from phalanx.transport.base import BROADCAST_TOPIC
+    from phalanx.transport.sim import SimTransport
+
+    x, colluder, validator = (peer_identity(0, i).peer_id for i in (4, 3, 0))
+    members, send, send_meta, owner_checks = SimTransport.members, SimTransport.send, btard_verify._send_meta, btard_verify._owner_checks
+
+    def view(self):
+        return [p for p in members(self) if not (self.peer_id == validator and p == x)]
+
+    async def withheld(self, peer, topic, payload):
+        if self.peer_id == x and peer == validator and topic == BROADCAST_TOPIC and SignedEnvelope.from_bytes(payload, x).topic == "bt.meta":
+            return None
+        return await send(self, peer, topic, payload)
+
+    async def lying(state, st, parts, me):
+        if me == x and st.step == 1:
+            report = state.policy.report
+            monkeypatch.setattr(state.policy, "report", lambda step, norms, s: ({**report(step, norms, s)[0], colluder: 1e6}, s))
+        if me == colluder:
+            monkeypatch.setattr(state.policy, "slander", lambda step, group: [x] if step == 1 else [])
+        return await send_meta(state, st, parts, me)
+
+    monkeypatch.setattr(SimTransport, "members", view)
+    monkeypatch.setattr(SimTransport, "send", withheld)
+    monkeypatch.setattr(btard_verify, "_send_meta", lying)
+    monkeypatch.setattr(btard_verify, "validator_pairs", lambda r, trusted, drawn, m: [(validator, x)])
+    monkeypatch.setattr(btard_verify, "_owner_checks", lambda state, st, me: [] if me == colluder else owner_checks(state, st, me))
+    summary, _, views = _btard_run(tmp_path, "none", "btard.validators=1", peers=5, steps=2, count=0)
+    honest = [p for p in summary["peer_ids"] if p not in (x, colluder)]
+    assert all(x in views[p] and validator not in views[p] for p in honest)
+
+
+def test_a_verification_request_to_a_peer_out_of_view_leaves_time_for_the_answers_transfer():
+    # A peer out of my view (maybe only to me) is asked for btard.timeout / 10, but a whole gradient (bt.grad)
+    # does not cross a slow link in that: at least one pull's time for dim floats, as the all-reduce's pulls.
+    import asyncio
+    import types
+
+    from phalanx.core.serialization import DEFAULT_LIMITS
+    from phalanx.runtime.rounds.btard_validate import ask
+
+    asked: list[float] = []
+
+    class Transport:
+        limits = DEFAULT_LIMITS
+
+        def members(self) -> list[str]:
+            return []
+
+        async def request(self, peer, topic, payload, timeout):
+            asked.append(timeout)
+            return encode({"step": 0})
+
+    state = types.SimpleNamespace(
+        transport=Transport(), btard=BTARDConfig(timeout=1.0), allreduce=AllReduceConfig(pull_bandwidth=1e6), dim=100_000,
+    )
+    assert asyncio.run(ask(state, "gone", "bt.grad", {"step": 0})) == {"step": 0}
+    assert asked == [pytest.approx(0.25 + 0.4)]
+
 
 def test_a_no_meta_claim_is_judged_on_the_agreed_metadata():
     part = torch.ones(2)

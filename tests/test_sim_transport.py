@@ -437,6 +437,25 @@ def test_broadcast_reaches_every_members_board() -> None:
     run_simulation(main)
 
 
+def test_a_quiet_sender_is_waited_for_a_grace_once_the_others_are_in_and_at_least_half() -> None:
+    # collect_passing_over: senders silent in an earlier phase (quiet) get a grace once every other sender's
+    # envelope is in, if those others are at least half of the senders. A group of two whose other member
+    # went silent: my own envelope is half (with "more than half" it waited the whole timeout, every phase).
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        network = SimNetwork()
+        a, b, c = add(network, "a", "b", "c")
+        await a.broadcast("meta", 0, b"x")
+        start = loop.time()
+        got = await a.collect_passing_over("meta", 0, [a.peer_id, b.peer_id], 8.0, lambda got: {b.peer_id}, grace=1.0)
+        assert list(got) == [a.peer_id] and loop.time() - start < 2.0
+        start = loop.time()  # one of three is not at least half: the whole timeout
+        got = await a.collect_passing_over("meta", 0, [a.peer_id, b.peer_id, c.peer_id], 8.0, lambda got: {b.peer_id, c.peer_id}, grace=1.0)
+        assert list(got) == [a.peer_id] and loop.time() - start == pytest.approx(8.0)
+
+    run_simulation(main)
+
+
 def test_equivocation_via_broadcast_topic_yields_a_checkable_proof() -> None:
     async def main() -> None:
         network = SimNetwork()

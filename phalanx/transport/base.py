@@ -125,13 +125,14 @@ class Transport(ABC):
     ) -> dict[str, SignedEnvelope]:
         """`collect_broadcasts`, except that the senders `quiet(arrived)` names (silent in an earlier phase)
         are waited for only a `grace` (default timeout / 4) once every other sender's envelope is in, and
-        those others are more than half of `senders` (so a few early arrivals never pass over the rest)."""
+        those others are at least half of `senders` (so a few early arrivals never pass over the rest; half,
+        not more, so that a group of two whose other member went silent is not waited for in full)."""
         clock = self.clock
         deadline = clock.now() + timeout
 
         def enough(got: dict[str, SignedEnvelope]) -> bool:
             rest = [p for p in senders if p not in quiet(got)]
-            return 2 * len(rest) > len(senders) and all(p in got or p == self.peer_id for p in rest)
+            return 2 * len(rest) >= len(senders) and all(p in got or p == self.peer_id for p in rest)
 
         got = await self.collect_broadcasts(topic, step, senders, timeout, relays, enough)
         missing = [p for p in senders if p not in got and p != self.peer_id]

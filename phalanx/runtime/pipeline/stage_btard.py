@@ -124,6 +124,7 @@ class StageView(Transport):
         self._member = member
         self.inner = inner
         self.group: list[str] = []  # the iteration's candidates (its BEGIN group of this stage)
+        self.fresh = False  # this replica ran no round of the previous iteration (a joiner): see collect_broadcasts
         super().__init__(inner.identity, inner.limits)
         self.clock = inner.clock
         inner.add_message_handler(STAGE_BROADCAST, lambda sender, payload: self.board.receive(sender, payload))
@@ -144,6 +145,16 @@ class StageView(Transport):
 
     async def send(self, peer: str, topic: str, payload: bytes) -> None:
         await self.inner.send(peer, STAGE_BROADCAST if topic == BROADCAST_TOPIC else topic, payload)
+
+    async def collect_broadcasts(self, topic: str, step: int, senders: list[str], timeout: float, relays: int = 2,
+                                 enough=None, patience: float | None = None) -> dict[str, SignedEnvelope]:
+        """The round's collection; a replica that ran no round of the previous iteration (a joiner) asks for the
+        step's joins after a twentieth of the timeout, not a quarter: its peers broadcast them during that round,
+        before it was in their group, so they never come by themselves (it waited 1.26 s, and its peers as long
+        for its commitments, in each iteration a joiner entered a stage)."""
+        if topic == "bt.join" and patience is None and self.fresh:
+            patience = timeout / 20
+        return await super().collect_broadcasts(topic, step, senders, timeout, relays, enough, patience)
 
     def members(self) -> list[str]:
         live = set(self.inner.members())
@@ -259,6 +270,7 @@ class StageRound:
             if self.ledger.is_banned(node.me):  # this replica's own stage banned (or retired) it: no further round
                 return AllReduceResult(torch.zeros_like(vector), (), (), ())
             self.view.group = list(group)
+            self.view.fresh = it - 1 not in self.groups  # kept until the step before it settles (StageAdmission)
             self.groups[it] = list(group)
             self.view.board.prune(it - 2)  # broadcasts older than two iterations are settled
             if self.inputs is not None:
@@ -507,8 +519,10 @@ class StageInputs:
         cannot judge; the target is retired when it departs, `StageAdmission`). The device is charged
         for the recomputation that follows (a forward and a backward per microbatch)."""
         node = self.node
+        # a target that already left my view is asked briefly (it may only look gone to me), not for the whole timeout
+        timeout = self.timeout if target in node.transport.members() else self.timeout / 10
         try:
-            answer = decode(await node.transport.request(target, STAGE_INPUTS, encode({"it": step}), self.timeout),
+            answer = decode(await node.transport.request(target, STAGE_INPUTS, encode({"it": step}), timeout),
                             target, node.transport.limits)
         except RemoteError as exc:
             node.transport.report(exc.evidence)

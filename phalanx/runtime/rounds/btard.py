@@ -12,7 +12,8 @@ The critical path has one synchronisation before aggregation (App. B):
    (the hash of the part hashes), immediately followed by the parts: an owner
    uses a part only once it holds the sender's commitment, so commitments need
    no round of their own. An owner aggregates the parts of the owners whose
-   commitment it holds by its deadline.
+   commitment it holds by its deadline (counted from when more than half of
+   the others had committed, if that came after its own start: `_commitments`).
 2. scatter: the owner checks each part against its commitment: missing or
    mismatching -> ELIMINATE(owner, sender); matching but NaN/Inf, wrong shape
    or dtype -> ACCUSE with the part as proof.
@@ -66,6 +67,7 @@ The config, hooks and shared state are in `btard_state` (re-exported here).
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 from collections.abc import Callable
 from dataclasses import asdict
@@ -243,11 +245,20 @@ class SecureRound(ButterflyAllReduce):
         await tr.broadcast("bt.join", step + 1, self.join_payload(step + 1))
         self._joined.add(step + 1)
         lo, hi = st.bounds[index] if index is not None else (0, 0)
-        relays = len(st.members)
-        envelopes, valid = await asyncio.gather(
-            tr.collect_broadcasts("bt.commit", step, st.committers, self.state.btard.timeout, relays=relays),
-            self._collect(step, PART, {p: (hi - lo,) for p in owners if p != me} if index is not None else {}),
-        )
+        shapes = {p: (hi - lo,) for p in owners if p != me} if index is not None else {}
+
+        async def parts() -> tuple[dict[str, torch.Tensor], set[str]]:
+            got = await self._collect(step, PART, shapes)
+            return got, set(tr.board.get("bt.commit", step))
+
+        envelopes, (valid, committed) = await asyncio.gather(self._commitments(st), parts())
+        late = {p: shape for p, shape in shapes.items() if p not in valid and p in envelopes and p not in committed}
+        if late:
+            # Committed after my parts' collect ended (I started early). An honest committer's part travels
+            # right behind its commitment: what is not here within one pull is missing. A fresh
+            # allreduce.timeout would let a committer hold my scatter back until the others stopped waiting
+            # for my aggregate (their missing_aggregate, then my no_meta, would ban the honest owners).
+            valid.update(await self._collect(step, PART, late, self._one_pull(late)))
         for peer, env in envelopes.items():
             obj = decoded(env.payload, peer, tr)
             if group_in(obj) != g:
@@ -259,6 +270,39 @@ class SecureRound(ButterflyAllReduce):
                 st.commits[peer] = parsed
                 st.take_inputs(peer, obj)
         return valid
+
+    def _one_pull(self, shapes: dict[str, tuple[int, ...]]) -> float:
+        """One pull attempt for the largest of `shapes`, transfer included: how long a tensor that is
+        late after its (late) commitment is still waited for."""
+        return self.config.pull_timeout + 4 * max(math.prod(s) for s in shapes.values()) / self.config.pull_bandwidth
+
+    async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
+        """The step's commitments, waited for btard.timeout from my start, plus how much later than my
+        start more than half of the other committers still in my view had committed (at most one more
+        btard.timeout). So a member that started early (a joiner, whose join collection ended sooner)
+        does not count its head start against the others: a commitment is late against the group, not
+        against my clock (an owner drops a late one, and the drop ELIMINATEs both of them). In lockstep
+        that lag is a latency; a committer that left my view (crashed) adds nothing to it."""
+        tr, me, timeout, relays = self.transport, self.transport.peer_id, self.state.btard.timeout, len(st.members)
+        start = tr.clock.now()
+        others = [p for p in st.committers if p != me]
+
+        def half_in(got: dict[str, SignedEnvelope], present: list[str]) -> bool:
+            # More than half, so that the anchor holds an honest commitment: f < n / 2 colluders that
+            # commit at once are at most half of the others, and would set the group's clock alone.
+            return not present or 2 * sum(1 for p in present if p in got) > len(present)
+
+        def anchored(got: dict[str, SignedEnvelope]) -> bool:
+            view = set(tr.members())
+            return half_in(got, [p for p in others if p in view])
+
+        got = await tr.collect_broadcasts(
+            "bt.commit", st.step, st.committers, 2 * timeout, relays=relays, enough=anchored, patience=timeout / 4
+        )
+        lag = min(tr.clock.now() - start, timeout) if anchored(got) else 0.0
+        return await tr.collect_broadcasts(
+            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays
+        )
 
     async def _reduce(
         self, st: StepState, parts: list[torch.Tensor], index: int, trusted: list[str], valid: dict[str, torch.Tensor],
@@ -379,6 +423,12 @@ class SecureRound(ButterflyAllReduce):
                     st.rcommits[peer] = (h, [], {})
             else:
                 st.rcommits[peer] = parsed
+        late = {o: others[o] for o in others if o in st.rcommits and o not in st.passed and o not in results}
+        if late:
+            # Committed but not collected in time (its owner's scatter ended after my collect, or the aggregate
+            # came after it): one more pull before missing_aggregate, and a well-formed late one is used, not
+            # accused as bad_aggregate.
+            results.update(await self._collect(step, REDUCED, late, self._one_pull(late)))
         rbox = self._inbox.get((step, REDUCED), {})
         out = torch.zeros(self.dim, dtype=torch.float32)
         if mine is not None and me not in st.passed:

@@ -41,8 +41,11 @@ async def validate(state: RoundState, st: StepState, target: str) -> Claim | str
         parts = await committed_parts(state, st, target)
     if parts_guilty(state, st, target, parts, recomputed):
         return Claim(ACCUSE, me, target, "gradient", tuple(sorted(parts.items(), key=lambda item: item[0])))
-    if len(parts) < len(st.bounds):
-        return "unverified"  # what could be had is honest; the rest was aggregated by nobody else
+    # What could be had is honest; the rest was aggregated by nobody else, or the target's metadata never
+    # reached me (my cut passed it over, and it may have sent the others metadata that lies: they judge a
+    # `gradient` claim on that, and my approval would be banned as covering it).
+    if len(parts) < len(st.bounds) or target not in st.meta:
+        return "unverified"
     return None
 
 
@@ -71,7 +74,7 @@ async def _validate_from_inputs(state: RoundState, st: StepState, target: str) -
     parts = await committed_parts(state, st, target)
     if parts_guilty(state, st, target, parts, recomputed):
         return Claim(ACCUSE, me, target, "gradient", (blob, *sorted(parts.items(), key=lambda item: item[0])))
-    if len(parts) < len(st.bounds):
+    if len(parts) < len(st.bounds) or target not in st.meta:
         return "unverified"
     return None
 
@@ -166,9 +169,15 @@ def _matches_commit(state: RoundState, st: StepState, target: str, gradient) -> 
 
 
 async def ask(state: RoundState, peer: str, topic: str, query: dict) -> dict | None:
-    """One verification request; a peer that answers badly is reported, one that does not is None."""
+    """One verification request; a peer that answers badly is reported, one that does not is None.
+    A peer that already left my membership view is asked briefly (it may only look gone to me): a tenth
+    of btard.timeout, or one pull of a whole gradient if that is longer (the answer's transfer)."""
+    timeout = state.btard.timeout
+    if peer not in state.transport.members():
+        transfer = state.allreduce.pull_timeout + 4 * state.dim / state.allreduce.pull_bandwidth
+        timeout = min(timeout, max(timeout / 10, transfer))
     try:
-        answer = decode(await state.transport.request(peer, topic, encode(query), state.btard.timeout), peer, state.transport.limits)
+        answer = decode(await state.transport.request(peer, topic, encode(query), timeout), peer, state.transport.limits)
     except RemoteError as exc:
         state.transport.report(exc.evidence)
         return None

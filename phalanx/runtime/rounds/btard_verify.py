@@ -17,7 +17,8 @@ It runs while the next step computes and all-reduces:
 
 A member silent in an earlier phase of the step (no MPRNG commitment, no reveal, no commitment or metadata
 in any report at hand) is waited for only a grace of btard.timeout / 4 in the later waits, once every other
-member's message is in (`Transport.collect_passing_over`), not the whole timeout again.
+member's message is in (`Transport.collect_passing_over`), not the whole timeout again; one that has left the
+membership view is not waited for once everyone still in it has sent (`_collect_passing_over`).
 
 `verify` returns every claim of the step; `btard_judge` resolves them.
 """
@@ -119,12 +120,12 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
         sending.add_done_callback(state.pending_sends.discard)
     else:
         await tr.broadcast("bt.report", step, report)
-    envelopes = await tr.collect_passing_over(
-        "bt.report", step, group, wait,
-        lambda got: _unheard(st, got), relays=len(group),
-        grace=state.btard.timeout / 4,
-    )
-    envelopes = await _agreed_reports(state, st, envelopes)
+    deadline = tr.clock.now() + wait
+    envelopes = await _collect_passing_over(state, "bt.report", step, group, wait, lambda got: _unheard(st, got), len(group))
+    # A member passed over because it left my view may be in the others' (it only looks gone to me): they
+    # may wait for its report until their deadline, and I must then wait for their lists.
+    looks_gone = any(p not in envelopes and p not in tr.members() for p in group)
+    envelopes = await _agreed_reports(state, st, envelopes, deadline if looks_gone else tr.clock.now())
     everyone: list[Claim] = list(mprng_claims)
     for peer, env in envelopes.items():
         obj = decoded(env.payload, peer, tr)
@@ -149,6 +150,9 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
     everyone += [Claim(ACCUSE, "", peer, "equivocation") for peer in sorted(equivocators)]
     _absorb(state, st)
     if st.z is not None:
+        # V3 counts norms on the agreed metadata: counted on what my own cut held (a member that looked gone
+        # to me alone sent it to the others only), it ran CHECKAVERAGING on some honest peers and not others.
+        await _v3(state, st)
         await _agreed_checks(state, st, equivocators)
     return everyone + _derived_claims(st, equivocators)
 
@@ -166,7 +170,9 @@ async def edge_broadcast(tr: Transport, topic: str, step: int, payload: bytes, d
         await tr.send(peer, BROADCAST_TOPIC, envelope.to_bytes())
 
 
-async def _agreed_reports(state: RoundState, st: StepState, held: dict[str, SignedEnvelope]) -> dict[str, SignedEnvelope]:
+async def _agreed_reports(
+    state: RoundState, st: StepState, held: dict[str, SignedEnvelope], until: float,
+) -> dict[str, SignedEnvelope]:
     """The step's reports as honest peers decide on them, not as each one's deadline cut them.
 
     Each peer broadcasts the digests of the reports it collected (`bt.rseen`), collects those of the
@@ -174,15 +180,15 @@ async def _agreed_reports(state: RoundState, st: StepState, held: dict[str, Sign
     that signed two reports is caught by the proof), and decides on the reports the collected lists
     name, its own included; never on one that reached it only after its own list went out. So a
     report sent to some honest peers just before their deadline and to others just after it counts
-    for all of them or for none, and a reporter that signed two reports counts for none.
+    for all of them or for none, and a reporter that signed two reports counts for none. The lists
+    are waited for btard.timeout / 2, from `until` on (when the others may still collect reports).
     """
     tr, me, step = state.transport, state.transport.peer_id, st.step
     members = set(st.members)
     mine = {peer: digest(env.payload) for peer, env in sorted(held.items())}
     await tr.broadcast("bt.rseen", step, encode({"g": st.g, "seen": mine}))
-    lists = await tr.collect_broadcasts(
-        "bt.rseen", step, [p for p in sorted(held) if p != me], state.btard.timeout / 2, relays=len(st.members)
-    )
+    timeout = max(0.0, until - tr.clock.now()) + state.btard.timeout / 2
+    lists = await _collect_passing_over(state, "bt.rseen", step, sorted(held), timeout, lambda got: set(), len(st.members))
     listed = set(mine)
     wanted: dict[str, list[str]] = {}  # lister -> the reporters it holds that I lack or hold otherwise
     for lister, env in sorted(lists.items()):
@@ -229,15 +235,12 @@ async def _check(
     await _send_meta(state, st, parts, me)
     # A peer may have waited the whole gather timeout for a silent owner's aggregate.
     wait = state.allreduce.timeout + state.btard.timeout
-    envelopes = await tr.collect_passing_over(
-        "bt.meta", step, contributors_all, wait, lambda got: unrevealed, relays=len(group), grace=state.btard.timeout / 4
-    )
+    envelopes = await _collect_passing_over(state, "bt.meta", step, contributors_all, wait, lambda got: unrevealed, len(group))
     for peer, env in envelopes.items():
         parsed = meta_in(env.payload, peer, tr)
         if parsed is not None:
             st.meta[peer] = parsed
     claims += _owner_checks(state, st, me)
-    await _v3(state, st)
     for validator, target in st.pairs:
         if validator == me:
             claim = await validate(state, st, target)
@@ -254,6 +257,40 @@ async def _check(
             evidence = (await state.inputs.fetch(target, step, st.inputs[target]) or b"", *evidence)
         claims.append(Claim(ACCUSE, me, target, "gradient", evidence))
     return approvals, unverified
+
+
+async def _collect_passing_over(
+    state: RoundState, topic: str, step: int, senders: list[str], timeout: float,
+    quiet: Callable[[dict[str, SignedEnvelope]], set[str]], relays: int,
+) -> dict[str, SignedEnvelope]:
+    """`Transport.collect_passing_over` with a grace of btard.timeout / 4, ended early once every sender
+    still in my membership view has sent, some have left it (the transport's failure detection: a crash
+    sends no message, so the view is read every btard.timeout / 10) and those in it are at least half.
+
+    The view is local: a member may look gone to some peers only (a partition, a slow link, a Byzantine
+    that answers some). That changes when a peer stops waiting, not what honest peers decide on: what
+    one cut is in the others' reports' seen-sets and `bt.rseen` lists, and it fetches and takes it as
+    they do. A peer that sees more than half of the senders gone (cut off itself, maybe) waits as before.
+    """
+    tr, me = state.transport, state.transport.peer_id
+    collect = asyncio.ensure_future(
+        tr.collect_passing_over(topic, step, senders, timeout, quiet, relays, grace=state.btard.timeout / 4)
+    )
+
+    def settled() -> bool:
+        held, view = tr.board.get(topic, step), set(tr.members())
+        present = [p for p in senders if p in view]
+        return len(present) < len(senders) <= 2 * len(present) and all(p in held or p == me for p in present)
+
+    try:
+        while not collect.done():
+            await asyncio.wait([collect], timeout=state.btard.timeout / 10)
+            if not collect.done() and settled():
+                held = tr.board.get(topic, step)
+                return {p: held[p] for p in senders if p in held}
+        return collect.result()
+    finally:
+        collect.cancel()
 
 
 def _unheard(st: StepState, got: dict[str, SignedEnvelope]) -> set[str]:

@@ -161,14 +161,17 @@ class ButterflyAllReduce:
 
     # --- phases -----------------------------------------------------------
 
-    async def _collect(self, step: int, kind: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """Wait for each peer's tensor of (step, kind); pull what is late; drop who stays silent.
+    async def _collect(
+        self, step: int, kind: str, shapes: dict[str, tuple[int, ...]], timeout: float | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Wait for each peer's tensor of (step, kind) up to `timeout` (the config's by default); pull
+        what is late; drop who stays silent.
 
         A tensor sent for another group (the sender's membership view differed)
         is not evidence: it is treated as missing.
         """
         clock = self.transport.clock
-        deadline = clock.now() + self.config.timeout
+        deadline = clock.now() + (self.config.timeout if timeout is None else timeout)
         peers = list(shapes)
         await self._wait(step, kind, peers, min(deadline, clock.now() + self.config.pull_after))
         box = self._inbox.setdefault((step, kind), {})
