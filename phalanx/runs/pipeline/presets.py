@@ -75,7 +75,7 @@ def secure_gpt_pipeline() -> PipelineRunConfig:
                                 microbatch_timeout=30.0, iteration_timeout=60.0, aggregation_timeout=20.0),
         allreduce=AllReduceConfig(reducer="centered_clip", tau=1.0),
         network=PipelineNetworkConfig(flops=200e9),
-        sentinel=VerifierConfig(enabled=True, placement="boundary"),
+        sentinel=VerifierConfig(enabled=True, placement="boundary", hop="off_path"),
         btard=BTARDConfig(enabled=True, validators=2),
     )
 

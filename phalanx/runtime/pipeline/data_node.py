@@ -38,7 +38,7 @@ from . import messages as m
 from .forward import Held
 from .node import PipelineNode
 from .relay import parse_util, util_bytes
-from .verifier import VerifierConfig, VerifierHop
+from .verifier import VERDICT, VerifierConfig, VerifierHop
 
 MIN_STAGE_GROUP = 3  # under BTARD per stage a joiner goes to a stage with fewer live replicas than this first
 
@@ -74,8 +74,16 @@ class DataNode(PipelineNode):
     them, routes forwards to the next stage itself and delivers gradients.
     """
 
-    def __init__(self, *args, sentinel: VerifierConfig | None = None, **kwargs) -> None:
+    def __init__(self, *args, sentinel: VerifierConfig | None = None, verdict_timeout: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # hop=off_path: the boundary verifiers' verdicts on my microbatches' relay-sent tensors, by (key, it) and
+        # (direction, link, receiver) -> (cleared, digest judged); digests of what relays sent me; the wait for them
+        self.verdict_timeout = verdict_timeout
+        self.verdicts: dict[tuple[m.Key, int], dict[tuple[str, int, str], tuple[bool, bytes]]] = {}
+        self.got: dict[tuple[m.Key, int, str], bytes] = {}
+        self._verdict = asyncio.Event()
+        if self.off_path:
+            self.transport.add_message_handler(VERDICT, self._on_verdict)
         self.verifier: VerifierHop | None = None
         if sentinel is not None:
             self.client_routed = True
@@ -158,12 +166,16 @@ class DataNode(PipelineNode):
             query = util_bytes(UtilQuery(self.me, "", self.me, it, ()))
             for peer in self.live(1):
                 await self.transport.send(peer, m.UTIL, query)
+        if self.off_path:
+            await self.await_verdicts(it, [mb for mb in batch if mb.outcome == "ok"])
         finished = [mb for mb in batch if mb.outcome == "ok"]
         for mb in batch:
             if mb.outcome != "ok":
-                mb.outcome = "deferred"
                 self.held.pop(mb.key(self.me), None)
                 self.rerouted.add(mb.key(self.me))  # its backward may still come before the aggregation: STALE
+                if mb.outcome == "flagged":
+                    continue  # left out for good: run again, the same batch would be flagged again (an honest outlier)
+                mb.outcome = "deferred"
                 self.deferred.append(Microbatch(mb.seq, mb.x, mb.y, mb.first_it))
         report = {"it": it, "done": [[self.me, mb.seq, mb.att, list(mb.path)] for mb in finished],
                   "suspects": sorted(self.suspects)}
@@ -376,6 +388,9 @@ class DataNode(PipelineNode):
                 return m.answer(m.STALE)  # an old attempt or iteration: not evidence
             raise RemoteError(Evidence(sender, "unknown_microbatch", f"output of {m.key_name(c.key)} I never sent", c.it))
         check_tensor(c.tensor, sender, shape=self.staged.out_shapes[self.last], dtype=torch.float32, step=c.it)
+        self.receipt(CHECK_FORWARD, c, sender)
+        if self.off_path:
+            self.got[(c.key, c.it, CHECK_FORWARD)] = m.tensor_digest(c.tensor)
         tensor = await self.inbound(CHECK_FORWARD, c)
         if tensor is None:
             return m.answer(m.DENIED)
@@ -396,6 +411,8 @@ class DataNode(PipelineNode):
         if mb is None:
             return
         mb.path, mb.recomputed, mb.t_end, mb.outcome = carry.path, carry.recomputed, self.now(), "ok"
+        if self.off_path:
+            self.got[(key, carry.it, CHECK_BACKWARD)] = m.tensor_digest(carry.tensor)
         mb.done.set()
         self._freed.set()
         self._freed = asyncio.Event()
@@ -408,6 +425,69 @@ class DataNode(PipelineNode):
         tensor = self.verifier.judge(direction, c, self.me)
         await self.transport.charge_compute(self.verifier.cost(c.tensor))
         return tensor
+
+    def _on_verdict(self, sender: str, payload: bytes) -> None:
+        """A boundary verifier's verdict on a relay-sent tensor of one of my microbatches (hop=off_path)."""
+        if sender not in self.verifiers.values():
+            raise RemoteError(Evidence(sender, "false_stage", "a verdict from a peer that verifies no link"))
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "verdict")
+        key = m.parse_key(obj, sender)
+        it, direction, link, to, ok, sent = (obj.get(k) for k in ("it", "dir", "link", "to", "ok", "sent"))
+        if not (type(it) is int and direction in (CHECK_FORWARD, CHECK_BACKWARD) and type(link) is int
+                and isinstance(to, str) and isinstance(ok, bool) and isinstance(sent, bytes)) or key[0] != self.me:
+            raise RemoteError(Evidence(sender, "malformed", "bad verdict"))
+        if it < self.version - 1:
+            return
+        slots = self.verdicts.setdefault((key, it), {})
+        slots[(direction, link, to)] = (ok and slots.get((direction, link, to), (True, b""))[0], sent)
+        self._verdict.set()
+
+    def clearance(self, mb: Microbatch, it: int) -> bool | None:
+        """Whether every relay-sent tensor on the microbatch's path was cleared by its link's verifier (True),
+        one was flagged or differs from what I received (False), or verdicts are still missing (None).
+        Judged: forward, links 1..S (the sender path[l], to path[l + 1], me for the output); backward,
+        links 0..S-1 (path[l + 1] to path[l]); what I send is not judged."""
+        key = mb.key(self.me)
+        slots = self.verdicts.get((key, it), {})
+        if not all(ok for ok, _ in slots.values()):
+            return False
+        path, last = mb.path, self.last
+        if len(path) != last + 1:
+            return False
+        expected = [(CHECK_FORWARD, link, path[link + 1] if link < last else self.me) for link in range(1, last + 1)]
+        expected += [(CHECK_BACKWARD, link, path[link]) for link in range(last)]
+        for slot in expected:
+            if slot not in slots:
+                return None
+            if slot[2] == self.me:
+                sent = slots[slot][1]
+                if self.got.get((key, it, slot[0])) != sent:
+                    return False
+        return True
+
+    async def await_verdicts(self, it: int, finished: list[Microbatch]) -> None:
+        """Before BEGIN: wait (at most `verdict_timeout`) until each finished microbatch is cleared or flagged.
+        One flagged is left out of the aggregation for good; one still unverified at the timeout (a verifier
+        that never answers, a relay that skipped its copy or a receiver its receipt) is left out and deferred
+        to the next iteration: no stage aggregates a gradient computed from a tensor no verifier cleared."""
+        deadline = self.now() + self.verdict_timeout
+        while (waiting := [mb for mb in finished if self.clearance(mb, it) is None]) and self.now() < deadline:
+            self._verdict.clear()
+            try:
+                await asyncio.wait_for(self._verdict.wait(), deadline - self.now())
+            except asyncio.TimeoutError:
+                break
+        for mb in finished:
+            state = self.clearance(mb, it)
+            if state is not True:
+                mb.outcome = "unverified" if state is None else "flagged"
+                self.on_event({"kind": "unverified", "peer": self.me, "it": it, "mb": m.key_name(mb.key(self.me)),
+                               "src": self.me, "seq": mb.seq, "att": mb.att, "flagged": state is False,
+                               "t": self.now()})
+        for old in [k for k in self.verdicts if k[1] < it]:
+            del self.verdicts[old]
+        for old in [k for k in self.got if k[1] < it]:
+            del self.got[old]
 
     def _choose_next(self, c: m.Carry, excluded: set[str]) -> str | None:
         candidates = [p for p in self.live(c.stage) if p not in excluded]

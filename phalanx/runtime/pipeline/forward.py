@@ -51,6 +51,7 @@ class Forward:
         check_tensor(c.tensor, sender, shape=self.staged.input_shape(self.stage), dtype=torch.float32, step=c.it)
         if self.sealing:
             self.check_seal(CHECK_FORWARD, c, sender)
+        self.receipt(CHECK_FORWARD, c, sender)
         if c.it < self.version:
             return m.answer(m.STALE)
         if self.sealing:  # two sealed activations for one microbatch in one iteration: their signer equivocates

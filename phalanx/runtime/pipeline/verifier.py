@@ -28,6 +28,25 @@ restart, the crash path), so they are rerouted around the banned peer.
 Upstream blame across separate boundary verifiers uses the path the carry
 claims (see `Sentinel.check_forward`'s `upstream`): a relay could put a
 peer into a path it forwards to frame it, a limitation noted in the docs.
+
+`hop=off_path` (boundary placement only): the verifier leaves the data path.
+A sender sends its carry straight to the receiver and, first, a COPY of it
+(the tensor with the sender's signed hop record) to the link's verifier;
+the receiver sends the verifier a RECEIPT (the sender's signed record that
+came with what it received). The verifier judges the copy as it would have
+judged the VIA request (same statistics, taint, bind sketches, bans), and
+tells the microbatch's data node its VERDICT per link and direction. A
+tensor is cleared when its copy passed and (for a relay receiver) the
+receipt names the same digest; a receiver that is a data node compares the
+digest in the verdict itself. Two signed records of one hop with different
+digests are the sender's equivocation: banned at once. Nothing is
+substituted: a flagged gradient (or activation) has its microbatch left out
+of the aggregation by its data node, which aggregates only microbatches
+whose every relay-sent tensor was cleared (a verdict missing after
+`verdict_timeout`: not cleared, deferred to the next iteration), so no
+stage aggregates a gradient computed from a flagged tensor. Judging waits
+(at most `verdict_timeout / 4`) for the bind sketch of the sender's input,
+which the upstream verifier now sends beside, not ahead of, the tensor.
 """
 
 from __future__ import annotations
@@ -56,7 +75,11 @@ from .config import PipelineConfig
 VIA = "pp.via"  # request, sender -> verifier hop: {"dir", "to", "carry"}; answered with the receiver's word
 BAN = "pp.ban"  # one-way, verifier -> every member: {"peer", "it", "keys"}
 TAINT = "pp.taint"  # one-way, boundary verifier -> the other verifiers: a microbatch flagged forward / substituted back
+COPY = "pp.copy"  # one-way, sender -> link verifier (hop=off_path): {"dir", "to", "carry"}, as VIA
+RECEIPT = "pp.receipt"  # one-way, receiver -> link verifier (hop=off_path): {"hop"}, the sender's record it got
+VERDICT = "pp.verdict"  # one-way, link verifier -> data node (hop=off_path): {"key", "it", "dir", "link", "ok", "sent"}
 PLACEMENTS = ("boundary", "data_node")
+HOPS = ("inline", "off_path")
 FORWARD_RESPONSES = ("pass", "substitute")
 
 
@@ -78,6 +101,8 @@ class VerifierConfig(SentinelConfig):
     forward_response: str = "pass"  # pass | substitute
     verifier_flops: float = 50e9
     signed_hops: bool = True  # boundary placement: blame upstream only along verifiers' signed hop records
+    hop: str = "inline"  # boundary placement: inline (traffic goes through the verifier) | off_path (a copy does)
+    verdict_timeout: float = 1.0  # off_path: how long a data node waits for its microbatches' verdicts before BEGIN
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,6 +116,18 @@ class VerifierConfig(SentinelConfig):
                 f"sentinel.forward_response={self.forward_response!r} must be one of {', '.join(FORWARD_RESPONSES)}")
         if not (math.isfinite(self.verifier_flops) and self.verifier_flops > 0):
             raise ConfigError(f"sentinel.verifier_flops={self.verifier_flops!r} must be a finite number > 0")
+        if self.hop not in HOPS:
+            raise ConfigError(f"sentinel.hop={self.hop!r} must be one of {', '.join(HOPS)}")
+        if self.hop == "off_path" and (self.placement != "boundary" or self.forward_response != "pass"):
+            raise ConfigError("sentinel.hop=off_path needs sentinel.placement=boundary and sentinel.forward_response=pass "
+                              "(off the path nothing can be substituted); use sentinel.hop=inline")
+        if not (isinstance(self.verdict_timeout, (int, float)) and math.isfinite(self.verdict_timeout)
+                and self.verdict_timeout > 0):
+            raise ConfigError(f"sentinel.verdict_timeout={self.verdict_timeout!r} must be a finite number of seconds > 0")
+
+    @property
+    def off_path(self) -> bool:
+        return self.enabled and self.placement == "boundary" and self.hop == "off_path"
 
     def statistics(self, seed: int) -> SentinelConfig:
         """The `Sentinel` parameters, with the projection streams seeded by the run."""
@@ -153,7 +190,17 @@ class VerifierHop:
         self.dropped: dict[m.Key, int] = {}  # microbatch attempts being rerouted -> iteration: their traffic is refused
         self.iteration = 0
         self._tasks: set[asyncio.Task] = set()
+        # hop=off_path: (key, it, direction, link, receiver) -> (digest, passed, sender, carry) of a judged copy, the
+        # digest its receiver's receipt names; input sketches arrived (key, stage, direction) -> (iteration, sketch),
+        # and their waiters
+        self.copies: dict[tuple, tuple[bytes, bool, str, m.Carry]] = {}
+        self.receipts: dict[tuple, tuple[str, bytes]] = {}
+        self.inputs: dict[tuple, tuple[int, torch.Tensor]] = {}
+        self._input_waits: dict[tuple, asyncio.Event] = {}
         transport.add_request_handler(VIA, self._on_via)
+        if config.off_path:
+            transport.add_message_handler(COPY, self._on_copy)
+            transport.add_message_handler(RECEIPT, self._on_receipt)
 
     # --- judging --------------------------------------------------------------
 
@@ -182,10 +229,20 @@ class VerifierHop:
         if not self.links or peer == self.me:
             self.sentinel.record_input(c.key, stage, direction, sketch)
         elif peer is not None:
-            body = encode({"input": [stage, direction, sketch], "key": list(c.key)})
+            body = encode({"input": [stage, direction, sketch], "key": list(c.key), **self._iteration_note(c.it)})
             self.spawn(self.transport.send(peer, TAINT, body))
 
     def _judged(self, direction: str, c: m.Carry, sender: str, receiver: str) -> torch.Tensor | None:
+        verdict = self._assess(direction, c, sender, receiver)
+        if verdict is None:
+            return None
+        if direction == FORWARD and verdict.flagged and self.config.forward_response == "substitute":
+            return self.sentinel.momentum(verdict.link, c.tensor, FORWARD)
+        return verdict.passed_on(c.tensor)
+
+    def _assess(self, direction: str, c: m.Carry, sender: str, receiver: str) -> Verdict | None:
+        """Judge a relay's carry (hop records, statistics, taint shared with the other verifiers); None: its
+        sender is banned (the microbatch is rerouted)."""
         link = link_of(direction, c)
         signed = self.signs
         upstream, problem = self._signed_upstream(direction, c, sender, receiver) if signed else (None, "")
@@ -193,29 +250,27 @@ class VerifierHop:
             tainted = self.sentinel.taint_of(c.key)
             verdict = self.sentinel.reject(link, direction, sender, c.key, problem, c.tensor)
             if direction == FORWARD and tainted is None and self.sentinel.taint_of(c.key) is not None:
-                self._share({"tainted": [link, sender]}, c.key)
+                self._share({"tainted": [link, sender]}, c.key, c.it)
             elif verdict.substitute is not None:
-                self._share({"replaced": link}, c.key)
+                self._share({"replaced": link}, c.key, c.it)
         elif direction == FORWARD:
             if not signed:  # the path the carry claims (a relay can write anyone into it)
                 upstream = {s: c.path[s] for s in range(1, len(c.path) - 1)}
             tainted = self.sentinel.taint_of(c.key)
             verdict = self.sentinel.check_forward(link, sender, c.key, c.tensor, upstream=upstream)
             if tainted is None and self.sentinel.taint_of(c.key) is not None:
-                self._share({"tainted": [link, sender]}, c.key)
+                self._share({"tainted": [link, sender]}, c.key, c.it)
         else:
             if not signed:
                 upstream = {s: c.path[s] for s in range(1, c.stage + 1)}
             verdict = self.sentinel.check_backward(link, sender, c.key, c.tensor, upstream=upstream)
             if verdict.substitute is not None:
-                self._share({"replaced": link}, c.key)
+                self._share({"replaced": link}, c.key, c.it)
         self._record(verdict, c)
         if verdict.reason == "banned":
             self.spawn(self.reroute(sender, c))
             return None
-        if direction == FORWARD and verdict.flagged and self.config.forward_response == "substitute":
-            return self.sentinel.momentum(link, c.tensor, FORWARD)
-        return verdict.passed_on(c.tensor)
+        return verdict
 
     @property
     def signs(self) -> bool:
@@ -235,6 +290,8 @@ class VerifierHop:
             return None, "unsigned"
         if own.sent != m.tensor_digest(c.tensor) or (direction == FORWARD and receiver and own.to != receiver):
             return None, "forged_hop"
+        if self.config.off_path:
+            return self._chained_upstream(direction, c)
         before = self.links.get(link - 1 if direction == FORWARD else link + 1)
         prev = hops[-2] if len(hops) >= 2 else None
         if before is not None and (prev is None or prev.signer != before or prev.to != sender
@@ -248,6 +305,25 @@ class VerifierHop:
             if record is None or not self._verified(record, direction, c):
                 return None, "forged_hop"
             upstream[earlier] = record.sender
+        return upstream, ""
+
+    def _chained_upstream(self, direction: str, c: m.Carry) -> tuple[dict[int, str] | None, str]:
+        """Off the path no verifier signs the carry: forward, the record of every earlier link must be signed
+        by the path's sender over it and chain to the next one (addressed to the next signer, handing on what
+        that one says it received), so the path names only peers that signed for it. Backward: the sender's
+        own record only (upstream senders are those this verifier saw forward)."""
+        if direction == BACKWARD:
+            return None, ""
+        link = link_of(direction, c)
+        records = {h.link: h for h in c.hops if self._verified(h, direction, c)}
+        upstream = {}
+        for earlier in range(link):
+            record, following = records.get(earlier), records.get(earlier + 1)
+            if (record is None or following is None or record.signer != c.path[earlier]
+                    or record.to != following.signer or record.sent != following.received):
+                return None, "forged_hop"
+            if earlier >= 1:
+                upstream[earlier] = record.signer
         return upstream, ""
 
     @staticmethod
@@ -269,19 +345,29 @@ class VerifierHop:
                            m.tensor_digest(c.tensor), m.tensor_digest(passed), receiver)
         return dataclasses.replace(c, tensor=passed, hops=c.hops + (hop,))
 
-    def _share(self, note: dict, key: m.Key) -> None:
+    def _share(self, note: dict, key: m.Key, it: int) -> None:
         """Tell the other verifiers (they judge the microbatch's other links) what this one did to it."""
-        body = encode({**note, "key": list(key)})
+        body = encode({**note, "key": list(key), **self._iteration_note(it)})
         for peer in self.peers:
             self.spawn(self.transport.send(peer, TAINT, body))
+
+    def _iteration_note(self, it: int) -> dict:
+        """Off the path notes name their iteration: a deferred microbatch comes again under the same key, and
+        a verifier must not judge its new tensors against what it remembers of the old ones."""
+        return {"it": it} if self.config.off_path else {}
 
     def on_taint(self, sender: str, payload: bytes) -> None:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "taint note")
         key = m.parse_key(dict(zip(("src", "seq", "att"), obj.get("key") or [])), sender)
         tainted, replaced, bound = obj.get("tainted"), obj.get("replaced"), obj.get("input")
+        it = obj.get("it")
+        if self.config.off_path and type(it) is int and key in self.seen and self.seen[key][0] < it:
+            self._renew(key, it)
         if isinstance(bound, list) and len(bound) == 3 and type(bound[0]) is int and bound[1] in (FORWARD, BACKWARD) \
                 and isinstance(bound[2], torch.Tensor) and bound[2].dim() == 2 and bound[2].is_floating_point():
             self.sentinel.record_input(key, bound[0], bound[1], bound[2].float())
+            if type(it) is int:
+                self._input_arrived((key, bound[0], bound[1]), it, bound[2].float())
         elif isinstance(tainted, list) and len(tainted) == 2 and type(tainted[0]) is int and isinstance(tainted[1], str):
             self.sentinel.mark_tainted(key, tainted[0], tainted[1])
         elif type(replaced) is int:
@@ -299,6 +385,10 @@ class VerifierHop:
                 self.forget(key)
             for key in [k for k, it in self.dropped.items() if it < c.it - 1]:
                 del self.dropped[key]
+            for table in (self.copies, self.receipts):
+                for slot in [k for k in table if k[1] < c.it - 1]:
+                    del table[slot]
+            self.inputs = {k: v for k, v in self.inputs.items() if v[0] >= c.it - 1}
         it, nodes = self.seen.setdefault(c.key, (c.it, set()))
         nodes.update(p for p in c.path if not self.trusted(p))
         if receiver and not self.trusted(receiver):
@@ -320,7 +410,7 @@ class VerifierHop:
             "kind": "verdict", "by": self.me, "peer": verdict.worker, "link": verdict.link,
             "direction": verdict.direction, "mb": m.key_name(c.key), "src": c.key[0], "seq": c.key[1],
             "att": c.key[2], "it": c.it, "flagged": verdict.flagged, "reason": verdict.reason,
-            "substituted": verdict.substitute is not None, "outside": list(verdict.outside),
+            "substituted": verdict.substitute is not None and not self.config.off_path, "outside": list(verdict.outside),
             "distances": dict(verdict.distances), "convicted": list(verdict.convicted),
             "suspects": list(verdict.suspects), "t": self.transport.clock.now(),
         })
@@ -356,21 +446,26 @@ class VerifierHop:
 
     # --- the VIA hop ------------------------------------------------------------------
 
-    async def _on_via(self, sender: str, payload: bytes) -> bytes:
-        obj = m.parse_mapping(payload, sender, self.transport.limits, "via request")
+    def _parse_hop(self, sender: str, payload: bytes, what: str) -> tuple[str, str, m.Carry]:
+        """(direction, receiver, carry) of a VIA request or a COPY; evidence against the sender if malformed."""
+        obj = m.parse_mapping(payload, sender, self.transport.limits, f"{what} request")
         direction, to, raw = obj.get("dir"), obj.get("to"), obj.get("carry")
         if direction not in (FORWARD, BACKWARD) or not isinstance(to, str) or not isinstance(raw, bytes):
-            raise RemoteError(Evidence(sender, "malformed", "bad via request"))
+            raise RemoteError(Evidence(sender, "malformed", f"bad {what} request"))
         c = m.parse_carry(raw, sender, self.transport.limits, self.last + 1)
         if (direction == FORWARD and (len(c.path) != c.stage or c.stage < 1)) or (
                 direction == BACKWARD and (len(c.path) != self.last + 1 or c.stage > self.last)):
-            raise RemoteError(Evidence(sender, "malformed", "via carry with an inconsistent path", c.it))
+            raise RemoteError(Evidence(sender, "malformed", f"{what} carry with an inconsistent path", c.it))
         if sender_of(direction, c, self.last) != sender:
-            raise RemoteError(Evidence(sender, "false_stage", "via carry sent by a peer not at its place in the path", c.it))
+            raise RemoteError(Evidence(sender, "false_stage", f"{what} carry sent by a peer not at its place in the path", c.it))
         if direction == BACKWARD:
             to = c.path[c.stage]
         elif c.stage == self.last + 1:
             to = c.key[0]
+        return direction, to, c
+
+    async def _on_via(self, sender: str, payload: bytes) -> bytes:
+        direction, to, c = self._parse_hop(sender, payload, "via")
         tensor = self.judge(direction, c, to)
         if tensor is None:
             return m.answer(m.STALE if c.key in self.dropped else m.DENIED)
@@ -380,6 +475,119 @@ class VerifierHop:
         if to:
             return m.answer(await self.deliver(to, topic, c))
         return m.answer(await self.route(c))
+
+    # --- off the path (hop=off_path): copies, receipts, verdicts --------------------------------------
+
+    def _on_copy(self, sender: str, payload: bytes) -> None:
+        """A sender's copy of a carry it sends straight to its receiver: judge it and tell the data node."""
+        direction, to, c = self._parse_hop(sender, payload, "copy")
+        self.spawn(self._judge_copy(sender, direction, to, c))
+
+    async def _judge_copy(self, sender: str, direction: str, to: str, c: m.Carry) -> None:
+        trusted = self.trusted(sender)
+        if not trusted and self.sentinel.binds:
+            await self._await_input(direction, c)
+        await self.transport.charge_compute(self.cost(c.tensor))
+        if self.dropped.get(c.key, -1) >= c.it:
+            return
+        if c.key in self.seen and self.seen[c.key][0] < c.it:
+            self._renew(c.key, c.it)
+        self._remember(c, to)
+        verdict = None if trusted else self._assess(direction, c, sender, to)
+        if verdict is None:
+            if trusted and self.sentinel.binds:
+                self._bind_input(direction, c, c.tensor)  # a data node's tensor is not judged
+            return  # (or its sender is banned: the microbatch is rerouted)
+        slot = (c.key, c.it, direction, link_of(direction, c), to)
+        sent = m.tensor_digest(c.tensor)
+        passed = not verdict.flagged and verdict.substitute is None
+        self.copies[slot] = (sent, passed, sender, c)
+        if not passed or self.trusted(to):  # a data node compares the digest with what it received itself
+            self._tell(slot, passed, sent)
+        if slot in self.receipts:
+            self._pair(slot)
+
+    def _on_receipt(self, sender: str, payload: bytes) -> None:
+        """A receiver forwards the sender's signed record of what it received: it must name the digest of
+        the copy this verifier judged."""
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "receipt")
+        hop = m.parse_hop(obj.get("hop"), sender)
+        if not hop.valid() or hop.to != sender:
+            raise RemoteError(Evidence(sender, "forged_hop", "a receipt with a record not signed to it", hop.it))
+        slot = (hop.key, hop.it, hop.direction, hop.link, sender)
+        if hop.it < self.iteration - 1 or slot in self.receipts:
+            return
+        self.receipts[slot] = (hop.signer, hop.sent)
+        if slot in self.copies:
+            self._pair(slot)
+
+    def _pair(self, slot: tuple) -> None:
+        """The copy judged and the receipt are in. The same digest: the receiver got what was judged, so the
+        tensor is cleared and its sketch goes to the verifier that judges the receiver's own output (not
+        before: that one must not judge an output computed from a tensor it cannot know is the one judged).
+        Two digests signed by the sender for one hop are its equivocation (it showed the verifier another
+        tensor than the receiver): banned at once, the microbatch flagged, tainted for the other verifiers."""
+        sent, passed, sender, c = self.copies[slot]
+        signer, received = self.receipts[slot]
+        if signer != sender:
+            return  # a record of another sender: not this copy's hop
+        key, it, direction, link, to = slot
+        if received == sent:
+            if self.sentinel.binds:
+                self._bind_input(direction, c, c.tensor)
+            if passed and not self.trusted(to):
+                self._tell(slot, True, sent)
+            return
+        if direction == FORWARD:
+            self.sentinel.mark_tainted(key, link, sender)
+            self._share({"tainted": [link, sender]}, key, it)
+        else:
+            self.sentinel.mark_replaced(key, link)
+            self._share({"replaced": link}, key, it)
+        self.on_event({"kind": "verdict", "by": self.me, "peer": sender, "link": link, "direction": direction,
+                       "mb": m.key_name(key), "src": key[0], "seq": key[1], "att": key[2], "it": it, "flagged": True,
+                       "reason": "forked_copy", "substituted": False, "outside": [], "distances": {},
+                       "convicted": [sender], "suspects": [sender], "t": self.transport.clock.now()})
+        self.copies[slot] = (sent, False, sender, c)
+        self._tell(slot, False, sent)
+        if sender not in self.sentinel.banned():
+            self.sentinel.ban(sender)
+            self.spawn(self.announce(sender, it, link))
+
+    def _tell(self, slot: tuple, passed: bool, sent: bytes) -> None:
+        key, it, direction, link, to = slot
+        body = encode({"src": key[0], "seq": key[1], "att": key[2], "it": it, "dir": direction, "link": link,
+                       "to": to, "ok": passed, "sent": sent})
+        self.spawn(self.transport.send(key[0], VERDICT, body))
+
+    def _input_arrived(self, slot: tuple, it: int, sketch: torch.Tensor) -> None:
+        self.inputs[slot] = (it, sketch)
+        event = self._input_waits.pop(slot, None)
+        if event is not None:
+            event.set()
+
+    def _renew(self, key: m.Key, it: int) -> None:
+        """A microbatch its data node deferred comes again under the same key in a later iteration: a new
+        computation, not a resend. Forget what was judged of it (its taint, its first tensors: they would make
+        the new ones look like equivocation) and keep only the input sketches of the new iteration."""
+        self.forget(key)
+        for (k, stage, direction), (at, sketch) in self.inputs.items():
+            if k == key and at == it:
+                self.sentinel.record_input(key, stage, direction, sketch)
+
+    async def _await_input(self, direction: str, c: m.Carry) -> None:
+        """Wait (at most verdict_timeout / 4) for the sketch of what the sender's stage was given, which the
+        previous link's verifier sends once it has judged that tensor: it may come after the sender's output."""
+        link = link_of(direction, c)
+        stage = link if direction == FORWARD else link + 1
+        slot = (c.key, stage, direction)
+        if not 1 <= stage <= self.last or self.inputs.get(slot, (-1,))[0] >= c.it or not self.links:
+            return
+        event = self._input_waits.setdefault(slot, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), self.config.verdict_timeout / 4)
+        except asyncio.TimeoutError:
+            self._input_waits.pop(slot, None)
 
     async def deliver(self, to: str, topic: str, c: m.Carry) -> str:
         """Send the judged carry to its receiver; a failure is answered DENIED (the sender tries elsewhere)."""
