@@ -38,7 +38,7 @@ from . import messages as m
 from .forward import Held
 from .node import PipelineNode
 from .relay import parse_util, util_bytes
-from .verifier import VERDICT, VerifierConfig, VerifierHop
+from .verifier import VERDICT, VerifierConfig, VerifierHop, chained_upstream
 
 MIN_STAGE_GROUP = 3  # under BTARD per stage a joiner goes to a stage with fewer live replicas than this first
 
@@ -77,10 +77,10 @@ class DataNode(PipelineNode):
     def __init__(self, *args, sentinel: VerifierConfig | None = None, verdict_timeout: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # hop=off_path: the boundary verifiers' verdicts on my microbatches' relay-sent tensors, by (key, it) and
-        # (direction, link, receiver) -> (cleared, digest judged); digests of what relays sent me; the wait for them
+        # (direction, link, sender, receiver) -> cleared; the digest of the output I took per (key, it); the wait
         self.verdict_timeout = verdict_timeout
-        self.verdicts: dict[tuple[m.Key, int], dict[tuple[str, int, str], tuple[bool, bytes]]] = {}
-        self.got: dict[tuple[m.Key, int, str], bytes] = {}
+        self.verdicts: dict[tuple[m.Key, int], dict[tuple[str, int, str, str], bool]] = {}
+        self.outputs: dict[tuple[m.Key, int], bytes] = {}
         self._verdict = asyncio.Event()
         if self.off_path:
             self.transport.add_message_handler(VERDICT, self._on_verdict)
@@ -388,9 +388,13 @@ class DataNode(PipelineNode):
                 return m.answer(m.STALE)  # an old attempt or iteration: not evidence
             raise RemoteError(Evidence(sender, "unknown_microbatch", f"output of {m.key_name(c.key)} I never sent", c.it))
         check_tensor(c.tensor, sender, shape=self.staged.out_shapes[self.last], dtype=torch.float32, step=c.it)
-        self.receipt(CHECK_FORWARD, c, sender)
         if self.off_path:
-            self.got[(c.key, c.it, CHECK_FORWARD)] = m.tensor_digest(c.tensor)
+            # the first output whose records chain from mine counts; one planted by a relay off the path, or a
+            # second one, is refused (not evidence: the sender may be honest and an upstream relay have lied)
+            digest = m.tensor_digest(c.tensor)
+            if chained_upstream(c)[1] or self.outputs.setdefault((c.key, c.it), digest) != digest:
+                return m.answer(m.DENIED)
+        self.receipt(CHECK_FORWARD, c, sender)
         tensor = await self.inbound(CHECK_FORWARD, c)
         if tensor is None:
             return m.answer(m.DENIED)
@@ -411,8 +415,6 @@ class DataNode(PipelineNode):
         if mb is None:
             return
         mb.path, mb.recomputed, mb.t_end, mb.outcome = carry.path, carry.recomputed, self.now(), "ok"
-        if self.off_path:
-            self.got[(key, carry.it, CHECK_BACKWARD)] = m.tensor_digest(carry.tensor)
         mb.done.set()
         self._freed.set()
         self._freed = asyncio.Event()
@@ -427,43 +429,38 @@ class DataNode(PipelineNode):
         return tensor
 
     def _on_verdict(self, sender: str, payload: bytes) -> None:
-        """A boundary verifier's verdict on a relay-sent tensor of one of my microbatches (hop=off_path)."""
-        if sender not in self.verifiers.values():
-            raise RemoteError(Evidence(sender, "false_stage", "a verdict from a peer that verifies no link"))
+        """A boundary verifier's verdict on a relay-sent tensor of one of my microbatches (hop=off_path), from
+        that link's verifier only. A flag is final: a later clearing of the same slot does not undo it."""
         obj = m.parse_mapping(payload, sender, self.transport.limits, "verdict")
         key = m.parse_key(obj, sender)
-        it, direction, link, to, ok, sent = (obj.get(k) for k in ("it", "dir", "link", "to", "ok", "sent"))
+        it, direction, link, relay, to, ok = (obj.get(k) for k in ("it", "dir", "link", "sender", "to", "ok"))
         if not (type(it) is int and direction in (CHECK_FORWARD, CHECK_BACKWARD) and type(link) is int
-                and isinstance(to, str) and isinstance(ok, bool) and isinstance(sent, bytes)) or key[0] != self.me:
+                and isinstance(relay, str) and isinstance(to, str) and isinstance(ok, bool)) or key[0] != self.me:
             raise RemoteError(Evidence(sender, "malformed", "bad verdict"))
+        if sender != self.verifiers.get(link):
+            raise RemoteError(Evidence(sender, "false_stage", f"a verdict on link {link} from a peer that does not verify it"))
         if it < self.version - 1:
             return
         slots = self.verdicts.setdefault((key, it), {})
-        slots[(direction, link, to)] = (ok and slots.get((direction, link, to), (True, b""))[0], sent)
+        slot = (direction, link, relay, to)
+        slots[slot] = ok and slots.get(slot, True)
         self._verdict.set()
 
     def clearance(self, mb: Microbatch, it: int) -> bool | None:
         """Whether every relay-sent tensor on the microbatch's path was cleared by its link's verifier (True),
-        one was flagged or differs from what I received (False), or verdicts are still missing (None).
-        Judged: forward, links 1..S (the sender path[l], to path[l + 1], me for the output); backward,
-        links 0..S-1 (path[l + 1] to path[l]); what I send is not judged."""
-        key = mb.key(self.me)
-        slots = self.verdicts.get((key, it), {})
-        if not all(ok for ok, _ in slots.values()):
-            return False
+        one was flagged (False), or verdicts are still missing (None). Judged: forward, links 1..S (the sender
+        path[l] to path[l + 1], me for the output); backward, links 0..S-1 (path[l + 1] to path[l]); what I send
+        is not judged. Verdicts about other senders or receivers are not about this path: ignored."""
+        slots = self.verdicts.get((mb.key(self.me), it), {})
         path, last = mb.path, self.last
         if len(path) != last + 1:
             return False
-        expected = [(CHECK_FORWARD, link, path[link + 1] if link < last else self.me) for link in range(1, last + 1)]
-        expected += [(CHECK_BACKWARD, link, path[link]) for link in range(last)]
-        for slot in expected:
-            if slot not in slots:
-                return None
-            if slot[2] == self.me:
-                sent = slots[slot][1]
-                if self.got.get((key, it, slot[0])) != sent:
-                    return False
-        return True
+        expected = [(CHECK_FORWARD, link, path[link], path[link + 1] if link < last else self.me)
+                    for link in range(1, last + 1)]
+        expected += [(CHECK_BACKWARD, link, path[link + 1], path[link]) for link in range(last)]
+        if not all(slots.get(slot, True) for slot in expected):
+            return False
+        return True if all(slot in slots for slot in expected) else None
 
     async def await_verdicts(self, it: int, finished: list[Microbatch]) -> None:
         """Before BEGIN: wait (at most `verdict_timeout`) until each finished microbatch is cleared or flagged.
@@ -486,8 +483,8 @@ class DataNode(PipelineNode):
                                "t": self.now()})
         for old in [k for k in self.verdicts if k[1] < it]:
             del self.verdicts[old]
-        for old in [k for k in self.got if k[1] < it]:
-            del self.got[old]
+        for old in [k for k in self.outputs if k[1] < it]:
+            del self.outputs[old]
 
     def _choose_next(self, c: m.Carry, excluded: set[str]) -> str | None:
         candidates = [p for p in self.live(c.stage) if p not in excluded]

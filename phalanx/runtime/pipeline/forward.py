@@ -51,7 +51,6 @@ class Forward:
         check_tensor(c.tensor, sender, shape=self.staged.input_shape(self.stage), dtype=torch.float32, step=c.it)
         if self.sealing:
             self.check_seal(CHECK_FORWARD, c, sender)
-        self.receipt(CHECK_FORWARD, c, sender)
         if c.it < self.version:
             return m.answer(m.STALE)
         if self.sealing:  # two sealed activations for one microbatch in one iteration: their signer equivocates
@@ -70,6 +69,7 @@ class Forward:
         self.supersede(c.key)
         if self.full():
             return m.answer(m.DENIED)
+        self.receipt(CHECK_FORWARD, c, sender)  # taken: tell the link's verifier what came
         self.held[c.key] = Held(c, None, c.tensor)  # reserve the slot before waiting
         self.slots.add(c.key)
         # Our aggregation may end just after the sender's; a replica further behind is catching up: deny

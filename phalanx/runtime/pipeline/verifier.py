@@ -37,16 +37,23 @@ came with what it received). The verifier judges the copy as it would have
 judged the VIA request (same statistics, taint, bind sketches, bans), and
 tells the microbatch's data node its VERDICT per link and direction. A
 tensor is cleared when its copy passed and (for a relay receiver) the
-receipt names the same digest; a receiver that is a data node compares the
-digest in the verdict itself. Two signed records of one hop with different
-digests are the sender's equivocation: banned at once. Nothing is
+receipt names the same digest (a data node sends receipts too). Slots are
+per sender and receiver, the first copy and the first receipt of a slot
+count, and a verdict names its sender: a peer off a microbatch's path can
+neither clear nor flag it. Two signed records of one hop with different
+digests are the sender's equivocation: banned at once. A receipt with no
+copy (within `verdict_timeout / 2`) is the sender's omission (`no_copy`):
+banned, since a sender sends its copy before the tensor. A receiver cannot
+withhold its receipts: its own copy of what it sends on carries the record
+signed to it, which that link's verifier passes on as its receipt. Nothing is
 substituted: a flagged gradient (or activation) has its microbatch left out
 of the aggregation by its data node, which aggregates only microbatches
 whose every relay-sent tensor was cleared (a verdict missing after
 `verdict_timeout`: not cleared, deferred to the next iteration), so no
 stage aggregates a gradient computed from a flagged tensor. Judging waits
-(at most `verdict_timeout / 4`) for the bind sketch of the sender's input,
-which the upstream verifier now sends beside, not ahead of, the tensor.
+(at most `verdict_timeout`) for the bind sketch of the sender's input, which
+the upstream verifier sends beside, not ahead of, the tensor; a copy whose
+input sketch never comes is never judged, so never cleared (deferred).
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ BAN = "pp.ban"  # one-way, verifier -> every member: {"peer", "it", "keys"}
 TAINT = "pp.taint"  # one-way, boundary verifier -> the other verifiers: a microbatch flagged forward / substituted back
 COPY = "pp.copy"  # one-way, sender -> link verifier (hop=off_path): {"dir", "to", "carry"}, as VIA
 RECEIPT = "pp.receipt"  # one-way, receiver -> link verifier (hop=off_path): {"hop"}, the sender's record it got
-VERDICT = "pp.verdict"  # one-way, link verifier -> data node (hop=off_path): {"key", "it", "dir", "link", "ok", "sent"}
+VERDICT = "pp.verdict"  # one-way, link verifier -> data node (hop=off_path): {"key", "it", "dir", "link", "sender", "to", "ok"}
 PLACEMENTS = ("boundary", "data_node")
 HOPS = ("inline", "off_path")
 FORWARD_RESPONSES = ("pass", "substitute")
@@ -147,6 +154,23 @@ def sender_of(direction: str, c: m.Carry, last: int) -> str:
     return c.path[c.stage + 1] if c.stage < last else c.path[0]
 
 
+def chained_upstream(c: m.Carry) -> tuple[dict[int, str] | None, str]:
+    """Off the path, a forward carry over link l: the record of every earlier link must be signed by the path's
+    sender over it and chain to the next one (addressed to the next signer, handing on what that one says it
+    received), so the path names only peers that signed for it. (stage -> sender for links 1..l-1, problem)."""
+    records = {h.link: h for h in c.hops
+               if h.key == c.key and h.it == c.it and h.direction == FORWARD and h.valid()}
+    upstream = {}
+    for earlier in range(link_of(FORWARD, c)):
+        record, following = records.get(earlier), records.get(earlier + 1)
+        if (record is None or following is None or record.signer != c.path[earlier]
+                or record.to != following.signer or record.sent != following.received):
+            return None, "forged_hop"
+        if earlier >= 1:
+            upstream[earlier] = record.signer
+    return upstream, ""
+
+
 def via_bytes(direction: str, to: str, c: m.Carry) -> bytes:
     return encode({"dir": direction, "to": to, "carry": c.to_bytes()})
 
@@ -190,11 +214,11 @@ class VerifierHop:
         self.dropped: dict[m.Key, int] = {}  # microbatch attempts being rerouted -> iteration: their traffic is refused
         self.iteration = 0
         self._tasks: set[asyncio.Task] = set()
-        # hop=off_path: (key, it, direction, link, receiver) -> (digest, passed, sender, carry) of a judged copy, the
-        # digest its receiver's receipt names; input sketches arrived (key, stage, direction) -> (iteration, sketch),
-        # and their waiters
-        self.copies: dict[tuple, tuple[bytes, bool, str, m.Carry]] = {}
-        self.receipts: dict[tuple, tuple[str, bytes]] = {}
+        # hop=off_path, by slot (key, it, direction, link, sender, receiver): the copy (digest, passed, carry) once
+        # judged (None while it waits or when it is not judged), the digest the receipt names; input sketches
+        # arrived (key, stage, direction) -> (iteration, sketch), and their waiters
+        self.copies: dict[tuple, tuple[bytes, bool, m.Carry] | None] = {}
+        self.receipts: dict[tuple, bytes] = {}
         self.inputs: dict[tuple, tuple[int, torch.Tensor]] = {}
         self._input_waits: dict[tuple, asyncio.Event] = {}
         transport.add_request_handler(VIA, self._on_via)
@@ -291,7 +315,7 @@ class VerifierHop:
         if own.sent != m.tensor_digest(c.tensor) or (direction == FORWARD and receiver and own.to != receiver):
             return None, "forged_hop"
         if self.config.off_path:
-            return self._chained_upstream(direction, c)
+            return (None, "") if direction == BACKWARD else chained_upstream(c)  # backward: senders seen forward
         before = self.links.get(link - 1 if direction == FORWARD else link + 1)
         prev = hops[-2] if len(hops) >= 2 else None
         if before is not None and (prev is None or prev.signer != before or prev.to != sender
@@ -305,25 +329,6 @@ class VerifierHop:
             if record is None or not self._verified(record, direction, c):
                 return None, "forged_hop"
             upstream[earlier] = record.sender
-        return upstream, ""
-
-    def _chained_upstream(self, direction: str, c: m.Carry) -> tuple[dict[int, str] | None, str]:
-        """Off the path no verifier signs the carry: forward, the record of every earlier link must be signed
-        by the path's sender over it and chain to the next one (addressed to the next signer, handing on what
-        that one says it received), so the path names only peers that signed for it. Backward: the sender's
-        own record only (upstream senders are those this verifier saw forward)."""
-        if direction == BACKWARD:
-            return None, ""
-        link = link_of(direction, c)
-        records = {h.link: h for h in c.hops if self._verified(h, direction, c)}
-        upstream = {}
-        for earlier in range(link):
-            record, following = records.get(earlier), records.get(earlier + 1)
-            if (record is None or following is None or record.signer != c.path[earlier]
-                    or record.to != following.signer or record.sent != following.received):
-                return None, "forged_hop"
-            if earlier >= 1:
-                upstream[earlier] = record.signer
         return upstream, ""
 
     @staticmethod
@@ -479,47 +484,86 @@ class VerifierHop:
     # --- off the path (hop=off_path): copies, receipts, verdicts --------------------------------------
 
     def _on_copy(self, sender: str, payload: bytes) -> None:
-        """A sender's copy of a carry it sends straight to its receiver: judge it and tell the data node."""
+        """A sender's copy of a carry it sends straight to its receiver: judge it and tell the data node. The
+        first copy of a slot counts (a resend repeats it). A backward copy is judged only from a peer this
+        verifier saw the microbatch sent to forward over the link: nobody else holds it, and judging it would
+        teach the fences tensors of peers off the path."""
         direction, to, c = self._parse_hop(sender, payload, "copy")
-        self.spawn(self._judge_copy(sender, direction, to, c))
-
-    async def _judge_copy(self, sender: str, direction: str, to: str, c: m.Carry) -> None:
-        trusted = self.trusted(sender)
-        if not trusted and self.sentinel.binds:
-            await self._await_input(direction, c)
-        await self.transport.charge_compute(self.cost(c.tensor))
-        if self.dropped.get(c.key, -1) >= c.it:
+        slot = (c.key, c.it, direction, link_of(direction, c), sender, to)
+        if slot in self.copies or c.it < self.iteration - 1:
             return
-        if c.key in self.seen and self.seen[c.key][0] < c.it:
-            self._renew(c.key, c.it)
+        self.copies[slot] = None  # it came (a receipt without it is the sender's omission)
+        if direction == BACKWARD and not self.trusted(sender) and not any(
+                s[:4] == (c.key, c.it, FORWARD, slot[3]) and s[5] == sender for s in self.copies):
+            return
+        self._receipt_in_chain(direction, c, sender)
+        self.spawn(self._judge_copy(slot, c))
+
+    def _receipt_in_chain(self, direction: str, c: m.Carry, sender: str) -> None:
+        """The record the previous link's sender signed to this copy's sender travels with the copy: pass it to
+        that link's verifier as a receipt, so that a relay gains nothing by withholding its own receipts."""
+        before = link_of(direction, c) + (-1 if direction == FORWARD else 1)
+        peer = self.links.get(before)
+        record = next((h for h in c.hops if h.link == before and h.to == sender and h.key == c.key and h.it == c.it
+                       and h.direction == direction), None)
+        if peer is None or record is None or not record.valid():
+            return
+        if peer == self.me:
+            self._take_receipt(record)
+        else:
+            self.spawn(self.transport.send(peer, RECEIPT, encode({"hop": record.to_obj()})))
+
+    async def _judge_copy(self, slot: tuple, c: m.Carry) -> None:
+        key, it, direction, link, sender, to = slot
+        trusted = self.trusted(sender)
+        if not trusted and self.sentinel.binds and not await self._await_input(direction, c):
+            return  # never judged without what the sender was given: not cleared, its data node defers it
+        await self.transport.charge_compute(self.cost(c.tensor))
+        if self.dropped.get(key, -1) >= it:
+            return
+        if key in self.seen and self.seen[key][0] < it:
+            self._renew(key, it)
         self._remember(c, to)
-        verdict = None if trusted else self._assess(direction, c, sender, to)
-        if verdict is None:
-            if trusted and self.sentinel.binds:
+        if trusted:
+            if self.sentinel.binds:
                 self._bind_input(direction, c, c.tensor)  # a data node's tensor is not judged
-            return  # (or its sender is banned: the microbatch is rerouted)
-        slot = (c.key, c.it, direction, link_of(direction, c), to)
+            return
+        verdict = self._assess(direction, c, sender, to)
+        if verdict is None:
+            return  # its sender is banned: the microbatch is rerouted
         sent = m.tensor_digest(c.tensor)
         passed = not verdict.flagged and verdict.substitute is None
-        self.copies[slot] = (sent, passed, sender, c)
-        if not passed or self.trusted(to):  # a data node compares the digest with what it received itself
-            self._tell(slot, passed, sent)
+        self.copies[slot] = (sent, passed, c)
+        if not passed:
+            self._tell(slot, False)
         if slot in self.receipts:
             self._pair(slot)
 
     def _on_receipt(self, sender: str, payload: bytes) -> None:
-        """A receiver forwards the sender's signed record of what it received: it must name the digest of
-        the copy this verifier judged."""
+        """A receiver (or the verifier that found it in the receiver's own copy) forwards the sender's signed
+        record of what the receiver got: it must name the digest of the copy this verifier judged."""
         obj = m.parse_mapping(payload, sender, self.transport.limits, "receipt")
         hop = m.parse_hop(obj.get("hop"), sender)
-        if not hop.valid() or hop.to != sender:
+        if not hop.valid() or (hop.to != sender and sender not in self.peers):
             raise RemoteError(Evidence(sender, "forged_hop", "a receipt with a record not signed to it", hop.it))
-        slot = (hop.key, hop.it, hop.direction, hop.link, sender)
+        self._take_receipt(hop)
+
+    def _take_receipt(self, hop: m.Hop) -> None:
+        slot = (hop.key, hop.it, hop.direction, hop.link, hop.signer, hop.to)
         if hop.it < self.iteration - 1 or slot in self.receipts:
             return
-        self.receipts[slot] = (hop.signer, hop.sent)
-        if slot in self.copies:
+        self.receipts[slot] = hop.sent
+        if slot not in self.copies:
+            self.spawn(self._expect_copy(slot))
+        elif self.copies[slot] is not None:
             self._pair(slot)
+
+    async def _expect_copy(self, slot: tuple) -> None:
+        """A receipt is the sender's signed record that it sent the tensor to the receiver, and a sender sends
+        its copy first: none within `verdict_timeout / 2` is its omission (a receiver cannot forge the record)."""
+        await asyncio.sleep(self.config.verdict_timeout / 2)
+        if slot in self.receipts and slot not in self.copies:
+            self._convict(slot, "no_copy")
 
     def _pair(self, slot: tuple) -> None:
         """The copy judged and the receipt are in. The same digest: the receiver got what was judged, so the
@@ -527,16 +571,13 @@ class VerifierHop:
         before: that one must not judge an output computed from a tensor it cannot know is the one judged).
         Two digests signed by the sender for one hop are its equivocation (it showed the verifier another
         tensor than the receiver): banned at once, the microbatch flagged, tainted for the other verifiers."""
-        sent, passed, sender, c = self.copies[slot]
-        signer, received = self.receipts[slot]
-        if signer != sender:
-            return  # a record of another sender: not this copy's hop
-        key, it, direction, link, to = slot
-        if received == sent:
+        sent, passed, c = self.copies[slot]
+        key, it, direction, link, sender, to = slot
+        if self.receipts[slot] == sent:
             if self.sentinel.binds:
                 self._bind_input(direction, c, c.tensor)
-            if passed and not self.trusted(to):
-                self._tell(slot, True, sent)
+            if passed:
+                self._tell(slot, True)
             return
         if direction == FORWARD:
             self.sentinel.mark_tainted(key, link, sender)
@@ -544,20 +585,24 @@ class VerifierHop:
         else:
             self.sentinel.mark_replaced(key, link)
             self._share({"replaced": link}, key, it)
+        self._convict(slot, "forked_copy")
+
+    def _convict(self, slot: tuple, reason: str) -> None:
+        """The slot's sender lied about it (`forked_copy`) or hid it (`no_copy`): flag it, ban the sender."""
+        key, it, direction, link, sender, to = slot
         self.on_event({"kind": "verdict", "by": self.me, "peer": sender, "link": link, "direction": direction,
                        "mb": m.key_name(key), "src": key[0], "seq": key[1], "att": key[2], "it": it, "flagged": True,
-                       "reason": "forked_copy", "substituted": False, "outside": [], "distances": {},
+                       "reason": reason, "substituted": False, "outside": [], "distances": {},
                        "convicted": [sender], "suspects": [sender], "t": self.transport.clock.now()})
-        self.copies[slot] = (sent, False, sender, c)
-        self._tell(slot, False, sent)
+        self._tell(slot, False)
         if sender not in self.sentinel.banned():
             self.sentinel.ban(sender)
             self.spawn(self.announce(sender, it, link))
 
-    def _tell(self, slot: tuple, passed: bool, sent: bytes) -> None:
-        key, it, direction, link, to = slot
+    def _tell(self, slot: tuple, passed: bool) -> None:
+        key, it, direction, link, sender, to = slot
         body = encode({"src": key[0], "seq": key[1], "att": key[2], "it": it, "dir": direction, "link": link,
-                       "to": to, "ok": passed, "sent": sent})
+                       "sender": sender, "to": to, "ok": passed})
         self.spawn(self.transport.send(key[0], VERDICT, body))
 
     def _input_arrived(self, slot: tuple, it: int, sketch: torch.Tensor) -> None:
@@ -575,19 +620,22 @@ class VerifierHop:
             if k == key and at == it:
                 self.sentinel.record_input(key, stage, direction, sketch)
 
-    async def _await_input(self, direction: str, c: m.Carry) -> None:
-        """Wait (at most verdict_timeout / 4) for the sketch of what the sender's stage was given, which the
-        previous link's verifier sends once it has judged that tensor: it may come after the sender's output."""
+    async def _await_input(self, direction: str, c: m.Carry) -> bool:
+        """Wait (at most verdict_timeout) for the sketch of what the sender's stage was given, which the previous
+        link's verifier sends once it holds that tensor's copy and receipt: it may come after the sender's
+        output. False: it did not come, and the output must not be judged (cleared) without it."""
         link = link_of(direction, c)
         stage = link if direction == FORWARD else link + 1
         slot = (c.key, stage, direction)
         if not 1 <= stage <= self.last or self.inputs.get(slot, (-1,))[0] >= c.it or not self.links:
-            return
+            return True
         event = self._input_waits.setdefault(slot, asyncio.Event())
         try:
-            await asyncio.wait_for(event.wait(), self.config.verdict_timeout / 4)
+            await asyncio.wait_for(event.wait(), self.config.verdict_timeout)
+            return True
         except asyncio.TimeoutError:
             self._input_waits.pop(slot, None)
+            return False
 
     async def deliver(self, to: str, topic: str, c: m.Carry) -> str:
         """Send the judged carry to its receiver; a failure is answered DENIED (the sender tries elsewhere)."""
