@@ -195,6 +195,7 @@ class VerifierHop:
         # and their waiters
         self.copies: dict[tuple, tuple[bytes, bool, str, m.Carry]] = {}
         self.receipts: dict[tuple, tuple[str, bytes]] = {}
+        self.copied: dict[tuple, int] = {}  # slots a copy came for (judged or not) -> iteration
         self.inputs: dict[tuple, tuple[int, torch.Tensor]] = {}
         self._input_waits: dict[tuple, asyncio.Event] = {}
         transport.add_request_handler(VIA, self._on_via)
@@ -385,7 +386,7 @@ class VerifierHop:
                 self.forget(key)
             for key in [k for k, it in self.dropped.items() if it < c.it - 1]:
                 del self.dropped[key]
-            for table in (self.copies, self.receipts):
+            for table in (self.copies, self.receipts, self.copied):
                 for slot in [k for k in table if k[1] < c.it - 1]:
                     del table[slot]
             self.inputs = {k: v for k, v in self.inputs.items() if v[0] >= c.it - 1}
@@ -481,6 +482,7 @@ class VerifierHop:
     def _on_copy(self, sender: str, payload: bytes) -> None:
         """A sender's copy of a carry it sends straight to its receiver: judge it and tell the data node."""
         direction, to, c = self._parse_hop(sender, payload, "copy")
+        self.copied[(c.key, c.it, direction, link_of(direction, c), to)] = c.it
         self.spawn(self._judge_copy(sender, direction, to, c))
 
     async def _judge_copy(self, sender: str, direction: str, to: str, c: m.Carry) -> None:
@@ -520,6 +522,30 @@ class VerifierHop:
         self.receipts[slot] = (hop.signer, hop.sent)
         if slot in self.copies:
             self._pair(slot)
+        elif slot not in self.copied:
+            self.spawn(self._expect_copy(slot, hop))
+
+    async def _expect_copy(self, slot: tuple, hop: m.Hop) -> None:
+        """A receiver holds the sender's signed record of a tensor this verifier got no copy of. An honest
+        sender sends the copy before the tensor; none within `verdict_timeout` is the sender's fault (it kept a
+        tensor from its verifier): a flag against it alone (its strikes ban it), and the microbatch is flagged
+        and tainted like one whose tensor failed the fences."""
+        await asyncio.sleep(self.config.verdict_timeout)
+        key, it, direction, link, to = slot
+        if slot in self.copied or self.dropped.get(key, -1) >= it or it < self.iteration - 1:
+            return
+        verdict = self.sentinel.reject(link, direction, hop.signer, key, "no_copy", torch.zeros(1, 1))
+        if direction == FORWARD:
+            self._share({"tainted": [link, hop.signer]}, key, it)
+        else:
+            self._share({"replaced": link}, key, it)
+        self.on_event({"kind": "verdict", "by": self.me, "peer": hop.signer, "link": link, "direction": direction,
+                       "mb": m.key_name(key), "src": key[0], "seq": key[1], "att": key[2], "it": it, "flagged": True,
+                       "reason": "no_copy", "substituted": False, "outside": [], "distances": {},
+                       "convicted": list(verdict.convicted), "suspects": [hop.signer], "t": self.transport.clock.now()})
+        self._tell(slot, False, hop.sent)
+        for peer in verdict.bans:
+            self.spawn(self.announce(peer, it, link))
 
     def _pair(self, slot: tuple) -> None:
         """The copy judged and the receipt are in. The same digest: the receiver got what was judged, so the
