@@ -96,6 +96,27 @@ def test_a_relay_that_shows_the_verifier_another_tensor_than_the_receiver_is_ban
     assert not {(v["it"], (v["src"], v["seq"], v["att"])) for v in forked} & _aggregated(summary)
 
 
+def test_a_relay_that_keeps_its_tensors_from_the_verifier_is_banned(monkeypatch):
+    """Relay 2 (stage 1) sends no copy from iteration START on (its tensors are honest: it only hides them).
+    Its receivers' receipts show the verifier signed records of tensors it never got: flags against the relay
+    alone, which ban it; those microbatches are not aggregated and no honest relay is banned."""
+    honest_copy = Links.send_copy
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        if not (self.me == skipper and c.it >= START):
+            await honest_copy(self, verifier, direction, to, c, pad)
+
+    config = _config()
+    skipper = peer_identity(config.seed, 3).peer_id
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    assert summary["banned"] == [skipper] and START <= summary["bans"][0]["step"] <= START + 1
+    hidden = [v for v in summary["verdicts"] if v["reason"] == "no_copy"]
+    assert hidden and {v["peer"] for v in hidden} == {skipper}
+    assert not {(v["it"], (v["src"], v["seq"], v["att"])) for v in hidden} & _aggregated(summary)
+    assert summary["metrics"][-1]["completed"] == 8
+
+
 def test_off_the_path_a_send_is_one_round_trip_and_inline_two():
     """The structure of a clean iteration: a send through an inline verifier crosses 4 links (sender ->
     verifier -> receiver and back), off the path 2; both runs finish every microbatch."""

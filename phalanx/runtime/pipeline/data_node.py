@@ -480,7 +480,7 @@ class DataNode(PipelineNode):
                 mb.outcome = "unverified" if state is None else "flagged"
                 self.on_event({"kind": "unverified", "peer": self.me, "it": it, "mb": m.key_name(mb.key(self.me)),
                                "src": self.me, "seq": mb.seq, "att": mb.att, "flagged": state is False,
-                               "t": self.now()})
+                               "t0": self.now(), "t1": self.now()})
         for old in [k for k in self.verdicts if k[1] < it]:
             del self.verdicts[old]
         for old in [k for k in self.outputs if k[1] < it]:

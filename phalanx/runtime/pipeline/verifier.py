@@ -42,8 +42,8 @@ per sender and receiver, the first copy and the first receipt of a slot
 count, and a verdict names its sender: a peer off a microbatch's path can
 neither clear nor flag it. Two signed records of one hop with different
 digests are the sender's equivocation: banned at once. A receipt with no
-copy (within `verdict_timeout / 2`) is the sender's omission (`no_copy`):
-banned, since a sender sends its copy before the tensor. A receiver cannot
+copy (within `verdict_timeout`) is the sender's omission (`no_copy`, a
+flag against it: a sender sends its copy before the tensor). A receiver cannot
 withhold its receipts: its own copy of what it sends on carries the record
 signed to it, which that link's verifier passes on as its receipt. Nothing is
 substituted: a flagged gradient (or activation) has its microbatch left out
@@ -215,8 +215,8 @@ class VerifierHop:
         self.iteration = 0
         self._tasks: set[asyncio.Task] = set()
         # hop=off_path, by slot (key, it, direction, link, sender, receiver): the copy (digest, passed, carry) once
-        # judged (None while it waits or when it is not judged), the digest the receipt names; input sketches
-        # arrived (key, stage, direction) -> (iteration, sketch), and their waiters
+        # judged (None while it waits or when it is not judged: a slot here is one a copy came for), the digest the
+        # receipt names; input sketches arrived (key, stage, direction) -> (iteration, sketch), and their waiters
         self.copies: dict[tuple, tuple[bytes, bool, m.Carry] | None] = {}
         self.receipts: dict[tuple, bytes] = {}
         self.inputs: dict[tuple, tuple[int, torch.Tensor]] = {}
@@ -559,11 +559,26 @@ class VerifierHop:
             self._pair(slot)
 
     async def _expect_copy(self, slot: tuple) -> None:
-        """A receipt is the sender's signed record that it sent the tensor to the receiver, and a sender sends
-        its copy first: none within `verdict_timeout / 2` is its omission (a receiver cannot forge the record)."""
-        await asyncio.sleep(self.config.verdict_timeout / 2)
-        if slot in self.receipts and slot not in self.copies:
-            self._convict(slot, "no_copy")
+        """A receipt is the sender's signed record that it sent the tensor to the receiver (a receiver cannot forge
+        it), and an honest sender sends the copy before the tensor: none within `verdict_timeout` is the sender's
+        fault (it kept a tensor from its verifier). A flag against it alone (its strikes ban it), and the
+        microbatch is flagged and tainted like one whose tensor failed the fences."""
+        await asyncio.sleep(self.config.verdict_timeout)
+        key, it, direction, link, sender, to = slot
+        if slot in self.copies or slot not in self.receipts or self.dropped.get(key, -1) >= it:
+            return
+        verdict = self.sentinel.reject(link, direction, sender, key, "no_copy", torch.zeros(1, 1))
+        if direction == FORWARD:
+            self._share({"tainted": [link, sender]}, key, it)
+        else:
+            self._share({"replaced": link}, key, it)
+        self.on_event({"kind": "verdict", "by": self.me, "peer": sender, "link": link, "direction": direction,
+                       "mb": m.key_name(key), "src": key[0], "seq": key[1], "att": key[2], "it": it, "flagged": True,
+                       "reason": "no_copy", "substituted": False, "outside": [], "distances": {},
+                       "convicted": list(verdict.convicted), "suspects": [sender], "t": self.transport.clock.now()})
+        self._tell(slot, False)
+        for peer in verdict.bans:
+            self.spawn(self.announce(peer, it, link))
 
     def _pair(self, slot: tuple) -> None:
         """The copy judged and the receipt are in. The same digest: the receiver got what was judged, so the
@@ -585,14 +600,9 @@ class VerifierHop:
         else:
             self.sentinel.mark_replaced(key, link)
             self._share({"replaced": link}, key, it)
-        self._convict(slot, "forked_copy")
-
-    def _convict(self, slot: tuple, reason: str) -> None:
-        """The slot's sender lied about it (`forked_copy`) or hid it (`no_copy`): flag it, ban the sender."""
-        key, it, direction, link, sender, to = slot
         self.on_event({"kind": "verdict", "by": self.me, "peer": sender, "link": link, "direction": direction,
                        "mb": m.key_name(key), "src": key[0], "seq": key[1], "att": key[2], "it": it, "flagged": True,
-                       "reason": reason, "substituted": False, "outside": [], "distances": {},
+                       "reason": "forked_copy", "substituted": False, "outside": [], "distances": {},
                        "convicted": [sender], "suspects": [sender], "t": self.transport.clock.now()})
         self._tell(slot, False)
         if sender not in self.sentinel.banned():
