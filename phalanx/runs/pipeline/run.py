@@ -118,10 +118,11 @@ def build_node(
     capacity = capacities(config)[index] if index < config.peers else config.pipeline.capacity  # a fresh joiner
     router, flow = make_routing(config, transport, stage, capacity, joiner)
     client = config.sentinel.enabled and config.sentinel.placement == "data_node"
-    extra: dict = {"verifiers": verifier_ids(config), "client_routed": client}
+    extra: dict = {"verifiers": verifier_ids(config), "client_routed": client, "off_path": config.sentinel.off_path}
     if index < config.data_nodes:
         cls = DataNode
         extra["sentinel"] = config.sentinel if client else None
+        extra["verdict_timeout"] = config.sentinel.verdict_timeout
     elif index - config.data_nodes in config.attack.indices and config.attack.name != "none":
         cls = AttackingRelay
         extra.update(attack=config.attack.policy(config.seed, transport.peer_id), log=on_event, probe=probe,

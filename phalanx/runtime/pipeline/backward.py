@@ -44,6 +44,7 @@ class Backward:
         check_tensor(c.tensor, sender, shape=tuple(h.out.shape), dtype=torch.float32, step=c.it)
         if self.sealing and self.stage > 0:
             self.check_seal(CHECK_BACKWARD, c, sender)
+        self.receipt(CHECK_BACKWARD, c, sender)
         grad_out = await self.inbound(CHECK_BACKWARD, c)
         if grad_out is None:
             return m.answer(m.STALE)  # a verifying data node refused it: the attempt is being rerouted

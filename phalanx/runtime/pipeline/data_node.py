@@ -38,7 +38,7 @@ from . import messages as m
 from .forward import Held
 from .node import PipelineNode
 from .relay import parse_util, util_bytes
-from .verifier import VerifierConfig, VerifierHop
+from .verifier import VERDICT, VerifierConfig, VerifierHop, chained_upstream
 
 MIN_STAGE_GROUP = 3  # under BTARD per stage a joiner goes to a stage with fewer live replicas than this first
 
@@ -74,8 +74,16 @@ class DataNode(PipelineNode):
     them, routes forwards to the next stage itself and delivers gradients.
     """
 
-    def __init__(self, *args, sentinel: VerifierConfig | None = None, **kwargs) -> None:
+    def __init__(self, *args, sentinel: VerifierConfig | None = None, verdict_timeout: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # hop=off_path: the boundary verifiers' verdicts on my microbatches' relay-sent tensors, by (key, it) and
+        # (direction, link, sender, receiver) -> cleared; the digest of the output I took per (key, it); the wait
+        self.verdict_timeout = verdict_timeout
+        self.verdicts: dict[tuple[m.Key, int], dict[tuple[str, int, str, str], bool]] = {}
+        self.outputs: dict[tuple[m.Key, int], bytes] = {}
+        self._verdict = asyncio.Event()
+        if self.off_path:
+            self.transport.add_message_handler(VERDICT, self._on_verdict)
         self.verifier: VerifierHop | None = None
         if sentinel is not None:
             self.client_routed = True
@@ -158,12 +166,16 @@ class DataNode(PipelineNode):
             query = util_bytes(UtilQuery(self.me, "", self.me, it, ()))
             for peer in self.live(1):
                 await self.transport.send(peer, m.UTIL, query)
+        if self.off_path:
+            await self.await_verdicts(it, [mb for mb in batch if mb.outcome == "ok"])
         finished = [mb for mb in batch if mb.outcome == "ok"]
         for mb in batch:
             if mb.outcome != "ok":
-                mb.outcome = "deferred"
                 self.held.pop(mb.key(self.me), None)
                 self.rerouted.add(mb.key(self.me))  # its backward may still come before the aggregation: STALE
+                if mb.outcome == "flagged":
+                    continue  # left out for good: run again, the same batch would be flagged again (an honest outlier)
+                mb.outcome = "deferred"
                 self.deferred.append(Microbatch(mb.seq, mb.x, mb.y, mb.first_it))
         report = {"it": it, "done": [[self.me, mb.seq, mb.att, list(mb.path)] for mb in finished],
                   "suspects": sorted(self.suspects)}
@@ -376,6 +388,13 @@ class DataNode(PipelineNode):
                 return m.answer(m.STALE)  # an old attempt or iteration: not evidence
             raise RemoteError(Evidence(sender, "unknown_microbatch", f"output of {m.key_name(c.key)} I never sent", c.it))
         check_tensor(c.tensor, sender, shape=self.staged.out_shapes[self.last], dtype=torch.float32, step=c.it)
+        if self.off_path:
+            # the first output whose records chain from mine counts; one planted by a relay off the path, or a
+            # second one, is refused (not evidence: the sender may be honest and an upstream relay have lied)
+            digest = m.tensor_digest(c.tensor)
+            if chained_upstream(c)[1] or self.outputs.setdefault((c.key, c.it), digest) != digest:
+                return m.answer(m.DENIED)
+        self.receipt(CHECK_FORWARD, c, sender)
         tensor = await self.inbound(CHECK_FORWARD, c)
         if tensor is None:
             return m.answer(m.DENIED)
@@ -408,6 +427,64 @@ class DataNode(PipelineNode):
         tensor = self.verifier.judge(direction, c, self.me)
         await self.transport.charge_compute(self.verifier.cost(c.tensor))
         return tensor
+
+    def _on_verdict(self, sender: str, payload: bytes) -> None:
+        """A boundary verifier's verdict on a relay-sent tensor of one of my microbatches (hop=off_path), from
+        that link's verifier only. A flag is final: a later clearing of the same slot does not undo it."""
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "verdict")
+        key = m.parse_key(obj, sender)
+        it, direction, link, relay, to, ok = (obj.get(k) for k in ("it", "dir", "link", "sender", "to", "ok"))
+        if not (type(it) is int and direction in (CHECK_FORWARD, CHECK_BACKWARD) and type(link) is int
+                and isinstance(relay, str) and isinstance(to, str) and isinstance(ok, bool)) or key[0] != self.me:
+            raise RemoteError(Evidence(sender, "malformed", "bad verdict"))
+        if sender != self.verifiers.get(link):
+            raise RemoteError(Evidence(sender, "false_stage", f"a verdict on link {link} from a peer that does not verify it"))
+        if it < self.version - 1:
+            return
+        slots = self.verdicts.setdefault((key, it), {})
+        slot = (direction, link, relay, to)
+        slots[slot] = ok and slots.get(slot, True)
+        self._verdict.set()
+
+    def clearance(self, mb: Microbatch, it: int) -> bool | None:
+        """Whether every relay-sent tensor on the microbatch's path was cleared by its link's verifier (True),
+        one was flagged (False), or verdicts are still missing (None). Judged: forward, links 1..S (the sender
+        path[l] to path[l + 1], me for the output); backward, links 0..S-1 (path[l + 1] to path[l]); what I send
+        is not judged. Verdicts about other senders or receivers are not about this path: ignored."""
+        slots = self.verdicts.get((mb.key(self.me), it), {})
+        path, last = mb.path, self.last
+        if len(path) != last + 1:
+            return False
+        expected = [(CHECK_FORWARD, link, path[link], path[link + 1] if link < last else self.me)
+                    for link in range(1, last + 1)]
+        expected += [(CHECK_BACKWARD, link, path[link + 1], path[link]) for link in range(last)]
+        if not all(slots.get(slot, True) for slot in expected):
+            return False
+        return True if all(slot in slots for slot in expected) else None
+
+    async def await_verdicts(self, it: int, finished: list[Microbatch]) -> None:
+        """Before BEGIN: wait (at most `verdict_timeout`) until each finished microbatch is cleared or flagged.
+        One flagged is left out of the aggregation for good; one still unverified at the timeout (a verifier
+        that never answers, a relay that skipped its copy or a receiver its receipt) is left out and deferred
+        to the next iteration: no stage aggregates a gradient computed from a tensor no verifier cleared."""
+        deadline = self.now() + self.verdict_timeout
+        while (waiting := [mb for mb in finished if self.clearance(mb, it) is None]) and self.now() < deadline:
+            self._verdict.clear()
+            try:
+                await asyncio.wait_for(self._verdict.wait(), deadline - self.now())
+            except asyncio.TimeoutError:
+                break
+        for mb in finished:
+            state = self.clearance(mb, it)
+            if state is not True:
+                mb.outcome = "unverified" if state is None else "flagged"
+                self.on_event({"kind": "unverified", "peer": self.me, "it": it, "mb": m.key_name(mb.key(self.me)),
+                               "src": self.me, "seq": mb.seq, "att": mb.att, "flagged": state is False,
+                               "t0": self.now(), "t1": self.now()})
+        for old in [k for k in self.verdicts if k[1] < it]:
+            del self.verdicts[old]
+        for old in [k for k in self.outputs if k[1] < it]:
+            del self.outputs[old]
 
     def _choose_next(self, c: m.Carry, excluded: set[str]) -> str | None:
         candidates = [p for p in self.live(c.stage) if p not in excluded]

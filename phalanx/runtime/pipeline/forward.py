@@ -69,6 +69,7 @@ class Forward:
         self.supersede(c.key)
         if self.full():
             return m.answer(m.DENIED)
+        self.receipt(CHECK_FORWARD, c, sender)  # taken: tell the link's verifier what came
         self.held[c.key] = Held(c, None, c.tensor)  # reserve the slot before waiting
         self.slots.add(c.key)
         # Our aggregation may end just after the sender's; a replica further behind is catching up: deny

@@ -20,6 +20,7 @@ from ...core.errors import (
 )
 from ...core.serialization import encode
 from . import messages as m
+from .verifier import COPY, RECEIPT
 from .verifier import VIA as VIA_TOPIC
 from .verifier import via_bytes
 
@@ -48,12 +49,43 @@ class Links:
         """Send a forward or backward carry to `to`, through its verifier hop if there is one."""
         topic = m.FORWARD if direction == CHECK_FORWARD else m.BACKWARD
         via = self.hop(direction, c, to)
-        if via is None:
+        if via is None or self.off_path:
             pad = self.config.activation_bytes - c.tensor.numel() * c.tensor.element_size()
+            if via is not None:  # the copy leaves first: a verdict never waits for a copy the sender still holds
+                c = self.addressed(c, to)
+                await self.send_copy(via, direction, to, c, pad)
             return await self._ask(to, topic, c.to_bytes(pad))
         # The hop waits out its own COMPLETE timeout on a receiver that left: watch the receiver too.
         return await self._ask(via, VIA_TOPIC, via_bytes(direction, to, c), 3 * self.config.complete_timeout,
                                watch=(to,) if to else ())
+
+    async def send_copy(self, verifier: str, direction: str, to: str, c: m.Carry, pad: int) -> None:
+        """hop=off_path: the copy of a carry the link's verifier judges (the tensor and this node's signed record)."""
+        await self.transport.send(verifier, COPY, encode({"dir": direction, "to": to, "carry": c.to_bytes(pad)}))
+
+    def addressed(self, c: m.Carry, to: str) -> m.Carry:
+        """The carry with my own record naming `to` (a repair resends a stored gradient to a new peer)."""
+        own = c.hops[-1] if c.hops else None
+        if own is None or own.signer != self.me or own.to == to:
+            return c
+        own = m.Hop.signed(self.transport.identity, own.key, own.it, own.direction, own.link, own.sender,
+                           own.received, own.sent, to)
+        return dataclasses.replace(c, hops=c.hops[:-1] + (own,))
+
+    def receipt(self, direction: str, c: m.Carry, sender: str) -> None:
+        """hop=off_path: forward the sender's signed record of what this node received to the link's verifier,
+        which clears the tensor only if it names the digest of the copy it judged. A relay's carry without its
+        own valid record for this tensor and receiver is evidence against it."""
+        link = c.stage - 1 if direction == CHECK_FORWARD else c.stage
+        verifier = self.verifiers.get(link)
+        if not self.off_path or verifier is None or self.directory.get(sender) == 0:
+            return
+        own = c.hops[-1] if c.hops else None
+        if (own is None or own.signer != sender or own.to != self.me or own.key != c.key or own.it != c.it
+                or own.direction != direction or own.link != link or own.sent != m.tensor_digest(c.tensor)
+                or not own.valid()):
+            raise RemoteError(Evidence(sender, "unsigned", f"{direction} of {m.key_name(c.key)} without its signed record", c.it))
+        self.spawn(self.transport.send(verifier, RECEIPT, encode({"hop": own.to_obj()})))
 
     def signed(self, direction: str, out: m.Carry, received: m.Carry, to: str) -> m.Carry:
         """`out` with this node's signed hop record appended to the records that came with `received`

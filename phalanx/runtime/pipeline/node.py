@@ -80,6 +80,7 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         flow: FlowDriver | None = None,
         verifiers: dict[int, str] | None = None,
         client_routed: bool = False,
+        off_path: bool = False,
         btard: BTARDConfig | None = None,
         policy: ProtocolPolicy | None = None,
     ) -> None:
@@ -100,6 +101,7 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         self.flow = flow
         self.verifiers = dict(verifiers or {})  # link -> the boundary verifier all its traffic goes through
         self.client_routed = client_routed  # relays hand outputs and gradients to the data node, which routes
+        self.off_path = off_path and bool(self.verifiers)  # carries go straight to receivers, a copy to the verifier
         self._stopped = asyncio.Event()
         self.part = staged.parts[stage]
         self.params = list(self.part.parameters())

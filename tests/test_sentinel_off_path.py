@@ -1,0 +1,283 @@
+"""SENTINEL's boundary verifiers off the data path (`sentinel.hop=off_path`, issue 18).
+
+Setup: character GPT, 1 data node + 2 relay stages x 3 relays, 8 microbatches per iteration, a short
+verifier warm-up (24 tensors per link and direction, 3 iterations). Senders send each carry straight to
+its receiver and a copy to the link's verifier; receivers send the verifier a receipt; the verifier tells
+the data node its verdicts, and the data node aggregates only microbatches whose every relay-sent tensor
+was cleared. The verifiers never see which relays are malicious.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from phalanx.core.errors import ConfigError
+from phalanx.core.serialization import encode
+from phalanx.runs.config import override
+from phalanx.runs.dp.swarm import peer_identity
+from phalanx.runs.pipeline.config import LinkAttackConfig, PipelineRunConfig
+from phalanx.runs.pipeline.run import simulate_pipeline
+from phalanx.runtime.dp.peer import TrainConfig
+from phalanx.runtime.pipeline import messages as m
+from phalanx.runtime.pipeline.backward import Backward
+from phalanx.runtime.pipeline.config import PipelineConfig
+from phalanx.runtime.pipeline.links import Links
+from phalanx.runtime.pipeline.verifier import RECEIPT, VerifierConfig, VerifierHop
+
+STEPS, START = 8, 4
+
+
+def _config(attack: str = "none", relays: str = "", hop: str = "off_path", steps: int = STEPS,
+            target: str = "both") -> PipelineRunConfig:
+    return PipelineRunConfig(
+        peers=7, data_nodes=1, steps=steps,
+        train=TrainConfig(task="chars-gpt", optimizer="adam", lr=0.001, batch_size=4),
+        pipeline=PipelineConfig(stages=2, microbatches=8, capacity=8, routing="swarm"),
+        sentinel=VerifierConfig(enabled=True, placement="boundary", hop=hop, warmup=24),
+        attack=LinkAttackConfig(name=attack, relays=relays, start=START, target=target),
+    )
+
+
+def _flagged(summary: dict) -> set[tuple]:
+    """(iteration, key) of every tensor a verifier flagged."""
+    return {(v["it"], (v["src"], v["seq"], v["att"])) for v in summary["verdicts"] if v["flagged"]}
+
+
+def _aggregated(summary: dict) -> set[tuple]:
+    """(iteration, key) of every microbatch in a BEGIN's finished list."""
+    return {(mb["it"], (mb["src"], mb["seq"], mb["att"])) for mb in summary["microbatches"] if mb["outcome"] == "ok"}
+
+
+def test_a_tampered_activation_is_banned_off_the_path_and_its_microbatch_is_not_aggregated():
+    summary = simulate_pipeline(_config("zeros", "2"), progress=False)
+    attacker = summary["peer_ids"][1:][2]
+    assert summary["banned"] == [attacker]
+    flagged = _flagged(summary)
+    assert flagged and not flagged & _aggregated(summary)
+    # the data node itself left out microbatches that had finished (without the verdicts they would be aggregated)
+    left_out = [e for e in summary["events"] if e["kind"] == "unverified" and e["flagged"]]
+    assert left_out and all((e["it"], (e["src"], e["seq"], e["att"])) in flagged for e in left_out)
+    # nothing is substituted off the path, and training goes on around the ban
+    assert not any(v["substituted"] for v in summary["verdicts"])
+    assert summary["metrics"][-1]["completed"] == 8
+
+
+def test_a_relay_that_shows_the_verifier_another_tensor_than_the_receiver_is_banned(monkeypatch):
+    """Relay 2 (stage 1) sends zeros to its receivers and, to the verifier, its honest output under a record it
+    signs for that one. The receiver's receipt carries the record signed for the zeros: two digests signed
+    for one hop, the sender's equivocation."""
+    honest_copy = Links.send_copy
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        h = self.held.get(c.key)
+        if direction == "forward" and self.me == forker and c.it >= START and h is not None:
+            own = c.hops[-1]
+            shown = h.out.detach()
+            record = m.Hop.signed(self.transport.identity, own.key, own.it, own.direction, own.link, own.sender,
+                                  own.received, m.tensor_digest(shown), own.to)
+            c = dataclasses.replace(c, tensor=shown, hops=c.hops[:-1] + (record,))
+        await honest_copy(self, verifier, direction, to, c, pad)
+
+    config = _config("zeros", "2", target="activations")
+    forker = peer_identity(config.seed, 3).peer_id  # relay 2 is peer 3 (after the data node)
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    assert summary["peer_ids"][3] == forker
+    assert summary["banned"] == [forker]
+    forked = [v for v in summary["verdicts"] if v["reason"] == "forked_copy"]
+    assert forked and {v["peer"] for v in forked} == {forker}
+    assert summary["bans"][0]["step"] == START
+    # what the verifier was shown passed its fences: only the receipts caught it
+    assert not [v for v in summary["verdicts"] if v["peer"] == forker and v["flagged"] and v["reason"] != "forked_copy"]
+    assert not {(v["it"], (v["src"], v["seq"], v["att"])) for v in forked} & _aggregated(summary)
+
+
+def test_a_relay_that_keeps_its_tensors_from_the_verifier_is_banned(monkeypatch):
+    """Relay 2 (stage 1) sends no copy from iteration START on (its tensors are honest: it only hides them).
+    Its receivers' receipts show the verifier signed records of tensors it never got: flags against the relay
+    alone, which ban it; those microbatches are not aggregated and no honest relay is banned."""
+    honest_copy = Links.send_copy
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        if not (self.me == skipper and c.it >= START):
+            await honest_copy(self, verifier, direction, to, c, pad)
+
+    config = _config()
+    skipper = peer_identity(config.seed, 3).peer_id
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    assert summary["banned"] == [skipper] and START <= summary["bans"][0]["step"] <= START + 1
+    hidden = [v for v in summary["verdicts"] if v["reason"] == "no_copy"]
+    assert hidden and {v["peer"] for v in hidden} == {skipper}
+    assert not {(v["it"], (v["src"], v["seq"], v["att"])) for v in hidden} & _aggregated(summary)
+    assert summary["metrics"][-1]["completed"] == 8
+
+
+def test_off_the_path_a_send_is_one_round_trip_and_inline_two():
+    """The structure of a clean iteration: a send through an inline verifier crosses 4 links (sender ->
+    verifier -> receiver and back), off the path 2; both runs finish every microbatch."""
+    latency = _config().network.latency
+    durations = {}
+    for hop in ("inline", "off_path"):
+        summary = simulate_pipeline(_config(hop=hop, steps=3), progress=False)
+        sends = [e["t1"] - e["t0"] for e in summary["events"] if e["kind"] == "send" and e["answer"] == m.OK]
+        durations[hop] = (min(sends), max(sends))
+        assert all(r["completed"] == 8 for r in summary["metrics"])
+    assert 2 * latency <= durations["off_path"][0] and durations["off_path"][1] < 3 * latency
+    assert durations["inline"][0] >= 4 * latency
+
+
+def test_a_verifier_that_never_answers_costs_the_gradients_not_the_run(monkeypatch):
+    monkeypatch.setattr(VerifierHop, "_tell", lambda self, slot, passed: None)
+    summary = simulate_pipeline(_config(steps=2), progress=False)
+    assert [r["completed"] for r in summary["metrics"]] == [0, 0]  # nothing cleared: nothing aggregated
+    unverified = [e for e in summary["events"] if e["kind"] == "unverified"]
+    assert len(unverified) == 16 and not any(e["flagged"] for e in unverified)
+    assert summary["banned"] == []
+
+
+def test_off_path_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="sentinel.hop"):
+        override(_config(), ["sentinel.hop=sideways"])
+    with pytest.raises(ConfigError, match="sentinel.hop=off_path"):
+        override(_config(), ["sentinel.forward_response=substitute"])
+    with pytest.raises(ConfigError, match="sentinel.verdict_timeout"):
+        override(_config(), ["sentinel.verdict_timeout=0"])
+
+
+# --- session 21: review RA's holes (each test fails on 1c6670e) ----------------------------------------------
+
+
+def test_a_relay_that_delays_its_receipts_is_still_judged_against_its_input(monkeypatch):
+    """RA finding 1. Relay 3 (stage 2) replays, as its output, the output of the previous microbatch it served
+    (honest-looking, unrelated to its input), and sends the receipt for its input late (after verdict_timeout / 4),
+    as if to make its verifier judge without the input's sketch. Its own copy carries the record that came with its
+    input, which its verifier passes on as the receipt, and a copy is never judged without its input's sketch: the
+    replay is flagged on `bind` and the relay banned."""
+    config = _config(steps=6)
+    replayer = peer_identity(config.seed, 4).peer_id
+    honest_receipt, last, replayed = Links.receipt, {}, set()
+
+    def tamper(self, kind, it, key, tensor):
+        if self.me != replayer or kind != "activation":
+            return tensor
+        previous, last[0] = last.get(0), tensor.clone()
+        if it >= START and previous is not None:
+            replayed.add((it, key))
+            return previous
+        return tensor
+
+    async def late(self, verifier, record):
+        await asyncio.sleep(config.sentinel.verdict_timeout / 4 + 0.02)
+        await self.transport.send(verifier, RECEIPT, encode({"hop": record.to_obj()}))
+
+    def receipt(self, direction, c, sender):
+        if self.me == replayer and c.it >= START and direction == "forward":
+            self.spawn(late(self, self.verifiers[c.stage - 1], c.hops[-1]))
+            return
+        honest_receipt(self, direction, c, sender)
+
+    monkeypatch.setattr(Links, "tamper", tamper)
+    monkeypatch.setattr(Links, "receipt", receipt)
+    summary = simulate_pipeline(config, progress=False)
+    assert replayed and not replayed & _aggregated(summary)
+    assert summary["banned"] == [replayer]
+    assert {v["reason"] for v in summary["verdicts"] if v["flagged"] and v["peer"] == replayer} == {"fence"}
+
+
+def test_a_copy_whose_input_sketch_never_comes_is_never_cleared(monkeypatch):
+    """Without the sketch of what a relay was given (bind, align), its output is not judged, so not cleared:
+    every microbatch stays unverified and is deferred, none is aggregated on the distances alone."""
+    monkeypatch.setattr(VerifierHop, "_bind_input", lambda self, direction, c, passed: None)
+    summary = simulate_pipeline(_config(steps=2), progress=False)
+    assert [r["completed"] for r in summary["metrics"]] == [0, 0]
+    assert summary["banned"] == [] and not [v for v in summary["verdicts"] if v["peer"] in summary["peer_ids"][1:]]
+
+
+def test_a_relay_off_a_microbatchs_path_can_neither_flag_it_nor_plant_its_output(monkeypatch):
+    """RA finding 2. Relay 0 (stage 1) sends link 0's verifier backward copies addressed to the data node for
+    microbatches it does not serve (its own gradient, its own signed record); relay 3 (stage 2) sends the data node
+    outputs for microbatches it does not serve. Verdicts name their sender and the data node counts only the path's
+    senders; a backward copy from a peer the verifier never saw take the microbatch forward is not judged; an
+    output whose records do not chain from the data node's own, or a second one, is refused."""
+    config = _config(steps=5)
+    data_node, copier, planter = (peer_identity(config.seed, i).peer_id for i in (0, 1, 4))
+    honest_copy, honest_receipt, honest_backward = Links.send_copy, Links.receipt, Backward._on_backward
+    served: set = set()  # microbatches the two serve: a second record of theirs for one would be equivocation
+
+    def others(c):
+        return [(data_node, seq, 0) for seq in range(8 * c.it - 8, 8 * c.it + 8) if (data_node, seq, 0) not in served]
+
+    async def copies(self, verifier, c, pad):
+        await asyncio.sleep(0.004)  # after the genuine verdicts (before them, `bind` would flag the copies)
+        for key in others(c):
+            own = m.Hop.signed(self.transport.identity, key, c.it, "backward", 0, "", b"", m.tensor_digest(c.tensor), data_node)
+            fake = m.Carry(key, c.it, 0, (data_node, self.me) + tuple(c.path[2:]), c.tensor, hops=(own,))
+            await honest_copy(self, verifier, "backward", data_node, fake, pad)
+
+    async def outputs(self, c):
+        for delay in (0.0, 0.003):  # before and after the genuine outputs
+            await asyncio.sleep(delay)
+            for key in others(c):
+                tensor = torch.zeros(self.staged.out_shapes[self.last])
+                own = m.Hop.signed(self.transport.identity, key, c.it, "forward", self.last, "", b"", m.tensor_digest(tensor), data_node)
+                fake = m.Carry(key, c.it, self.last + 1, (data_node, c.path[1], self.me), tensor, hops=(own,))
+                self.spawn(self._ask(data_node, m.FORWARD, fake.to_bytes()))
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        if self.me in (copier, planter):
+            served.add(c.key)
+        await honest_copy(self, verifier, direction, to, c, pad)
+        if self.me == copier and direction == "backward" and c.it >= 3:
+            self.spawn(copies(self, verifier, c, pad))
+
+    def receipt(self, direction, c, sender):
+        if self.me == planter:
+            served.add(c.key)
+            if direction == "forward" and c.it >= 3:  # as it takes its input: before the other outputs
+                self.spawn(outputs(self, c))
+        honest_receipt(self, direction, c, sender)
+
+    async def on_backward(self, sender, payload):
+        c = m.parse_carry(payload, sender, self.transport.limits, self.last + 1)
+        if self.me == planter and c.key not in served:
+            return m.answer(m.OK)  # a planted one: say OK, do nothing
+        return await honest_backward(self, sender, payload)
+
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    monkeypatch.setattr(Links, "receipt", receipt)
+    monkeypatch.setattr(Backward, "_on_backward", on_backward)
+    summary = simulate_pipeline(config, progress=False)
+    assert [r["completed"] for r in summary["metrics"]] == [8] * 5
+    assert not [e for e in summary["events"] if e["kind"] == "unverified"]
+
+
+def test_a_relay_that_skips_its_copies_is_banned_and_one_that_skips_its_receipts_gains_nothing(monkeypatch):
+    """RA finding 3. From iteration 2, relay 3 (stage 2) sends no copies and relay 0 (stage 1) no receipts. A
+    receipt is the sender's signed record that it sent the tensor, and a sender sends its copy first: none is its
+    omission (no_copy), and relay 3 is banned. Relay 0's own copies carry the records signed to it, which serve as
+    its receipts: its microbatches are cleared. Training goes on with every microbatch."""
+    config = _config(steps=5)
+    silent, mute = (peer_identity(config.seed, i).peer_id for i in (4, 1))
+    honest_copy, honest_receipt = Links.send_copy, Links.receipt
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        if not (self.me == silent and c.it >= 2):
+            await honest_copy(self, verifier, direction, to, c, pad)
+
+    def receipt(self, direction, c, sender):
+        if not (self.me == mute and c.it >= 2):
+            honest_receipt(self, direction, c, sender)
+
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    monkeypatch.setattr(Links, "receipt", receipt)
+    summary = simulate_pipeline(config, progress=False)
+    assert summary["banned"] == [silent]
+    assert {v["reason"] for v in summary["verdicts"] if v["peer"] == silent and v["flagged"]} == {"no_copy"}
+    assert [r["completed"] for r in summary["metrics"]][3:] == [8, 8]
+    through_mute = [mb for mb in summary["microbatches"] if mute in mb["path"] and mb["it"] >= 2]
+    assert through_mute and all(mb["outcome"] == "ok" for mb in through_mute if silent not in mb["path"])
