@@ -20,9 +20,8 @@ from ...core.errors import (
 )
 from ...core.serialization import encode
 from . import messages as m
-from .verifier import COPY, RECEIPT
+from .verifier import COPY, RECEIPT, via_bytes
 from .verifier import VIA as VIA_TOPIC
-from .verifier import via_bytes
 
 log = logging.getLogger(__name__)
 
