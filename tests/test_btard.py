@@ -513,26 +513,36 @@ def test_colluders_that_commit_at_once_do_not_set_an_early_owners_commitment_dea
     assert all(view == set() for view in views.values())
 
 
+def _hide_meta_from(monkeypatch, hidden: str, blind: str) -> None:
+    """`hidden` looks gone to `blind` only (its membership view) and withholds its `bt.meta` from it."""
+    from phalanx.core.envelope import SignedEnvelope
+    from phalanx.transport.base import BROADCAST_TOPIC
+    from phalanx.transport.sim import SimTransport
+
+    members, send = SimTransport.members, SimTransport.send
+
+    def view(self):
+        return [p for p in members(self) if not (self.peer_id == blind and p == hidden)]
+
+    async def withheld(self, peer, topic, payload):
+        if self.peer_id == hidden and peer == blind and topic == BROADCAST_TOPIC and SignedEnvelope.from_bytes(payload, hidden).topic == "bt.meta":
+            return None
+        return await send(self, peer, topic, payload)
+
+    monkeypatch.setattr(SimTransport, "members", view)
+    monkeypatch.setattr(SimTransport, "send", withheld)
+
+
 def test_v3_runs_checkaveraging_on_every_honest_peer_when_a_member_looks_gone_to_one(tmp_path, monkeypatch):
     # Colluders 3 (an owner that refuses bt.parts) and 4 report a huge norm for 3's partition (V3's trigger).
     # 4 looks gone to honest peer 0 only and withholds its metadata from 0. 0 cut its metadata wait without
     # 4's and counted V3 on three norms of five: the others ran CHECKAVERAGING and banned 3, 0 did not, and the
     # honest models parted. V3 now counts on the agreed metadata (and the cut asks the others for 4's once).
-    from phalanx.core.envelope import SignedEnvelope
     from phalanx.runtime.rounds import btard as btard_round
-    from phalanx.transport.base import BROADCAST_TOPIC
-    from phalanx.transport.sim import SimTransport
 
     x, owner, blind = (peer_identity(0, i).peer_id for i in (4, 3, 0))
-    members, send, send_meta, serve_parts = SimTransport.members, SimTransport.send, btard_verify._send_meta, btard_round.serve_parts
-
-    def view(self):
-        return [p for p in members(self) if not (self.peer_id == blind and p == x)]
-
-    async def withheld(self, peer, topic, payload):
-        if self.peer_id == x and peer == blind and topic == BROADCAST_TOPIC and SignedEnvelope.from_bytes(payload, x).topic == "bt.meta":
-            return None
-        return await send(self, peer, topic, payload)
+    send_meta, serve_parts = btard_verify._send_meta, btard_round.serve_parts
+    _hide_meta_from(monkeypatch, x, blind)
 
     async def inflated(state, st, parts, me):
         if me in (x, owner) and st.step == 1:
@@ -543,8 +553,6 @@ def test_v3_runs_checkaveraging_on_every_honest_peer_when_a_member_looks_gone_to
     async def refused(state, sender, payload):
         return encode({"step": 1, "parts": {}}) if state.transport.peer_id == owner else await serve_parts(state, sender, payload)
 
-    monkeypatch.setattr(SimTransport, "members", view)
-    monkeypatch.setattr(SimTransport, "send", withheld)
     monkeypatch.setattr(btard_verify, "_send_meta", inflated)
     monkeypatch.setattr(btard_round, "serve_parts", refused)
     summary, _, views = _btard_run(tmp_path, "none", "btard.delta_max=0.4", "btard.validators=0", peers=5, steps=2, count=0)
@@ -558,20 +566,9 @@ def test_a_validator_that_lacks_its_targets_metadata_does_not_approve_it(tmp_pat
     # not claim it), looks gone to its validator 0 only, and withholds its metadata from 0. 0 cut its metadata wait
     # without it, found the gradient clean and approved 4; 3 then accused 4 of `gradient` (judged on the agreed
     # metadata, which holds the lie): 0 was banned with 4 as covered:gradient. 0 now reports 4 unverified.
-    from phalanx.core.envelope import SignedEnvelope
-    from phalanx.transport.base import BROADCAST_TOPIC
-    from phalanx.transport.sim import SimTransport
-
     x, colluder, validator = (peer_identity(0, i).peer_id for i in (4, 3, 0))
-    members, send, send_meta, owner_checks = SimTransport.members, SimTransport.send, btard_verify._send_meta, btard_verify._owner_checks
-
-    def view(self):
-        return [p for p in members(self) if not (self.peer_id == validator and p == x)]
-
-    async def withheld(self, peer, topic, payload):
-        if self.peer_id == x and peer == validator and topic == BROADCAST_TOPIC and SignedEnvelope.from_bytes(payload, x).topic == "bt.meta":
-            return None
-        return await send(self, peer, topic, payload)
+    send_meta, owner_checks = btard_verify._send_meta, btard_verify._owner_checks
+    _hide_meta_from(monkeypatch, x, validator)
 
     async def lying(state, st, parts, me):
         if me == x and st.step == 1:
@@ -581,8 +578,6 @@ def test_a_validator_that_lacks_its_targets_metadata_does_not_approve_it(tmp_pat
             monkeypatch.setattr(state.policy, "slander", lambda step, group: [x] if step == 1 else [])
         return await send_meta(state, st, parts, me)
 
-    monkeypatch.setattr(SimTransport, "members", view)
-    monkeypatch.setattr(SimTransport, "send", withheld)
     monkeypatch.setattr(btard_verify, "_send_meta", lying)
     monkeypatch.setattr(btard_verify, "validator_pairs", lambda r, trusted, drawn, m: [(validator, x)])
     monkeypatch.setattr(btard_verify, "_owner_checks", lambda state, st, me: [] if me == colluder else owner_checks(state, st, me))
