@@ -26,7 +26,10 @@ def _start(tmp_path: Path, *flags: str) -> tuple[str, subprocess.Popen]:
     marker = f"test-{uuid.uuid4().hex}"
     ready = tmp_path / "ready"
     env = {**os.environ, MARKER_ENV: marker}
-    proc = subprocess.Popen([sys.executable, str(WORKER), marker, str(ready), *flags], env=env)
+    # SIGINT at its default, as for a worker in a terminal's foreground: a test run started in the background
+    # (`cmd &` in a script) ignores SIGINT, and its children would inherit that
+    proc = subprocess.Popen([sys.executable, str(WORKER), marker, str(ready), *flags], env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 30
     while not ready.exists():
         assert proc.poll() is None, f"the worker exited early with {proc.returncode}"
