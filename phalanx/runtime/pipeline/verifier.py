@@ -568,17 +568,20 @@ class VerifierHop:
         if slot in self.copies or slot not in self.receipts or self.dropped.get(key, -1) >= it:
             return
         verdict = self.sentinel.reject(link, direction, sender, key, "no_copy", torch.zeros(1, 1))
-        if direction == FORWARD:
-            self._share({"tainted": [link, sender]}, key, it)
-        else:
-            self._share({"replaced": link}, key, it)
-        self.on_event({"kind": "verdict", "by": self.me, "peer": sender, "link": link, "direction": direction,
-                       "mb": m.key_name(key), "src": key[0], "seq": key[1], "att": key[2], "it": it, "flagged": True,
-                       "reason": "no_copy", "substituted": False, "outside": [], "distances": {},
-                       "convicted": list(verdict.convicted), "suspects": [sender], "t": self.transport.clock.now()})
-        self._tell(slot, False)
+        self._flag_sender(slot, "no_copy", list(verdict.convicted))
         for peer in verdict.bans:
             self.spawn(self.announce(peer, it, link))
+
+    def _flag_sender(self, slot: tuple, reason: str, convicted: list[str]) -> None:
+        """A copy flagged for what its sender did (`no_copy`, `forked_copy`): taint the microbatch for the other
+        verifiers, log the verdict, and tell its data node."""
+        key, it, direction, link, sender, to = slot
+        self._share({"tainted": [link, sender]} if direction == FORWARD else {"replaced": link}, key, it)
+        self.on_event({"kind": "verdict", "by": self.me, "peer": sender, "link": link, "direction": direction,
+                       "mb": m.key_name(key), "src": key[0], "seq": key[1], "att": key[2], "it": it, "flagged": True,
+                       "reason": reason, "substituted": False, "outside": [], "distances": {},
+                       "convicted": convicted, "suspects": [sender], "t": self.transport.clock.now()})
+        self._tell(slot, False)
 
     def _pair(self, slot: tuple) -> None:
         """The copy judged and the receipt are in. The same digest: the receiver got what was judged, so the
@@ -596,15 +599,9 @@ class VerifierHop:
             return
         if direction == FORWARD:
             self.sentinel.mark_tainted(key, link, sender)
-            self._share({"tainted": [link, sender]}, key, it)
         else:
             self.sentinel.mark_replaced(key, link)
-            self._share({"replaced": link}, key, it)
-        self.on_event({"kind": "verdict", "by": self.me, "peer": sender, "link": link, "direction": direction,
-                       "mb": m.key_name(key), "src": key[0], "seq": key[1], "att": key[2], "it": it, "flagged": True,
-                       "reason": "forked_copy", "substituted": False, "outside": [], "distances": {},
-                       "convicted": [sender], "suspects": [sender], "t": self.transport.clock.now()})
-        self._tell(slot, False)
+        self._flag_sender(slot, "forked_copy", [sender])
         if sender not in self.sentinel.banned():
             self.sentinel.ban(sender)
             self.spawn(self.announce(sender, it, link))
