@@ -774,3 +774,48 @@ def test_an_owner_every_other_owner_dropped_as_silent_is_passed_over_whether_or_
     everyone_late = {o: "late_commit" for o in owners}
     assert passed_over(owners, {"a": everyone_late}) is None
     assert passed_over(["a", "x"], {"a": late}) is None
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_committer_that_leaves_the_view_does_not_push_the_commitment_deadline_back(cut):
+    # Of my two other committers, A commits 0.01 s after my start and C never does: it crashed, and leaves my view
+    # 2 s in. "More than half of the others in my view" holds only once C left, at the next look (2.5 s); the lag
+    # was counted from then, as if A had committed 2.5 s late, and my deadline was start + T + 2.5 (the gather and
+    # every later phase waited that much longer in a stage of two). The lag is A's, 0.01 s. With the stage's cut
+    # (`cut_departed`) I stop at once when every committer still in my view has committed.
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    timeout, me, a, c = 5.0, "me", "a", "c"
+
+    class Clock:
+        t = 0.0
+
+        def now(self) -> float:
+            return self.t
+
+    class Transport:  # arrivals and the view on a scripted clock; `enough` is asked at each arrival and each look
+        peer_id, clock = me, Clock()
+
+        def members(self) -> list[str]:
+            return [me, a] + ([c] if self.clock.t < 2.0 else [])
+
+        async def collect_broadcasts(self, topic, step, senders, timeout, relays=2, enough=None, patience=None):
+            end, looks = self.clock.t + timeout, [self.clock.t + k * (patience or timeout / 4) for k in range(1, 100)]
+            for t in sorted({0.01, *looks}):
+                if t > end:
+                    break
+                self.clock.t = max(self.clock.t, t)
+                got = {a: "commitment"} if self.clock.t >= 0.01 else {}
+                if enough is not None and enough(got):
+                    return got
+            self.clock.t = max(self.clock.t, end)
+            return {a: "commitment"}
+
+    round_ = SecureRound.__new__(SecureRound)
+    round_.transport, round_.cut_departed = Transport(), cut
+    round_.state = type("State", (), {"btard": BTARDConfig(timeout=timeout)})()
+    st = StepState(1, [me, a, c], [], members=[me, a, c], committers=[me, a, c])
+    asyncio.run(round_._commitments(st))
+    assert round_.transport.clock.t == pytest.approx(2.5 if cut else timeout + 0.01)  # before: 7.5 and 7.5

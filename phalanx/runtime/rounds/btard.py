@@ -122,6 +122,13 @@ class SecureRound(ButterflyAllReduce):
         # True: the caller's candidates are agreed by every honest member (a pipeline's BEGIN), so the
         # step's group is the candidates whose join arrived, never a peer outside them.
         self.agreed_candidates = agreed_candidates
+        # True (a pipeline stage): the commitments and the gather stop waiting for members that left my view
+        # (`_commitments`, `_gather`). Safe because the caller fills a partition it lacks from its group's other
+        # members, checked against the hash its owner signed (`fill_missing`), so a partition I lack and others
+        # applied is repaired, not split; and a member silent through the verification departs (admission), so
+        # my drop of one that crashed bans nobody. A member that only looks gone to me and goes on costs me
+        # what any ELIMINATE costs (App. D.3), no split.
+        self.cut_departed = False
         self.mprng = mprng
         self.entropy = entropy
         self._joined: set[int] = set()  # steps whose join this peer already broadcast
@@ -251,7 +258,14 @@ class SecureRound(ButterflyAllReduce):
             got = await self._collect(step, PART, shapes)
             return got, set(tr.board.get("bt.commit", step))
 
-        envelopes, (valid, committed) = await asyncio.gather(self._commitments(st), parts())
+        async def commitments() -> dict[str, SignedEnvelope]:
+            held = await self._commitments(st)
+            # A part whose commitment missed my deadline is never used (its sender is dropped as late_commit):
+            # it is not waited for (a committer that left before committing held the scatter allreduce.timeout).
+            self._give_up(step, PART, {p for p in shapes if p not in held})
+            return held
+
+        envelopes, (valid, committed) = await asyncio.gather(commitments(), parts())
         late = {p: shape for p, shape in shapes.items() if p not in valid and p in envelopes and p not in committed}
         if late:
             # Committed after my parts' collect ended (I started early). An honest committer's part travels
@@ -287,21 +301,41 @@ class SecureRound(ButterflyAllReduce):
         start = tr.clock.now()
         others = [p for p in st.committers if p != me]
 
-        def half_in(got: dict[str, SignedEnvelope], present: list[str]) -> bool:
-            # More than half, so that the anchor holds an honest commitment: f < n / 2 colluders that
-            # commit at once are at most half of the others, and would set the group's clock alone.
-            return not present or 2 * sum(1 for p in present if p in got) > len(present)
+        arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
 
         def anchored(got: dict[str, SignedEnvelope]) -> bool:
+            # More than half of the others still in my view, so that the anchor holds an honest commitment:
+            # f < n / 2 colluders that commit at once are at most half of the others, and would set the group's
+            # clock alone. Nobody left in view: no anchor to wait for.
+            for p in got:
+                arrived.setdefault(p, tr.clock.now())
             view = set(tr.members())
-            return half_in(got, [p for p in others if p in view])
+            present = [p for p in others if p in view]
+            return not present or 2 * sum(1 for p in present if p in got) > len(present)
+
+        def lag_of(got: dict[str, SignedEnvelope]) -> float:
+            # When the anchoring commitments came, not when the anchor held: a committer that left my view
+            # while I waited (a crash) can complete the anchor long after the others' commitments were in,
+            # and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
+            view = set(tr.members())
+            times = sorted(arrived[p] - start for p in others if p in view and p in got and p in arrived)
+            present = sum(1 for p in others if p in view)
+            return min(max(0.0, times[present // 2]), timeout) if present and len(times) > present // 2 else 0.0
 
         got = await tr.collect_broadcasts(
             "bt.commit", st.step, st.committers, 2 * timeout, relays=relays, enough=anchored, patience=timeout / 4
         )
-        lag = min(tr.clock.now() - start, timeout) if anchored(got) else 0.0
+        lag = lag_of(got) if anchored(got) else 0.0
+
+        def rest_in(got: dict[str, SignedEnvelope]) -> bool:
+            # Every committer still in my view has committed, the others left it, and those in it are at least half.
+            view = set(tr.members())
+            present = [p for p in others if p in view]
+            return len(present) < len(others) <= 2 * len(present) + 1 and all(p in got for p in present)
+
         return await tr.collect_broadcasts(
-            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays
+            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays,
+            enough=rest_in if self.cut_departed else None,
         )
 
     async def _reduce(
@@ -388,10 +422,18 @@ class SecureRound(ButterflyAllReduce):
         patience = self.state.btard.timeout / 4
         started = tr.clock.now()
 
+        def departed(got: dict[str, SignedEnvelope]) -> set[str]:
+            # With `cut_departed`: the owners whose declaration I lack, once all of them have left my view
+            # and those in it are at least half of the owners (else I may be the one cut off); else none.
+            view = set(tr.members())
+            lacking = {o for o in owners if o not in got and o != me}
+            return lacking if self.cut_departed and lacking and not lacking & view and 2 * len(view & set(owners)) >= len(owners) else set()
+
         async def aggregate_commitments():
             held = await tr.collect_broadcasts(
                 "bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members),
-                enough=lambda got: tr.clock.now() - started >= 2 * patience and passed_over(owners, declarations(got)) is not None,
+                enough=lambda got: tr.clock.now() - started >= 2 * patience and (
+                    passed_over(owners, declarations(got)) is not None or bool(departed(got))),
                 patience=patience,
             )
             rcommitted.set()
@@ -404,7 +446,9 @@ class SecureRound(ButterflyAllReduce):
         try:
             envelopes = await committing
             st.passed = await self._passed_over(st, declarations(envelopes))
-            self._give_up(step, REDUCED, st.passed)
+            # An owner that left without declaring has no aggregate I could check: not waited for. Who is passed
+            # over is still the agreed rule's (on the declarations at hand); what I lack, the caller repairs.
+            self._give_up(step, REDUCED, st.passed | departed(tr.board.get("bt.rcommit", step)))
             results = await collecting
         finally:
             for task in (committing, collecting, relaying):
