@@ -45,9 +45,7 @@ the stage vector of a departed validation target whose inputs no validator got. 
 liar escape by leaving, so such a replica is retired (`retire` event, reason `departed:unverifiable`):
 out of the stage's ledger and groups for good and refused when it asks to join, as a ban would, but
 not counted as a ban (nothing proves it lied). A replica that departs with nothing unjudged comes back
-through the join path with its identity. A stage's round stops waiting for members that left its view
-(`SecureRound.cut_departed`: their commitments, parts and aggregate commitments) once those still in view
-have sent and are at least half; what that leaves a replica lacking, `fill_missing` repairs.
+through the join path with its identity.
 
 A partition's aggregate that missed this replica while other replicas applied it (its owner left while
 sending it: churn over hivemind) would leave this replica's step, and its weights, different from the
@@ -257,7 +255,6 @@ class StageRound:
         self.round = StageSecureRound(self.view, dim, allreduce, btard, self.ledger, None, policy,
                                       agreed_candidates=True, inputs=self.inputs)
         self.round.admission = StageAdmission(self)
-        self.round.cut_departed = True  # see SecureRound: a stage fills what it lacks (`fill_missing`), departs the silent
         self.round.on_claims = self._note_claims
         self.gradient_claims: dict[int, tuple[StepState, list[Claim]]] = {}  # step -> its stage-gradient accusations
         self.applied: dict[int, AllReduceResult] = {}  # iteration -> the update this replica stepped with
@@ -304,13 +301,10 @@ class StageRound:
         bounds, g = part_bounds(result.vector.numel(), len(owners)), group_digest(owners)
         timeout = self.round.state.btard.timeout
         commitments, passed = self._commitments(it, owners, g)
-        if any(o not in commitments for o in missing) and sources:
-            # Every declaration I lack, not only those of the owners I would fill: my round may have stopped
-            # waiting for an owner that only looked gone to me, whose declaration keeps another owner in for
-            # the others (`passed_over` reads every declaration), so the passed-over set is decided on theirs.
-            await self.view.fetch_broadcasts("bt.rcommit", it, [o for o in owners if o not in commitments and o != me], sources, timeout)
-            commitments, passed = self._commitments(it, owners, g)
         wanted = [o for o in missing if o not in passed]  # a passed-over owner's partition: nobody applied it
+        if any(o not in commitments for o in wanted) and sources:
+            await self.view.fetch_broadcasts("bt.rcommit", it, [o for o in wanted if o not in commitments], sources, timeout)
+            commitments, passed = self._commitments(it, owners, g)
         vector, filled = result.vector.clone(), []
         for owner in wanted:
             parsed = commitments.get(owner)

@@ -122,13 +122,6 @@ class SecureRound(ButterflyAllReduce):
         # True: the caller's candidates are agreed by every honest member (a pipeline's BEGIN), so the
         # step's group is the candidates whose join arrived, never a peer outside them.
         self.agreed_candidates = agreed_candidates
-        # True (a pipeline stage): the commitments and the gather stop waiting for members that left my view
-        # (`_commitments`, `_gather`). Safe because the caller fills a partition it lacks from its group's other
-        # members, checked against the hash its owner signed (`fill_missing`), so a partition I lack and others
-        # applied is repaired, not split; and a member silent through the verification departs (admission), so
-        # my drop of one that crashed bans nobody. A member that only looks gone to me and goes on costs me
-        # what any ELIMINATE costs (App. D.3), no split.
-        self.cut_departed = False
         self.mprng = mprng
         self.entropy = entropy
         self._joined: set[int] = set()  # steps whose join this peer already broadcast
@@ -326,16 +319,8 @@ class SecureRound(ButterflyAllReduce):
             "bt.commit", st.step, st.committers, 2 * timeout, relays=relays, enough=anchored, patience=timeout / 4
         )
         lag = lag_of(got) if anchored(got) else 0.0
-
-        def rest_in(got: dict[str, SignedEnvelope]) -> bool:
-            # Every committer still in my view has committed, the others left it, and those in it are at least half.
-            view = set(tr.members())
-            present = [p for p in others if p in view]
-            return len(present) < len(others) <= 2 * len(present) + 1 and all(p in got for p in present)
-
         return await tr.collect_broadcasts(
-            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays,
-            enough=rest_in if self.cut_departed else None,
+            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays
         )
 
     async def _reduce(
@@ -422,18 +407,10 @@ class SecureRound(ButterflyAllReduce):
         patience = self.state.btard.timeout / 4
         started = tr.clock.now()
 
-        def departed(got: dict[str, SignedEnvelope]) -> set[str]:
-            # With `cut_departed`: the owners whose declaration I lack, once all of them have left my view
-            # and those in it are at least half of the owners (else I may be the one cut off); else none.
-            view = set(tr.members())
-            lacking = {o for o in owners if o not in got and o != me}
-            return lacking if self.cut_departed and lacking and not lacking & view and 2 * len(view & set(owners)) >= len(owners) else set()
-
         async def aggregate_commitments():
             held = await tr.collect_broadcasts(
                 "bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members),
-                enough=lambda got: tr.clock.now() - started >= 2 * patience and (
-                    passed_over(owners, declarations(got)) is not None or bool(departed(got))),
+                enough=lambda got: tr.clock.now() - started >= 2 * patience and passed_over(owners, declarations(got)) is not None,
                 patience=patience,
             )
             rcommitted.set()
@@ -446,9 +423,7 @@ class SecureRound(ButterflyAllReduce):
         try:
             envelopes = await committing
             st.passed = await self._passed_over(st, declarations(envelopes))
-            # An owner that left without declaring has no aggregate I could check: not waited for. Who is passed
-            # over is still the agreed rule's (on the declarations at hand); what I lack, the caller repairs.
-            self._give_up(step, REDUCED, st.passed | departed(tr.board.get("bt.rcommit", step)))
+            self._give_up(step, REDUCED, st.passed)
             results = await collecting
         finally:
             for task in (committing, collecting, relaying):
