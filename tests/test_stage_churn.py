@@ -379,3 +379,24 @@ def test_a_byzantine_that_looks_gone_to_one_peer_while_it_gathers_splits_nobody(
     assert set(summary["banned"]) <= {fake}
     assert _one_digest_per_stage(summary, but=frozenset({fake}))
     assert sum(1 for p, (s, _, _) in summary["replicas"].items() if s == 2 and p != fake) == 3
+
+
+def test_a_replica_whose_directory_still_places_a_stage_peer_elsewhere_takes_its_round_messages(monkeypatch):
+    # In the `all` cell (seed 1) a relay rejoined stage 2 from stage 1 and one stage-2 replica's directory still had
+    # it in stage 1 (its HELLO missed it): that replica's stage board dropped the rejoiner's joins, commitments and
+    # declarations, waited btard.timeout for its join every iteration and dropped its commitment as late_commit. Here
+    # relay 3's directory is set back to place relay 1 in stage 1: before, iterations 1-2 took 2.6 and 6.5 s and
+    # relays 1 and 3 were banned (ELIMINATE). A peer that my stage's agreed BEGIN group names is a stage peer.
+    from phalanx.runtime.pipeline.stage_btard import StageRound
+
+    call, stale, hidden = StageRound.__call__, _pid(0, 3), _pid(0, 1)
+
+    async def lagging(self, it, vector, group):
+        if self.node.me == stale and it == 1:
+            self.node.directory[hidden] = 1
+        return await call(self, it, vector, group)
+
+    monkeypatch.setattr(StageRound, "__call__", lagging)
+    summary = simulate_pipeline(_config(ChurnConfig(), steps=4), progress=False)
+    assert summary["bans"] == [] and _one_digest_per_stage(summary)
+    assert all(m["duration"] < 0.5 for m in summary["metrics"])

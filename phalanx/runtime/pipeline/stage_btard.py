@@ -248,7 +248,13 @@ class StageRound:
                  policy: ProtocolPolicy | None) -> None:
         self.node = node
         self.ledger = BanLedger()
-        self.view = StageView(node.transport, lambda p: node.directory.get(p) == node.stage)
+        self.groups: dict[int, list[str]] = {}  # iteration -> its BEGIN group of this stage (agreed)
+        # A stage peer: one my directory places in my stage, or one an agreed BEGIN group of my stage names (kept for
+        # the iterations not yet settled). My directory lags a relay that rejoined in my stage from another one (its
+        # HELLO missed me): its joins, commitments and declarations were dropped here, I waited btard.timeout for its
+        # join every iteration (all/1, seed 1: 5 s in iterations 18 and 19) and could drop its commitment as late_commit.
+        self.view = StageView(node.transport, lambda p: node.directory.get(p) == node.stage
+                              or any(p in g for g in self.groups.values()))
         # recompute=None: a stage gradient is not a function of public data; with validators it is
         # recomputed from the inputs each replica commits to (StageInputs).
         self.inputs = StageInputs(node, btard.timeout) if btard.validators > 0 else None
@@ -262,7 +268,6 @@ class StageRound:
         # One round at a time: a round that outlives the aggregation timeout (it waits out departed
         # members) must settle before the next one starts, or both would settle the same step.
         self.lock = asyncio.Lock()
-        self.groups: dict[int, list[str]] = {}  # iteration -> its BEGIN group of this stage (agreed)
 
     async def __call__(self, it: int, vector: torch.Tensor, group: list[str]) -> AllReduceResult:
         node = self.node
