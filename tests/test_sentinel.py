@@ -23,6 +23,7 @@ from phalanx.algorithms.sentinel.statistics import (
     ema,
     median_fence,
     projections,
+    sender_fence,
     summarize,
     tukey_fence,
     vote,
@@ -999,33 +1000,81 @@ def test_an_honest_stage_fed_an_odd_input_keeps_sharing_its_flags_with_the_upstr
         assert verifier.convicted() == {"liar"}
 
 
+def _white_box_shrinks(fence: str, gain: bool, sender_of=lambda i: i % 8) -> list[float]:
+    """The scale c of each tensor the white-box `adaptive` attacker sent on a residual toy stage (16 features), where
+    senders r0-r2 of `sender_of` (microbatch -> sender index) lie from microbatch 40 on."""
+    from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
+
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, gain=gain, fence=fence))
+    attack = make_link_attack("adaptive", steps=8)
+    scales = []
+    for i in range(224):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        if i >= 40 and sender_of(i) < 3:
+            probe = lambda t, i=i: verifier.would_accept(1, FORWARD, t, i)  # noqa: E731
+            honest, out = out, attack.relay(LinkView("activation", i, i, out, probe)).tensor
+            scales.append(float((out * honest).sum() / (honest * honest).sum()))
+        assert not verifier.check_forward(1, f"r{sender_of(i)}", i, out).flagged
+    return scales
+
+
 def test_the_white_box_attackers_accepted_shrink_stays_bounded_when_three_of_eight_senders_ride_the_fence():
     """Session 19, 37.5% `adaptive`: the attackers' accepted scale c fell from 0.7 to 0.11 within 12 attacked
     iterations: ``scale`` compares a tensor with the link's EMA, which learns the accepted shrunk tensors, and 3 of 8
-    senders hold more than the 25% of the window a Tukey fence withstands, so the fence dropped each time the window
-    turned over: the damage grew with the run (here: c at the bisection's floor, 0.107, by the end). The gain
-    option (output spread over input spread, anchored on what the verifiers delivered, under a median fence) does
-    not follow them: c stays near its first accepted value."""
-    from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
+    senders hold more than the 25% of the window a pooled Tukey fence withstands, so the fence dropped each time the
+    window turned over: the damage grew with the run (here: c at the bisection's floor, 0.107, by the end). The
+    per-sender fence (session 22, the default) takes each quartile per sender and the median across senders, which
+    3 of 8 senders cannot move: c stays near its first accepted values. The gain option (output spread over input
+    spread, under a median fence) bounds it too."""
+    lowest = {(fence, gain): min(_white_box_shrinks(fence, gain)[-12:])
+              for fence, gain in (("tukey", False), ("senders", False), ("tukey", True))}
+    assert lowest[("tukey", False)] < 0.2
+    assert lowest[("senders", False)] > 0.6 and lowest[("tukey", True)] > 0.6
 
-    lowest = {}
-    for gain in (False, True):
-        gen = torch.Generator().manual_seed(21)
-        weight = torch.randn(16, 16, generator=gen) / 4
-        verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, gain=gain))
-        attack = make_link_attack("adaptive", steps=8)
-        scales = []
-        for i in range(224):
-            x = _center() + torch.randn(4, 32, 16, generator=gen)
-            out = x + torch.tanh(x @ weight)
-            verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
-            if i >= 40 and i % 8 < 3:  # three of eight senders from microbatch 40 on
-                probe = lambda t, i=i: verifier.would_accept(1, FORWARD, t, i)  # noqa: E731
-                honest, out = out, attack.relay(LinkView("activation", i, i, out, probe)).tensor
-                scales.append(float((out * honest).sum() / (honest * honest).sum()))
-            verifier.check_forward(1, f"r{i % 8}", i, out)
-        lowest[gain] = min(scales[-12:])
-    assert lowest[False] < 0.2 and lowest[True] > 0.6
+
+def test_the_per_sender_fence_holds_the_shrink_when_the_liars_carry_more_of_the_traffic():
+    """The adversary that knows the per-sender fence takes more of the traffic (a faster relay is routed more
+    microbatches): 3 of 8 senders carry 45% of the tensors. A pooled median fence (breakdown: 50% of the window's
+    values, but the liars' values also drag the EMA it is measured against) falls to the bisection's floor; the
+    per-sender fence gives each sender one vote whatever it carries, and stays bounded."""
+    def carried(i: int) -> int:  # 9 of every 20 microbatches to the liars r0-r2, the rest to five honest senders
+        j = i % 20
+        return j % 3 if j < 9 else 3 + (i // 20 + j) % 5
+
+    pooled, senders = (_white_box_shrinks(fence, False, carried) for fence in ("median", "senders"))
+    assert min(pooled[-12:]) < 0.2
+    assert min(senders[-12:]) > 0.5 and statistics.median(senders) > 0.4
+
+
+def test_a_sender_fence_is_not_moved_by_a_minority_of_senders_whatever_traffic_they_carry():
+    """`sender_fence`: each quartile and the IQR are medians across senders. 3 of 8 senders that put 60% of the
+    values on the current lower fence, spread wide (to inflate their own IQR), drag a pooled median fence without
+    bound (above its 50% breakdown); the sender fence stays where the honest senders put it."""
+    values = [[float(v) for v in range(1, 10)]] * 3
+    assert sender_fence(values, 5.0) == tukey_fence(values[0], 5.0)  # one kind of sender: Tukey's fence
+    rng = random.Random(1)
+    lows = {}
+    for kind in ("pooled", "senders"):
+        honest = [deque([rng.gauss(0, 1) for _ in range(8)], maxlen=8) for _ in range(5)]
+        liars = [deque([rng.gauss(0, 1) for _ in range(8)], maxlen=8) for _ in range(3)]
+        pooled = deque([v for d in honest + liars for v in d], maxlen=64)
+        for i in range(800):
+            fence = median_fence(list(pooled), 5.0) if kind == "pooled" else sender_fence(
+                [list(d) for d in honest + liars], 5.0)
+            if i % 5 < 3:  # the liars carry 3 of every 5 values: the low edge, or far below it
+                value = fence.low if i % 2 else fence.low - abs(fence.low)
+                liars[i % 3].append(value)
+            else:
+                value = rng.gauss(0, 1)
+                honest[i % 5].append(value)
+            pooled.append(value)
+        lows[kind] = (median_fence(list(pooled), 5.0) if kind == "pooled" else sender_fence(
+            [list(d) for d in honest + liars], 5.0)).low
+    assert lows["pooled"] < -1e6 and lows["senders"] > -15  # honest fence: about -7.4
 
 
 def _null_directions(verifier: Sentinel, features: int = 16) -> torch.Tensor:

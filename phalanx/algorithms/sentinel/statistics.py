@@ -191,7 +191,7 @@ DISTANCES = ("l1", "l2", "sign", "swd", "scale", "bind", "align")
 BOUND = ("bind", "align")  # distances between a stage's output and its own input for the same microbatch
 MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
 VOTES = ("any", "majority", "all")
-FENCES = ("tukey", "median")
+FENCES = ("senders", "tukey", "median")
 FORWARD, BACKWARD = "forward", "backward"
 
 
@@ -200,6 +200,8 @@ OWN_ALIGN_BASELINE = 0.2  # a flag is the sender's own only on a link whose alig
 # residual stage does that (measured: 1.0-1.25 on 2-block GPT stages at initialisation, both directions), zeros or
 # 1e-3 * x do
 SHRUNK_RATIO = 1e-2
+SENDER_VALUES = 4  # accepted values a sender needs before its quartiles count in the `senders` fence
+SENDERS = 3  # senders with that many values needed for the `senders` fence (fewer: the pooled Tukey fence)
 SHRUNK_INPUT = -0.2  # ``scale`` of a stage's input (log) below which its large correction is explained by it (c < 0.82)
 
 @dataclass(frozen=True)
@@ -227,7 +229,10 @@ class SentinelConfig:
     strike_window: int = 8
     own_window: int = 32  # `strikes` flags on a sender's own input relation (reversed, unrelated) among its last this many microbatches ban too
     seed: int = 0  # run seed of the projection streams
-    fence: str = "tukey"  # tukey: [Q1 - k*IQR, Q3 + k*IQR]; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%, not 25%)
+    # senders: Tukey's fence from per-sender quartiles (`sender_fence`; a minority of senders cannot move it);
+    # tukey: [Q1 - k*IQR, Q3 + k*IQR] over the pooled window; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%)
+    fence: str = "senders"
+    sender_window: int = 8  # accepted distances kept per sender and distance for the `senders` fence
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
     remembered: int = 4096  # microbatches whose first verdicts are kept for resends (oldest dropped first)
@@ -253,6 +258,9 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.learn_k={self.learn_k} must be below sentinel.k={self.k} (or 0 to turn it off)")
         if self.window < 4:
             raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
+        if self.sender_window < SENDER_VALUES:
+            raise ConfigError(f"sentinel.sender_window={self.sender_window} must be >= {SENDER_VALUES} (a sender's "
+                              f"quartiles need a few values)")
         if self.warmup < 5:
             raise ConfigError(f"sentinel.warmup={self.warmup} must be >= 5 (fences need at least 4 distances)")
         for key in ("bind_floor", "tainted_bind_floor"):
@@ -361,6 +369,28 @@ def median_fence(values: list[float] | tuple[float, ...], k: float, floor: float
     mad = _quantile(sorted(abs(v - mid) for v in ordered), 0.5)
     half = (k + 0.5) * max(2 * mad, floor)
     return Fence(mid - half, mid + half)
+
+
+def sender_fence(per_sender: list[list[float]], k: float, floor: float = 0.0) -> Fence:
+    """Tukey's fence with each quartile and the IQR taken per sender, then the median across senders:
+    [med(Q1_s) - k * S, med(Q3_s) + k * S], S = max(med(IQR_s), floor).
+
+    Why: a pooled window's quartiles (Tukey) break down at 25% of its values and its median at 50%, and how many
+    of the values are an adversary's is up to it (37.5% of the relays, or more by taking more microbatches). Each
+    sender here has one vote per statistic, so with fewer than half of the senders the three medians stay between
+    the honest senders' own values whatever the liars send and however much of the traffic they carry. For
+    exchangeable honest senders (replicas of one stage) it is the pooled Tukey fence up to sampling noise."""
+    if len(per_sender) < 1 or any(len(values) < 2 for values in per_sender):
+        raise ValueError("a sender fence needs at least one sender with at least 2 values each")
+    rows = [sorted(values) for values in per_sender]
+    q1 = _median([_quantile(r, 0.25) for r in rows])
+    q3 = _median([_quantile(r, 0.75) for r in rows])
+    spread = max(_median([_quantile(r, 0.75) - _quantile(r, 0.25) for r in rows]), floor)
+    return Fence(q1 - k * spread, q3 + k * spread)
+
+
+def _median(values: list[float]) -> float:
+    return _quantile(sorted(values), 0.5)
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -603,6 +633,9 @@ class _Track:
         self.given_spread = _MeanTrack(window)  # the log spread of its centred token sketch
         self.correction = _MeanTrack(window)  # the sender's output mean minus that input mean
         self.gains: deque[float] = deque(maxlen=window)  # log spread of the output's token sketch over its input's
+        self.accepted_from: deque[str] = deque(maxlen=window)  # the sender of each of the last accepted tensors
+        self.by_sender: dict[str, dict[str, deque[float]]] = {}  # sender -> distance -> its last accepted values
+        self.sender_fences: dict[tuple, Fence | None] = {}  # (distance, k, accepted, convicted) -> fence (a cache)
 
 
 class Sentinel:
@@ -892,7 +925,7 @@ class Sentinel:
         named = tuple(dist.items())
         if track.accepted < self.config.warmup:
             if learn:
-                self._accept(track, direction, summary, dist, means)
+                self._accept(track, direction, worker, summary, dist, means)
                 self._remember(track, link, direction, worker, microbatch, dist, ())
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist) + (("gain",) if self._shrinks(track, dist, means) else ())
@@ -910,13 +943,13 @@ class Sentinel:
                 # the stage moved, not this sender: relearn (only what lies near the stage's median, with `learn_k`),
                 # and the flags of the move are no evidence
                 if self._inner_stage(stage, judged):
-                    self._accept(track, direction, summary, dist, means)
+                    self._accept(track, direction, worker, summary, dist, means)
                 return self._strike(Verdict(link, direction, worker, microbatch, False, "drift", named, outside))
         if learn and direction == FORWARD and "scale" in dist:
             self._scales.setdefault(microbatch, {})[link] = dist["scale"]
         corrected = not flagged and self._large_correction(track, dist)
         if learn and not flagged and not corrected and self._inner(track, dist):
-            self._accept(track, direction, summary, dist, means)
+            self._accept(track, direction, worker, summary, dist, means)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         # the sender's forward input crossed link - 1 (its output gradient's forward input, link itself)
         shrunk = self._scales.get(microbatch, {}).get(link - 1 if direction == FORWARD else link, 0.0) < SHRUNK_INPUT
@@ -1068,13 +1101,20 @@ class Sentinel:
             return False
         return bool(torch.isfinite(tensor).all())
 
-    def _accept(self, track: _Track, direction: str, summary: Summary, dist: dict[str, float],
+    def _accept(self, track: _Track, direction: str, worker: str, summary: Summary, dist: dict[str, float],
                 means: tuple[Tensor, Tensor] | None = None) -> None:
         beta = self.config.beta_h if direction == FORWARD else self.config.beta_g
         track.ref = ema(track.ref, summary, beta)
         track.accepted += 1
+        own = track.by_sender.setdefault(worker, {})
         for name, value in dist.items():
             track.windows[name].append(_scaled(name, value, self.config))
+            own.setdefault(name, deque(maxlen=self.config.sender_window)).append(_scaled(name, value, self.config))
+        track.accepted_from.append(worker)
+        if len(track.by_sender) > len(track.accepted_from):  # senders gone from the window are forgotten
+            live = set(track.accepted_from)
+            for gone in [w for w in track.by_sender if w not in live]:
+                del track.by_sender[gone]
         if means is not None:
             track.given.learn(means[0], beta)
             track.given_spread.learn(means[2], beta)
@@ -1239,8 +1279,22 @@ class Sentinel:
                      and not (n == "scale" and track.direction == BACKWARD and dist[n] > self._fence(track, n).high))
 
     def _fence(self, track: _Track, name: str, k: float | None = None) -> Fence:
+        k = self.config.k if k is None else k
+        if self.config.fence == "senders":
+            key = (name, k, track.accepted, len(self._convicted))  # it changes only when these do
+            if key not in track.sender_fences:
+                # the live senders of the window (not convicted) with enough accepted values of this distance
+                live = set(track.accepted_from) - self._convicted
+                rows = [list(track.by_sender[w][name]) for w in sorted(live)
+                        if len(track.by_sender.get(w, {}).get(name, ())) >= SENDER_VALUES]
+                if len(track.sender_fences) > 4 * len(self._names):
+                    track.sender_fences.clear()
+                track.sender_fences[key] = (sender_fence(rows, k, self._floor(track, name))
+                                            if len(rows) >= SENDERS else None)
+            if track.sender_fences[key] is not None:
+                return track.sender_fences[key]
         fence = median_fence if self.config.fence == "median" else tukey_fence
-        return fence(list(track.windows[name]), self.config.k if k is None else k, self._floor(track, name))
+        return fence(list(track.windows[name]), k, self._floor(track, name))
 
     def _floor(self, track: _Track, name: str) -> float:
         """The spread floor of a distance's fences: one feature's resolution for ``sign``, else `min_spread`."""
