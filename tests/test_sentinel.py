@@ -1000,9 +1000,9 @@ def test_an_honest_stage_fed_an_odd_input_keeps_sharing_its_flags_with_the_upstr
         assert verifier.convicted() == {"liar"}
 
 
-def _white_box_shrinks(fence: str, gain: bool, sender_of=lambda i: i % 8) -> list[float]:
+def _white_box_shrinks(fence: str, gain: bool, sender_of=lambda i: f"r{i % 8}") -> list[float]:
     """The scale c of each tensor the white-box `adaptive` attacker sent on a residual toy stage (16 features), where
-    senders r0-r2 of `sender_of` (microbatch -> sender index) lie from microbatch 40 on."""
+    senders r0-r2 of `sender_of` (microbatch -> sender name) lie from microbatch 40 on."""
     from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
 
     gen = torch.Generator().manual_seed(21)
@@ -1014,11 +1014,11 @@ def _white_box_shrinks(fence: str, gain: bool, sender_of=lambda i: i % 8) -> lis
         x = _center() + torch.randn(4, 32, 16, generator=gen)
         out = x + torch.tanh(x @ weight)
         verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
-        if i >= 40 and sender_of(i) < 3:
+        if i >= 40 and sender_of(i) in ("r0", "r1", "r2"):
             probe = lambda t, i=i: verifier.would_accept(1, FORWARD, t, i)  # noqa: E731
             honest, out = out, attack.relay(LinkView("activation", i, i, out, probe)).tensor
             scales.append(float((out * honest).sum() / (honest * honest).sum()))
-        assert not verifier.check_forward(1, f"r{sender_of(i)}", i, out).flagged
+        assert not verifier.check_forward(1, sender_of(i), i, out).flagged
     return scales
 
 
@@ -1043,13 +1043,63 @@ def test_the_per_sender_fence_holds_the_shrink_when_the_liars_carry_more_of_the_
     per-sender fence gives each sender one vote whatever it carries, and ``scale`` is taken against the senders'
     median magnitude, not the EMA: c stays near its first accepted values. (Against the EMA, with the per-sender
     fence: c fell to 0.28-0.5, the EMA dragged down and the honest values, looking grown, carrying the fence.)"""
-    def carried(i: int) -> int:  # 9 of every 20 microbatches to the liars r0-r2, the rest to five honest senders
+    def carried(i: int) -> str:  # 9 of every 20 microbatches to the liars r0-r2, the rest to five honest senders
         j = i % 20
-        return j % 3 if j < 9 else 3 + (i // 20 + j) % 5
+        return f"r{j % 3 if j < 9 else 3 + (i // 20 + j) % 5}"
 
     pooled, senders = (_white_box_shrinks(fence, False, carried) for fence in ("median", "senders"))
     assert min(pooled[-12:]) < 0.2
     assert min(senders) > 0.5 and min(senders[-12:]) > 0.6
+
+
+def test_honest_relays_that_churn_do_not_hand_the_liars_the_per_sender_fence():
+    """Review RC (session 22), MED 2: a sender voted only once it had 4 accepted values, so while 2 of the 5 honest
+    relays kept taking fresh identities (rejoins, replaced relays) the 3 liars held half of the votes and the accepted
+    shrink fell to 0.01. Now every live sender votes from its first accepted value (spread 0 until it has 4)."""
+    def churning(i: int) -> str:  # relays r6 and r7 take a fresh identity every 24 microbatches
+        return f"r{i % 8}-{i // 24}" if i % 8 >= 6 and i >= 40 else f"r{i % 8}"
+
+    assert min(_white_box_shrinks("senders", False, churning)[-12:]) > 0.6
+
+
+def test_three_of_eight_senders_cannot_grow_an_accepted_mean_shift_through_the_reference():
+    """Review RC (session 22), HIGH 1: the distances were taken against the link's EMA, which learns every accepted
+    tensor, so 3 of 8 senders that add the largest accepted shift along one feature direction (their scale held
+    level) dragged it; honest tensors then lay further from it, the fences widened, and the accepted shift grew
+    7-fold (simulator: +5.8% in 15 iterations, the stage-1 liars never flagged). Against the median of the live
+    senders' latest summaries it stays near its first accepted values. (The reviewer's test, bisections trimmed.)"""
+    gen, rng = torch.Generator().manual_seed(21), random.Random(5)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    u = torch.randn(16, generator=gen)
+    u = u / u.norm()
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8))
+
+    def lie(out: torch.Tensor, mb: int, b: float) -> torch.Tensor:  # a * out + b * u, its scale held at 0
+        track = verifier._tracks[(1, FORWARD)]
+        lo, hi = 0.0, 1.5
+        for _ in range(6):
+            mid = (lo + hi) / 2
+            t = mid * out + b * u
+            low = verifier._distances(track, 1, FORWARD, mb, t, summarize(t, track.proj, 32))["scale"] < 0
+            lo, hi = (mid, hi) if low else (lo, mid)
+        return lo * out + b * u
+
+    shifts = []
+    for i in range(160):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        liar = rng.random() < 0.375
+        sender = f"r{rng.randrange(3)}" if liar else f"r{3 + rng.randrange(5)}"
+        if i >= 40 and liar:
+            lo, hi = 0.0, 32.0
+            for _ in range(7):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if verifier.would_accept(1, FORWARD, lie(out, i, mid), i) else (lo, mid)
+            honest, out = out, lie(out, i, lo)
+            shifts.append(float((out.mean(dim=(0, 1)) - honest.mean(dim=(0, 1))).norm()))
+        verifier.check_forward(1, sender, i, out)
+    assert max(shifts[-10:]) < 2 * sorted(shifts[:5])[2]
 
 
 def test_a_sender_fence_is_not_moved_by_a_minority_of_senders_whatever_traffic_they_carry():
