@@ -1007,7 +1007,8 @@ def _white_box_shrinks(fence: str, gain: bool, sender_of=lambda i: f"r{i % 8}") 
 
     gen = torch.Generator().manual_seed(21)
     weight = torch.randn(16, 16, generator=gen) / 4
-    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, gain=gain, fence=fence))
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, gain=gain, fence=fence,
+                                       sender_window=4))
     attack = make_link_attack("adaptive", steps=8)
     scales = []
     for i in range(224):
@@ -1053,13 +1054,43 @@ def test_the_per_sender_fence_holds_the_shrink_when_the_liars_carry_more_of_the_
 
 
 def test_honest_relays_that_churn_do_not_hand_the_liars_the_per_sender_fence():
-    """Review RC (session 22), MED 2: a sender voted only once it had 4 accepted values, so while 2 of the 5 honest
-    relays kept taking fresh identities (rejoins, replaced relays) the 3 liars held half of the votes and the accepted
-    shrink fell to 0.01. Now every live sender votes from its first accepted value (spread 0 until it has 4)."""
-    def churning(i: int) -> str:  # relays r6 and r7 take a fresh identity every 24 microbatches
-        return f"r{i % 8}-{i // 24}" if i % 8 >= 6 and i >= 40 else f"r{i % 8}"
+    """Review RC (session 22), MED 2: while 2 of the 5 honest relays kept taking fresh identities (rejoins, replaced
+    relays), the 3 liars held half of the votes and the accepted shrink fell to 0.01. An identity votes once it has
+    `sender_window` accepted tensors (finding 0, below), so honest relays that last that long between identities
+    (here 8 tensors, `sender_window` 4) keep the vote; faster churn does not (not claimed)."""
+    def churning(i: int) -> str:  # relays r6 and r7 take a fresh identity every 64 microbatches (8 tensors each)
+        return f"r{i % 8}-{i // 64}" if i % 8 >= 6 and i >= 40 else f"r{i % 8}"
 
     assert min(_white_box_shrinks("senders", False, churning)[-12:]) > 0.6
+
+
+@pytest.mark.parametrize("per_identity", [1, 4])
+def test_liars_cycling_identities_neither_take_the_vote_nor_frame_the_honest_senders(per_identity):
+    """Review RC (session 22), finding 0 (the reviewer's test): one vote per identity from its first accepted value
+    let 3 liars that took a fresh identity every lie (or every 4) hold most of the votes of a 64-tensor window; the
+    fence sat on their values, narrow, and all five honest senders were banned. An identity now votes only after
+    `sender_window` accepted tensors, so cycling gains a liar no votes."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8))
+    lies, shrinks = {}, []
+    for i in range(320):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        slot, sender = i % 8, f"r{i % 8}"
+        if slot < 3 and i >= 40:
+            lies[slot] = lies.get(slot, 0) + 1
+            sender = f"r{slot}-{(lies[slot] - 1) // per_identity}"  # a fresh identity every per_identity lies
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            out = hi * out
+            shrinks.append(hi)
+        verifier.check_forward(1, sender, i, out)
+    assert not {f"r{s}" for s in range(3, 8)} & verifier.banned()
+    assert min(shrinks[-12:]) > 0.5
 
 
 def test_three_of_eight_senders_cannot_grow_an_accepted_mean_shift_through_the_reference():
@@ -1072,7 +1103,7 @@ def test_three_of_eight_senders_cannot_grow_an_accepted_mean_shift_through_the_r
     weight = torch.randn(16, 16, generator=gen) / 4
     u = torch.randn(16, generator=gen)
     u = u / u.norm()
-    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8))
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, sender_window=4))
 
     def lie(out: torch.Tensor, mb: int, b: float) -> torch.Tensor:  # a * out + b * u, its scale held at 0
         track = verifier._tracks[(1, FORWARD)]

@@ -110,9 +110,10 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   values are measured against the same EMA as the liar's, the accepted
   ``scale`` stays within (k + 1/2)*S of the honest ones (S the honest
   senders' median IQR) however far the EMA has moved. For exchangeable honest
-  replicas it is the pooled fence up to sampling noise. Every live sender
-  votes from its first accepted value (a fresh identity counts as spread 0
-  until it has 4). The distances are then taken against the coordinate-wise
+  replicas it is the pooled fence up to sampling noise. A live sender votes
+  once it has `sender_window` accepted tensors (`_voters_of`): one vote per
+  identity needs identities that last (a liar cycling identities gains no
+  votes; honest relays that change identity faster lose theirs). The distances are then taken against the coordinate-wise
   median across the live senders of each one's last 2 accepted summaries,
   not against the EMA (`_reference`): the EMA learns the liars' accepted
   tensors, so it moved with them, every honest tensor looked further off,
@@ -122,7 +123,7 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   med(Q1_s) - k*S against a reference no minority moves: on ``scale``, c >=
   about exp(-(k + 1/2) * S) times an honest tensor of the link, S the
   senders' median (corrected) IQR of ``scale``, with fewer than half of the
-  live senders lying, however long the run.
+  voting senders lying, however long the run.
 * **Warm-up.** The first `warmup` tensors of each link and direction are
   trusted (the paper's honest warm-up): they build the EMA and the windows.
 * **Vote.** A tensor is flagged when `vote` of the distances (any, majority,
@@ -414,16 +415,14 @@ def sender_fence(per_sender: list[list[float]], k: float, floor: float = 0.0) ->
     sender here has one vote per statistic, so with fewer than half of the senders the three medians stay between
     the honest senders' own values whatever the liars send and however much of the traffic they carry. For
     exchangeable honest senders (replicas of one stage) it is the pooled Tukey fence up to sampling noise. A
-    sender with fewer than `SENDER_VALUES` values votes on the quartiles and counts as spread 0 (review RC, session
-    22: when fresh honest identities waited for 4 values before they voted, churn of 2 of 5 honest relays left the
-    3 liars half of the votes, and the accepted shrink fell to 0.01)."""
+    sender with fewer than `SENDER_VALUES` values (a distance not measured on all of its tensors) votes on the
+    quartiles and counts as spread 0: it cannot widen the fence. Who votes is the caller's (`Sentinel._voters_of`)."""
     if len(per_sender) < 1 or any(len(values) < 1 for values in per_sender):
         raise ValueError("a sender fence needs at least one sender, each with at least one value")
     rows = [sorted(values) for values in per_sender]
     q1 = _median([_quantile(r, 0.25) for r in rows])
     q3 = _median([_quantile(r, 0.75) for r in rows])
-    # a sender with fewer than SENDER_VALUES values (a fresh identity) votes on the quartiles and counts as no spread:
-    # it still votes, so liars never hold the majority of the votes while they are a minority of the live senders
+    # a sender with fewer than SENDER_VALUES values votes on the quartiles and counts as no spread
     iqrs = [(_quantile(r, 0.75) - _quantile(r, 0.25)) * len(r) / (len(r) - 4 / 3) if len(r) >= SENDER_VALUES else 0.0
             for r in rows]
     spread = max(_median(iqrs), floor)
@@ -678,6 +677,7 @@ class _Track:
         self.by_sender: dict[str, dict[str, deque[float]]] = {}  # sender -> distance -> its last accepted values
         self.sender_fences: dict[tuple, object] = {}  # (distance, k, accepted, convicted) -> fence (a cache; and the reference)
         self.summaries: dict[str, deque[Summary]] = {}  # sender -> its last accepted summaries (`Sentinel._reference`)
+        self.lifetime: dict[str, int] = {}  # sender -> tensors of it accepted so far (`Sentinel._voters_of`)
 
 
 class Sentinel:
@@ -1157,11 +1157,13 @@ class Sentinel:
             track.windows[name].append(_scaled(name, value, self.config))
             own.setdefault(name, deque(maxlen=self.config.sender_window)).append(_scaled(name, value, self.config))
         track.accepted_from.append(worker)
+        track.lifetime[worker] = track.lifetime.get(worker, 0) + 1
         if len(track.by_sender) > len(track.accepted_from):  # senders gone from the window are forgotten
             live = set(track.accepted_from)
             for gone in [w for w in track.by_sender if w not in live]:
                 del track.by_sender[gone]
                 track.summaries.pop(gone, None)
+                track.lifetime.pop(gone, None)
         if means is not None:
             track.given.learn(means[0], beta)
             track.given_spread.learn(means[2], beta)
@@ -1268,8 +1270,7 @@ class Sentinel:
             return track.ref
         key = ("reference", track.accepted, len(self._convicted))
         if key not in track.sender_fences:
-            live = set(track.accepted_from) - self._convicted
-            latest = [track.summaries[w] for w in sorted(live) if track.summaries.get(w)]
+            latest = [track.summaries[w] for w in self._voters_of(track) if track.summaries.get(w)]
             if len(latest) < SENDERS:
                 track.sender_fences[key] = None
             else:
@@ -1278,6 +1279,22 @@ class Sentinel:
                 track.sender_fences[key] = Summary(torch.quantile(means, 0.5, dim=0),
                                                    torch.quantile(quantiles, 0.5, dim=0))
         return track.sender_fences[key] if track.sender_fences[key] is not None else track.ref
+
+    def _voters_of(self, track: _Track) -> list[str]:
+        """The senders that vote in the per-sender fences and the reference: live (among the window's last accepted
+        tensors), not convicted, and with at least `sender_window` accepted tensors over their lifetime.
+
+        One vote per identity is only sound while identities cost something: liars that took a fresh identity for
+        every lie held most of the votes and framed every honest sender (review RC, session 22, finding 0: all five
+        honest senders banned on the toy stage, with votes from the first value, and with 4 values at window 64).
+        With a lifetime of `sender_window` tensors before it votes, a liar cycling identities holds at most its
+        tensors in the window / `sender_window` votes, no more than without cycling (3 at 37.5% of a 64-tensor
+        window). The price: an honest relay that takes a fresh identity more often than every `sender_window`
+        accepted tensors does not vote (review RC MED 2: with 2 of 5 honest relays doing so every 3 tensors the liars
+        held half of the votes); the vote rests on identities that last, which the pipeline's admission of joiners
+        (`data_node`) does not enforce."""
+        live = set(track.accepted_from) - self._convicted
+        return [w for w in sorted(live) if track.lifetime.get(w, 0) >= self.config.sender_window]
 
     def _disowns_input(self, track: _Track, dist: dict[str, float]) -> bool:
         """Whether the sender's tensor is reversed against (``align`` below its fence and `reversed_align`) or
@@ -1373,8 +1390,7 @@ class Sentinel:
             key = (name, k, track.accepted, len(self._convicted))  # it changes only when these do
             if key not in track.sender_fences:
                 # the live senders of the window (not convicted) with enough accepted values of this distance
-                live = set(track.accepted_from) - self._convicted
-                rows = [list(track.by_sender[w][name]) for w in sorted(live) if track.by_sender.get(w, {}).get(name)]
+                rows = [list(track.by_sender[w][name]) for w in self._voters_of(track) if track.by_sender[w].get(name)]
                 if len(track.sender_fences) > 4 * len(self._names) + 4:
                     track.sender_fences.clear()
                 track.sender_fences[key] = (sender_fence(rows, k, self._floor(track, name))
