@@ -23,6 +23,7 @@ from phalanx.algorithms.sentinel.statistics import (
     ema,
     median_fence,
     projections,
+    sender_fence,
     summarize,
     tukey_fence,
     vote,
@@ -999,33 +1000,174 @@ def test_an_honest_stage_fed_an_odd_input_keeps_sharing_its_flags_with_the_upstr
         assert verifier.convicted() == {"liar"}
 
 
+def _white_box_shrinks(fence: str, gain: bool, sender_of=lambda i: f"r{i % 8}") -> list[float]:
+    """The scale c of each tensor the white-box `adaptive` attacker sent on a residual toy stage (16 features), where
+    senders r0-r2 of `sender_of` (microbatch -> sender name) lie from microbatch 40 on."""
+    from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
+
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, gain=gain, fence=fence,
+                                       sender_window=4))
+    attack = make_link_attack("adaptive", steps=8)
+    scales = []
+    for i in range(224):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        if i >= 40 and sender_of(i) in ("r0", "r1", "r2"):
+            probe = lambda t, i=i: verifier.would_accept(1, FORWARD, t, i)  # noqa: E731
+            honest, out = out, attack.relay(LinkView("activation", i, i, out, probe)).tensor
+            scales.append(float((out * honest).sum() / (honest * honest).sum()))
+        assert not verifier.check_forward(1, sender_of(i), i, out).flagged
+    return scales
+
+
 def test_the_white_box_attackers_accepted_shrink_stays_bounded_when_three_of_eight_senders_ride_the_fence():
     """Session 19, 37.5% `adaptive`: the attackers' accepted scale c fell from 0.7 to 0.11 within 12 attacked
     iterations: ``scale`` compares a tensor with the link's EMA, which learns the accepted shrunk tensors, and 3 of 8
-    senders hold more than the 25% of the window a Tukey fence withstands, so the fence dropped each time the window
-    turned over: the damage grew with the run (here: c at the bisection's floor, 0.107, by the end). The gain
-    option (output spread over input spread, anchored on what the verifiers delivered, under a median fence) does
-    not follow them: c stays near its first accepted value."""
-    from phalanx.algorithms.sentinel.attacks import LinkView, make_link_attack
+    senders hold more than the 25% of the window a pooled Tukey fence withstands, so the fence dropped each time the
+    window turned over: the damage grew with the run (here: c at the bisection's floor, 0.107, by the end). The
+    per-sender fence (session 22, the default) takes each quartile per sender and the median across senders, which
+    3 of 8 senders cannot move: c stays near its first accepted values. The gain option (output spread over input
+    spread, under a median fence) bounds it too."""
+    lowest = {(fence, gain): min(_white_box_shrinks(fence, gain)[-12:])
+              for fence, gain in (("tukey", False), ("senders", False), ("tukey", True))}
+    assert lowest[("tukey", False)] < 0.2
+    assert lowest[("senders", False)] > 0.6 and lowest[("tukey", True)] > 0.6
 
-    lowest = {}
-    for gain in (False, True):
-        gen = torch.Generator().manual_seed(21)
-        weight = torch.randn(16, 16, generator=gen) / 4
-        verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, gain=gain))
-        attack = make_link_attack("adaptive", steps=8)
-        scales = []
-        for i in range(224):
-            x = _center() + torch.randn(4, 32, 16, generator=gen)
-            out = x + torch.tanh(x @ weight)
-            verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
-            if i >= 40 and i % 8 < 3:  # three of eight senders from microbatch 40 on
-                probe = lambda t, i=i: verifier.would_accept(1, FORWARD, t, i)  # noqa: E731
-                honest, out = out, attack.relay(LinkView("activation", i, i, out, probe)).tensor
-                scales.append(float((out * honest).sum() / (honest * honest).sum()))
-            verifier.check_forward(1, f"r{i % 8}", i, out)
-        lowest[gain] = min(scales[-12:])
-    assert lowest[False] < 0.2 and lowest[True] > 0.6
+
+def test_the_per_sender_fence_holds_the_shrink_when_the_liars_carry_more_of_the_traffic():
+    """The adversary that knows the per-sender fence takes more of the traffic (a faster relay is routed more
+    microbatches): 3 of 8 senders carry 45% of the tensors. A pooled median fence (breakdown: 50% of the window's
+    values, but the liars' values also drag the EMA it is measured against) falls to the bisection's floor; the
+    per-sender fence gives each sender one vote whatever it carries, and ``scale`` is taken against the senders'
+    median magnitude, not the EMA: c stays near its first accepted values. (Against the EMA, with the per-sender
+    fence: c fell to 0.28-0.5, the EMA dragged down and the honest values, looking grown, carrying the fence.)"""
+    def carried(i: int) -> str:  # 9 of every 20 microbatches to the liars r0-r2, the rest to five honest senders
+        j = i % 20
+        return f"r{j % 3 if j < 9 else 3 + (i // 20 + j) % 5}"
+
+    pooled, senders = (_white_box_shrinks(fence, False, carried) for fence in ("median", "senders"))
+    assert min(pooled[-12:]) < 0.2
+    assert min(senders) > 0.5 and min(senders[-12:]) > 0.6
+
+
+def test_honest_relays_that_churn_do_not_hand_the_liars_the_per_sender_fence():
+    """Review RC (session 22), MED 2: while 2 of the 5 honest relays kept taking fresh identities (rejoins, replaced
+    relays), the 3 liars held half of the votes and the accepted shrink fell to 0.01. An identity votes once it has
+    `sender_window` accepted tensors (finding 0, below), so honest relays that last that long between identities
+    (here 8 tensors, `sender_window` 4) keep the vote; faster churn does not (not claimed)."""
+    def churning(i: int) -> str:  # relays r6 and r7 take a fresh identity every 64 microbatches (8 tensors each)
+        return f"r{i % 8}-{i // 64}" if i % 8 >= 6 and i >= 40 else f"r{i % 8}"
+
+    assert min(_white_box_shrinks("senders", False, churning)[-12:]) > 0.6
+
+
+@pytest.mark.parametrize("per_identity", [1, 4])
+def test_liars_cycling_identities_neither_take_the_vote_nor_frame_the_honest_senders(per_identity):
+    """Review RC (session 22), finding 0 (the reviewer's test): one vote per identity from its first accepted value
+    let 3 liars that took a fresh identity every lie (or every 4) hold most of the votes of a 64-tensor window; the
+    fence sat on their values, narrow, and all five honest senders were banned. An identity now votes only after
+    `sender_window` accepted tensors, so cycling gains a liar no votes."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8))
+    lies, shrinks = {}, []
+    for i in range(320):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        slot, sender = i % 8, f"r{i % 8}"
+        if slot < 3 and i >= 40:
+            lies[slot] = lies.get(slot, 0) + 1
+            sender = f"r{slot}-{(lies[slot] - 1) // per_identity}"  # a fresh identity every per_identity lies
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            out = hi * out
+            shrinks.append(hi)
+        verifier.check_forward(1, sender, i, out)
+    assert not {f"r{s}" for s in range(3, 8)} & verifier.banned()
+    assert min(shrinks[-12:]) > 0.5
+
+
+def test_three_of_eight_senders_cannot_grow_an_accepted_mean_shift_through_the_reference():
+    """Review RC (session 22), HIGH 1: the distances were taken against the link's EMA, which learns every accepted
+    tensor, so 3 of 8 senders that add the largest accepted shift along one feature direction (their scale held
+    level) dragged it; honest tensors then lay further from it, the fences widened, and the accepted shift grew
+    7-fold (simulator: +5.8% in 15 iterations, the stage-1 liars never flagged). Against the median of the live
+    senders' latest summaries it stays near its first accepted values. (The reviewer's test, bisections trimmed.)"""
+    gen, rng = torch.Generator().manual_seed(21), random.Random(5)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    u = torch.randn(16, generator=gen)
+    u = u / u.norm()
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, sender_window=4))
+
+    def lie(out: torch.Tensor, mb: int, b: float) -> torch.Tensor:  # a * out + b * u, its scale held at 0
+        track = verifier._tracks[(1, FORWARD)]
+        lo, hi = 0.0, 1.5
+        for _ in range(6):
+            mid = (lo + hi) / 2
+            t = mid * out + b * u
+            low = verifier._distances(track, 1, FORWARD, mb, t, summarize(t, track.proj, 32))["scale"] < 0
+            lo, hi = (mid, hi) if low else (lo, mid)
+        return lo * out + b * u
+
+    shifts = []
+    for i in range(160):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        liar = rng.random() < 0.375
+        sender = f"r{rng.randrange(3)}" if liar else f"r{3 + rng.randrange(5)}"
+        if i >= 40 and liar:
+            lo, hi = 0.0, 32.0
+            for _ in range(7):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if verifier.would_accept(1, FORWARD, lie(out, i, mid), i) else (lo, mid)
+            honest, out = out, lie(out, i, lo)
+            shifts.append(float((out.mean(dim=(0, 1)) - honest.mean(dim=(0, 1))).norm()))
+        verifier.check_forward(1, sender, i, out)
+    assert max(shifts[-10:]) < 2 * sorted(shifts[:5])[2]
+
+
+def test_a_sender_fence_is_not_moved_by_a_minority_of_senders_whatever_traffic_they_carry():
+    """`sender_fence`: each quartile and the IQR are medians across senders. 3 of 8 senders that put 60% of the
+    values on the current lower fence, spread wide (to inflate their own IQR), drag a pooled median fence without
+    bound (above its 50% breakdown); the sender fence stays where the honest senders put it."""
+    values = [[float(v) for v in range(1, 10)]] * 3
+    fence, spread = sender_fence(values, 5.0), 4.0 * 9 / (9 - 4 / 3)  # Q1 3, Q3 7, IQR 4 corrected for 9 values
+    assert fence.low == pytest.approx(3 - 5 * spread) and fence.high == pytest.approx(7 + 5 * spread)
+    # honest senders alike: as wide as the pooled fence over as many values (uncorrected, 8 values each: 17% narrower,
+    # and an honest head relay was banned on the false flags)
+    rng = random.Random(2)
+    widths = {"senders": 0.0, "pooled": 0.0}
+    for _ in range(300):
+        rows = [[rng.gauss(0, 1) for _ in range(8)] for _ in range(8)]
+        for kind, f in (("senders", sender_fence(rows, 5.0)), ("pooled", tukey_fence(sum(rows, []), 5.0))):
+            widths[kind] += f.high - f.low
+    assert 0.95 < widths["senders"] / widths["pooled"] < 1.05
+    rng = random.Random(1)
+    lows = {}
+    for kind in ("pooled", "senders"):
+        honest = [deque([rng.gauss(0, 1) for _ in range(8)], maxlen=8) for _ in range(5)]
+        liars = [deque([rng.gauss(0, 1) for _ in range(8)], maxlen=8) for _ in range(3)]
+        pooled = deque([v for d in honest + liars for v in d], maxlen=64)
+        for i in range(800):
+            fence = median_fence(list(pooled), 5.0) if kind == "pooled" else sender_fence(
+                [list(d) for d in honest + liars], 5.0)
+            if i % 5 < 3:  # the liars carry 3 of every 5 values: the low edge, or far below it
+                value = fence.low if i % 2 else fence.low - abs(fence.low)
+                liars[i % 3].append(value)
+            else:
+                value = rng.gauss(0, 1)
+                honest[i % 5].append(value)
+            pooled.append(value)
+        lows[kind] = (median_fence(list(pooled), 5.0) if kind == "pooled" else sender_fence(
+            [list(d) for d in honest + liars], 5.0)).low
+    assert lows["pooled"] < -1e6 and lows["senders"] > -15  # honest fence: about -7.4
 
 
 def _null_directions(verifier: Sentinel, features: int = 16) -> torch.Tensor:
@@ -1091,3 +1233,43 @@ def test_a_gradient_flag_is_not_made_the_senders_own_by_the_mean_rule():
         hop(i, f"s2r{i % 4}", torch.randn(2, 32, 16, generator=gen), {1: f"s1r{i % 4}", 2: f"s2r{i % 4}"})
     verdicts = [hop(mb, "a", torch.randn(2, 32, 16, generator=gen), {1: "up", 2: "a"}) for mb in ("m0", "m1")]
     assert all(v.flagged and v.suspects == ("a", "up") for v in verdicts)
+
+
+def test_a_gradient_grown_by_an_input_seen_shrunk_is_evidence_about_the_upstream_alone():
+    """Recorded (37.5% seed 0, `adaptive`, per-sender fences): stage-2 attackers' activations were accepted at link 2
+    shrunk (``scale`` -0.51, -0.47), the honest head answered through its LayerNorm with input gradients about 1/c as
+    large, flagged on ``swd`` (``scale`` +0.59, +0.63), and shared with the head relay, three in four iterations: it
+    was banned before the attackers. The verifier saw the input arrive shrunk, so such a flag goes to the workers
+    upstream alone; a gradient grown on a usual input, or grown far beyond what the input's shrink explains, is
+    still shared with its sender."""
+    gen = torch.Generator().manual_seed(48)
+    weight, loss_grad = torch.randn(16, 16, generator=gen) / 4, torch.randn(4, 32, 16, generator=gen)
+    verifier = Sentinel(SentinelConfig(warmup=24, window=24, distances="sign,swd,scale"))
+
+    def head_gradient(x: torch.Tensor, grow: float = 1.0) -> torch.Tensor:  # an honest head: LayerNorm, then a map
+        x = x.clone().requires_grad_(True)
+        out_grad = loss_grad + 0.2 * torch.randn(4, 32, 16, generator=gen)
+        (torch.nn.functional.layer_norm(x, (16,)) @ weight * out_grad).sum().backward()
+        return grow * x.grad
+
+    def microbatch(mb, upstream: str, head: str, shrink: bool = False, grow: float = 1.0) -> Verdict:
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        if shrink:  # the white-box attacker: the smallest scale link 2's fences accept
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(2, FORWARD, mid * x, mb) else (mid, hi)
+            x = hi * x
+        assert not verifier.check_forward(2, upstream, mb, x).flagged
+        return verifier.check_backward(2, head, mb, head_gradient(x, grow))
+
+    for i in range(40):
+        assert not microbatch(i, f"u{i % 4}", f"h{i % 4}").flagged
+    grown = [microbatch(("s", j), attacker, "h0", shrink=True) for j, attacker in enumerate("ababa")]
+    assert all(v.flagged for v in grown) and [v.suspects for v in grown] == [(a,) for a in "ababa"]
+    assert "h0" not in verifier.convicted() and verifier.convicted() == {"a"}
+    # the sender keeps its share where the input was usual, or where it grew far more than the input shrank
+    usual = microbatch("usual", "u1", "h1", grow=2.0)
+    beyond = microbatch("beyond", "b", "h2", shrink=True, grow=3.0)
+    assert usual.flagged and usual.suspects == ("h1", "u1")
+    assert beyond.flagged and "h2" in beyond.suspects

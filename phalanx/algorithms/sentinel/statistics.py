@@ -98,6 +98,34 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   copies the EMA is implausibly close to it. The IQR is floored (`min_spread`
   in log units, one feature's resolution 1/C for ``sign``) so a window of
   near-identical values does not turn every wiggle into a flag.
+  **Per sender** (`fence="senders"`, the default): each quartile and the IQR
+  are taken over each live sender's own last `sender_window` accepted values
+  and then the median across senders (`sender_fence`), once at least 3
+  senders have 4 each (before that, the pooled Tukey fence). A pooled window
+  is a mix whose proportions the senders choose: at 37.5% malicious the
+  white-box attacker's values sat on Q1, and each turnover of the window
+  moved the fence k*IQR further (accepted shrink c: 0.7 -> 0.11, and the loss
+  gap grew with the run). One vote per sender bounds each fence by the honest
+  senders' own quartiles for any minority of senders, and since the honest
+  values are measured against the same EMA as the liar's, the accepted
+  ``scale`` stays within (k + 1/2)*S of the honest ones (S the honest
+  senders' median IQR) however far the EMA has moved. For exchangeable honest
+  replicas it is the pooled fence up to sampling noise. A live sender votes
+  once it has `sender_window` accepted tensors (`_voters_of`): one vote per
+  identity needs identities that last (a liar cycling identities gains no
+  votes; honest relays that change identity faster lose theirs). The distances are then taken against the coordinate-wise
+  median across the live senders of each one's last 2 accepted summaries,
+  not against the EMA (`_reference`): the EMA learns the liars' accepted
+  tensors, so it moved with them, every honest tensor looked further off,
+  the fences (made of honest distances) widened and the liars went further
+  (toy stage: the shrink to c 0.28-0.5 at 45% of the traffic; a mean-shift
+  rider 7-fold, review RC). Per tensor, an accepted value is then at least
+  med(Q1_s) - k*S against a reference no minority moves: on ``scale``, c >=
+  about exp(-(k + 1/2) * S) times an honest tensor of the link, S the
+  senders' median (corrected) IQR of ``scale``, with fewer than half of the
+  voting senders lying, however long the run. That bounds the white-box
+  shrink, not every harm: a mean shift of the size the k = 5 log fences
+  admit per tensor (review RC's rider) cost +10% in 15 simulated iterations.
 * **Warm-up.** The first `warmup` tensors of each link and direction are
   trusted (the paper's honest warm-up): they build the EMA and the windows.
 * **Vote.** A tensor is flagged when `vote` of the distances (any, majority,
@@ -142,7 +170,12 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   The other way round, an ``align`` between `align_floor` and its fence (a
   large correction) flags no tensor and is a strike against the upstream
   workers alone. A gradient the flagged worker computed from a substitute
-  is not judged (it follows the momentum, not honest traffic).
+  is not judged (it follows the momentum, not honest traffic). A gradient
+  flagged only for being larger than usual (magnitudes above their fences),
+  by no more than its stage's forward input was seen shrunk at the same link,
+  is a flag (substituted) held against the upstream workers alone: a stage
+  behind a LayerNorm answers an input shrunk by c with gradients 1/c as large
+  (`_grown_by_shrunk_input`; 37.5% `adaptive`: the honest head was banned).
 * **Stage-wide drift.** Under the honest-majority-per-stage assumption the
   replicas of a stage share its parameters, so when the latest tensors of at
   least half of a stage's other senders are fence-flagged (the judged sender
@@ -191,7 +224,7 @@ DISTANCES = ("l1", "l2", "sign", "swd", "scale", "bind", "align")
 BOUND = ("bind", "align")  # distances between a stage's output and its own input for the same microbatch
 MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
 VOTES = ("any", "majority", "all")
-FENCES = ("tukey", "median")
+FENCES = ("senders", "tukey", "median")
 FORWARD, BACKWARD = "forward", "backward"
 
 
@@ -200,6 +233,8 @@ OWN_ALIGN_BASELINE = 0.2  # a flag is the sender's own only on a link whose alig
 # residual stage does that (measured: 1.0-1.25 on 2-block GPT stages at initialisation, both directions), zeros or
 # 1e-3 * x do
 SHRUNK_RATIO = 1e-2
+SENDER_VALUES = 4  # accepted values a sender needs before its quartiles count in the `senders` fence
+SENDERS = 3  # senders with that many values needed for the `senders` fence (fewer: the pooled Tukey fence)
 SHRUNK_INPUT = -0.2  # ``scale`` of a stage's input (log) below which its large correction is explained by it (c < 0.82)
 
 @dataclass(frozen=True)
@@ -227,7 +262,10 @@ class SentinelConfig:
     strike_window: int = 8
     own_window: int = 32  # `strikes` flags on a sender's own input relation (reversed, unrelated) among its last this many microbatches ban too
     seed: int = 0  # run seed of the projection streams
-    fence: str = "tukey"  # tukey: [Q1 - k*IQR, Q3 + k*IQR]; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%, not 25%)
+    # senders: Tukey's fence from per-sender quartiles (`sender_fence`; a minority of senders cannot move it);
+    # tukey: [Q1 - k*IQR, Q3 + k*IQR] over the pooled window; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%)
+    fence: str = "senders"
+    sender_window: int = 8  # accepted distances kept per sender and distance for the `senders` fence
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
     remembered: int = 4096  # microbatches whose first verdicts are kept for resends (oldest dropped first)
@@ -253,6 +291,9 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.learn_k={self.learn_k} must be below sentinel.k={self.k} (or 0 to turn it off)")
         if self.window < 4:
             raise ConfigError(f"sentinel.window={self.window} must be >= 4 (quartiles need a few values)")
+        if self.sender_window < SENDER_VALUES:
+            raise ConfigError(f"sentinel.sender_window={self.sender_window} must be >= {SENDER_VALUES} (a sender's "
+                              f"quartiles need a few values)")
         if self.warmup < 5:
             raise ConfigError(f"sentinel.warmup={self.warmup} must be >= 5 (fences need at least 4 distances)")
         for key in ("bind_floor", "tainted_bind_floor"):
@@ -361,6 +402,37 @@ def median_fence(values: list[float] | tuple[float, ...], k: float, floor: float
     mad = _quantile(sorted(abs(v - mid) for v in ordered), 0.5)
     half = (k + 0.5) * max(2 * mad, floor)
     return Fence(mid - half, mid + half)
+
+
+def sender_fence(per_sender: list[list[float]], k: float, floor: float = 0.0) -> Fence:
+    """Tukey's fence with each quartile and the IQR taken per sender, then the median across senders:
+    [med(Q1_s) - k * S, med(Q3_s) + k * S], S = max(med(IQR_s * n_s / (n_s - 4/3)), floor), n_s the sender's count.
+
+    The IQR of a few values underestimates the distribution's (normal data, n = 8: by 17%; the factor
+    n / (n - 4/3) matches the measured 0.834, 0.891, 0.927 at n = 8, 12, 16), which made the fence narrower than the
+    pooled one and flagged honest tensors (37.5% `adaptive`, seed 0: an honest head relay banned at iteration 28).
+
+    Why: a pooled window's quartiles (Tukey) break down at 25% of its values and its median at 50%, and how many
+    of the values are an adversary's is up to it (37.5% of the relays, or more by taking more microbatches). Each
+    sender here has one vote per statistic, so with fewer than half of the senders the three medians stay between
+    the honest senders' own values whatever the liars send and however much of the traffic they carry. For
+    exchangeable honest senders (replicas of one stage) it is the pooled Tukey fence up to sampling noise. A
+    sender with fewer than `SENDER_VALUES` values (a distance not measured on all of its tensors) votes on the
+    quartiles and counts as spread 0: it cannot widen the fence. Who votes is the caller's (`Sentinel._voters_of`)."""
+    if len(per_sender) < 1 or any(len(values) < 1 for values in per_sender):
+        raise ValueError("a sender fence needs at least one sender, each with at least one value")
+    rows = [sorted(values) for values in per_sender]
+    q1 = _median([_quantile(r, 0.25) for r in rows])
+    q3 = _median([_quantile(r, 0.75) for r in rows])
+    # a sender with fewer than SENDER_VALUES values votes on the quartiles and counts as no spread
+    iqrs = [(_quantile(r, 0.75) - _quantile(r, 0.25)) * len(r) / (len(r) - 4 / 3) if len(r) >= SENDER_VALUES else 0.0
+            for r in rows]
+    spread = max(_median(iqrs), floor)
+    return Fence(q1 - k * spread, q3 + k * spread)
+
+
+def _median(values: list[float]) -> float:
+    return _quantile(sorted(values), 0.5)
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -603,6 +675,11 @@ class _Track:
         self.given_spread = _MeanTrack(window)  # the log spread of its centred token sketch
         self.correction = _MeanTrack(window)  # the sender's output mean minus that input mean
         self.gains: deque[float] = deque(maxlen=window)  # log spread of the output's token sketch over its input's
+        self.accepted_from: deque[str] = deque(maxlen=window)  # the sender of each of the last accepted tensors
+        self.by_sender: dict[str, dict[str, deque[float]]] = {}  # sender -> distance -> its last accepted values
+        self.sender_fences: dict[tuple, object] = {}  # (distance, k, accepted, convicted) -> fence (a cache; and the reference)
+        self.summaries: dict[str, deque[Summary]] = {}  # sender -> its last accepted summaries (`Sentinel._reference`)
+        self.lifetime: dict[str, int] = {}  # sender -> tensors of it accepted so far (`Sentinel._voters_of`)
 
 
 class Sentinel:
@@ -892,7 +969,7 @@ class Sentinel:
         named = tuple(dist.items())
         if track.accepted < self.config.warmup:
             if learn:
-                self._accept(track, direction, summary, dist, means)
+                self._accept(track, direction, worker, summary, dist, means)
                 self._remember(track, link, direction, worker, microbatch, dist, ())
             return Verdict(link, direction, worker, microbatch, False, "warmup", named)
         outside = self._outside(track, dist) + (("gain",) if self._shrinks(track, dist, means) else ())
@@ -910,18 +987,21 @@ class Sentinel:
                 # the stage moved, not this sender: relearn (only what lies near the stage's median, with `learn_k`),
                 # and the flags of the move are no evidence
                 if self._inner_stage(stage, judged):
-                    self._accept(track, direction, summary, dist, means)
+                    self._accept(track, direction, worker, summary, dist, means)
                 return self._strike(Verdict(link, direction, worker, microbatch, False, "drift", named, outside))
         if learn and direction == FORWARD and "scale" in dist:
             self._scales.setdefault(microbatch, {})[link] = dist["scale"]
         corrected = not flagged and self._large_correction(track, dist)
         if learn and not flagged and not corrected and self._inner(track, dist):
-            self._accept(track, direction, summary, dist, means)
+            self._accept(track, direction, worker, summary, dist, means)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
         # the sender's forward input crossed link - 1 (its output gradient's forward input, link itself)
         shrunk = self._scales.get(microbatch, {}).get(link - 1 if direction == FORWARD else link, 0.0) < SHRUNK_INPUT
+        grown = flagged and not own and not alone and self._grown_by_shrunk_input(track, link, direction, microbatch,
+                                                                               dist, outside)
         return self._strike(verdict, blame_upstream=not alone, own=own or adds_own_mean, lasting=own,
-                            upstream_only=not alone and corrected, shrunk_input=corrected and shrunk)
+                            upstream_only=not alone and (corrected or grown),
+                            shrunk_input=(corrected and shrunk) or grown)
 
     def _remember(self, track: _Track, link: int, direction: str, worker: str, microbatch: Hashable,
                   dist: dict[str, float], outside: tuple[str, ...]) -> _Judged:
@@ -1068,13 +1148,24 @@ class Sentinel:
             return False
         return bool(torch.isfinite(tensor).all())
 
-    def _accept(self, track: _Track, direction: str, summary: Summary, dist: dict[str, float],
+    def _accept(self, track: _Track, direction: str, worker: str, summary: Summary, dist: dict[str, float],
                 means: tuple[Tensor, Tensor] | None = None) -> None:
         beta = self.config.beta_h if direction == FORWARD else self.config.beta_g
         track.ref = ema(track.ref, summary, beta)
         track.accepted += 1
+        own = track.by_sender.setdefault(worker, {})
+        track.summaries.setdefault(worker, deque(maxlen=2)).append(summary)
         for name, value in dist.items():
             track.windows[name].append(_scaled(name, value, self.config))
+            own.setdefault(name, deque(maxlen=self.config.sender_window)).append(_scaled(name, value, self.config))
+        track.accepted_from.append(worker)
+        track.lifetime[worker] = track.lifetime.get(worker, 0) + 1
+        if len(track.by_sender) > len(track.accepted_from):  # senders gone from the window are forgotten
+            live = set(track.accepted_from)
+            for gone in [w for w in track.by_sender if w not in live]:
+                del track.by_sender[gone]
+                track.summaries.pop(gone, None)
+                track.lifetime.pop(gone, None)
         if means is not None:
             track.given.learn(means[0], beta)
             track.given_spread.learn(means[2], beta)
@@ -1156,7 +1247,7 @@ class Sentinel:
 
     def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
                    summary: Summary) -> dict[str, float]:
-        dist = distances(summary, track.ref, self._names)
+        dist = distances(summary, self._reference(track), self._names)
         if self.binds:
             stage = link if direction == FORWARD else link + 1
             inp = self._inputs.get(microbatch, {}).get((stage, direction))
@@ -1167,6 +1258,45 @@ class Sentinel:
                     if value is not None:
                         dist[name] = value
         return dist
+
+    def _reference(self, track: _Track) -> Summary:
+        """What a tensor's distances are taken against. With `fence="senders"` (at least 3 live senders): the
+        coordinate-wise median across the live senders of each one's mean of its last 2 accepted summaries; else
+        the link's EMA. The EMA learns every accepted tensor, so liars that ride a fence drag it, each honest tensor
+        then lies further from it, the fences (made of honest distances) widen and the liars go further: against
+        the EMA the white-box shrink fell to c 0.28-0.5 with 45% of the traffic (toy stage), and a mean-shift rider
+        (review RC, session 22) grew its accepted shift 7-fold and reached +5.8% in 15 iterations of the simulator.
+        A minority of the live senders cannot move a median across senders, whatever share of the traffic it
+        carries. The EMA stays the momentum (the substitute of a flagged gradient)."""
+        if self.config.fence != "senders":
+            return track.ref
+        key = ("reference", track.accepted, len(self._convicted))
+        if key not in track.sender_fences:
+            latest = [track.summaries[w] for w in self._voters_of(track) if track.summaries.get(w)]
+            if len(latest) < SENDERS:
+                track.sender_fences[key] = None
+            else:
+                means = torch.stack([sum(s.mean for s in own) / len(own) for own in latest])
+                quantiles = torch.stack([sum(s.quantiles for s in own) / len(own) for own in latest])
+                track.sender_fences[key] = Summary(torch.quantile(means, 0.5, dim=0),
+                                                   torch.quantile(quantiles, 0.5, dim=0))
+        return track.sender_fences[key] if track.sender_fences[key] is not None else track.ref
+
+    def _voters_of(self, track: _Track) -> list[str]:
+        """The senders that vote in the per-sender fences and the reference: live (among the window's last accepted
+        tensors), not convicted, and with at least `sender_window` accepted tensors over their lifetime.
+
+        One vote per identity is only sound while identities cost something: liars that took a fresh identity for
+        every lie held most of the votes and framed every honest sender (review RC, session 22, finding 0: all five
+        honest senders banned on the toy stage, with votes from the first value, and with 4 values at window 64).
+        With a lifetime of `sender_window` tensors before it votes, a liar cycling identities holds at most its
+        tensors in the window / `sender_window` votes, no more than without cycling (3 at 37.5% of a 64-tensor
+        window). The price: an honest relay that takes a fresh identity more often than every `sender_window`
+        accepted tensors does not vote (review RC MED 2: with 2 of 5 honest relays doing so every 3 tensors the liars
+        held half of the votes); the vote rests on identities that last, which the pipeline's admission of joiners
+        (`data_node`) does not enforce."""
+        live = set(track.accepted_from) - self._convicted
+        return [w for w in sorted(live) if track.lifetime.get(w, 0) >= self.config.sender_window]
 
     def _disowns_input(self, track: _Track, dist: dict[str, float]) -> bool:
         """Whether the sender's tensor is reversed against (``align`` below its fence and `reversed_align`) or
@@ -1209,6 +1339,24 @@ class Sentinel:
             return False
         return _spread_ratio(_tokens(inp), _tokens(self.sketch(tensor))) <= SHRUNK_RATIO
 
+    def _grown_by_shrunk_input(self, track: _Track, link: int, direction: str, microbatch: Hashable,
+                               dist: dict[str, float], outside: tuple[str, ...]) -> bool:
+        """Whether a flagged gradient is only larger than usual, by no more than its stage's forward input was seen
+        shrunk at this link: every distance outside lies above its fence and is a magnitude (l1, l2, swd), and its
+        ``scale`` plus the input's (log) stays under the gradient ``scale`` fence. A stage that normalises its input
+        (the head's LayerNorm) answers an input shrunk by c with input gradients about 1/c as large, so such a flag
+        is evidence about the workers upstream only (as `_large_correction` forward). Measured: 37.5% seed 0
+        `adaptive` under per-sender fences, link-2 attackers' accepted activations at scale -0.5 and the honest head
+        relay's gradients on them flagged on ``swd`` (scale +0.59, +0.63), three in four iterations: it was banned
+        before the attackers. The growth it excuses is bounded by the shrink the link's own fences accepted."""
+        scale_in = self._scales.get(microbatch, {}).get(link)
+        if direction != BACKWARD or scale_in is None or scale_in >= SHRUNK_INPUT or "scale" not in dist:
+            return False
+        if len(track.windows["scale"]) < 4 or dist["scale"] + scale_in > self._fence(track, "scale").high:
+            return False
+        return bool(outside) and all(n in MAGNITUDES and _scaled(n, dist[n], self.config) > self._fence(track, n).high
+                                     for n in outside)
+
     def _large_correction(self, track: _Track, dist: dict[str, float]) -> bool:
         """``align`` below its fence but above `align_floor`: the stage's correction outweighs its pass-through,
         which an honest stage does now and then and an honest stage fed a shrunk input does often: evidence about
@@ -1239,8 +1387,20 @@ class Sentinel:
                      and not (n == "scale" and track.direction == BACKWARD and dist[n] > self._fence(track, n).high))
 
     def _fence(self, track: _Track, name: str, k: float | None = None) -> Fence:
+        k = self.config.k if k is None else k
+        if self.config.fence == "senders":
+            key = (name, k, track.accepted, len(self._convicted))  # it changes only when these do
+            if key not in track.sender_fences:
+                # the live senders of the window (not convicted) with enough accepted values of this distance
+                rows = [list(track.by_sender[w][name]) for w in self._voters_of(track) if track.by_sender[w].get(name)]
+                if len(track.sender_fences) > 4 * len(self._names) + 4:
+                    track.sender_fences.clear()
+                track.sender_fences[key] = (sender_fence(rows, k, self._floor(track, name))
+                                            if len(rows) >= SENDERS else None)
+            if track.sender_fences[key] is not None:
+                return track.sender_fences[key]
         fence = median_fence if self.config.fence == "median" else tukey_fence
-        return fence(list(track.windows[name]), self.config.k if k is None else k, self._floor(track, name))
+        return fence(list(track.windows[name]), k, self._floor(track, name))
 
     def _floor(self, track: _Track, name: str) -> float:
         """The spread floor of a distance's fences: one feature's resolution for ``sign``, else `min_spread`."""
