@@ -17,6 +17,8 @@ from phalanx.benchmarks.secure_pipeline import (
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.swarm import peer_identity
+from phalanx.runs.pipeline.launch_churn import churn_stream, iteration_churn
+from phalanx.runs.pipeline.presets import PIPELINE_PRESETS
 
 
 def test_each_cell_sets_its_attackers_on_each_side():
@@ -83,3 +85,28 @@ def test_a_byzantine_relay_retired_before_its_attack_counts_as_removed_and_one_r
     assert measure(link, lying, attackers(config, "link", "secure"))["steps_to_ban"] == "4:-"
     rows = [{**early, "cell": "protocol", "side": "secure", "seed": 2}]
     assert "honest relays retired (departed leaving a check unjudged): protocol/2: 3" in goals(rows)
+
+
+def test_the_all_cells_attackers_stay_so_that_every_attack_runs_in_every_seed():
+    """Session 22: before, churn took the link attacker for good at iteration 12 of seed 0 (it never lied) and
+    retired it before its attack in seed 2. The all cell's Byzantine relays now never leave by churn, and both
+    sides of a seed draw the same churn."""
+    config = PRESETS["full"]()
+    steps = PIPELINE_PRESETS[config.preset]().steps
+    for seed in range(3):
+        secure, plain = (run_config(config, "all", side, seed) for side in ("secure", "plain"))
+        assert secure.faults == plain.faults and secure.faults.staying == [0, 4]
+        histories = []
+        for run in (secure, plain):
+            relays = [str(r) for r in range(run.relays)]
+            rng, down, history = churn_stream(run.seed), set(), []
+            for it in range(steps):
+                for relay, fraction in iteration_churn(rng, relays, down, run.faults, {str(r) for r in run.faults.staying}):
+                    (down.discard if fraction is None else down.add)(relay)
+                    history.append((it, relay, fraction))
+            histories.append(history)
+            assert not {relay for _, relay, fraction in history if fraction is not None} & {"0", "4"}, seed
+            assert history  # churn still takes the honest relays
+        assert histories[0] == histories[1]
+    with pytest.raises(ConfigError, match="faults.stay"):
+        override(run_config(config, "all", "secure", 0), ["faults.stay=12"])

@@ -10,7 +10,11 @@ verifiers, BTARD per stage) it runs, per seed, these cells:
   the protocol axis, else it is listed as not run (caught only where the preset has btard.validators > 0);
 - all: every available attacker at once (the forger only when it is not the protocol liar's key:
   `byzantine.attack` holds one name per run), under relay churn (`leave_rate`, `join_rate` per relay
-  and iteration).
+  and iteration). Its Byzantine relays want to stay (`faults.stay`): churn never takes them, so each
+  attack runs in every seed (on session 21's merged main churn took the link attacker before it could
+  lie in seeds 0 and 2: `idle` and `out` below). Their leave draws are made and dropped, so both sides
+  of a seed draw the same churn (the plain side keeps the same relays in, the all-reduce liar's index
+  too, though it is honest there).
 
 Beside each, the same cell on the plain pipeline (mean reducer, no verifiers, no BTARD). The plain
 pipeline has no all-reduce protocol to lie in, so its protocol and forge cells run the same relay lying
@@ -144,7 +148,8 @@ def settings(config: SecurePipelineConfig, cell: str, side: str, seed: int) -> l
             sets += ["attack.name=scaling", "attack.target=aggregation", f"attack.factor={config.plain_factor}",
                      f"attack.relays={relays}", f"attack.start={start}"]
     if cell == "all":
-        sets += [f"faults.leave_rate={config.leave_rate}", f"faults.join_rate={config.join_rate}"]
+        staying = ",".join(map(str, sorted(attackers(config, "all", "secure"))))
+        sets += [f"faults.leave_rate={config.leave_rate}", f"faults.join_rate={config.join_rate}", f"faults.stay={staying}"]
     return sets
 
 
