@@ -110,3 +110,4 @@ def test_the_all_cells_attackers_stay_so_that_every_attack_runs_in_every_seed():
         assert histories[0] == histories[1]
     with pytest.raises(ConfigError, match="faults.stay"):
         override(run_config(config, "all", "secure", 0), ["faults.stay=12"])
+    assert run_config(override(config, ["stay=false"]), "all", "secure", 0).faults.staying == []  # the old choice

@@ -10,7 +10,7 @@ verifiers, BTARD per stage) it runs, per seed, these cells:
   the protocol axis, else it is listed as not run (caught only where the preset has btard.validators > 0);
 - all: every available attacker at once (the forger only when it is not the protocol liar's key:
   `byzantine.attack` holds one name per run), under relay churn (`leave_rate`, `join_rate` per relay
-  and iteration). Its Byzantine relays want to stay (`faults.stay`): churn never takes them, so each
+  and iteration). Its Byzantine relays want to stay (`faults.stay`, `stay=true`): churn never takes them, so each
   attack runs in every seed (on session 21's merged main churn took the link attacker before it could
   lie in seeds 0 and 2: `idle` and `out` below). Their leave draws are made and dropped, so both sides
   of a seed draw the same churn (the plain side keeps the same relays in, the all-reduce liar's index
@@ -79,6 +79,7 @@ class SecurePipelineConfig:
     plain_factor: float = -10.0  # plain protocol / forge cells: the liar sends this x its stage vector
     leave_rate: float = 0.1  # the `all` cell's churn, per relay and iteration
     join_rate: float = 0.1
+    stay: bool = True  # all: its Byzantine relays never leave by churn (faults.stay); false: churn takes them too
     jobs: int = 1  # parallel processes (0: one per core)
     read_only: bool = False  # tabulate the runs.csv in the output directory, run nothing
 
@@ -148,8 +149,9 @@ def settings(config: SecurePipelineConfig, cell: str, side: str, seed: int) -> l
             sets += ["attack.name=scaling", "attack.target=aggregation", f"attack.factor={config.plain_factor}",
                      f"attack.relays={relays}", f"attack.start={start}"]
     if cell == "all":
-        staying = ",".join(map(str, sorted(attackers(config, "all", "secure"))))
-        sets += [f"faults.leave_rate={config.leave_rate}", f"faults.join_rate={config.join_rate}", f"faults.stay={staying}"]
+        sets += [f"faults.leave_rate={config.leave_rate}", f"faults.join_rate={config.join_rate}"]
+        if config.stay:
+            sets.append(f"faults.stay={','.join(map(str, sorted(attackers(config, 'all', 'secure'))))}")
     return sets
 
 
@@ -274,7 +276,8 @@ def format_table(rows: list[dict], config: SecurePipelineConfig) -> str:
         f"from {config.link_start}; protocol: {config.protocol_attack} by {config.protocol_relays} from {config.protocol_start}; "
         f"forge: {config.forge_attack} by {config.forge_relays} from {config.forge_start}"
         f"{'' if config.forge_available() else ' (not available: no protocol attack of that name)'}; "
-        f"all: link + protocol at churn leave {config.leave_rate} / join {config.join_rate}",
+        f"all: link + protocol at churn leave {config.leave_rate} / join {config.join_rate}"
+        f"{' (its attackers stay: faults.stay)' if config.stay else ''}",
         "loss %: final loss against the clean run of the same side and seed (clean secure: against clean plain); "
         "x plain: simulated time over the plain run of the same cell; x clean: over the plain clean run; "
         "lies: tensors the link-attack relays tampered (0: the attacker was on no path; '-': no link attacker); "
