@@ -3,7 +3,9 @@
 On the preset `secure-gpt-pipeline` (1 data node + 3 stages x 4 relays, GWTF routing, SENTINEL boundary
 verifiers, BTARD per stage) it runs, per seed, these cells:
 - clean: no attacker;
-- link: relay `link_relays` corrupts what it sends on its links (`attack.name`, a link attack);
+- link: relay `link_relays` corrupts what it sends on its links (`attack.name`, a link attack), placed
+  where GWTF routes traffic (relay 1, stage 2: routed in seeds 0-2 of the clean runs; session 21's relay 4
+  was on no path in seed 2, `idle`);
 - protocol: relay `protocol_relays` lies in its stage all-reduce (`byzantine.attack`, a protocol attack);
 - forge: relay `forge_relays` forges its stage gradient (`byzantine.attack=forge_attack`, default
   approve_all, issue 18 item 2's forger); the cell runs only if an attack of that name is registered on
@@ -68,7 +70,9 @@ class SecurePipelineConfig:
     cells: str = ",".join(CELLS)
     sides: str = ",".join(SIDES)
     link_attack: str = "zeros"
-    link_relays: str = "4"  # relay 4 starts in stage 2
+    # relay 1 starts in stage 2, where GWTF pairs two stage-1 relays with one stage-2 relay and leaves another idle:
+    # relay 1 carries traffic in seeds 0-2 (4, 7 and 10 are each idle in one of them: relay 4 tampered nothing in seed 2)
+    link_relays: str = "1"
     link_start: int = 20  # after SENTINEL's warm-up (200 tensors per link, about iteration 17 here)
     protocol_attack: str = "agg_shift"
     protocol_relays: str = "0"  # relay 0 starts in stage 1
