@@ -96,7 +96,7 @@ def report_pipeline(run_dir: Path, summary: dict) -> str:
         rows.append(("unverified microbatches by link", ", ".join(f"{link}: {n}" for link, n in sorted(unverified.items()))))
     silent = [e for e in events if e["kind"] == "verifier_silent"]
     if silent:
-        rows.append(("silent verifiers (link, iteration)", "; ".join(
+        rows.append(("silent verifiers (link, id, iteration)", "; ".join(
             f"{e['link']} {e['verifier'][:8]} {e['it']}{' gone' if e['gone'] else ''}" for e in silent)))
     if summary.get("joiners"):  # launch: what each join of a relay started with --join came to
         outcomes = [o for outs in summary["joiners"].values() for o in outs]
