@@ -410,3 +410,17 @@ def test_a_relay_whose_old_process_will_not_die_fails_that_join_and_the_run_goes
     finally:
         workers.stop()
     assert marked_processes(f"{marker}/", prefix=True) == []
+
+
+def test_a_relay_that_stays_is_never_taken_by_launch_churn():
+    """faults.stay names relay indices; launch churn names processes (relay r is process data_nodes + r)."""
+    config = dataclasses.replace(_config(0.3, 0.3), faults=ChurnConfig(leave_rate=0.3, join_rate=0.3, stay="0,3"))
+    churn = PipelineChurn(config)
+    live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}
+    for it in range(60):
+        for event in churn.leave(float(it), live):
+            del live[event.name]
+        for event in churn.open(it, float(it), 1.0):
+            live[event.name] = config.stage_of(int(event.name))
+    left = {e.name for e in churn.events if e.event == "left"}
+    assert left and not left & {"1", "4"}

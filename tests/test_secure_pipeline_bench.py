@@ -17,19 +17,21 @@ from phalanx.benchmarks.secure_pipeline import (
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.swarm import peer_identity
+from phalanx.runs.pipeline.launch_churn import churn_stream, iteration_churn
+from phalanx.runs.pipeline.presets import PIPELINE_PRESETS
 
 
 def test_each_cell_sets_its_attackers_on_each_side():
     config = PRESETS["full"]()
     secure = run_config(config, "all", "secure", 2)
     assert (secure.seed, secure.btard.enabled, secure.sentinel.enabled) == (2, True, True)
-    assert (secure.attack.name, secure.attack.indices, secure.byzantine.attack, secure.byzantine.indices) == ("zeros", [4], "agg_shift", [0])
+    assert (secure.attack.name, secure.attack.indices, secure.byzantine.attack, secure.byzantine.indices) == ("zeros", [1], "agg_shift", [0])
     assert (secure.faults.leave_rate, secure.faults.join_rate) == (0.1, 0.1)
     plain = run_config(config, "protocol", "plain", 0)
     assert (plain.btard.enabled, plain.sentinel.enabled, plain.allreduce.reducer) == (False, False, "mean")
     assert (plain.attack.name, plain.attack.target, plain.attack.factor, plain.attack.indices) == ("scaling", "aggregation", -10.0, [0])
-    assert attackers(config, "all", "secure") == {4: ("link", 20), 0: ("protocol", 10)}
-    assert attackers(config, "all", "plain") == {4: ("link", 20)}
+    assert attackers(config, "all", "secure") == {1: ("link", 20), 0: ("protocol", 10)}
+    assert attackers(config, "all", "plain") == {1: ("link", 20)}
     forger = run_config(config, "forge", "secure", 0)
     assert (forger.byzantine.attack, forger.byzantine.indices, forger.byzantine.start_step) == ("approve_all", [8], 10)
     assert ("forge", "secure", 0) in runs_of(config)
@@ -76,10 +78,37 @@ def test_a_byzantine_relay_retired_before_its_attack_counts_as_removed_and_one_r
     rejoined = summary(9)
     rejoined["events"] += [{"kind": "aggregate", "peer": peer[0], "it": it, "in_group": True} for it in (10, 11)]
     assert (measure(run, rejoined, byzantine)["exact"], measure(run, rejoined, byzantine)["steps_to_ban"]) == (False, "0:-")
-    link = run_config(config, "link", "secure", 2)  # relay 4 was on no path from its start: it tampered nothing
-    idle = measure(link, summary(4), attackers(config, "link", "secure"))
+    four = override(config, ["link_relays=4"])  # session 21's link cell, seed 2: relay 4 was on no path, tampered nothing
+    link = run_config(four, "link", "secure", 2)
+    idle = measure(link, summary(4), attackers(four, "link", "secure"))
     assert (idle["exact"], idle["steps_to_ban"]) == (True, "4:idle")
     lying = {**summary(4), "attacks": [{"peer": peer_identity(link.seed, link.data_nodes + 4).peer_id, "tampered": True}]}
-    assert measure(link, lying, attackers(config, "link", "secure"))["steps_to_ban"] == "4:-"
+    assert measure(link, lying, attackers(four, "link", "secure"))["steps_to_ban"] == "4:-"
     rows = [{**early, "cell": "protocol", "side": "secure", "seed": 2}]
     assert "honest relays retired (departed leaving a check unjudged): protocol/2: 3" in goals(rows)
+
+
+def test_the_all_cells_attackers_stay_so_that_every_attack_runs_in_every_seed():
+    """Session 22: before, churn took the link attacker for good at iteration 12 of seed 0 (it never lied) and
+    retired it before its attack in seed 2. The all cell's Byzantine relays now never leave by churn, and both
+    sides of a seed draw the same churn."""
+    config = PRESETS["full"]()
+    steps = PIPELINE_PRESETS[config.preset]().steps
+    for seed in range(3):
+        secure, plain = (run_config(config, "all", side, seed) for side in ("secure", "plain"))
+        assert secure.faults == plain.faults and secure.faults.staying == [0, 1]
+        histories = []
+        for run in (secure, plain):
+            relays = [str(r) for r in range(run.relays)]
+            rng, down, history = churn_stream(run.seed), set(), []
+            for it in range(steps):
+                for relay, fraction in iteration_churn(rng, relays, down, run.faults, {str(r) for r in run.faults.staying}):
+                    (down.discard if fraction is None else down.add)(relay)
+                    history.append((it, relay, fraction))
+            histories.append(history)
+            assert not {relay for _, relay, fraction in history if fraction is not None} & {"0", "1"}, seed
+            assert history  # churn still takes the honest relays
+        assert histories[0] == histories[1]
+    with pytest.raises(ConfigError, match="faults.stay"):
+        override(run_config(config, "all", "secure", 0), ["faults.stay=12"])
+    assert run_config(override(config, ["stay=false"]), "all", "secure", 0).faults.staying == []  # the old choice

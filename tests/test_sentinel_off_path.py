@@ -20,11 +20,14 @@ from phalanx.core.serialization import encode
 from phalanx.runs.config import override
 from phalanx.runs.dp.swarm import peer_identity
 from phalanx.runs.pipeline.config import LinkAttackConfig, PipelineRunConfig
+from phalanx.runs.pipeline.report import report_pipeline
 from phalanx.runs.pipeline.run import simulate_pipeline
+from phalanx.runs.records import read_jsonl
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline import messages as m
 from phalanx.runtime.pipeline.backward import Backward
 from phalanx.runtime.pipeline.config import PipelineConfig
+from phalanx.runtime.pipeline.data_node import DataNode
 from phalanx.runtime.pipeline.links import Links
 from phalanx.runtime.pipeline.verifier import RECEIPT, VerifierConfig, VerifierHop
 
@@ -138,6 +141,35 @@ def test_a_verifier_that_never_answers_costs_the_gradients_not_the_run(monkeypat
     unverified = [e for e in summary["events"] if e["kind"] == "unverified"]
     assert len(unverified) == 16 and not any(e["flagged"] for e in unverified)
     assert summary["banned"] == []
+
+
+def test_a_verifier_that_is_gone_is_reported_and_not_waited_for(monkeypatch, tmp_path):
+    """Link 1's verifier dies as iteration 1 opens. Its microbatches are never aggregated (nothing can clear
+    them), the data node counts them against link 1 and reports its verifier silent, and once the verifier
+    is out of its membership view (detection_delay) an iteration no longer waits verdict_timeout for it."""
+    networks = []
+    iteration = DataNode.iteration
+
+    async def kill_at_one(self, it):
+        if it == 1:
+            networks[0].crash(self.verifiers[1])
+        return await iteration(self, it)
+
+    monkeypatch.setattr(DataNode, "iteration", kill_at_one)
+    config = _config(steps=5)
+    summary = simulate_pipeline(config, out=tmp_path, progress=False, adversary=lambda network, _: networks.append(network))
+    metrics, events = read_jsonl(tmp_path / "metrics.jsonl"), read_jsonl(tmp_path / "events.jsonl")
+    assert [r["completed"] for r in metrics] == [8, 0, 0, 0, 0]
+    unverified = [e for e in events if e["kind"] == "unverified"]
+    assert len(unverified) == 32 and all(1 in e["links"] for e in unverified)
+    silent = [e for e in events if e["kind"] == "verifier_silent"]
+    assert [(e["link"], e["gone"]) for e in silent] == [(1, True)] and silent[0]["unverified"] == 16
+    waits = [r["time"] - r["t_start"] - r["train_seconds"] for r in metrics]
+    timeout = config.sentinel.verdict_timeout
+    assert min(waits[1:3]) >= timeout and max(waits[3:]) < timeout / 10  # gone from the view by iteration 3
+    assert read_jsonl(tmp_path / "bans.jsonl") == []
+    table = report_pipeline(tmp_path, summary)
+    assert "1: 32" in table and f"1 {silent[0]['verifier'][:8]} 2 gone" in table
 
 
 def test_off_path_config_errors_name_the_key():

@@ -3,14 +3,20 @@
 On the preset `secure-gpt-pipeline` (1 data node + 3 stages x 4 relays, GWTF routing, SENTINEL boundary
 verifiers, BTARD per stage) it runs, per seed, these cells:
 - clean: no attacker;
-- link: relay `link_relays` corrupts what it sends on its links (`attack.name`, a link attack);
+- link: relay `link_relays` corrupts what it sends on its links (`attack.name`, a link attack), placed
+  where GWTF routes traffic (relay 1, stage 2: routed in seeds 0-2 of the clean runs; session 21's relay 4
+  was on no path in seed 2, `idle`);
 - protocol: relay `protocol_relays` lies in its stage all-reduce (`byzantine.attack`, a protocol attack);
 - forge: relay `forge_relays` forges its stage gradient (`byzantine.attack=forge_attack`, default
   approve_all, issue 18 item 2's forger); the cell runs only if an attack of that name is registered on
   the protocol axis, else it is listed as not run (caught only where the preset has btard.validators > 0);
 - all: every available attacker at once (the forger only when it is not the protocol liar's key:
   `byzantine.attack` holds one name per run), under relay churn (`leave_rate`, `join_rate` per relay
-  and iteration).
+  and iteration). Its Byzantine relays want to stay (`faults.stay`, `stay=true`): churn never takes them, so each
+  attack runs in every seed (on session 21's merged main churn took the link attacker before it could
+  lie in seeds 0 and 2: `idle` and `out` below). Their leave draws are made and dropped, so both sides
+  of a seed draw the same churn (the plain side keeps the same relays in, the all-reduce liar's index
+  too, though it is honest there).
 
 Beside each, the same cell on the plain pipeline (mean reducer, no verifiers, no BTARD). The plain
 pipeline has no all-reduce protocol to lie in, so its protocol and forge cells run the same relay lying
@@ -64,7 +70,9 @@ class SecurePipelineConfig:
     cells: str = ",".join(CELLS)
     sides: str = ",".join(SIDES)
     link_attack: str = "zeros"
-    link_relays: str = "4"  # relay 4 starts in stage 2
+    # relay 1 starts in stage 2, where GWTF pairs two stage-1 relays with one stage-2 relay and leaves another idle:
+    # relay 1 carries traffic in seeds 0-2 (4, 7 and 10 are each idle in one of them: relay 4 tampered nothing in seed 2)
+    link_relays: str = "1"
     link_start: int = 20  # after SENTINEL's warm-up (200 tensors per link, about iteration 17 here)
     protocol_attack: str = "agg_shift"
     protocol_relays: str = "0"  # relay 0 starts in stage 1
@@ -75,6 +83,7 @@ class SecurePipelineConfig:
     plain_factor: float = -10.0  # plain protocol / forge cells: the liar sends this x its stage vector
     leave_rate: float = 0.1  # the `all` cell's churn, per relay and iteration
     join_rate: float = 0.1
+    stay: bool = True  # all: its Byzantine relays never leave by churn (faults.stay); false: churn takes them too
     jobs: int = 1  # parallel processes (0: one per core)
     read_only: bool = False  # tabulate the runs.csv in the output directory, run nothing
 
@@ -145,6 +154,8 @@ def settings(config: SecurePipelineConfig, cell: str, side: str, seed: int) -> l
                      f"attack.relays={relays}", f"attack.start={start}"]
     if cell == "all":
         sets += [f"faults.leave_rate={config.leave_rate}", f"faults.join_rate={config.join_rate}"]
+        if config.stay:
+            sets.append(f"faults.stay={','.join(map(str, sorted(attackers(config, 'all', 'secure'))))}")
     return sets
 
 
@@ -269,7 +280,8 @@ def format_table(rows: list[dict], config: SecurePipelineConfig) -> str:
         f"from {config.link_start}; protocol: {config.protocol_attack} by {config.protocol_relays} from {config.protocol_start}; "
         f"forge: {config.forge_attack} by {config.forge_relays} from {config.forge_start}"
         f"{'' if config.forge_available() else ' (not available: no protocol attack of that name)'}; "
-        f"all: link + protocol at churn leave {config.leave_rate} / join {config.join_rate}",
+        f"all: link + protocol at churn leave {config.leave_rate} / join {config.join_rate}"
+        f"{' (its attackers stay: faults.stay)' if config.stay else ''}",
         "loss %: final loss against the clean run of the same side and seed (clean secure: against clean plain); "
         "x plain: simulated time over the plain run of the same cell; x clean: over the plain clean run; "
         "lies: tensors the link-attack relays tampered (0: the attacker was on no path; '-': no link attacker); "

@@ -62,6 +62,8 @@ class ChurnConfig:
     # iteration `crash_iteration`, `crash_at` seconds after that forward
     crash_data_node: int = -1  # crash this data node (index) at `crash_at` seconds into `crash_iteration`
     rejoin_after: int = 0  # launch only: this many iterations after the kill, a fresh relay process joins (0: none)
+    stay: str = ""  # comma-separated relay indices churn never takes (an attacker that wants to stay): their
+    # leave draws are made and dropped, so the other relays' draws are those of any run with the same `stay`
 
     def __post_init__(self) -> None:
         check(0 <= self.leave_rate <= 1, "faults.leave_rate", self.leave_rate, "must be a probability in [0, 1]")
@@ -71,6 +73,16 @@ class ChurnConfig:
         check(self.crash_iteration >= 0, "faults.crash_iteration", self.crash_iteration, "must be >= 0")
         check(self.rejoin_after >= 0, "faults.rejoin_after", self.rejoin_after, "must be >= 0 (0: no joiner)")
         check(self.crash_stage >= 0, "faults.crash_stage", self.crash_stage, "must be >= 0 (0: use faults.crash_relay)")
+        try:
+            indices = self.staying
+        except ValueError:
+            indices = [-1]
+        check(all(i >= 0 for i in indices), "faults.stay", self.stay,
+              "must be comma-separated relay indices >= 0, e.g. faults.stay=0,4")
+
+    @property
+    def staying(self) -> list[int]:
+        return sorted({int(part) for part in str(self.stay).split(",") if part.strip()})
 
 
 @dataclass(frozen=True)
@@ -193,6 +205,8 @@ class PipelineRunConfig(KindConfig):
         check(self.byzantine.attack == "none" or self.btard.enabled, "byzantine.attack", self.byzantine.attack,
                "is a BTARD protocol attack on the stage all-reduce: set btard.enabled=true")
         check(all(i < self.relays for i in self.byzantine.indices), "byzantine.relays", self.byzantine.relays,
+               f"must list relay indices below the number of relays ({self.relays})")
+        check(all(i < self.relays for i in self.faults.staying), "faults.stay", self.faults.stay,
                f"must list relay indices below the number of relays ({self.relays})")
         check(
             not (self.sentinel.enabled and self.sentinel.placement == "data_node" and self.pipeline.routing != "swarm"),

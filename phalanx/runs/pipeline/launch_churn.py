@@ -11,7 +11,10 @@ the iteration (a fraction of the last iteration's duration). `simulate`
 restarts the peer (`network.restart`); `launch` starts a new process under
 the same index with `--join` after the old one is dead. join_rate brings back
 relays that left, as in the simulator: no relay beyond `config.peers` joins by
-churn (`faults.rejoin_after` and `phalanx peer` add new identities).
+churn (`faults.rejoin_after` and `phalanx peer` add new identities). The relays
+of `faults.stay` never leave by churn (an attacker that wants to stay in the
+run: the bench's `all` cell keeps its Byzantine relays so that every attack
+runs in every seed); their draws are made and dropped.
 
 A leave takes the relay unless it is the last live replica of its stage that
 is not banned (its weights would be gone: GWTF does not say how a wiped-out
@@ -50,10 +53,10 @@ def churn_stream(seed: int) -> random.Random:
 
 
 def iteration_churn(rng: random.Random, relays: Iterable[str], down: set[str] | frozenset[str],
-                    faults: ChurnConfig) -> list[tuple[str, float | None]]:
+                    faults: ChurnConfig, stay: Collection[str] = ()) -> list[tuple[str, float | None]]:
     """The draws of one opening iteration, in relay order: (relay, None) for a relay in `down` that comes
     back now, (relay, fraction) for a live one that leaves `fraction` of the last iteration's duration
-    into this one."""
+    into this one. A relay in `stay` (`faults.stay`) draws as any other and its leave is dropped."""
     drawn: list[tuple[str, float | None]] = []
     for relay in relays:
         if relay in down:
@@ -61,7 +64,9 @@ def iteration_churn(rng: random.Random, relays: Iterable[str], down: set[str] | 
                 drawn.append((relay, None))
             continue
         if faults.leave_rate and rng.random() < faults.leave_rate:
-            drawn.append((relay, rng.random()))
+            fraction = rng.random()
+            if relay not in stay:
+                drawn.append((relay, fraction))
     return drawn
 
 
@@ -98,6 +103,7 @@ class PipelineChurn:
         self.config = config
         self.floor = floor
         self.relays = [str(i) for i in range(config.data_nodes, config.peers)]
+        self.stay = {str(config.data_nodes + r) for r in config.faults.staying}  # process names churn never takes
         self.down: set[str] = set()  # relays that left (the simulator's `crashed`): they may come back
         self.opened = -1  # the last iteration whose draws are made
         self.scheduled: list[_Leave] = []  # leaves drawn and not yet due, by time
@@ -119,7 +125,7 @@ class PipelineChurn:
             raise ValueError(f"iteration {it} opened after {self.opened}")
         self.opened = it
         back = []
-        for name, fraction in iteration_churn(self._rng, self.relays, self.down, self.config.faults):
+        for name, fraction in iteration_churn(self._rng, self.relays, self.down, self.config.faults, self.stay):
             if fraction is None:
                 self.down.discard(name)
                 back.append(RelayChurn(it, name, "returned"))

@@ -88,6 +88,16 @@ def report_pipeline(run_dir: Path, summary: dict) -> str:
         ("simulated seconds", format_value(summary.get("simulated_seconds"))),
         ("bans (peer, iteration, reason)", "; ".join(f"{p[:8]} {b['step']} {b['reason']}" for p, b in first.items()) or "none"),
     ]
+    unverified: dict[int, int] = {}  # off the path: microbatches left out without a verdict of that link's verifier
+    for e in events:
+        for link in e.get("links", []) if e["kind"] == "unverified" else []:
+            unverified[link] = unverified.get(link, 0) + 1
+    if unverified:
+        rows.append(("unverified microbatches by link", ", ".join(f"{link}: {n}" for link, n in sorted(unverified.items()))))
+    silent = [e for e in events if e["kind"] == "verifier_silent"]
+    if silent:
+        rows.append(("silent verifiers (link, id, iteration)", "; ".join(
+            f"{e['link']} {e['verifier'][:8]} {e['it']}{' gone' if e['gone'] else ''}" for e in silent)))
     if summary.get("joiners"):  # launch: what each join of a relay started with --join came to
         outcomes = [o for outs in summary["joiners"].values() for o in outs]
         rows.append(("joins (outcome: count)", ", ".join(f"{o}: {outcomes.count(o)}" for o in sorted(set(outcomes)))))

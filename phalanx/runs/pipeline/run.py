@@ -277,6 +277,7 @@ def simulate_pipeline(
                         network.set_link(a, b, LinkProfile(net.latency, rng.uniform(net.bandwidth_min, net.bandwidth_max)))
         done = [asyncio.Event() for _ in range(config.data_nodes)]
         churn = churn_stream(config.seed)
+        staying = {relay_ids[r] for r in config.faults.staying}
         crashed: set[str] = set()
         triggered: list[str] = []
         nodes: dict[str, DataNode | Relay] = {}
@@ -296,7 +297,7 @@ def simulate_pipeline(
             if f.crash_data_node >= 0 and it == f.crash_iteration:
                 victim_node = ids[f.crash_data_node]
                 network.schedule(asyncio.get_running_loop().time() + f.crash_at, lambda: _crash(victim_node))
-            for pid, fraction in iteration_churn(churn, relay_ids, crashed, f):  # the draws `launch` takes too
+            for pid, fraction in iteration_churn(churn, relay_ids, crashed, f, staying):  # the draws `launch` takes too
                 if fraction is None:
                     crashed.discard(pid)
                     # its old node (stage, version) is gone: until it is placed again it keeps no stage alive

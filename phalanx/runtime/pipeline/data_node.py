@@ -41,6 +41,7 @@ from .relay import parse_util, util_bytes
 from .verifier import VERDICT, VerifierConfig, VerifierHop, chained_upstream
 
 MIN_STAGE_GROUP = 3  # under BTARD per stage a joiner goes to a stage with fewer live replicas than this first
+SILENT_AFTER = 3  # verdict_timeouts: a link's verifier that gave me no verdict this long while I waited on it is silent
 
 
 @dataclass
@@ -82,6 +83,9 @@ class DataNode(PipelineNode):
         self.verdicts: dict[tuple[m.Key, int], dict[tuple[str, int, str, str], bool]] = {}
         self.outputs: dict[tuple[m.Key, int], bytes] = {}
         self._verdict = asyncio.Event()
+        self.heard: dict[int, float] = {}  # link -> when its verifier last gave me a verdict (or I began to wait)
+        self.unverified: dict[int, int] = {}  # link -> my microbatches left out unverified without its verdict
+        self.silent: set[int] = set()  # links whose verifier I reported silent and have not heard from since
         if self.off_path:
             self.transport.add_message_handler(VERDICT, self._on_verdict)
         self.verifier: VerifierHop | None = None
@@ -444,7 +448,20 @@ class DataNode(PipelineNode):
         slots = self.verdicts.setdefault((key, it), {})
         slot = (direction, link, relay, to)
         slots[slot] = ok and slots.get(slot, True)
+        self.heard[link] = self.now()
+        self.silent.discard(link)
         self._verdict.set()
+
+    def _expected(self, mb: Microbatch) -> list[tuple[str, int, str, str]]:
+        """The verdict slots that clear a microbatch (see `clearance`)."""
+        path, last = mb.path, self.last
+        slots = [(CHECK_FORWARD, link, path[link], path[link + 1] if link < last else self.me) for link in range(1, last + 1)]
+        return slots + [(CHECK_BACKWARD, link, path[link + 1], path[link]) for link in range(last)]
+
+    def missing(self, mb: Microbatch, it: int) -> set[int]:
+        """The links whose verifier has given no verdict yet on a relay-sent tensor of the microbatch's path."""
+        slots = self.verdicts.get((mb.key(self.me), it), {})
+        return {slot[1] for slot in self._expected(mb) if slot not in slots} if len(mb.path) == self.last + 1 else set()
 
     def clearance(self, mb: Microbatch, it: int) -> bool | None:
         """Whether every relay-sent tensor on the microbatch's path was cleared by its link's verifier (True),
@@ -452,12 +469,9 @@ class DataNode(PipelineNode):
         path[l] to path[l + 1], me for the output); backward, links 0..S-1 (path[l + 1] to path[l]); what I send
         is not judged. Verdicts about other senders or receivers are not about this path: ignored."""
         slots = self.verdicts.get((mb.key(self.me), it), {})
-        path, last = mb.path, self.last
-        if len(path) != last + 1:
+        if len(mb.path) != self.last + 1:
             return False
-        expected = [(CHECK_FORWARD, link, path[link], path[link + 1] if link < last else self.me)
-                    for link in range(1, last + 1)]
-        expected += [(CHECK_BACKWARD, link, path[link + 1], path[link]) for link in range(last)]
+        expected = self._expected(mb)
         if not all(slots.get(slot, True) for slot in expected):
             return False
         return True if all(slot in slots for slot in expected) else None
@@ -466,25 +480,53 @@ class DataNode(PipelineNode):
         """Before BEGIN: wait (at most `verdict_timeout`) until each finished microbatch is cleared or flagged.
         One flagged is left out of the aggregation for good; one still unverified at the timeout (a verifier
         that never answers, a relay that skipped its copy or a receiver its receipt) is left out and deferred
-        to the next iteration: no stage aggregates a gradient computed from a tensor no verifier cleared."""
-        deadline = self.now() + self.verdict_timeout
+        to the next iteration: no stage aggregates a gradient computed from a tensor no verifier cleared.
+        A verifier out of my membership view is gone: a microbatch that misses its verdict is not waited for.
+        Per link I count the microbatches left out without its verdict, and report its verifier silent
+        (`verifier_silent`) once it has given me none for SILENT_AFTER verdict timeouts while I waited on it."""
+        start = self.now()
+        deadline = start + self.verdict_timeout
         while (waiting := [mb for mb in finished if self.clearance(mb, it) is None]) and self.now() < deadline:
+            members = set(self.transport.members())
+            gone = {link for link, verifier in self.verifiers.items() if verifier not in members}
+            if all(self.missing(mb, it) & gone for mb in waiting):
+                break  # each waits on a verifier that is gone: no verdict will come
             self._verdict.clear()
             try:
                 await asyncio.wait_for(self._verdict.wait(), deadline - self.now())
             except asyncio.TimeoutError:
                 break
+        waited: set[int] = set()
         for mb in finished:
             state = self.clearance(mb, it)
             if state is not True:
                 mb.outcome = "unverified" if state is None else "flagged"
+                links = sorted(self.missing(mb, it)) if state is None else []
+                for link in links:
+                    self.unverified[link] = self.unverified.get(link, 0) + 1
+                waited.update(links)
                 self.on_event({"kind": "unverified", "peer": self.me, "it": it, "mb": m.key_name(mb.key(self.me)),
                                "src": self.me, "seq": mb.seq, "att": mb.att, "flagged": state is False,
-                               "t0": self.now(), "t1": self.now()})
+                               "links": links, "t0": self.now(), "t1": self.now()})
+        self._report_silence(it, start, waited)
         for old in [k for k in self.verdicts if k[1] < it]:
             del self.verdicts[old]
         for old in [k for k in self.outputs if k[1] < it]:
             del self.outputs[old]
+
+    def _report_silence(self, it: int, start: float, waited: set[int]) -> None:
+        """Report each link's verifier that my microbatches waited on and that has been gone from my view, or
+        given me no verdict for SILENT_AFTER verdict timeouts: once, until it gives a verdict again."""
+        members = set(self.transport.members())
+        now = self.now()
+        for link in sorted(waited - self.silent):
+            verifier = self.verifiers[link]
+            since = self.heard.setdefault(link, start)
+            gone = verifier not in members
+            if gone or now - since >= SILENT_AFTER * self.verdict_timeout:
+                self.silent.add(link)
+                self.on_event({"kind": "verifier_silent", "peer": self.me, "it": it, "link": link, "verifier": verifier,
+                               "gone": gone, "since": since, "unverified": self.unverified[link], "t0": now, "t1": now})
 
     def _choose_next(self, c: m.Carry, excluded: set[str]) -> str | None:
         candidates = [p for p in self.live(c.stage) if p not in excluded]
