@@ -1072,7 +1072,7 @@ def test_liars_cycling_identities_neither_take_the_vote_nor_frame_the_honest_sen
     `sender_window` accepted tensors, so cycling gains a liar no votes."""
     gen = torch.Generator().manual_seed(21)
     weight = torch.randn(16, 16, generator=gen) / 4
-    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8))
+    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8, fence="senders"))
     lies, shrinks = {}, []
     for i in range(320):
         x = _center() + torch.randn(4, 32, 16, generator=gen)
@@ -1103,7 +1103,7 @@ def test_three_of_eight_senders_cannot_grow_an_accepted_mean_shift_through_the_r
     weight = torch.randn(16, 16, generator=gen) / 4
     u = torch.randn(16, generator=gen)
     u = u / u.norm()
-    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, sender_window=4))
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8, sender_window=4, fence="senders"))
 
     def lie(out: torch.Tensor, mb: int, b: float) -> torch.Tensor:  # a * out + b * u, its scale held at 0
         track = verifier._tracks[(1, FORWARD)]

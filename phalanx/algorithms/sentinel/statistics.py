@@ -98,7 +98,9 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   copies the EMA is implausibly close to it. The IQR is floored (`min_spread`
   in log units, one feature's resolution 1/C for ``sign``) so a window of
   near-identical values does not turn every wiggle into a flag.
-  **Per sender** (`fence="senders"`, the default): each quartile and the IQR
+  **Per sender** (`fence="senders"`, an option; the default stays `tukey`
+  because in small off-path groups it flagged honest microbatches and once
+  banned an honest relay, not yet traced): each quartile and the IQR
   are taken over each live sender's own last `sender_window` accepted values
   and then the median across senders (`sender_fence`), once at least 3
   senders have 4 each (before that, the pooled Tukey fence). A pooled window
@@ -264,7 +266,7 @@ class SentinelConfig:
     seed: int = 0  # run seed of the projection streams
     # senders: Tukey's fence from per-sender quartiles (`sender_fence`; a minority of senders cannot move it);
     # tukey: [Q1 - k*IQR, Q3 + k*IQR] over the pooled window; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%)
-    fence: str = "senders"
+    fence: str = "tukey"
     sender_window: int = 8  # accepted distances kept per sender and distance for the `senders` fence
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
