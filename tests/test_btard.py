@@ -794,7 +794,7 @@ def test_a_committer_that_leaves_the_view_does_not_push_the_commitment_deadline_
             return self.t
 
     class Transport:  # arrivals and the view on a scripted clock; `enough` is asked at each arrival and each look
-        peer_id, clock = me, Clock()
+        peer_id, clock, failure_detection = me, Clock(), 0.0
 
         def members(self) -> list[str]:
             return [me, a] + ([c] if self.clock.t < 2.0 else [])
@@ -817,3 +817,35 @@ def test_a_committer_that_leaves_the_view_does_not_push_the_commitment_deadline_
     st = StepState(1, [me, a, c], [], members=[me, a, c], committers=[me, a, c])
     asyncio.run(round_._commitments(st))
     assert round_.transport.clock.t == pytest.approx(timeout + 0.01)  # before: 7.5
+
+
+def test_colluders_that_declare_before_anyone_commits_do_not_make_an_honest_peer_step_out(tmp_path, monkeypatch):
+    # A member that already holds the aggregate commitments of more than half of the other owners when it would
+    # commit began the step too late (an honest one among them closed its commitments) and commits nothing
+    # (`SecureRound._closed_before_me`). Colluders 3 and 4 (of five: at most half of any honest peer's other
+    # owners) sign declarations of step 1 before anyone commits, dropping every other owner. No honest peer may
+    # step out for them: the three honest peers commit, and none is banned. Fails with "at least half" in the rule.
+    import asyncio
+
+    from phalanx.core.serialization import encode as enc
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    colluders = {peer_identity(0, i).peer_id for i in (3, 4)}
+    commit, closed = SecureRound._commit, SecureRound._closed_before_me
+    committed: set[str] = set()
+
+    async def early(self, st, parts):
+        me = self.transport.peer_id
+        if st.step == 1 and me in colluders:
+            drop = {o: "late_commit" for o in st.group if o != me}
+            await self.transport.broadcast("bt.rcommit", 1, enc({"g": st.g, "h": bytes(32), "from": [me], "drop": drop}))
+        elif st.step == 1:
+            await asyncio.sleep(0.3)  # the colluders' declarations are here before an honest peer commits
+            if not closed(self, st):
+                committed.add(me)
+        return await commit(self, st, parts)
+
+    monkeypatch.setattr(SecureRound, "_commit", early)
+    summary, honest, views = _btard_run(tmp_path, "none", "allreduce.timeout=1.0", peers=5, steps=2, count=0)
+    assert committed == set(honest) - colluders
+    assert all(not (view - colluders) for view in views.values())

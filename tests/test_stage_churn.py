@@ -400,3 +400,34 @@ def test_a_replica_whose_directory_still_places_a_stage_peer_elsewhere_takes_its
     summary = simulate_pipeline(_config(ChurnConfig(), steps=4), progress=False)
     assert summary["bans"] == [] and _one_digest_per_stage(summary)
     assert all(m["duration"] < 0.5 for m in summary["metrics"])
+
+
+@pytest.mark.parametrize("late", [(5,), (3, 5, 7)])
+def test_replicas_that_begin_their_round_late_get_nobody_banned_or_retired(monkeypatch, late):
+    # Over hivemind at load ~25 (issue 18, session 22, the first seed-0 launch) stage replicas still catching up began
+    # iteration 2's round up to 20 s after the others, more than the commitment wait without an anchor (2 x
+    # btard.timeout): the early owner dropped their commitments as late_commit and each ELIMINATE banned two honest
+    # relays. Here `late` replicas of stage 2 begin iteration 3's round 2.5 x btard.timeout late. (5,): the three
+    # others closed their commitments long before; relay 5 holds their aggregate commitments when it would commit,
+    # so it commits nothing and departs from that step (before: it committed late and was retired, out for good).
+    # (3, 5, 7): relay 1 alone is early; it waits for the anchor (more than half of the others committed) past
+    # 2 x btard.timeout and counts its deadline from there (before: relay 1 and a late one banned, ELIMINATE).
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    config = _config(ChurnConfig(), steps=5)
+    slow = {_pid(config.seed, r) for r in late}
+    join = SecureRound._join
+
+    async def catching_up(self, step, candidates):
+        if step == CRASH and self.transport.peer_id in slow:
+            await asyncio.sleep(2.5 * config.btard.timeout)
+        return await join(self, step, candidates)
+
+    monkeypatch.setattr(SecureRound, "_join", catching_up)
+    summary = simulate_pipeline(config, progress=False)
+    assert summary["bans"] == [] and summary["banned"] == [] and summary["retired"] == []
+    assert _one_digest_per_stage(summary)
+    departed = {e["peer"] for e in summary["events"] if e["kind"] == "depart" and e["step"] == CRASH}
+    assert departed == (slow if len(late) == 1 else set())

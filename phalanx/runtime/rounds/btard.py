@@ -215,7 +215,7 @@ class SecureRound(ButterflyAllReduce):
         group is a view mismatch, which excludes the sender from my step but proves nothing.
         A queued member commits nothing."""
         tr, me, policy, step = self.transport, self.transport.peer_id, self.state.policy, st.step
-        if me not in st.committers:
+        if me not in st.committers or self._closed_before_me(st):
             return
         hashes = [tensor_hash(p) for p in parts]
         inputs = self.state.inputs
@@ -230,6 +230,19 @@ class SecureRound(ButterflyAllReduce):
             st.inputs.update({me: bound["inputs"]} if bound else {})
         else:
             await tr.broadcast("bt.commit", step, payload)
+
+    def _closed_before_me(self, st: StepState) -> bool:
+        """Whether more than half of the other owners have already closed this step's commitments: their
+        aggregate commitments (signed, for this group) are here before I commit. Then I began the step too
+        late (catching up, or a loaded machine): at least one of them is honest, so my commitment would be
+        dropped as late_commit by an honest owner, and each such drop is an ELIMINATE of us both. I commit
+        nothing instead: a member that missed the step's commitment contributes nothing to it and departs
+        from it (App. F), and nobody pays for it. Colluders alone (at most half of the other owners, f < n / 2)
+        cannot make an honest peer step out this way."""
+        me, others = self.transport.peer_id, [o for o in st.group if o != self.transport.peer_id]
+        held = self.transport.board.get("bt.rcommit", st.step)
+        closed = [o for o in others if o in held and _aggregate_hash(held[o], st.g) is not None]
+        return bool(others) and me in st.group and 2 * len(closed) > len(others)
 
     async def _scatter(self, st: StepState, parts: list[torch.Tensor], index: int | None) -> dict[str, torch.Tensor]:
         """2. Send my parts to their owners (owners only: untrusted and queued members send no parts
@@ -285,13 +298,18 @@ class SecureRound(ButterflyAllReduce):
 
     async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
         """The step's commitments, waited for btard.timeout from my start, plus how much later than my
-        start more than half of the other committers still in my view had committed (at most one more
-        btard.timeout). So a member that started early (a joiner, whose join collection ended sooner)
-        does not count its head start against the others: a commitment is late against the group, not
-        against my clock (an owner drops a late one, and the drop ELIMINATEs both of them). In lockstep
-        that lag is a latency; a committer that left my view (crashed) adds nothing to it."""
+        start more than half of the other committers still in my view had committed (the anchor, waited
+        for up to `anchor_wait`). So a member that started early (a joiner, whose join collection ended
+        sooner, or the one replica that was not catching up) does not count its head start against the
+        others: a commitment is late against the group, not against my clock (an owner drops a late one,
+        and the drop ELIMINATEs both of them). In lockstep that lag is a latency; a committer that left my
+        view (crashed) adds nothing to it."""
         tr, me, timeout, relays = self.transport, self.transport.peer_id, self.state.btard.timeout, len(st.members)
         start = tr.clock.now()
+        # The anchor is waited for 2 btard.timeouts, plus the transport's failure detection where that is
+        # longer than a timeout: a member that neither commits nor leaves my view by then is alive but behind
+        # (its record would have expired had it died). Without the anchor the deadline is my own start + T.
+        anchor_wait = 2 * timeout + max(timeout, tr.failure_detection)
         others = [p for p in st.committers if p != me]
 
         arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
@@ -313,10 +331,10 @@ class SecureRound(ButterflyAllReduce):
             view = set(tr.members())
             times = sorted(arrived[p] - start for p in others if p in view and p in got and p in arrived)
             present = sum(1 for p in others if p in view)
-            return min(max(0.0, times[present // 2]), timeout) if present and len(times) > present // 2 else 0.0
+            return max(0.0, times[present // 2]) if present and len(times) > present // 2 else 0.0
 
         got = await tr.collect_broadcasts(
-            "bt.commit", st.step, st.committers, 2 * timeout, relays=relays, enough=anchored, patience=timeout / 4
+            "bt.commit", st.step, st.committers, anchor_wait, relays=relays, enough=anchored, patience=timeout / 4
         )
         lag = lag_of(got) if anchored(got) else 0.0
         return await tr.collect_broadcasts(
