@@ -402,16 +402,20 @@ def test_a_replica_whose_directory_still_places_a_stage_peer_elsewhere_takes_its
     assert all(m["duration"] < 0.5 for m in summary["metrics"])
 
 
-@pytest.mark.parametrize("late", [(5,), (3, 5, 7)])
-def test_replicas_that_begin_their_round_late_get_nobody_banned_or_retired(monkeypatch, late):
+@pytest.mark.parametrize("late, delay", [((5,), 2.5), ((5,), 1.02), ((3, 5, 7), 2.5)])
+def test_replicas_that_begin_their_round_late_get_nobody_banned_or_retired(monkeypatch, late, delay):
     # Over hivemind at load ~25 (issue 18, session 22, the first seed-0 launch) stage replicas still catching up began
     # iteration 2's round up to 20 s after the others, more than the commitment wait without an anchor (2 x
     # btard.timeout): the early owner dropped their commitments as late_commit and each ELIMINATE banned two honest
-    # relays. Here `late` replicas of stage 2 begin iteration 3's round 2.5 x btard.timeout late. (5,): the three
-    # others closed their commitments long before; relay 5 holds their aggregate commitments when it would commit,
-    # so it commits nothing and departs from that step (before: it committed late and was retired, out for good).
-    # (3, 5, 7): relay 1 alone is early; it waits for the anchor (more than half of the others committed) past
-    # 2 x btard.timeout and counts its deadline from there (before: relay 1 and a late one banned, ELIMINATE).
+    # relays. Here `late` replicas of stage 2 begin iteration 3's round `delay` x btard.timeout late. (5,), 2.5: the
+    # three others closed their commitments long before; relay 5 holds their aggregate commitments when it would
+    # commit, so it commits nothing and departs from that step (before: it committed late and was retired, out for
+    # good). (5,), 1.02: it commits after their deadlines but before their declarations reach it; all three declare
+    # it late_commit, so it was late against the group: it departs, nobody is banned (before: relay 5 and relay 7,
+    # eliminated:late_commit / eliminator), and it is not retired as an unverified target (no applied partition
+    # aggregated it: nothing to verify). (3, 5, 7), 2.5: relay 1 alone is early; it waits for the anchor (more than
+    # half of the others committed) past 2 x btard.timeout and counts its deadline from there (before: relay 1 and a
+    # late one banned, ELIMINATE).
     import asyncio
 
     from phalanx.runtime.rounds.btard import SecureRound
@@ -422,7 +426,7 @@ def test_replicas_that_begin_their_round_late_get_nobody_banned_or_retired(monke
 
     async def catching_up(self, step, candidates):
         if step == CRASH and self.transport.peer_id in slow:
-            await asyncio.sleep(2.5 * config.btard.timeout)
+            await asyncio.sleep(delay * config.btard.timeout)
         return await join(self, step, candidates)
 
     monkeypatch.setattr(SecureRound, "_join", catching_up)

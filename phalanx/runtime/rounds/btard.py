@@ -14,6 +14,9 @@ The critical path has one synchronisation before aggregation (App. B):
    no round of their own. An owner aggregates the parts of the owners whose
    commitment it holds by its deadline (counted from when more than half of
    the others had committed, if that came after its own start: `_commitments`).
+   A member that, when it would commit, already holds the aggregate commitments
+   of more than half of the other owners began the step too late and commits
+   nothing (`_closed_before_me`): it departs from the step, nobody pays for it.
 2. scatter: the owner checks each part against its commitment: missing or
    mismatching -> ELIMINATE(owner, sender); matching but NaN/Inf, wrong shape
    or dtype -> ACCUSE with the part as proof.
@@ -239,10 +242,10 @@ class SecureRound(ButterflyAllReduce):
         nothing instead: a member that missed the step's commitment contributes nothing to it and departs
         from it (App. F), and nobody pays for it. Colluders alone (at most half of the other owners, f < n / 2)
         cannot make an honest peer step out this way."""
-        me, others = self.transport.peer_id, [o for o in st.group if o != self.transport.peer_id]
+        others = [o for o in st.group if o != self.transport.peer_id]
         held = self.transport.board.get("bt.rcommit", st.step)
         closed = [o for o in others if o in held and _aggregate_hash(held[o], st.g) is not None]
-        return bool(others) and me in st.group and 2 * len(closed) > len(others)
+        return bool(others) and 2 * len(closed) > len(others)
 
     async def _scatter(self, st: StepState, parts: list[torch.Tensor], index: int | None) -> dict[str, torch.Tensor]:
         """2. Send my parts to their owners (owners only: untrusted and queued members send no parts
