@@ -177,7 +177,10 @@ class SecureRound(ButterflyAllReduce):
         parts = [committed[a:b] for a, b in st.bounds]
         state.grads[step] = committed
 
-        await self._commit(st, parts)
+        # A member that began the step too late commits nothing, and owns nothing either: it declares and sends
+        # no aggregate, so its partition is passed over alike everywhere (every other owner drops it).
+        if await self._commit(st, parts):
+            index = None
         valid = await self._scatter(st, parts, index)
         trusted = [p for p in committers if p in st.commits and p in owners]  # contributors whose parts are aggregated
         used, received, mine = await self._reduce(st, parts, index, trusted, valid) if index is not None else ([], {}, None)
@@ -211,15 +214,17 @@ class SecureRound(ButterflyAllReduce):
             joined &= set(candidates)
         return sorted(p for p in joined if not self.state.ledger.is_banned(p))
 
-    async def _commit(self, st: StepState, parts: list[torch.Tensor]) -> None:
+    async def _commit(self, st: StepState, parts: list[torch.Tensor]) -> bool:
         """1. Commitments, broadcast just before the parts they bind: an owner uses a part only once
         it holds the sender's commitment, so the commitment needs no round of their own (App. B: one
         synchronisation before aggregation). Each names the group its sender settled on: another
         group is a view mismatch, which excludes the sender from my step but proves nothing.
-        A queued member commits nothing."""
+        A queued member commits nothing. Returns whether I stepped out of the step (`_closed_before_me`)."""
         tr, me, policy, step = self.transport, self.transport.peer_id, self.state.policy, st.step
-        if me not in st.committers or self._closed_before_me(st):
-            return
+        if me not in st.committers:
+            return False
+        if self._closed_before_me(st):
+            return True
         hashes = [tensor_hash(p) for p in parts]
         inputs = self.state.inputs
         bound = {"inputs": inputs.commitment(step)} if inputs is not None else {}
@@ -233,6 +238,7 @@ class SecureRound(ButterflyAllReduce):
             st.inputs.update({me: bound["inputs"]} if bound else {})
         else:
             await tr.broadcast("bt.commit", step, payload)
+        return False
 
     def _closed_before_me(self, st: StepState) -> bool:
         """Whether more than half of the other owners have already closed this step's commitments: their
@@ -317,24 +323,30 @@ class SecureRound(ButterflyAllReduce):
 
         arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
 
+        def present(got: dict[str, SignedEnvelope]) -> list[str]:
+            # The others still in my view, and any whose commitment I hold: a member that looks gone to me alone
+            # (a Byzantine lets its record lapse at my reader only) but committed still counts, or my anchor would
+            # rest on fewer members than the others' do (a late honest one: my deadline later than theirs, and
+            # their drop of it an ELIMINATE, review s23-RE HIGH 1).
+            view = set(tr.members())
+            return [p for p in others if p in view or p in got]
+
         def anchored(got: dict[str, SignedEnvelope]) -> bool:
-            # More than half of the others still in my view, so that the anchor holds an honest commitment:
-            # f < n / 2 colluders that commit at once are at most half of the others, and would set the group's
-            # clock alone. Nobody left in view: no anchor to wait for.
+            # More than half of the others present, so that the anchor holds an honest commitment: f < n / 2
+            # colluders that commit at once are at most half of the others, and would set the group's clock
+            # alone. Nobody present (all left my view without committing): no anchor to wait for.
             for p in got:
                 arrived.setdefault(p, tr.clock.now())
-            view = set(tr.members())
-            present = [p for p in others if p in view]
-            return not present or 2 * sum(1 for p in present if p in got) > len(present)
+            here = present(got)
+            return not here or 2 * sum(1 for p in here if p in got) > len(here)
 
         def lag_of(got: dict[str, SignedEnvelope]) -> float:
             # When the anchoring commitments came, not when the anchor held: a committer that left my view
             # while I waited (a crash) can complete the anchor long after the others' commitments were in,
             # and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
-            view = set(tr.members())
-            times = sorted(arrived[p] - start for p in others if p in view and p in got and p in arrived)
-            present = sum(1 for p in others if p in view)
-            return max(0.0, times[present // 2]) if present and len(times) > present // 2 else 0.0
+            here = present(got)
+            times = sorted(arrived[p] - start for p in here if p in got and p in arrived)
+            return max(0.0, times[len(here) // 2]) if here and len(times) > len(here) // 2 else 0.0
 
         got = await tr.collect_broadcasts(
             "bt.commit", st.step, st.committers, anchor_wait, relays=relays, enough=anchored, patience=timeout / 4
