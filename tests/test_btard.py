@@ -849,3 +849,26 @@ def test_colluders_that_declare_before_anyone_commits_do_not_make_an_honest_peer
     summary, honest, views = _btard_run(tmp_path, "none", "allreduce.timeout=1.0", peers=5, steps=2, count=0)
     assert committed == set(honest) - colluders
     assert all(not (view - colluders) for view in views.values())
+
+
+def test_a_member_that_never_commits_holds_no_step_for_the_transports_failure_detection(tmp_path, monkeypatch):
+    # Review s23-RE MED 4. In a group of three a member that joins and never commits (alive, in view) holds each
+    # honest peer's commitment anchor. The anchor was waited for 2 x btard.timeout + the transport's failure
+    # detection (the membership ttl over hivemind, 20 s in btard-digits' launch): 22 s a step here, and the
+    # withholder, whose own anchor held at once, timed its verification out on the honest metadata: its no_meta
+    # ELIMINATE banned an honest peer. Now 3 x btard.timeout: nobody banned, one model.
+    from phalanx.runtime.rounds.btard import SecureRound
+    from phalanx.transport.sim import SimTransport
+
+    withholder, commit = peer_identity(0, 2).peer_id, SecureRound._commit
+
+    async def withhold(self, st, parts):
+        if self.transport.peer_id != withholder:
+            return await commit(self, st, parts)
+        return False
+
+    monkeypatch.setattr(SecureRound, "_commit", withhold)
+    monkeypatch.setattr(SimTransport, "failure_detection", property(lambda self: 20.0), raising=False)
+    summary, honest, views = _btard_run(tmp_path, "none", peers=3, steps=4, count=0)
+    assert all(not view for view in views.values())
+    assert len(set(summary["final_digests"].values())) == 1

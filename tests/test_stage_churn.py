@@ -536,3 +536,32 @@ def test_a_late_replica_whose_loop_was_busy_departs_and_is_not_retired(monkeypat
     assert blocked["queue"]  # the declarations were unread when relay 5 began
     assert summary["bans"] == [] and summary["retired"] == []
     assert {e["peer"] for e in summary["events"] if e["kind"] == "depart" and e["step"] == CRASH} == {late}
+
+
+def test_a_replica_that_began_late_gathers_on_group_time_and_keeps_the_stages_model(monkeypatch):
+    # Review s23-RE HIGH 3. Honest relay 5 begins iteration 3's round 2.5 x btard.timeout late and steps out; its
+    # gather then waited for declarations allreduce.timeout + btard.timeout from its own late start. Byzantine relay 7
+    # declares its aggregate 8.5 s after it closed: after relays 1 and 3 stopped waiting, before relay 5 did. Relays
+    # 1 and 3 left relay 7's partition out, relay 5 applied it: two honest models for good. Now the wait counts from
+    # when more than half of the other owners' declarations reached relay 5. What stays is the price of an owner
+    # whose declaration comes late (its no_meta against a replica that lacks its partition): one honest for it.
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    config = _config(ChurnConfig(), steps=5)
+    late, byzantine = _pid(config.seed, 5), _pid(config.seed, 7)
+    _late_at(monkeypatch, {late}, CRASH, 2.5 * config.btard.timeout)
+    commitments = SecureRound._commitments
+
+    async def declares_late(self, st):
+        got = await commitments(self, st)
+        if self.transport.peer_id == byzantine and st.step == CRASH:
+            await asyncio.sleep(8.5)
+        return got
+
+    monkeypatch.setattr(SecureRound, "_commitments", declares_late)
+    summary = simulate_pipeline(config, progress=False)
+    assert byzantine in summary["banned"] and len(set(summary["banned"]) - {byzantine}) <= 1
+    assert late not in summary["banned"] and summary["retired"] == []
+    assert _one_digest_per_stage(summary, but=frozenset(summary["banned"]))

@@ -194,7 +194,9 @@ class StageSecureRound(SecureRound):
         self.unjudged[st.step] = unjudged
         # A target with no agreed commitment, or one that no applied partition aggregated (every other owner dropped
         # it, its own partition passed over: late against the group), contributed nothing to verify.
-        used = {p for o in st.group if o not in st.passed and o in st.rcommits for p in st.contributors(o)}
+        # (on the agreed declarations, not on my gather's own cut `st.passed`: review s23-RE LOW 6)
+        passed = passed_over(st.group, {o: c[2] for o, c in st.rcommits.items()}) or set()
+        used = {p for o in st.group if o not in passed and o in st.rcommits for p in st.contributors(o)}
         self.unvalidated[st.step] = {t for v, t in st.pairs
                                      if t in used and t in st.reports.get(v, {}).get("unverified", [])}
         return [c for c in claims if not (c.reason == "v2_sum" and c.accuser == "" and c.target in unjudged)]

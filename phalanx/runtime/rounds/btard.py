@@ -315,10 +315,13 @@ class SecureRound(ButterflyAllReduce):
         view (crashed) adds nothing to it."""
         tr, me, timeout, relays = self.transport, self.transport.peer_id, self.state.btard.timeout, len(st.members)
         start = tr.clock.now()
-        # The anchor is waited for 2 btard.timeouts, plus the transport's failure detection where that is
-        # longer than a timeout: a member that neither commits nor leaves my view by then is alive but behind
-        # (its record would have expired had it died). Without the anchor the deadline is my own start + T.
-        anchor_wait = 2 * timeout + max(timeout, tr.failure_detection)
+        # The anchor is waited for 3 btard.timeouts (2 before: replicas still catching up began up to 20 s after
+        # the one that was not). Not the transport's failure detection (a membership ttl over hivemind): one
+        # member that never commits would hold every step for it, and an early peer's verification would time
+        # out on the others' metadata (review s23-RE MED 4). A member later than that steps out
+        # (`_closed_before_me`) or is dropped by most owners (`late_for_most`), at no one's cost. Without the
+        # anchor the deadline is my own start + T.
+        anchor_wait = 3 * timeout
         others = [p for p in st.committers if p != me]
 
         arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
@@ -420,7 +423,13 @@ class SecureRound(ButterflyAllReduce):
 
         An owner that every other owner drops as silent (its commitment or its parts reached none of
         them in time: it crashed, or is far behind) is passed over (`passed_over`): its partition is
-        left out on every peer, so nobody waits for its aggregate commitment or its aggregate."""
+        left out on every peer, so nobody waits for its aggregate commitment or its aggregate.
+
+        The declarations are waited for allreduce.timeout + btard.timeout from group time: from when more than
+        half of the other owners' declarations had reached me, if that was before my gather began (`_gather_wait`).
+        A member that began late (one that stepped out) waited on its own shifted clock and applied a partition
+        whose owner (a Byzantine) declared after the others had stopped waiting: one honest model apart for
+        good (review s23-RE HIGH 3)."""
         tr, me, step, g, owners, claims = self.transport, self.transport.peer_id, st.step, st.g, st.group, st.claims
 
         def declarations(held: dict[str, SignedEnvelope]) -> dict[str, dict[str, str]]:
@@ -442,7 +451,7 @@ class SecureRound(ButterflyAllReduce):
 
         async def aggregate_commitments():
             held = await tr.collect_broadcasts(
-                "bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members),
+                "bt.rcommit", step, owners, self._gather_wait(st), relays=len(st.members),
                 enough=lambda got: tr.clock.now() - started >= 2 * patience and passed_over(owners, declarations(got)) is not None,
                 patience=patience,
             )
@@ -509,6 +518,17 @@ class SecureRound(ButterflyAllReduce):
         for owner, tensor in st.aggregates.items():
             out[st.slice(owner)] = tensor
         return out
+
+    def _gather_wait(self, st: StepState) -> float:
+        """How long `_gather` waits for declarations: allreduce.timeout + btard.timeout, counted from when more than
+        half of the other owners' declarations reached me where that is earlier than now (I began late)."""
+        full, me = self.config.timeout + self.state.btard.timeout, self.transport.peer_id
+        others = [o for o in st.group if o != me]
+        times = sorted(t for p, t in self.transport.board.arrivals("bt.rcommit", st.step).items() if p in others)
+        if len(times) <= len(others) // 2:
+            return full
+        now = asyncio.get_running_loop().time()
+        return max(0.0, min(times[len(others) // 2], now) + full - now)
 
     async def _passed_over(self, st: StepState, drops: dict[str, dict[str, str]]) -> set[str]:
         """The owners this step leaves out (`passed_over`), checked against a declaration signed twice.
