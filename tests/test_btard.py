@@ -872,3 +872,46 @@ def test_a_member_that_never_commits_holds_no_step_for_the_transports_failure_de
     summary, honest, views = _btard_run(tmp_path, "none", peers=3, steps=4, count=0)
     assert all(not view for view in views.values())
     assert len(set(summary["final_digests"].values())) == 1
+
+
+def test_a_byzantine_that_commits_nothing_and_looks_gone_to_one_peer_gets_no_late_member_banned(tmp_path, monkeypatch):
+    # Review s23-RE HIGH 1b. Honest peer 3 begins step 2 1.6 s (1.6 x btard.timeout) late. Byzantine peer 4 commits
+    # nothing at step 2 and lets its record lapse at honest peer 0 only. Peer 0's anchor counted only the others in
+    # its view, so it held at once (peers 1 and 2 of three) while the others needed three of four and waited for
+    # peer 3: peer 0 alone dropped peer 3 late_commit, ELIMINATE(0, 3), two honest banned. The anchor is now more
+    # than half of all the other committers; the view only ends the wait once every silent one has left it.
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    blind, late, byzantine = (peer_identity(0, i).peer_id for i in (0, 3, 4))
+    join, commit, call = SecureRound._join, SecureRound._commit, SecureRound.__call__
+
+    async def late_join(self, step, candidates):
+        if step == 2 and self.transport.peer_id == late:
+            await asyncio.sleep(1.6)
+        return await join(self, step, candidates)
+
+    async def withhold(self, st, parts):
+        if self.transport.peer_id == byzantine and st.step == 2:
+            return False
+        return await commit(self, st, parts)
+
+    async def blind_round(self, step, vector, group):
+        tr = self.transport
+        if tr.peer_id == blind and step == 2:
+            members = type(tr).members.__get__(tr)
+            tr.members = lambda: [p for p in members() if p != byzantine]
+            try:
+                return await call(self, step, vector, group)
+            finally:
+                del tr.members
+        return await call(self, step, vector, group)
+
+    monkeypatch.setattr(SecureRound, "_join", late_join)
+    monkeypatch.setattr(SecureRound, "_commit", withhold)
+    monkeypatch.setattr(SecureRound, "__call__", blind_round)
+    summary, honest, views = _btard_run(tmp_path, "none", peers=5, steps=4, count=0)
+    honest = [p for p in honest if p != byzantine]
+    assert all(not (views[p] - {byzantine}) for p in honest)
+    assert len({summary["final_digests"][p] for p in honest}) == 1

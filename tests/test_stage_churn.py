@@ -565,3 +565,35 @@ def test_a_replica_that_began_late_gathers_on_group_time_and_keeps_the_stages_mo
     assert byzantine in summary["banned"] and len(set(summary["banned"]) - {byzantine}) <= 1
     assert late not in summary["banned"] and summary["retired"] == []
     assert _one_digest_per_stage(summary, but=frozenset(summary["banned"]))
+
+
+def test_an_owner_that_declares_nothing_does_not_count_against_a_late_replicas_departure(monkeypatch):
+    # Review s23-RE HIGH 9. Stage of five (relays 1, 3, 5, 7, 9). Honest relay 7 begins iteration 3 1.6 x
+    # btard.timeout late; Byzantine relay 5 commits on time but declares nothing (its partition is out, as a crashed
+    # owner's); Byzantine relay 9 waits for relay 7's commitment and uses it. Honest relays 1 and 3 drop relay 7
+    # late_commit: 2 of its 4 other owners, and `late_for_most` counted the silent one as "not late": ELIMINATE(3, 7),
+    # two honest banned. Counted against the owners that declared, 2 of 3: relay 7 departs, nobody honest pays.
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    config = replace(_config(ChurnConfig(), steps=5), peers=11)
+    late, waits, silent = _pid(config.seed, 7), _pid(config.seed, 9), _pid(config.seed, 5)
+    _late_at(monkeypatch, {late}, CRASH, 1.6 * config.btard.timeout)
+    commitments, reduce_ = SecureRound._commitments, SecureRound._reduce
+
+    async def waits_for_the_late_one(self, st):
+        got = await commitments(self, st)
+        if self.transport.peer_id == waits and st.step == CRASH:
+            got = await self.transport.collect_broadcasts("bt.commit", st.step, st.committers,
+                                                          1.6 * config.btard.timeout + 1.0, relays=len(st.members))
+        return got
+
+    async def declares_nothing(self, st, parts, index, trusted, valid):
+        if self.transport.peer_id == silent and st.step == CRASH:
+            return [], {}, None
+        return await reduce_(self, st, parts, index, trusted, valid)
+
+    monkeypatch.setattr(SecureRound, "_commitments", waits_for_the_late_one)
+    monkeypatch.setattr(SecureRound, "_reduce", declares_nothing)
+    summary = simulate_pipeline(config, progress=False)
+    assert not set(summary["banned"]) - {waits, silent} and summary["retired"] == []
+    assert _one_digest_per_stage(summary, but=frozenset(summary["banned"]) | {silent, waits})

@@ -307,8 +307,8 @@ class SecureRound(ButterflyAllReduce):
 
     async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
         """The step's commitments, waited for btard.timeout from my start, plus how much later than my
-        start more than half of the other committers still in my view had committed (the anchor, waited
-        for up to `anchor_wait`). So a member that started early (a joiner, whose join collection ended
+        start more than half of the other committers had committed (the anchor, waited for up to
+        `anchor_wait`, or until every other that has not committed has left my view). So a member that started early (a joiner, whose join collection ended
         sooner, or the one replica that was not catching up) does not count its head start against the
         others: a commitment is late against the group, not against my clock (an owner drops a late one,
         and the drop ELIMINATEs both of them). In lockstep that lag is a latency; a committer that left my
@@ -326,30 +326,28 @@ class SecureRound(ButterflyAllReduce):
 
         arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
 
-        def present(got: dict[str, SignedEnvelope]) -> list[str]:
-            # The others still in my view, and any whose commitment I hold: a member that looks gone to me alone
-            # (a Byzantine lets its record lapse at my reader only) but committed still counts, or my anchor would
-            # rest on fewer members than the others' do (a late honest one: my deadline later than theirs, and
-            # their drop of it an ELIMINATE, review s23-RE HIGH 1).
+        def silent_in_view(got: dict[str, SignedEnvelope]) -> bool:
             view = set(tr.members())
-            return [p for p in others if p in view or p in got]
+            return any(p in view for p in others if p not in got)
 
         def anchored(got: dict[str, SignedEnvelope]) -> bool:
-            # More than half of the others present, so that the anchor holds an honest commitment: f < n / 2
-            # colluders that commit at once are at most half of the others, and would set the group's clock
-            # alone. Nobody present (all left my view without committing): no anchor to wait for.
+            # More than half of all the other committers, so that the anchor holds an honest commitment: f < n / 2
+            # colluders that commit at once are at most half of the others, and would set the group's clock alone.
+            # Or nobody is left to wait for: every other that has not committed has left my view (crashed). The
+            # view only ends a wait, it never shrinks the majority: a Byzantine that lets its record lapse at one
+            # honest owner would otherwise rest that owner's anchor on a late honest member's commitment, and its
+            # deadline would differ from the others' (review s23-RE HIGH 1 and 1b: two honest banned).
             for p in got:
                 arrived.setdefault(p, tr.clock.now())
-            here = present(got)
-            return not here or 2 * sum(1 for p in here if p in got) > len(here)
+            return 2 * sum(1 for p in others if p in got) > len(others) or not silent_in_view(got)
 
         def lag_of(got: dict[str, SignedEnvelope]) -> float:
             # When the anchoring commitments came, not when the anchor held: a committer that left my view
             # while I waited (a crash) can complete the anchor long after the others' commitments were in,
             # and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
-            here = present(got)
-            times = sorted(arrived[p] - start for p in here if p in got and p in arrived)
-            return max(0.0, times[len(here) // 2]) if here and len(times) > len(here) // 2 else 0.0
+            times = sorted(arrived[p] - start for p in others if p in got and p in arrived)
+            k = len(others) // 2 if 2 * len(times) > len(others) else len(times) // 2
+            return max(0.0, times[k]) if len(times) > k else 0.0
 
         got = await tr.collect_broadcasts(
             "bt.commit", st.step, st.committers, anchor_wait, relays=relays, enough=anchored, patience=timeout / 4

@@ -333,8 +333,8 @@ def _derived_claims(st: StepState, equivocators: set[str]) -> list[Claim]:
 
 
 def late_for_most(st: StepState, equivocators: set[str]) -> set[str]:
-    """Committers whose commitment more than half of the other owners declare late (`late_commit`, in the
-    agreed declarations of owners that signed one version): late against the group, not against one
+    """Committers whose commitment more than half of the other declaring owners declare late (`late_commit`, in
+    the agreed declarations of owners that signed one version): late against the group, not against one
     owner's clock. At least one of those owners is honest (colluders are at most half of anyone's other
     owners), so the commitment really came after an honest owner's deadline: the committer began the step
     too late (still catching up, a loaded machine) and departs from it, not banned, and the owners that
@@ -347,7 +347,10 @@ def late_for_most(st: StepState, equivocators: set[str]) -> set[str]:
             for p, reason in drop.items():
                 if reason == "late_commit" and p != owner:
                     counts[p] = counts.get(p, 0) + 1
-    return {p for p, n in counts.items() if p in st.commits and 2 * n > sum(1 for o in st.group if o != p)}
+    # Against the owners that declared (an owner that declares nothing, crashed or withholding, drops nobody; counted
+    # as "not late" it let two colluders keep a late honest committer's drop an ELIMINATE: review s23-RE HIGH 9).
+    declared = [o for o in st.rcommits if o not in equivocators]
+    return {p for p, n in counts.items() if p in st.commits and 2 * n > sum(1 for o in declared if o != p)}
 
 
 def validator_pairs(r: bytes, trusted: list[str], contributors: list[str], m: int) -> list[tuple[str, str]]:
