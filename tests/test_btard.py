@@ -794,7 +794,7 @@ def test_a_committer_that_leaves_the_view_does_not_push_the_commitment_deadline_
             return self.t
 
     class Transport:  # arrivals and the view on a scripted clock; `enough` is asked at each arrival and each look
-        peer_id, clock = me, Clock()
+        peer_id, clock, failure_detection = me, Clock(), 0.0
 
         def members(self) -> list[str]:
             return [me, a] + ([c] if self.clock.t < 2.0 else [])
@@ -817,3 +817,101 @@ def test_a_committer_that_leaves_the_view_does_not_push_the_commitment_deadline_
     st = StepState(1, [me, a, c], [], members=[me, a, c], committers=[me, a, c])
     asyncio.run(round_._commitments(st))
     assert round_.transport.clock.t == pytest.approx(timeout + 0.01)  # before: 7.5
+
+
+def test_colluders_that_declare_before_anyone_commits_do_not_make_an_honest_peer_step_out(tmp_path, monkeypatch):
+    # A member that already holds the aggregate commitments of more than half of the other owners when it would
+    # commit began the step too late (an honest one among them closed its commitments) and commits nothing
+    # (`SecureRound._closed_before_me`). Colluders 3 and 4 (of five: at most half of any honest peer's other
+    # owners) sign declarations of step 1 before anyone commits, dropping every other owner. No honest peer may
+    # step out for them: the three honest peers commit, and none is banned. Fails with "at least half" in the rule.
+    import asyncio
+
+    from phalanx.core.serialization import encode as enc
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    colluders = {peer_identity(0, i).peer_id for i in (3, 4)}
+    commit, closed = SecureRound._commit, SecureRound._closed_before_me
+    committed: set[str] = set()
+
+    async def early(self, st, parts):
+        me = self.transport.peer_id
+        if st.step == 1 and me in colluders:
+            drop = {o: "late_commit" for o in st.group if o != me}
+            await self.transport.broadcast("bt.rcommit", 1, enc({"g": st.g, "h": bytes(32), "from": [me], "drop": drop}))
+        elif st.step == 1:
+            await asyncio.sleep(0.3)  # the colluders' declarations are here before an honest peer commits
+            if not closed(self, st):
+                committed.add(me)
+        return await commit(self, st, parts)
+
+    monkeypatch.setattr(SecureRound, "_commit", early)
+    summary, honest, views = _btard_run(tmp_path, "none", "allreduce.timeout=1.0", peers=5, steps=2, count=0)
+    assert committed == set(honest) - colluders
+    assert all(not (view - colluders) for view in views.values())
+
+
+def test_a_member_that_never_commits_holds_no_step_for_the_transports_failure_detection(tmp_path, monkeypatch):
+    # Review s23-RE MED 4. In a group of three a member that joins and never commits (alive, in view) holds each
+    # honest peer's commitment anchor. The anchor was waited for 2 x btard.timeout + the transport's failure
+    # detection (the membership ttl over hivemind, 20 s in btard-digits' launch): 22 s a step here, and the
+    # withholder, whose own anchor held at once, timed its verification out on the honest metadata: its no_meta
+    # ELIMINATE banned an honest peer. Now 3 x btard.timeout: nobody banned, one model.
+    from phalanx.runtime.rounds.btard import SecureRound
+    from phalanx.transport.sim import SimTransport
+
+    withholder, commit = peer_identity(0, 2).peer_id, SecureRound._commit
+
+    async def withhold(self, st, parts):
+        if self.transport.peer_id != withholder:
+            return await commit(self, st, parts)
+        return False
+
+    monkeypatch.setattr(SecureRound, "_commit", withhold)
+    monkeypatch.setattr(SimTransport, "failure_detection", property(lambda self: 20.0), raising=False)
+    summary, honest, views = _btard_run(tmp_path, "none", peers=3, steps=4, count=0)
+    assert all(not view for view in views.values())
+    assert len(set(summary["final_digests"].values())) == 1
+
+
+def test_a_byzantine_that_commits_nothing_and_looks_gone_to_one_peer_gets_no_late_member_banned(tmp_path, monkeypatch):
+    # Review s23-RE HIGH 1b. Honest peer 3 begins step 2 1.6 s (1.6 x btard.timeout) late. Byzantine peer 4 commits
+    # nothing at step 2 and lets its record lapse at honest peer 0 only. Peer 0's anchor counted only the others in
+    # its view, so it held at once (peers 1 and 2 of three) while the others needed three of four and waited for
+    # peer 3: peer 0 alone dropped peer 3 late_commit, ELIMINATE(0, 3), two honest banned. The anchor is now more
+    # than half of all the other committers; the view only ends the wait once every silent one has left it.
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    blind, late, byzantine = (peer_identity(0, i).peer_id for i in (0, 3, 4))
+    join, commit, call = SecureRound._join, SecureRound._commit, SecureRound.__call__
+
+    async def late_join(self, step, candidates):
+        if step == 2 and self.transport.peer_id == late:
+            await asyncio.sleep(1.6)
+        return await join(self, step, candidates)
+
+    async def withhold(self, st, parts):
+        if self.transport.peer_id == byzantine and st.step == 2:
+            return False
+        return await commit(self, st, parts)
+
+    async def blind_round(self, step, vector, group):
+        tr = self.transport
+        if tr.peer_id == blind and step == 2:
+            members = type(tr).members.__get__(tr)
+            tr.members = lambda: [p for p in members() if p != byzantine]
+            try:
+                return await call(self, step, vector, group)
+            finally:
+                del tr.members
+        return await call(self, step, vector, group)
+
+    monkeypatch.setattr(SecureRound, "_join", late_join)
+    monkeypatch.setattr(SecureRound, "_commit", withhold)
+    monkeypatch.setattr(SecureRound, "__call__", blind_round)
+    summary, honest, views = _btard_run(tmp_path, "none", peers=5, steps=4, count=0)
+    honest = [p for p in honest if p != byzantine]
+    assert all(not (views[p] - {byzantine}) for p in honest)
+    assert len({summary["final_digests"][p] for p in honest}) == 1

@@ -509,3 +509,72 @@ def test_misuse_is_a_clear_local_error() -> None:
         assert not _descendants() - existing
 
     run(body)
+
+
+class _Writer:
+    """A stream writer that keeps what is written."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += bytes(data)
+
+    async def drain(self) -> None:
+        return None
+
+
+def _presented(transport: HivemindTransport) -> bytes:
+    """The membership record `transport` presents at the head of a stream."""
+    writer = _Writer()
+    asyncio.run(transport._write_record(writer))
+    _, topic_len, size = _HEADER.unpack(writer.data[: _HEADER.size])
+    return writer.data[_HEADER.size + topic_len:][:size]
+
+
+def test_a_live_peer_whose_record_store_ran_late_is_taken_into_view_and_a_stopped_ones_record_is_not() -> None:
+    # At load 16-25 (issue 18, the first seed-0 launch of session 22) every process logged "dropping a stream
+    # from ...: no valid membership record": a stream presents the sender's record, which was re-signed only by
+    # the re-store loop (every ttl/3, after the previous DHT store had returned), so a busy peer presented a
+    # record that had expired while it was alive and talking, and its streams were refused. Now the presented
+    # record is signed afresh once a third of the ttl has passed. A record that expired stays refused: a peer
+    # that stopped signs nothing more, so it leaves every view at most one ttl after its last stream or store.
+    ttl = 30.0
+    busy, reader = Identity.from_seed(b"busy"), Identity.from_seed(b"reader")
+    sender = HivemindTransport(busy, run_id="r", membership_ttl=ttl)
+    stale = MembershipRecord.create(busy, "r", get_dht_time() - 5)  # re-stored last ttl + 5 s ago
+    sender._own = stale
+    receiver = HivemindTransport(reader, run_id="r", membership_ttl=ttl)
+    receiver._absorb_presented(busy.peer_id, _presented(sender), libp2p_id_of(busy.public_key))
+    assert receiver.members() == sorted([reader.peer_id, busy.peer_id])
+    young = MembershipRecord.create(busy, "r", get_dht_time() + 5 * ttl / 6)  # 5 s old: presented as it is
+    sender._own = young
+    assert _presented(sender) == young.to_bytes()
+    other = HivemindTransport(reader, run_id="r", membership_ttl=ttl)
+    other._absorb_presented(busy.peer_id, stale.to_bytes(), libp2p_id_of(busy.public_key))  # a stopped peer's last one
+    assert other.members() == [reader.peer_id]
+
+
+def test_a_slow_dht_store_does_not_hold_back_the_next_record() -> None:
+    # The re-store loop waited for each DHT store to return before it slept again: a store that hung under load
+    # held back the next record. Now `_publish` signs the next record at once and leaves a running store alone.
+    class HungDHT:
+        calls = 0
+
+        async def store(self, *args, **kwargs) -> bool:
+            HungDHT.calls += 1
+            await asyncio.sleep(3600)
+            return True
+
+    async def body() -> None:
+        transport = HivemindTransport(Identity.from_seed(b"busy"), run_id="r", membership_ttl=30.0)
+        transport._dht = HungDHT()  # type: ignore[assignment]
+        await asyncio.wait_for(transport._publish(), 1.0)
+        first = transport._own
+        await asyncio.wait_for(transport._publish(), 1.0)
+        assert transport._own is not None and first is not None and transport._own.expiration >= first.expiration
+        await asyncio.sleep(0)
+        assert HungDHT.calls == 1  # the hung store is left to finish, not doubled
+        transport._store_task.cancel()
+
+    run(body, timeout=5.0)

@@ -400,3 +400,200 @@ def test_a_replica_whose_directory_still_places_a_stage_peer_elsewhere_takes_its
     summary = simulate_pipeline(_config(ChurnConfig(), steps=4), progress=False)
     assert summary["bans"] == [] and _one_digest_per_stage(summary)
     assert all(m["duration"] < 0.5 for m in summary["metrics"])
+
+
+@pytest.mark.parametrize("late, delay", [((5,), 2.5), ((5,), 1.02), ((3, 5, 7), 2.5)])
+def test_replicas_that_begin_their_round_late_get_nobody_banned_or_retired(monkeypatch, late, delay):
+    # Over hivemind at load ~25 (issue 18, session 22, the first seed-0 launch) stage replicas still catching up began
+    # iteration 2's round up to 20 s after the others, more than the commitment wait without an anchor (2 x
+    # btard.timeout): the early owner dropped their commitments as late_commit and each ELIMINATE banned two honest
+    # relays. Here `late` replicas of stage 2 begin iteration 3's round `delay` x btard.timeout late. (5,), 2.5: the
+    # three others closed their commitments long before; relay 5 holds their aggregate commitments when it would
+    # commit, so it commits nothing and departs from that step (before: it committed late and was retired, out for
+    # good). (5,), 1.02: it commits after their deadlines but before their declarations reach it; all three declare
+    # it late_commit, so it was late against the group: it departs, nobody is banned (before: relay 5 and relay 7,
+    # eliminated:late_commit / eliminator), and it is not retired as an unverified target (no applied partition
+    # aggregated it: nothing to verify). (3, 5, 7), 2.5: relay 1 alone is early; it waits for the anchor (more than
+    # half of the others committed) past 2 x btard.timeout and counts its deadline from there (before: relay 1 and a
+    # late one banned, ELIMINATE).
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    config = _config(ChurnConfig(), steps=5)
+    slow = {_pid(config.seed, r) for r in late}
+    join = SecureRound._join
+
+    async def catching_up(self, step, candidates):
+        if step == CRASH and self.transport.peer_id in slow:
+            await asyncio.sleep(delay * config.btard.timeout)
+        return await join(self, step, candidates)
+
+    monkeypatch.setattr(SecureRound, "_join", catching_up)
+    summary = simulate_pipeline(config, progress=False)
+    assert summary["bans"] == [] and summary["banned"] == [] and summary["retired"] == []
+    assert _one_digest_per_stage(summary)
+    departed = {e["peer"] for e in summary["events"] if e["kind"] == "depart" and e["step"] == CRASH}
+    assert departed == (slow if len(late) == 1 else set())
+
+
+def _late_at(monkeypatch, relay_ids: set[str], it: int, seconds: float, before=None, after=None) -> None:
+    """`relay_ids` begin their round of iteration `it` `seconds` late (sleep before the join); `before(self)` runs
+    before the sleep, `after()` right after it, before the join (nothing in between yields to the loop)."""
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    join = SecureRound._join
+
+    async def catching_up(self, step, candidates):
+        if step == it and self.transport.peer_id in relay_ids:
+            if before is not None:
+                before(self)
+            await asyncio.sleep(seconds)
+            if after is not None:
+                after()
+        return await join(self, step, candidates)
+
+    monkeypatch.setattr(SecureRound, "_join", catching_up)
+
+
+def test_a_byzantine_that_looks_gone_to_one_peer_and_declares_late_gets_no_late_replica_banned(monkeypatch):
+    # Review s23-RE HIGH 1. Honest relay 5 begins iteration 3's round 1.6 x btard.timeout late. Byzantine relay 7
+    # runs the protocol but lets its record lapse at relay 1 only (relay 1's stage view lacks it in that round; every
+    # message still flows), and declares only after relay 5 committed. Relay 1's anchor counted only the others in
+    # its view (3 and 5), so it rested on late relay 5's commitment and took it, while relay 3 (anchored on 1 and 7)
+    # closed at btard.timeout and dropped it: ELIMINATE(3, 5), two honest relays banned, 7 untouched. A committer
+    # whose commitment I hold counts as present, seen or not: relay 1 closes with relay 3, relay 5 steps out.
+    from phalanx.runtime.pipeline.stage_btard import StageRound, StageView
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    config = _config(ChurnConfig(), steps=5)
+    late, byzantine, blind, T = _pid(config.seed, 5), _pid(config.seed, 7), _pid(config.seed, 1), config.btard.timeout
+    _late_at(monkeypatch, {late}, CRASH, 1.6 * T)
+    members, call, commitments = StageView.members, StageRound.__call__, SecureRound._commitments
+    hiding = {"on": False}
+
+    def view(self):
+        return [p for p in members(self) if not (hiding["on"] and self.peer_id == blind and p == byzantine)]
+
+    async def round_(self, it, vector, group):
+        hiding["on"] = hiding["on"] or (self.node.me == blind and it == CRASH)
+        try:
+            return await call(self, it, vector, group)
+        finally:
+            if self.node.me == blind and it == CRASH:
+                hiding["on"] = False
+
+    async def waits_for_the_late_one(self, st):
+        got = await commitments(self, st)
+        if self.transport.peer_id == byzantine and st.step == CRASH:
+            got = await self.transport.collect_broadcasts("bt.commit", st.step, st.committers, 1.6 * T + 1.0,
+                                                          relays=len(st.members))
+        return got
+
+    monkeypatch.setattr(StageView, "members", view)
+    monkeypatch.setattr(StageRound, "__call__", round_)
+    monkeypatch.setattr(SecureRound, "_commitments", waits_for_the_late_one)
+    summary = simulate_pipeline(config, progress=False)
+    assert summary["bans"] == [] and summary["banned"] == [] and summary["retired"] == []
+    assert {e["peer"] for e in summary["events"] if e["kind"] == "depart" and e["step"] == CRASH} == {late}
+
+
+def test_a_late_replica_whose_loop_was_busy_departs_and_is_not_retired(monkeypatch):
+    # Review s23-RE HIGH 2. Over hivemind compute runs on the event loop: a replica catching up reads no stream, and
+    # when it begins the round the others' aggregate commitments are still unread, so it cannot see that they closed
+    # and commits late. Here relay 5's incoming declarations of iteration 3 reach its board only once its 2.5 x
+    # btard.timeout delay is over (queued, then added as a loop that runs again reads them). All three others
+    # declare it late_commit: it was late against the group, it departs, and no applied partition aggregated it
+    # (nothing to validate). Before (3af87ce): retired, out for good.
+    import asyncio
+
+    from phalanx.runtime.pipeline.stage_btard import _StageBoard
+
+    config = _config(ChurnConfig(), steps=5)
+    late = _pid(config.seed, 5)
+    add = _StageBoard.add
+    blocked: dict = {"board": None, "queue": []}
+
+    def unread_while_busy(self, envelope):
+        if self is blocked["board"] and envelope.topic == "bt.rcommit":
+            blocked["queue"].append(envelope)
+            return False
+        return add(self, envelope)
+
+    def busy(self):
+        blocked["board"] = self.transport.board
+
+    def resume():
+        board, blocked["board"] = blocked["board"], None
+        for envelope in blocked["queue"]:
+            asyncio.get_running_loop().call_soon(add, board, envelope)
+
+    _late_at(monkeypatch, {late}, CRASH, 2.5 * config.btard.timeout, before=busy, after=resume)
+    monkeypatch.setattr(_StageBoard, "add", unread_while_busy)
+    summary = simulate_pipeline(config, progress=False)
+    assert blocked["queue"]  # the declarations were unread when relay 5 began
+    assert summary["bans"] == [] and summary["retired"] == []
+    assert {e["peer"] for e in summary["events"] if e["kind"] == "depart" and e["step"] == CRASH} == {late}
+
+
+def test_a_replica_that_began_late_gathers_on_group_time_and_keeps_the_stages_model(monkeypatch):
+    # Review s23-RE HIGH 3. Honest relay 5 begins iteration 3's round 2.5 x btard.timeout late and steps out; its
+    # gather then waited for declarations allreduce.timeout + btard.timeout from its own late start. Byzantine relay 7
+    # declares its aggregate 8.5 s after it closed: after relays 1 and 3 stopped waiting, before relay 5 did. Relays
+    # 1 and 3 left relay 7's partition out, relay 5 applied it: two honest models for good. Now the wait counts from
+    # when more than half of the other owners' declarations reached relay 5. What stays is the price of an owner
+    # whose declaration comes late (its no_meta against a replica that lacks its partition): one honest for it.
+    import asyncio
+
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    config = _config(ChurnConfig(), steps=5)
+    late, byzantine = _pid(config.seed, 5), _pid(config.seed, 7)
+    _late_at(monkeypatch, {late}, CRASH, 2.5 * config.btard.timeout)
+    commitments = SecureRound._commitments
+
+    async def declares_late(self, st):
+        got = await commitments(self, st)
+        if self.transport.peer_id == byzantine and st.step == CRASH:
+            await asyncio.sleep(8.5)
+        return got
+
+    monkeypatch.setattr(SecureRound, "_commitments", declares_late)
+    summary = simulate_pipeline(config, progress=False)
+    assert byzantine in summary["banned"] and len(set(summary["banned"]) - {byzantine}) <= 1
+    assert late not in summary["banned"] and summary["retired"] == []
+    assert _one_digest_per_stage(summary, but=frozenset(summary["banned"]))
+
+
+def test_an_owner_that_declares_nothing_does_not_count_against_a_late_replicas_departure(monkeypatch):
+    # Review s23-RE HIGH 9. Stage of five (relays 1, 3, 5, 7, 9). Honest relay 7 begins iteration 3 1.6 x
+    # btard.timeout late; Byzantine relay 5 commits on time but declares nothing (its partition is out, as a crashed
+    # owner's); Byzantine relay 9 waits for relay 7's commitment and uses it. Honest relays 1 and 3 drop relay 7
+    # late_commit: 2 of its 4 other owners, and `late_for_most` counted the silent one as "not late": ELIMINATE(3, 7),
+    # two honest banned. Counted against the owners that declared, 2 of 3: relay 7 departs, nobody honest pays.
+    from phalanx.runtime.rounds.btard import SecureRound
+
+    config = replace(_config(ChurnConfig(), steps=5), peers=11)
+    late, waits, silent = _pid(config.seed, 7), _pid(config.seed, 9), _pid(config.seed, 5)
+    _late_at(monkeypatch, {late}, CRASH, 1.6 * config.btard.timeout)
+    commitments, reduce_ = SecureRound._commitments, SecureRound._reduce
+
+    async def waits_for_the_late_one(self, st):
+        got = await commitments(self, st)
+        if self.transport.peer_id == waits and st.step == CRASH:
+            got = await self.transport.collect_broadcasts("bt.commit", st.step, st.committers,
+                                                          1.6 * config.btard.timeout + 1.0, relays=len(st.members))
+        return got
+
+    async def declares_nothing(self, st, parts, index, trusted, valid):
+        if self.transport.peer_id == silent and st.step == CRASH:
+            return [], {}, None
+        return await reduce_(self, st, parts, index, trusted, valid)
+
+    monkeypatch.setattr(SecureRound, "_commitments", waits_for_the_late_one)
+    monkeypatch.setattr(SecureRound, "_reduce", declares_nothing)
+    summary = simulate_pipeline(config, progress=False)
+    assert not set(summary["banned"]) - {waits, silent} and summary["retired"] == []
+    assert _one_digest_per_stage(summary, but=frozenset(summary["banned"]) | {silent, waits})

@@ -21,6 +21,7 @@ class BroadcastBoard:
         self._limits = limits
         self._slots: dict[tuple[str, int], dict[str, SignedEnvelope]] = {}
         self._events: dict[tuple[str, int], asyncio.Event] = {}
+        self._arrived: dict[tuple[str, int], dict[str, float]] = {}  # when each envelope was first taken (loop time)
         self.proofs: list[EquivocationProof] = []
 
     def receive(self, relayed_by: str, data: bytes) -> SignedEnvelope | None:
@@ -49,6 +50,10 @@ class BroadcastBoard:
                 self._on_evidence(proof.evidence())
             return False
         slot[envelope.sender] = envelope
+        try:
+            self._arrived.setdefault(key, {})[envelope.sender] = asyncio.get_running_loop().time()
+        except RuntimeError:  # taken outside a running loop (a checkpoint being loaded): no arrival time
+            pass
         event = self._events.get(key)
         if event is not None:
             event.set()
@@ -57,6 +62,10 @@ class BroadcastBoard:
     def get(self, topic: str, step: int) -> dict[str, SignedEnvelope]:
         """Envelopes received so far for (topic, step), by sender."""
         return dict(self._slots.get((topic, step), {}))
+
+    def arrivals(self, topic: str, step: int) -> dict[str, float]:
+        """When each sender's envelope for (topic, step) was taken here (the event loop's time), by sender."""
+        return dict(self._arrived.get((topic, step), {}))
 
     async def wait(
         self, topic: str, step: int, senders: Iterable[str], timeout: float,
@@ -92,3 +101,4 @@ class BroadcastBoard:
         for key in [k for k in self._slots if k[1] < before_step]:
             del self._slots[key]
             self._events.pop(key, None)
+            self._arrived.pop(key, None)

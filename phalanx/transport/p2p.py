@@ -9,14 +9,19 @@ libp2p id without a valid record is dropped.
 
 Membership. Every peer stores a signed, expiring record in the DHT under
 ``phalanx/<run_id>/members``, subkey = its phalanx id, and re-stores it every
-ttl/3. The signature covers (run_id, peer id, libp2p id, expiration), so a
+ttl/3 (a store still running then is not waited for: a slow DHT under load
+must not age the record that streams present). The signature covers (run_id, peer id, libp2p id, expiration), so a
 record cannot be moved to another run, peer or lifetime; a validator in every
 honest DHT node rejects records whose signature fails or whose DHT expiration
 differs from the signed one (BTARD App. G: replay cannot extend a record).
 A background task reads the records every ``refresh_interval``. Each
 stream also carries the current records of both ends (see the wire format),
 so peers that talk keep each other in view even while DHT lookups fail (a
-busy DHT times out, and backs off from nodes that did).
+busy DHT times out, and backs off from nodes that did). The record a stream
+presents is signed afresh once the one held is a third of the ttl old, so a
+peer that is alive and talking is never refused for a stale record, however
+late its loop runs the re-store. A peer that stopped signs nothing more: it
+leaves every view at most one ttl after its last stream or store.
 
 Wire format. One libp2p stream per message or request, raw bytes through the
 daemon. A frame is ``kind u8 | topic length u8 | payload length u64 | topic |
@@ -253,6 +258,7 @@ class HivemindTransport(Transport):
         self._by_libp2p: dict[bytes, str] = {}
         self._reported_records: set[bytes] = set()
         self._refresh_task: asyncio.Task | None = None
+        self._store_task: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
         self._inbound: set[asyncio.Task] = set()
 
@@ -296,6 +302,8 @@ class HivemindTransport(Transport):
             self._own = self._fresh_record()
             await self._p2p.add_binary_stream_handler(self._protocol, self._on_stream)
             await self._publish()
+            if self._store_task is not None:
+                await self._store_task  # the first store is waited for: the others read it at once
             await self._refresh_view()
         except BaseException:
             await self.stop()
@@ -310,12 +318,11 @@ class HivemindTransport(Transport):
     async def stop(self) -> None:
         """Stop background work, close streams, shut down the DHT process and its daemon."""
         tasks = [*self._background, *self._inbound]
-        if self._refresh_task is not None:
-            tasks.append(self._refresh_task)
+        tasks += [t for t in (self._refresh_task, self._store_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._background, self._refresh_task = [], None
+        self._background, self._refresh_task, self._store_task = [], None, None
         if self._p2p is not None:
             await self._p2p.shutdown()
             self._p2p = None
@@ -371,10 +378,24 @@ class HivemindTransport(Transport):
     def _fresh_record(self) -> MembershipRecord:
         return MembershipRecord.create(self.identity, self.run_id, get_dht_time() + self._ttl)
 
+    def _presented_record(self) -> MembershipRecord:
+        """Our record as a stream presents it: signed afresh once a third of its ttl has passed. Its re-store
+        runs every ttl/3 on a loop that may run late under load (and waits on the DHT process), and a record
+        that expired while we were alive and talking got our streams refused ("no valid membership record")."""
+        assert self._own is not None
+        if self._own.expiration - get_dht_time() < 2 * self._ttl / 3:
+            self._own = self._fresh_record()
+        return self._own
+
     async def _publish(self) -> None:
-        """Store a fresh record of ours that lives `membership_ttl` seconds (streams carry it too)."""
+        """Store a fresh record of ours that lives `membership_ttl` seconds (streams carry it too). The store
+        runs as its own task; one still running is left to finish rather than waited for or doubled."""
+        self._own = self._fresh_record()
+        if self._store_task is None or self._store_task.done():
+            self._store_task = asyncio.create_task(self._store(self._own), name="phalanx-store")
+
+    async def _store(self, record: MembershipRecord) -> None:
         assert self._dht is not None
-        record = self._own = self._fresh_record()
         try:
             stored = await self._dht.store(
                 self._key, record.to_bytes(), record.expiration, subkey=self.peer_id, return_future=True
@@ -458,8 +479,7 @@ class HivemindTransport(Transport):
         self._absorb_presented(claimed, data, libp2p_id)
 
     async def _write_record(self, writer: asyncio.StreamWriter) -> None:
-        assert self._own is not None
-        await _write_frame(writer, RECORD, self.peer_id.encode(), self._own.to_bytes())
+        await _write_frame(writer, RECORD, self.peer_id.encode(), self._presented_record().to_bytes())
 
     async def _sender_of(self, remote: PeerID, reader: asyncio.StreamReader) -> str | None:
         """The phalanx id behind an incoming stream, from the record it opens with or from the view."""

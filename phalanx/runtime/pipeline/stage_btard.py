@@ -192,8 +192,13 @@ class StageSecureRound(SecureRound):
         unjudged = {o for o in st.sum_failed if o in st.silent and any(
             p in st.silent and o not in st.meta.get(p, ({}, {}))[1] for p in st.contributors(o))}
         self.unjudged[st.step] = unjudged
-        self.unvalidated[st.step] = {t for v, t in st.pairs  # a target with no agreed commitment contributed nothing
-                                     if t in st.commits and t in st.reports.get(v, {}).get("unverified", [])}
+        # A target with no agreed commitment, or one that no applied partition aggregated (every other owner dropped
+        # it, its own partition passed over: late against the group), contributed nothing to verify.
+        # (on the agreed declarations, not on my gather's own cut `st.passed`: review s23-RE LOW 6)
+        passed = passed_over(st.group, {o: c[2] for o, c in st.rcommits.items()}) or set()
+        used = {p for o in st.group if o not in passed and o in st.rcommits for p in st.contributors(o)}
+        self.unvalidated[st.step] = {t for v, t in st.pairs
+                                     if t in used and t in st.reports.get(v, {}).get("unverified", [])}
         return [c for c in claims if not (c.reason == "v2_sum" and c.accuser == "" and c.target in unjudged)]
 
 

@@ -14,6 +14,9 @@ The critical path has one synchronisation before aggregation (App. B):
    no round of their own. An owner aggregates the parts of the owners whose
    commitment it holds by its deadline (counted from when more than half of
    the others had committed, if that came after its own start: `_commitments`).
+   A member that, when it would commit, already holds the aggregate commitments
+   of more than half of the other owners began the step too late and commits
+   nothing (`_closed_before_me`): it departs from the step, nobody pays for it.
 2. scatter: the owner checks each part against its commitment: missing or
    mismatching -> ELIMINATE(owner, sender); matching but NaN/Inf, wrong shape
    or dtype -> ACCUSE with the part as proof.
@@ -174,7 +177,10 @@ class SecureRound(ButterflyAllReduce):
         parts = [committed[a:b] for a, b in st.bounds]
         state.grads[step] = committed
 
-        await self._commit(st, parts)
+        # A member that began the step too late commits nothing, and owns nothing either: it declares and sends
+        # no aggregate, so its partition is passed over alike everywhere (every other owner drops it).
+        if await self._commit(st, parts):
+            index = None
         valid = await self._scatter(st, parts, index)
         trusted = [p for p in committers if p in st.commits and p in owners]  # contributors whose parts are aggregated
         used, received, mine = await self._reduce(st, parts, index, trusted, valid) if index is not None else ([], {}, None)
@@ -208,15 +214,17 @@ class SecureRound(ButterflyAllReduce):
             joined &= set(candidates)
         return sorted(p for p in joined if not self.state.ledger.is_banned(p))
 
-    async def _commit(self, st: StepState, parts: list[torch.Tensor]) -> None:
+    async def _commit(self, st: StepState, parts: list[torch.Tensor]) -> bool:
         """1. Commitments, broadcast just before the parts they bind: an owner uses a part only once
         it holds the sender's commitment, so the commitment needs no round of their own (App. B: one
         synchronisation before aggregation). Each names the group its sender settled on: another
         group is a view mismatch, which excludes the sender from my step but proves nothing.
-        A queued member commits nothing."""
+        A queued member commits nothing. Returns whether I stepped out of the step (`_closed_before_me`)."""
         tr, me, policy, step = self.transport, self.transport.peer_id, self.state.policy, st.step
         if me not in st.committers:
-            return
+            return False
+        if self._closed_before_me(st):
+            return True
         hashes = [tensor_hash(p) for p in parts]
         inputs = self.state.inputs
         bound = {"inputs": inputs.commitment(step)} if inputs is not None else {}
@@ -230,6 +238,20 @@ class SecureRound(ButterflyAllReduce):
             st.inputs.update({me: bound["inputs"]} if bound else {})
         else:
             await tr.broadcast("bt.commit", step, payload)
+        return False
+
+    def _closed_before_me(self, st: StepState) -> bool:
+        """Whether more than half of the other owners have already closed this step's commitments: their
+        aggregate commitments (signed, for this group) are here before I commit. Then I began the step too
+        late (catching up, or a loaded machine): at least one of them is honest, so my commitment would be
+        dropped as late_commit by an honest owner, and each such drop is an ELIMINATE of us both. I commit
+        nothing instead: a member that missed the step's commitment contributes nothing to it and departs
+        from it (App. F), and nobody pays for it. Colluders alone (at most half of the other owners, f < n / 2)
+        cannot make an honest peer step out this way."""
+        others = [o for o in st.group if o != self.transport.peer_id]
+        held = self.transport.board.get("bt.rcommit", st.step)
+        closed = [o for o in others if o in held and _aggregate_hash(held[o], st.g) is not None]
+        return bool(others) and 2 * len(closed) > len(others)
 
     async def _scatter(self, st: StepState, parts: list[torch.Tensor], index: int | None) -> dict[str, torch.Tensor]:
         """2. Send my parts to their owners (owners only: untrusted and queued members send no parts
@@ -285,38 +307,50 @@ class SecureRound(ButterflyAllReduce):
 
     async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
         """The step's commitments, waited for btard.timeout from my start, plus how much later than my
-        start more than half of the other committers still in my view had committed (at most one more
-        btard.timeout). So a member that started early (a joiner, whose join collection ended sooner)
-        does not count its head start against the others: a commitment is late against the group, not
-        against my clock (an owner drops a late one, and the drop ELIMINATEs both of them). In lockstep
-        that lag is a latency; a committer that left my view (crashed) adds nothing to it."""
+        start more than half of the other committers had committed (the anchor, waited for up to
+        `anchor_wait`, or until every other that has not committed has left my view). So a member that started early (a joiner, whose join collection ended
+        sooner, or the one replica that was not catching up) does not count its head start against the
+        others: a commitment is late against the group, not against my clock (an owner drops a late one,
+        and the drop ELIMINATEs both of them). In lockstep that lag is a latency; a committer that left my
+        view (crashed) adds nothing to it."""
         tr, me, timeout, relays = self.transport, self.transport.peer_id, self.state.btard.timeout, len(st.members)
         start = tr.clock.now()
+        # The anchor is waited for 3 btard.timeouts (2 before: replicas still catching up began up to 20 s after
+        # the one that was not). Not the transport's failure detection (a membership ttl over hivemind): one
+        # member that never commits would hold every step for it, and an early peer's verification would time
+        # out on the others' metadata (review s23-RE MED 4). A member later than that steps out
+        # (`_closed_before_me`) or is dropped by most owners (`late_for_most`), at no one's cost. Without the
+        # anchor the deadline is my own start + T.
+        anchor_wait = 3 * timeout
         others = [p for p in st.committers if p != me]
 
         arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
 
+        def silent_in_view(got: dict[str, SignedEnvelope]) -> bool:
+            view = set(tr.members())
+            return any(p in view for p in others if p not in got)
+
         def anchored(got: dict[str, SignedEnvelope]) -> bool:
-            # More than half of the others still in my view, so that the anchor holds an honest commitment:
-            # f < n / 2 colluders that commit at once are at most half of the others, and would set the group's
-            # clock alone. Nobody left in view: no anchor to wait for.
+            # More than half of all the other committers, so that the anchor holds an honest commitment: f < n / 2
+            # colluders that commit at once are at most half of the others, and would set the group's clock alone.
+            # Or nobody is left to wait for: every other that has not committed has left my view (crashed). The
+            # view only ends a wait, it never shrinks the majority: a Byzantine that lets its record lapse at one
+            # honest owner would otherwise rest that owner's anchor on a late honest member's commitment, and its
+            # deadline would differ from the others' (review s23-RE HIGH 1 and 1b: two honest banned).
             for p in got:
                 arrived.setdefault(p, tr.clock.now())
-            view = set(tr.members())
-            present = [p for p in others if p in view]
-            return not present or 2 * sum(1 for p in present if p in got) > len(present)
+            return 2 * sum(1 for p in others if p in got) > len(others) or not silent_in_view(got)
 
         def lag_of(got: dict[str, SignedEnvelope]) -> float:
             # When the anchoring commitments came, not when the anchor held: a committer that left my view
             # while I waited (a crash) can complete the anchor long after the others' commitments were in,
             # and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
-            view = set(tr.members())
-            times = sorted(arrived[p] - start for p in others if p in view and p in got and p in arrived)
-            present = sum(1 for p in others if p in view)
-            return min(max(0.0, times[present // 2]), timeout) if present and len(times) > present // 2 else 0.0
+            times = sorted(arrived[p] - start for p in others if p in got and p in arrived)
+            k = len(others) // 2 if 2 * len(times) > len(others) else len(times) // 2
+            return max(0.0, times[k]) if len(times) > k else 0.0
 
         got = await tr.collect_broadcasts(
-            "bt.commit", st.step, st.committers, 2 * timeout, relays=relays, enough=anchored, patience=timeout / 4
+            "bt.commit", st.step, st.committers, anchor_wait, relays=relays, enough=anchored, patience=timeout / 4
         )
         lag = lag_of(got) if anchored(got) else 0.0
         return await tr.collect_broadcasts(
@@ -387,7 +421,13 @@ class SecureRound(ButterflyAllReduce):
 
         An owner that every other owner drops as silent (its commitment or its parts reached none of
         them in time: it crashed, or is far behind) is passed over (`passed_over`): its partition is
-        left out on every peer, so nobody waits for its aggregate commitment or its aggregate."""
+        left out on every peer, so nobody waits for its aggregate commitment or its aggregate.
+
+        The declarations are waited for allreduce.timeout + btard.timeout from group time: from when more than
+        half of the other owners' declarations had reached me, if that was before my gather began (`_gather_wait`).
+        A member that began late (one that stepped out) waited on its own shifted clock and applied a partition
+        whose owner (a Byzantine) declared after the others had stopped waiting: one honest model apart for
+        good (review s23-RE HIGH 3)."""
         tr, me, step, g, owners, claims = self.transport, self.transport.peer_id, st.step, st.g, st.group, st.claims
 
         def declarations(held: dict[str, SignedEnvelope]) -> dict[str, dict[str, str]]:
@@ -409,7 +449,7 @@ class SecureRound(ButterflyAllReduce):
 
         async def aggregate_commitments():
             held = await tr.collect_broadcasts(
-                "bt.rcommit", step, owners, self.config.timeout + self.state.btard.timeout, relays=len(st.members),
+                "bt.rcommit", step, owners, self._gather_wait(st), relays=len(st.members),
                 enough=lambda got: tr.clock.now() - started >= 2 * patience and passed_over(owners, declarations(got)) is not None,
                 patience=patience,
             )
@@ -476,6 +516,17 @@ class SecureRound(ButterflyAllReduce):
         for owner, tensor in st.aggregates.items():
             out[st.slice(owner)] = tensor
         return out
+
+    def _gather_wait(self, st: StepState) -> float:
+        """How long `_gather` waits for declarations: allreduce.timeout + btard.timeout, counted from when more than
+        half of the other owners' declarations reached me where that is earlier than now (I began late)."""
+        full, me = self.config.timeout + self.state.btard.timeout, self.transport.peer_id
+        others = [o for o in st.group if o != me]
+        times = sorted(t for p, t in self.transport.board.arrivals("bt.rcommit", st.step).items() if p in others)
+        if len(times) <= len(others) // 2:
+            return full
+        now = asyncio.get_running_loop().time()
+        return max(0.0, min(times[len(others) // 2], now) + full - now)
 
     async def _passed_over(self, st: StepState, drops: dict[str, dict[str, str]]) -> set[str]:
         """The owners this step leaves out (`passed_over`), checked against a declaration signed twice.

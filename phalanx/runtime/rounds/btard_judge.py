@@ -45,7 +45,8 @@ def judge_step(state: RoundState, st: StepState, claims: list[Claim], admission:
     if admission:
         departed = {c.target for c in claims if c.target in st.silent and c.reason in OMISSION_REASONS}
         claims = [c for c in claims if c.target not in departed or c.reason not in OMISSION_REASONS]
-        departed |= st.silent | {p for p in st.group if p not in st.commits}  # a trusted member that missed its commitment
+        # a trusted member that missed its commitment, or whose commitment most other owners declared late
+        departed |= st.silent | st.late | {p for p in st.group if p not in st.commits}
     bans = resolve(state.ledger, st.step, claims, lambda c: verdict(state, st, c), apply=state.btard.bans)
     if not admission:
         return Judgement(bans)

@@ -145,6 +145,7 @@ class StepState:
     sum_failed: set[str] = field(default_factory=set)
     declaration_failed: set[str] = field(default_factory=set)
     silent: set[str] = field(default_factory=set)  # members whose report for the step nobody holds
+    late: set[str] = field(default_factory=set)  # committers most other owners declared late: departed (`late_for_most`)
     filled: dict[str, tuple[dict, dict]] = field(default_factory=dict)  # metadata recomputed for contributors that sent none
     averaging: dict[str, bool] = field(default_factory=dict)
     claims: list[Claim] = field(default_factory=list)  # this peer's own claims, reported in step 6

@@ -320,10 +320,13 @@ def _derived_claims(st: StepState, equivocators: set[str]) -> list[Claim]:
     (accuser ""), so that agreeing peers are never banned as slanderers; and the owners' signed drops."""
     claims = [Claim(ACCUSE, "", o, "declaration") for o in sorted(st.declaration_failed)]
     claims += [Claim(ACCUSE, "", o, "v2_sum") for o in st.sum_failed]
-    # A committed owner's part left out: the owner's signed drop is its ELIMINATE of that owner.
+    # A committed owner's part left out: the owner's signed drop is its ELIMINATE of that owner, unless the
+    # committer was late against the group (`late_for_most`): then it departs from the step and nobody pays.
+    st.late = late_for_most(st, equivocators)
     for owner, (_, _, drop) in st.rcommits.items():
         if owner not in equivocators:
-            claims += [Claim(ELIMINATE, owner, p, reason) for p, reason in drop.items() if p in st.commits and p != owner]
+            claims += [Claim(ELIMINATE, owner, p, reason) for p, reason in drop.items()
+                       if p in st.commits and p != owner and not (reason == "late_commit" and p in st.late)]
     claims += [Claim(ACCUSE, "", o, "averaging") for o, ok in st.averaging.items() if not ok]
     for validator, target in st.pairs:
         report = st.reports.get(validator)
@@ -333,6 +336,27 @@ def _derived_claims(st: StepState, equivocators: set[str]) -> list[Claim]:
         if not judged:
             claims.append(Claim(ACCUSE, "", validator, "not_validating"))
     return claims
+
+
+def late_for_most(st: StepState, equivocators: set[str]) -> set[str]:
+    """Committers whose commitment more than half of the other declaring owners declare late (`late_commit`, in
+    the agreed declarations of owners that signed one version): late against the group, not against one
+    owner's clock. At least one of those owners is honest (colluders are at most half of anyone's other
+    owners), so the commitment really came after an honest owner's deadline: the committer began the step
+    too late (still catching up, a loaded machine) and departs from it, not banned, and the owners that
+    dropped it pay nothing. It commits in the window between those owners' deadlines and the arrival of
+    their declarations, which would have made it step out (`SecureRound._closed_before_me`). A committer
+    late for fewer is the `deadline_edge` case: each drop stays an ELIMINATE (App. D.3)."""
+    counts: dict[str, int] = {}
+    for owner, (_, _, drop) in st.rcommits.items():
+        if owner not in equivocators:
+            for p, reason in drop.items():
+                if reason == "late_commit" and p != owner:
+                    counts[p] = counts.get(p, 0) + 1
+    # Against the owners that declared (an owner that declares nothing, crashed or withholding, drops nobody; counted
+    # as "not late" it let two colluders keep a late honest committer's drop an ELIMINATE: review s23-RE HIGH 9).
+    declared = [o for o in st.rcommits if o not in equivocators]
+    return {p for p, n in counts.items() if p in st.commits and 2 * n > sum(1 for o in declared if o != p)}
 
 
 def validator_pairs(r: bytes, trusted: list[str], contributors: list[str], m: int) -> list[tuple[str, str]]:
