@@ -1273,3 +1273,73 @@ def test_a_gradient_grown_by_an_input_seen_shrunk_is_evidence_about_the_upstream
     beyond = microbatch("beyond", "b", "h2", shrink=True, grow=3.0)
     assert usual.flagged and usual.suspects == ("h1", "u1")
     assert beyond.flagged and "h2" in beyond.suspects
+
+
+def _replicas_of_one_version(verifier: Sentinel, senders_of, count: int, step: float = 0.0, grow: float = 1.0,
+                             start: int = 0, version=lambda n: n, noise: float = 0.01) -> list[Verdict]:
+    """Honest replicas whose tensors of one model version nearly coincide (what a small model on fixed data sends):
+    tensor n is (grow ** n) * (a fixed sample + version(n) * step along one direction) plus `noise`; senders_of(n)
+    names its sender."""
+    drift = torch.randn(16, generator=torch.Generator().manual_seed(5))
+    sample = _center() + torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(2 + start)
+    return [verifier.check_forward(1, senders_of(n), n, (grow ** n) * (
+        sample + version(n) * step * drift + noise * torch.randn(2, 8, 16, generator=gen)))
+        for n in range(start, start + count)]
+
+
+def test_an_honest_tensor_close_to_the_senders_median_is_not_flagged_as_a_copy():
+    """Session-22 merge: under `fence="senders"` the off-path tests banned an honest relay. Honest replicas' tensors of
+    one model version nearly coincide, so against the senders' median (two of three senders' last summaries from the
+    current version) an honest tensor sat at log ``swd`` -6 while the fence, made of distances to the lagging EMA,
+    was -4.8. The magnitudes' lower fence is for copies of the EMA; against the median it is off (fails with it on:
+    r2 banned)."""
+    verifier = Sentinel(SentinelConfig(warmup=12, window=32, distances="sign,swd,scale"))
+    assert verifier.config.fence == "senders"  # the default
+    # three senders, two microbatches each per version, the version moving between them
+    verdicts = _replicas_of_one_version(verifier, lambda n: f"r{n % 3}", 120, step=0.3, version=lambda n: n // 6,
+                                        noise=1e-3)
+    assert verifier._tracks[(1, FORWARD)].against_median
+    assert not [v for v in verdicts if v.flagged] and not verifier.banned()
+
+
+def test_the_windows_are_measured_again_when_the_reference_changes_kind():
+    """The windows hold distances to one reference: when the senders' median takes over from the EMA (a third sender
+    reaches `sender_window` tensors) they are measured again against it from the summaries they came from. Here the
+    stage grows 10% per tensor, so the EMA lags (``scale`` +0.68) where the median does not (+0.32); with the windows
+    left as they were, the first tensors against the median fell outside fences made of distances to the EMA and all
+    three honest senders were banned (fails with `_remeasure` a no-op)."""
+    verifier = Sentinel(SentinelConfig(warmup=12, window=32, distances="sign,swd,scale"))
+    two_then_three = lambda n: f"r{n % 2}" if n < 60 else f"r{n % 3}"  # noqa: E731
+    verdicts = _replicas_of_one_version(verifier, two_then_three, 60, grow=1.1)
+    assert not verifier._tracks[(1, FORWARD)].against_median
+    verdicts += _replicas_of_one_version(verifier, two_then_three, 40, grow=1.1, start=60)
+    assert verifier._tracks[(1, FORWARD)].against_median
+    assert not [v for v in verdicts if v.flagged] and not verifier.banned()
+
+
+def test_a_copy_of_the_reference_is_still_caught_against_the_senders_median():
+    """With the magnitudes' lower fence off against the senders' median, what it caught (a tensor implausibly close to
+    the reference) is caught by the tensor's relation to its own input: a constant output equal to the reference's
+    mean is shrunk to nothing, an honest output of another microbatch (close to the reference, unrelated to this
+    input) fails ``bind``; each liar is banned, no honest sender is flagged."""
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8))
+    stage = lambda x: x + torch.tanh(x @ weight)  # noqa: E731
+
+    def hop(mb, sender, out=None):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        verifier.record_input(mb, 1, FORWARD, verifier.sketch(x))
+        return verifier.check_forward(1, sender, mb, stage(x) if out is None else out(x))
+
+    honest = [hop(i, f"r{i % 4}") for i in range(60)]
+    track = verifier._tracks[(1, FORWARD)]
+    assert track.against_median and not any(v.flagged for v in honest)
+    other = stage(_center() + torch.randn(4, 32, 16, generator=gen))
+    reference = verifier._reference(track).mean
+    for j in range(3):
+        assert hop(("constant", j), "c", lambda x: reference.expand(4, 32, 16).clone()).flagged
+        assert hop(("replay", j), "p", lambda x: other).flagged
+        assert not hop(("honest", j), f"r{j}").flagged
+    assert verifier.banned() == {"c", "p"}

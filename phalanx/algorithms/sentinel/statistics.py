@@ -95,12 +95,14 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   flagged ~0.4% of honest GPT traffic; 5 flags ~0.1%). l1, l2 and swd are
   fenced on a log scale (`log_fences`): they are positive and right-skewed,
   and training drift scales them. The lower fence matters: a tensor that
-  copies the EMA is implausibly close to it. The IQR is floored (`min_spread`
+  copies the EMA is implausibly close to it (against the EMA only: against
+  the senders' median an honest tensor can be as close, see `_outside`). The IQR is floored (`min_spread`
   in log units, one feature's resolution 1/C for ``sign``) so a window of
   near-identical values does not turn every wiggle into a flag.
-  **Per sender** (`fence="senders"`, an option; the default stays `tukey`
-  because in small off-path groups it flagged honest microbatches and once
-  banned an honest relay, not yet traced): each quartile and the IQR
+  **Per sender** (`fence="senders"`, the default; session 23, after its
+  honest bans in small off-path groups were traced to the magnitudes' lower
+  fence and to windows holding distances to two references: `_outside`,
+  `_remeasure`): each quartile and the IQR
   are taken over each live sender's own last `sender_window` accepted values
   and then the median across senders (`sender_fence`), once at least 3
   senders have 4 each (before that, the pooled Tukey fence). A pooled window
@@ -266,7 +268,7 @@ class SentinelConfig:
     seed: int = 0  # run seed of the projection streams
     # senders: Tukey's fence from per-sender quartiles (`sender_fence`; a minority of senders cannot move it);
     # tukey: [Q1 - k*IQR, Q3 + k*IQR] over the pooled window; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%)
-    fence: str = "tukey"
+    fence: str = "senders"
     sender_window: int = 8  # accepted distances kept per sender and distance for the `senders` fence
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
@@ -682,6 +684,8 @@ class _Track:
         self.sender_fences: dict[tuple, object] = {}  # (distance, k, accepted, convicted) -> fence (a cache; and the reference)
         self.summaries: dict[str, deque[Summary]] = {}  # sender -> its last accepted summaries (`Sentinel._reference`)
         self.lifetime: dict[str, int] = {}  # sender -> tensors of it accepted so far (`Sentinel._voters_of`)
+        self.against_median: bool | None = None  # whether the windows hold distances to the senders' median (`_remeasure`)
+        self.kept: deque[Summary] = deque(maxlen=window)  # the summaries of the distances in `windows` (`_remeasure`)
 
 
 class Sentinel:
@@ -1156,7 +1160,8 @@ class Sentinel:
         track.ref = ema(track.ref, summary, beta)
         track.accepted += 1
         own = track.by_sender.setdefault(worker, {})
-        track.summaries.setdefault(worker, deque(maxlen=2)).append(summary)
+        track.summaries.setdefault(worker, deque(maxlen=self.config.sender_window)).append(summary)
+        track.kept.append(summary)
         for name, value in dist.items():
             track.windows[name].append(_scaled(name, value, self.config))
             own.setdefault(name, deque(maxlen=self.config.sender_window)).append(_scaled(name, value, self.config))
@@ -1173,6 +1178,27 @@ class Sentinel:
             track.given_spread.learn(means[2], beta)
             track.correction.learn(means[1], beta)
             track.gains.append(means[3])
+
+    def _remeasure(self, track: _Track, reference: Summary) -> None:
+        """The reference changed kind (the senders' median took over from the EMA, or back): the windows of the
+        distances taken against it, pooled and per sender, are measured again from the summaries they came from,
+        against the new one. Values against two references are not one sample: at the session-22 merge the windows,
+        filled against the lagging EMA, put the fences where no honest tensor measured against the median lay (an
+        honest relay banned), and back on the EMA, windows of distances to the median (honest replicas of one model
+        version nearly coincide) fence out every honest tensor. Emptying them instead left the pooled fence in charge
+        until each sender had refilled, long enough for the white-box shrink to reach c 0.22 (toy stage).
+        ``bind`` and ``align`` do not depend on the reference."""
+        names = tuple(n for n in self._names if n not in BOUND)
+        for name in names:
+            values = [_scaled(name, distances(s, reference, (name,))[name], self.config) for s in track.kept]
+            track.windows[name] = deque(values[-len(track.windows[name]):] if track.windows[name] else (),
+                                        maxlen=self.config.window)
+        for worker, own in track.by_sender.items():
+            kept = list(track.summaries.get(worker, ()))
+            for name in names:
+                if name in own:
+                    values = [_scaled(name, distances(s, reference, (name,))[name], self.config) for s in kept]
+                    own[name] = deque(values[-len(own[name]):], maxlen=self.config.sender_window)
 
     def _means(self, link: int, direction: str, microbatch: Hashable,
                tensor: Tensor) -> tuple[Tensor, Tensor, Tensor, float] | None:
@@ -1249,7 +1275,11 @@ class Sentinel:
 
     def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
                    summary: Summary) -> dict[str, float]:
-        dist = distances(summary, self._reference(track), self._names)
+        reference = self._reference(track)
+        if track.against_median is not None and (reference is not track.ref) != track.against_median:
+            self._remeasure(track, reference)
+        track.against_median = reference is not track.ref
+        dist = distances(summary, reference, self._names)
         if self.binds:
             stage = link if direction == FORWARD else link + 1
             inp = self._inputs.get(microbatch, {}).get((stage, direction))
@@ -1278,6 +1308,7 @@ class Sentinel:
             if len(latest) < SENDERS:
                 track.sender_fences[key] = None
             else:
+                latest = [list(own)[-2:] for own in latest]  # each sender's last 2
                 means = torch.stack([sum(s.mean for s in own) / len(own) for own in latest])
                 quantiles = torch.stack([sum(s.quantiles for s in own) / len(own) for own in latest])
                 track.sender_fences[key] = Summary(torch.quantile(means, 0.5, dim=0),
@@ -1380,9 +1411,20 @@ class Sentinel:
 
     def _outside(self, track: _Track, dist: dict[str, float]) -> tuple[str, ...]:
         """Distances outside their fences (a distance without enough history, e.g. ``bind`` whose input
-        sketch was missing for most tensors, is not fenced yet)."""
+        sketch was missing for most tensors, is not fenced yet).
+
+        A magnitude (l1, l2, swd) below its fence counts only against the EMA, and only with `two_sided`: the
+        lower fence is there for a tensor that copies the EMA. Against the senders' median (`_reference`) an honest
+        tensor of the current model version can sit as close as a copy: honest replicas' tensors of one version are
+        nearly identical, so with 2 of 3 senders' latest summaries from the current iteration an honest one sat at
+        log ``swd`` -6.0 while the fence, from values measured against the lagging EMA, was -4.8 (the session-22
+        merge: an honest off-path relay banned). What a copy would hide, ``bind`` and ``align`` see (a tensor made
+        from the reference's statistics is unrelated to the stage's input), and a copy of the median moves nothing."""
+        low_magnitudes = self.config.two_sided and self._reference(track) is track.ref
         return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
                      and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
+                     and not (n in MAGNITUDES and not low_magnitudes
+                              and _scaled(n, dist[n], self.config) < self._fence(track, n).low)
                      and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high)
                      and not (n == "align" and self.config.align_floor < dist[n] < self._fence(track, n).low)
                      # a gradient counts on ``scale`` only when shrunk (honest gradients grow with the loss)
@@ -1394,7 +1436,8 @@ class Sentinel:
             key = (name, k, track.accepted, len(self._convicted))  # it changes only when these do
             if key not in track.sender_fences:
                 # the live senders of the window (not convicted) with enough accepted values of this distance
-                rows = [list(track.by_sender[w][name]) for w in self._voters_of(track) if track.by_sender[w].get(name)]
+                rows = [list(track.by_sender[w][name]) for w in self._voters_of(track)
+                        if len(track.by_sender[w].get(name, ())) >= SENDER_VALUES]
                 if len(track.sender_fences) > 4 * len(self._names) + 4:
                     track.sender_fences.clear()
                 track.sender_fences[key] = (sender_fence(rows, k, self._floor(track, name))
