@@ -1436,8 +1436,7 @@ class Sentinel:
             key = (name, k, track.accepted, len(self._convicted))  # it changes only when these do
             if key not in track.sender_fences:
                 # the live senders of the window (not convicted) with enough accepted values of this distance
-                rows = [list(track.by_sender[w][name]) for w in self._voters_of(track)
-                        if len(track.by_sender[w].get(name, ())) >= SENDER_VALUES]
+                rows = [list(track.by_sender[w][name]) for w in self._voters_of(track) if track.by_sender[w].get(name)]
                 if len(track.sender_fences) > 4 * len(self._names) + 4:
                     track.sender_fences.clear()
                 track.sender_fences[key] = (sender_fence(rows, k, self._floor(track, name))
