@@ -1093,6 +1093,52 @@ def test_liars_cycling_identities_neither_take_the_vote_nor_frame_the_honest_sen
     assert min(shrinks[-12:]) > 0.5
 
 
+def _patient_liars(i: int, counts: dict) -> str:
+    """Review RC (session 22, `cycling_patient.py`): slots r0-r2 (3/8 of the traffic) lie from microbatch 40; each
+    builds 3 identities of `sender_window` (8) accepted lies each, then spreads its lies round-robin over them, so
+    that all 9 stay live and vote against 5 honest senders."""
+    slot = i % 8
+    if slot >= 3 or i < 40:
+        return f"r{slot}"
+    counts[slot] = counts.get(slot, 0) + 1
+    n = counts[slot] - 1
+    return f"r{slot}-{n // 8}" if n < 24 else f"r{slot}-{n % 3}"
+
+
+def _churning_honest(i: int, counts: dict) -> str:
+    """Review RC (session 22, MED 2, `churn.py`): honest slots r6 and r7 take a fresh identity every 24 microbatches
+    (3 tensors each: fewer than `sender_window`) from microbatch 40 on, the liars r0-r2 keep theirs."""
+    slot = i % 8
+    return f"r{slot}-{i // 24}" if slot >= 6 and i >= 40 else f"r{slot}"
+
+
+@pytest.mark.parametrize("sender_of", [_patient_liars, _churning_honest])
+def test_the_weighted_vote_gives_identities_no_weight_of_their_own(sender_of):
+    """`sender_vote="weighted"`: a sender weighs its tensors in the window (capped at `sender_window`), not one vote
+    per identity. With one vote per identity (the default) the patient liars' 9 identities outvote the 5 honest
+    senders (all five banned, c at the bisection's floor) and churning honest relays lose their votes (c 0.002):
+    both fail with `sender_vote="identity"`."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8, sender_vote="weighted"))
+    counts, shrinks = {}, []
+    for i in range(296):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        sender = sender_of(i, counts)
+        if i % 8 < 3 and i >= 40:
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            out = hi * out
+            shrinks.append(hi)
+        verifier.check_forward(1, sender, i, out)
+    assert not {w for w in verifier.banned() if int(w[1]) >= 3}
+    assert min(shrinks[-12:]) > 0.5
+
+
 def test_three_of_eight_senders_cannot_grow_an_accepted_mean_shift_through_the_reference():
     """Review RC (session 22), HIGH 1: the distances were taken against the link's EMA, which learns every accepted
     tensor, so 3 of 8 senders that add the largest accepted shift along one feature direction (their scale held

@@ -229,6 +229,7 @@ BOUND = ("bind", "align")  # distances between a stage's output and its own inpu
 MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
 VOTES = ("any", "majority", "all")
 FENCES = ("senders", "tukey", "median")
+SENDER_VOTES = ("identity", "weighted")
 FORWARD, BACKWARD = "forward", "backward"
 
 
@@ -270,6 +271,10 @@ class SentinelConfig:
     # tukey: [Q1 - k*IQR, Q3 + k*IQR] over the pooled window; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%)
     fence: str = "senders"
     sender_window: int = 8  # accepted distances kept per sender and distance for the `senders` fence
+    # who votes in the `senders` fence and reference: identity (one vote per live identity with `sender_window`
+    # tensors over its lifetime) or weighted (each live sender weighs min(its tensors in the window, sender_window) /
+    # sender_window, weighted medians; review RC of session 22, findings 0 and 2: see `Sentinel._voters_of`)
+    sender_vote: str = "identity"
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
     remembered: int = 4096  # microbatches whose first verdicts are kept for resends (oldest dropped first)
@@ -286,6 +291,8 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.vote={self.vote!r} must be one of {', '.join(VOTES)}")
         if self.fence not in FENCES:
             raise ConfigError(f"sentinel.fence={self.fence!r} must be one of {', '.join(FENCES)}")
+        if self.sender_vote not in SENDER_VOTES:
+            raise ConfigError(f"sentinel.sender_vote={self.sender_vote!r} must be one of {', '.join(SENDER_VOTES)}")
         if not (math.isfinite(self.learn_k) and 0 <= self.learn_k):
             raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
         if not (math.isfinite(self.k) and self.k > 0):
@@ -408,7 +415,8 @@ def median_fence(values: list[float] | tuple[float, ...], k: float, floor: float
     return Fence(mid - half, mid + half)
 
 
-def sender_fence(per_sender: list[list[float]], k: float, floor: float = 0.0) -> Fence:
+def sender_fence(per_sender: list[list[float]], k: float, floor: float = 0.0,
+                 weights: list[float] | None = None) -> Fence:
     """Tukey's fence with each quartile and the IQR taken per sender, then the median across senders:
     [med(Q1_s) - k * S, med(Q3_s) + k * S], S = max(med(IQR_s * n_s / (n_s - 4/3)), floor), n_s the sender's count.
 
@@ -422,21 +430,46 @@ def sender_fence(per_sender: list[list[float]], k: float, floor: float = 0.0) ->
     the honest senders' own values whatever the liars send and however much of the traffic they carry. For
     exchangeable honest senders (replicas of one stage) it is the pooled Tukey fence up to sampling noise. A
     sender with fewer than `SENDER_VALUES` values (a distance not measured on all of its tensors) votes on the
-    quartiles and counts as spread 0: it cannot widen the fence. Who votes is the caller's (`Sentinel._voters_of`)."""
+    quartiles and counts as spread 0: it cannot widen the fence. Who votes, and with what weight (`weights`: the
+    medians across senders are then weighted medians), is the caller's (`Sentinel._voters_of`)."""
     if len(per_sender) < 1 or any(len(values) < 1 for values in per_sender):
         raise ValueError("a sender fence needs at least one sender, each with at least one value")
+    median = _median if weights is None else lambda values: weighted_median(values, weights)  # noqa: E731
     rows = [sorted(values) for values in per_sender]
-    q1 = _median([_quantile(r, 0.25) for r in rows])
-    q3 = _median([_quantile(r, 0.75) for r in rows])
+    q1 = median([_quantile(r, 0.25) for r in rows])
+    q3 = median([_quantile(r, 0.75) for r in rows])
     # a sender with fewer than SENDER_VALUES values votes on the quartiles and counts as no spread
     iqrs = [(_quantile(r, 0.75) - _quantile(r, 0.25)) * len(r) / (len(r) - 4 / 3) if len(r) >= SENDER_VALUES else 0.0
             for r in rows]
-    spread = max(_median(iqrs), floor)
+    spread = max(median(iqrs), floor)
     return Fence(q1 - k * spread, q3 + k * spread)
 
 
 def _median(values: list[float]) -> float:
     return _quantile(sorted(values), 0.5)
+
+
+def weighted_median(values: list[float], weights: list[float]) -> float:
+    """The value where the cumulative weight of the sorted values reaches half of the total (the mean of the two
+    values around it where it is reached exactly): the ordinary median when the weights are equal."""
+    pairs = sorted(zip(values, weights))
+    half, cum = sum(weights) / 2, 0.0
+    for i, (value, weight) in enumerate(pairs):
+        cum += weight
+        if math.isclose(cum, half, rel_tol=1e-9, abs_tol=1e-12) and i + 1 < len(pairs):
+            return (value + pairs[i + 1][0]) / 2
+        if cum > half:
+            return value
+    return pairs[-1][0]
+
+
+def _weighted_median_rows(rows: Tensor, weights: list[float]) -> Tensor:
+    """Coordinate-wise `weighted_median` of the rows of a [S, ...] tensor."""
+    if len(set(weights)) == 1:
+        return torch.quantile(rows, 0.5, dim=0)
+    flat = rows.reshape(rows.shape[0], -1)
+    return torch.tensor([weighted_median(flat[:, j].tolist(), weights) for j in range(flat.shape[1])],
+                        dtype=rows.dtype).reshape(rows.shape[1:])
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -1304,20 +1337,23 @@ class Sentinel:
             return track.ref
         key = ("reference", track.accepted, len(self._convicted))
         if key not in track.sender_fences:
-            latest = [track.summaries[w] for w in self._voters_of(track) if track.summaries.get(w)]
+            voters = self._voters_of(track)
+            latest = [list(track.summaries[w])[-2:] for w in voters]  # each sender's last 2
             if len(latest) < SENDERS:
                 track.sender_fences[key] = None
             else:
-                latest = [list(own)[-2:] for own in latest]  # each sender's last 2
+                weights = [voters[w] for w in voters]
                 means = torch.stack([sum(s.mean for s in own) / len(own) for own in latest])
                 quantiles = torch.stack([sum(s.quantiles for s in own) / len(own) for own in latest])
-                track.sender_fences[key] = Summary(torch.quantile(means, 0.5, dim=0),
-                                                   torch.quantile(quantiles, 0.5, dim=0))
+                track.sender_fences[key] = Summary(_weighted_median_rows(means, weights),
+                                                   _weighted_median_rows(quantiles, weights))
         return track.sender_fences[key] if track.sender_fences[key] is not None else track.ref
 
-    def _voters_of(self, track: _Track) -> list[str]:
-        """The senders that vote in the per-sender fences and the reference: live (among the window's last accepted
-        tensors), not convicted, and with at least `sender_window` accepted tensors over their lifetime.
+    def _voters_of(self, track: _Track) -> dict[str, float]:
+        """The senders that vote in the per-sender fences and the reference, with their weights: live (among the
+        window's last accepted tensors), not convicted, and (`sender_vote="identity"`) with at least `sender_window`
+        accepted tensors over their lifetime, weight 1; or (`"weighted"`) any, weighing min(its tensors among the
+        window's last accepted ones, `sender_window`) / `sender_window`.
 
         One vote per identity is only sound while identities cost something: liars that took a fresh identity for
         every lie held most of the votes and framed every honest sender (review RC, session 22, finding 0: all five
@@ -1327,9 +1363,25 @@ class Sentinel:
         window). The price: an honest relay that takes a fresh identity more often than every `sender_window`
         accepted tensors does not vote (review RC MED 2: with 2 of 5 honest relays doing so every 3 tensors the liars
         held half of the votes); the vote rests on identities that last, which the pipeline's admission of joiners
-        (`data_node`) does not enforce."""
+        (`data_node`) does not enforce.
+
+        The weighted vote (review RC, session 22) counts what a sender carries now instead: identities then cost
+        nothing and buy nothing. Liars hold at most (their tensors in the window) / `sender_window` of the weight
+        however they spread them over identities (cycled, or built and kept live: the patient liar, RC's
+        `cycling_patient.py`, whose 9 identities each hold one tensor in the window and weigh 1/8), an honest relay
+        that changes identity keeps the weight of its tensors still in the window, and one that goes quiet loses it
+        as its tensors leave. The cap keeps a sender that carries more than its share (a faster relay) at one vote,
+        so the weight is that of a vote per sender where senders carry their share, and the liars' capped traffic
+        where they cycle. The tensors counted are those accepted, so a liar flagged often weighs less."""
         live = set(track.accepted_from) - self._convicted
-        return [w for w in sorted(live) if track.lifetime.get(w, 0) >= self.config.sender_window]
+        if self.config.sender_vote == "weighted":
+            window = self.config.sender_window
+            counts = {w: 0 for w in live}
+            for w in track.accepted_from:
+                if w in counts:
+                    counts[w] += 1
+            return {w: min(counts[w], window) / window for w in sorted(live)}
+        return {w: 1.0 for w in sorted(live) if track.lifetime.get(w, 0) >= self.config.sender_window}
 
     def _disowns_input(self, track: _Track, dist: dict[str, float]) -> bool:
         """Whether the sender's tensor is reversed against (``align`` below its fence and `reversed_align`) or
@@ -1436,10 +1488,13 @@ class Sentinel:
             key = (name, k, track.accepted, len(self._convicted))  # it changes only when these do
             if key not in track.sender_fences:
                 # the live senders of the window (not convicted) with enough accepted values of this distance
-                rows = [list(track.by_sender[w][name]) for w in self._voters_of(track) if track.by_sender[w].get(name)]
+                voters = self._voters_of(track)
+                voting = [w for w in voters if track.by_sender[w].get(name)]
+                rows = [list(track.by_sender[w][name]) for w in voting]
+                weights = None if self.config.sender_vote == "identity" else [voters[w] for w in voting]
                 if len(track.sender_fences) > 4 * len(self._names) + 4:
                     track.sender_fences.clear()
-                track.sender_fences[key] = (sender_fence(rows, k, self._floor(track, name))
+                track.sender_fences[key] = (sender_fence(rows, k, self._floor(track, name), weights)
                                             if len(rows) >= SENDERS else None)
             if track.sender_fences[key] is not None:
                 return track.sender_fences[key]
