@@ -1139,6 +1139,35 @@ def test_the_weighted_vote_gives_identities_no_weight_of_their_own(sender_of):
     assert min(shrinks[-12:]) > 0.5
 
 
+def test_the_weighted_vote_caps_a_sender_at_its_share_of_a_small_stage():
+    """Review RC (session 23), HIGH 1: in a stage of 3 relays one liar spreads its third of the traffic over 3
+    identities (round robin, each under `sender_window` tensors in the window). Capped at `sender_window` (8) each
+    honest relay (about 21 tensors of the 64-tensor window) weighs 1, and the liar's identities 2.6 together: both
+    honest relays were banned (c 0.001). Capped at the stage's fair share, ceil(64 / `stage_relays`), the liar weighs
+    its traffic (fails with `stage_relays=0`)."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8, sender_vote="weighted",
+                                       stage_relays=3))
+    lies, shrinks = 0, []
+    for i in range(200):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        sender = f"r{i % 3}"
+        if i % 3 == 0 and i >= 40:
+            sender, lies = f"r0-{lies % 3}", lies + 1
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            out = hi * out
+            shrinks.append(hi)
+        verifier.check_forward(1, sender, i, out)
+    assert not {"r1", "r2"} & verifier.banned()
+    assert min(shrinks[-12:]) > 0.5
+
+
 def test_three_of_eight_senders_cannot_grow_an_accepted_mean_shift_through_the_reference():
     """Review RC (session 22), HIGH 1: the distances were taken against the link's EMA, which learns every accepted
     tensor, so 3 of 8 senders that add the largest accepted shift along one feature direction (their scale held

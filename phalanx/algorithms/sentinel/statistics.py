@@ -275,6 +275,7 @@ class SentinelConfig:
     # tensors over its lifetime) or weighted (each live sender weighs min(its tensors in the window, sender_window) /
     # sender_window, weighted medians; review RC of session 22, findings 0 and 2: see `Sentinel._voters_of`)
     sender_vote: str = "identity"
+    stage_relays: int = 0  # relays per stage where the deployment knows it (weighted vote: a sender's cap); 0 = unknown
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
     remembered: int = 4096  # microbatches whose first verdicts are kept for resends (oldest dropped first)
@@ -291,6 +292,8 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.vote={self.vote!r} must be one of {', '.join(VOTES)}")
         if self.fence not in FENCES:
             raise ConfigError(f"sentinel.fence={self.fence!r} must be one of {', '.join(FENCES)}")
+        if self.stage_relays < 0:
+            raise ConfigError(f"sentinel.stage_relays={self.stage_relays} must be >= 0 (0: unknown)")
         if self.sender_vote not in SENDER_VOTES:
             raise ConfigError(f"sentinel.sender_vote={self.sender_vote!r} must be one of {', '.join(SENDER_VOTES)}")
         if not (math.isfinite(self.learn_k) and 0 <= self.learn_k):
@@ -1372,15 +1375,24 @@ class Sentinel:
         that changes identity keeps the weight of its tensors still in the window, and one that goes quiet loses it
         as its tensors leave. The cap keeps a sender that carries more than its share (a faster relay) at one vote,
         so the weight is that of a vote per sender where senders carry their share, and the liars' capped traffic
-        where they cycle. The tensors counted are those accepted, so a liar flagged often weighs less."""
+        where they cycle. The tensors counted are those accepted, so a liar flagged often weighs less.
+
+        The cap must be a relay's fair share of the window: in a stage of R relays an honest relay carries about
+        `window` / R tensors, and capped at fewer it weighs no more than one of a liar's identities, so a liar that
+        spreads its share over a few identities outweighs it (review RC, session 23: 3 relays, 1 liar over 3
+        identities, window 64, cap 8: the liar weighed 2.6 against 2, both honest relays banned). So the cap is
+        ceil(`window` / `stage_relays`) where the deployment states the stage's size (the configuration, never the
+        live identities, which liars can add), else `sender_window` (8: a fair share at 8 relays per stage, window
+        64; with fewer relays per stage and the size unstated, the weighted vote does not hold)."""
         live = set(track.accepted_from) - self._convicted
         if self.config.sender_vote == "weighted":
-            window = self.config.sender_window
+            relays = self.config.stage_relays
+            cap = math.ceil(self.config.window / relays) if relays else self.config.sender_window
             counts = {w: 0 for w in live}
             for w in track.accepted_from:
                 if w in counts:
                     counts[w] += 1
-            return {w: min(counts[w], window) / window for w in sorted(live)}
+            return {w: min(counts[w], cap) / cap for w in sorted(live)}
         return {w: 1.0 for w in sorted(live) if track.lifetime.get(w, 0) >= self.config.sender_window}
 
     def _disowns_input(self, track: _Track, dist: dict[str, float]) -> bool:
