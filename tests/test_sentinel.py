@@ -1168,6 +1168,34 @@ def test_the_weighted_vote_caps_a_sender_at_its_share_of_a_small_stage():
     assert min(shrinks[-12:]) > 0.5
 
 
+def test_a_liar_that_keeps_a_small_stage_under_three_voters_meets_the_median_fence():
+    """Review RC (session 23), on the identity vote: in a stage of 3 relays a liar that takes a fresh identity every 7
+    lies never votes, so the stage has 2 voters and fell back to the pooled Tukey fence, whose quartiles a third of the
+    traffic moves: the white-box shrink reached c 0.001 (the session-21 drift). With 3 or more live senders the
+    fallback is now the pooled median fence (breakdown 50%); fails with the Tukey fallback."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8))
+    lies, shrinks = 0, []
+    for i in range(200):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        sender = f"r{i % 3}"
+        if i % 3 == 0 and i >= 40:
+            sender, lies = f"r0-{lies // 7}", lies + 1
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            out = hi * out
+            shrinks.append(hi)
+        verifier.check_forward(1, sender, i, out)
+    assert len(verifier._voters_of(verifier._tracks[(1, FORWARD)])) == 2
+    assert not {"r1", "r2"} & verifier.banned()
+    assert min(shrinks[-12:]) > 0.5
+
+
 def test_three_of_eight_senders_cannot_grow_an_accepted_mean_shift_through_the_reference():
     """Review RC (session 22), HIGH 1: the distances were taken against the link's EMA, which learns every accepted
     tensor, so 3 of 8 senders that add the largest accepted shift along one feature direction (their scale held

@@ -1510,7 +1510,12 @@ class Sentinel:
                                             if len(rows) >= SENDERS else None)
             if track.sender_fences[key] is not None:
                 return track.sender_fences[key]
-        fence = median_fence if self.config.fence == "median" else tukey_fence
+        # `senders` without enough voters but with enough live senders (a liar that never lets an identity reach
+        # `sender_window` keeps a small stage under 3 voters, review RC s23: the pooled Tukey fence, whose breakdown
+        # is 25% of the traffic, let a 1-in-3 liar shrink to c 0.001): the pooled median fence (50%)
+        median = self.config.fence == "median" or (
+            self.config.fence == "senders" and len(set(track.accepted_from) - self._convicted) >= SENDERS)
+        fence = median_fence if median else tukey_fence
         return fence(list(track.windows[name]), k, self._floor(track, name))
 
     def _floor(self, track: _Track, name: str) -> float:
