@@ -1379,16 +1379,21 @@ def test_a_gradient_grown_by_an_input_seen_shrunk_is_evidence_about_the_upstream
 
 
 def _replicas_of_one_version(verifier: Sentinel, senders_of, count: int, step: float = 0.0, grow: float = 1.0,
-                             start: int = 0, version=lambda n: n, noise: float = 0.01) -> list[Verdict]:
+                             start: int = 0, version=lambda n: n, noise: float = 0.01, probe: bool = False
+                             ) -> list[Verdict]:
     """Honest replicas whose tensors of one model version nearly coincide (what a small model on fixed data sends):
     tensor n is (grow ** n) * (a fixed sample + version(n) * step along one direction) plus `noise`; senders_of(n)
-    names its sender."""
+    names its sender; `probe`: a white-box `would_accept` before each check."""
     drift = torch.randn(16, generator=torch.Generator().manual_seed(5))
     sample = _center() + torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(2 + start)
-    return [verifier.check_forward(1, senders_of(n), n, (grow ** n) * (
-        sample + version(n) * step * drift + noise * torch.randn(2, 8, 16, generator=gen)))
-        for n in range(start, start + count)]
+    verdicts = []
+    for n in range(start, start + count):
+        tensor = (grow ** n) * (sample + version(n) * step * drift + noise * torch.randn(2, 8, 16, generator=gen))
+        if probe:
+            verifier.would_accept(1, FORWARD, tensor, n)
+        verdicts.append(verifier.check_forward(1, senders_of(n), n, tensor))
+    return verdicts
 
 
 def test_an_honest_tensor_close_to_the_senders_median_is_not_flagged_as_a_copy():
@@ -1406,17 +1411,20 @@ def test_an_honest_tensor_close_to_the_senders_median_is_not_flagged_as_a_copy()
     assert not [v for v in verdicts if v.flagged] and not verifier.banned()
 
 
-def test_the_windows_are_measured_again_when_the_reference_changes_kind():
+@pytest.mark.parametrize("probe", [False, True])
+def test_the_windows_are_measured_again_when_the_reference_changes_kind(probe):
     """The windows hold distances to one reference: when the senders' median takes over from the EMA (a third sender
     reaches `sender_window` tensors) they are measured again against it from the summaries they came from. Here the
     stage grows 10% per tensor, so the EMA lags (``scale`` +0.68) where the median does not (+0.32); with the windows
     left as they were, the first tensors against the median fell outside fences made of distances to the EMA and all
-    three honest senders were banned (fails with `_remeasure` a no-op)."""
+    three honest senders were banned (fails with `_remeasure` a no-op). With a white-box probe before each check
+    (review RC, session 23, LOW 4), the probe must not cache fences of the windows not yet measured again (2 honest
+    flags when `fences` did not settle the reference first)."""
     verifier = Sentinel(SentinelConfig(warmup=12, window=32, distances="sign,swd,scale"))
     two_then_three = lambda n: f"r{n % 2}" if n < 60 else f"r{n % 3}"  # noqa: E731
-    verdicts = _replicas_of_one_version(verifier, two_then_three, 60, grow=1.1)
+    verdicts = _replicas_of_one_version(verifier, two_then_three, 60, grow=1.1, probe=probe)
     assert not verifier._tracks[(1, FORWARD)].against_median
-    verdicts += _replicas_of_one_version(verifier, two_then_three, 40, grow=1.1, start=60)
+    verdicts += _replicas_of_one_version(verifier, two_then_three, 40, grow=1.1, start=60, probe=probe)
     assert verifier._tracks[(1, FORWARD)].against_median
     assert not [v for v in verdicts if v.flagged] and not verifier.banned()
 

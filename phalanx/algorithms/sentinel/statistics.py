@@ -908,6 +908,7 @@ class Sentinel:
         track = self._tracks.get((link, direction))
         if track is None or track.accepted < self.config.warmup:
             return None
+        self._settled_reference(track)  # the windows on the reference in force before any fence is taken
         return {n: self._fence(track, n) for n in self._names if len(track.windows[n]) >= 4}
 
     def probe(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> tuple[str, ...] | None:
@@ -1215,6 +1216,18 @@ class Sentinel:
             track.correction.learn(means[1], beta)
             track.gains.append(means[3])
 
+    def _settled_reference(self, track: _Track) -> Summary:
+        """`_reference`, with the windows measured again (`_remeasure`) when it changed kind since they were filled;
+        called before any fence of the track is taken (`_distances`, `fences`), so that a probe does not cache
+        fences of windows against the other reference (review RC, session 23, LOW 4)."""
+        reference = self._reference(track)
+        if track.against_median is not None and (reference is not track.ref) != track.against_median:
+            self._remeasure(track, reference)
+            for key in [key for key in track.sender_fences if key[0] != "reference"]:
+                del track.sender_fences[key]
+        track.against_median = reference is not track.ref
+        return reference
+
     def _remeasure(self, track: _Track, reference: Summary) -> None:
         """The reference changed kind (the senders' median took over from the EMA, or back): the windows of the
         distances taken against it, pooled and per sender, are measured again from the summaries they came from,
@@ -1311,11 +1324,7 @@ class Sentinel:
 
     def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
                    summary: Summary) -> dict[str, float]:
-        reference = self._reference(track)
-        if track.against_median is not None and (reference is not track.ref) != track.against_median:
-            self._remeasure(track, reference)
-        track.against_median = reference is not track.ref
-        dist = distances(summary, reference, self._names)
+        dist = distances(summary, self._settled_reference(track), self._names)
         if self.binds:
             stage = link if direction == FORWARD else link + 1
             inp = self._inputs.get(microbatch, {}).get((stage, direction))
@@ -1383,7 +1392,18 @@ class Sentinel:
         identities, window 64, cap 8: the liar weighed 2.6 against 2, both honest relays banned). So the cap is
         ceil(`window` / `stage_relays`) where the deployment states the stage's size (the configuration, never the
         live identities, which liars can add), else `sender_window` (8: a fair share at 8 relays per stage, window
-        64; with fewer relays per stage and the size unstated, the weighted vote does not hold)."""
+        64; with fewer relays per stage and the size unstated, the weighted vote does not hold).
+
+        **Scope of each** (review RC, session 23; toy stage, the white-box shrink). Identity (the default) holds
+        while identities last: a liar that builds a few identities of `sender_window` lies each and keeps them live
+        outvotes the honest relays (8 relays, 3 liars x 3 identities: all 5 honest banned; Table 1's 25% geometry, 4
+        relays, 1 liar x 4 identities: all 3 honest banned), and honest relays that change identity faster than
+        every `sender_window` tensors lose their votes; it holds at any traffic share (60% measured). Weighted holds
+        against any identity scheme with the cap at the stage's share and the configured stage present, but it is a
+        median of the accepted traffic: liars carrying half of a link's tensors over several identities each banned
+        every honest relay; and with fewer relays alive than `stage_relays` the honest ones are capped again (5 of
+        8 alive, 2 liars: all 3 honest banned). Neither survives both a Sybil of identities and a majority of the
+        traffic; the pipeline gives joiners no cost today (`data_node`)."""
         live = set(track.accepted_from) - self._convicted
         if self.config.sender_vote == "weighted":
             relays = self.config.stage_relays
