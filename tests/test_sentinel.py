@@ -1112,6 +1112,28 @@ def _churning_honest(i: int, counts: dict) -> str:
     return f"r{slot}-{i // 24}" if slot >= 6 and i >= 40 else f"r{slot}"
 
 
+def test_without_bind_and_align_a_white_box_copy_of_the_senders_median_meets_the_lower_fence():
+    """Review RC (session 23), LOW 3: token rows solved so that the tensor's summary is the senders' median (it carries
+    nothing of the input) sit at 0 on every distance to the reference. With ``bind``/``align`` they are caught
+    (`test_a_copy_of_the_reference_is_still_caught_against_the_senders_median`); without them (an ablation variant)
+    only the magnitudes' lower fence sees it, so there it stays against the median too (fails without: 0 of 6)."""
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, distances="sign,swd,scale"))
+    for i in range(80):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        verifier.check_forward(1, f"r{i % 4}", i, x + torch.tanh(x @ weight))
+    track = verifier._tracks[(1, FORWARD)]
+    assert track.against_median
+    flagged = []
+    for j in range(6):
+        reference = verifier._reference(track)
+        rows = torch.linalg.lstsq(track.proj.T, reference.quantiles.T).solution.T  # one row per quantile level
+        copy = rows.repeat_interleave(4, dim=0).reshape(4, 32, 16)
+        flagged.append(verifier.check_forward(1, "copy", ("copy", j), copy).flagged)
+    assert all(flagged) and "copy" in verifier.banned()
+
+
 @pytest.mark.parametrize("sender_of", [_patient_liars, _churning_honest])
 def test_the_weighted_vote_gives_identities_no_weight_of_their_own(sender_of):
     """`sender_vote="weighted"`: a sender weighs its tensors in the window (capped at `sender_window`), not one vote
@@ -1401,8 +1423,8 @@ def test_an_honest_tensor_close_to_the_senders_median_is_not_flagged_as_a_copy()
     one model version nearly coincide, so against the senders' median (two of three senders' last summaries from the
     current version) an honest tensor sat at log ``swd`` -6 while the fence, made of distances to the lagging EMA,
     was -4.8. The magnitudes' lower fence is for copies of the EMA; against the median it is off (fails with it on:
-    r2 banned)."""
-    verifier = Sentinel(SentinelConfig(warmup=12, window=32, distances="sign,swd,scale"))
+    r2 banned). The default distances (``bind``/``align`` among them, unmeasured here: no input is recorded)."""
+    verifier = Sentinel(SentinelConfig(warmup=12, window=32))
     assert verifier.config.fence == "senders"  # the default
     # three senders, two microbatches each per version, the version moving between them
     verdicts = _replicas_of_one_version(verifier, lambda n: f"r{n % 3}", 120, step=0.3, version=lambda n: n // 6,
@@ -1420,7 +1442,7 @@ def test_the_windows_are_measured_again_when_the_reference_changes_kind(probe):
     three honest senders were banned (fails with `_remeasure` a no-op). With a white-box probe before each check
     (review RC, session 23, LOW 4), the probe must not cache fences of the windows not yet measured again (2 honest
     flags when `fences` did not settle the reference first)."""
-    verifier = Sentinel(SentinelConfig(warmup=12, window=32, distances="sign,swd,scale"))
+    verifier = Sentinel(SentinelConfig(warmup=12, window=32))
     two_then_three = lambda n: f"r{n % 2}" if n < 60 else f"r{n % 3}"  # noqa: E731
     verdicts = _replicas_of_one_version(verifier, two_then_three, 60, grow=1.1, probe=probe)
     assert not verifier._tracks[(1, FORWARD)].against_median

@@ -1503,8 +1503,11 @@ class Sentinel:
         nearly identical, so with 2 of 3 senders' latest summaries from the current iteration an honest one sat at
         log ``swd`` -6.0 while the fence, from values measured against the lagging EMA, was -4.8 (the session-22
         merge: an honest off-path relay banned). What a copy would hide, ``bind`` and ``align`` see (a tensor made
-        from the reference's statistics is unrelated to the stage's input), and a copy of the median moves nothing."""
-        low_magnitudes = self.config.two_sided and self._reference(track) is track.ref
+        from the reference's statistics is unrelated to the stage's input), and a copy of the median moves nothing.
+        Without them (ablation variants such as ``sign,swd``) nothing else sees a white-box copy of the median (token
+        rows whose summary is the reference's: review RC, session 23, 0 of 6 flagged), so there the lower fence
+        stays, with the false-flag risk above in small groups of replicas."""
+        low_magnitudes = self.config.two_sided and (self._reference(track) is track.ref or not self.binds)
         return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
                      and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
                      and not (n in MAGNITUDES and not low_magnitudes
