@@ -1093,6 +1093,131 @@ def test_liars_cycling_identities_neither_take_the_vote_nor_frame_the_honest_sen
     assert min(shrinks[-12:]) > 0.5
 
 
+def _patient_liars(i: int, counts: dict) -> str:
+    """Review RC (session 22, `cycling_patient.py`): slots r0-r2 (3/8 of the traffic) lie from microbatch 40; each
+    builds 3 identities of `sender_window` (8) accepted lies each, then spreads its lies round-robin over them, so
+    that all 9 stay live and vote against 5 honest senders."""
+    slot = i % 8
+    if slot >= 3 or i < 40:
+        return f"r{slot}"
+    counts[slot] = counts.get(slot, 0) + 1
+    n = counts[slot] - 1
+    return f"r{slot}-{n // 8}" if n < 24 else f"r{slot}-{n % 3}"
+
+
+def _churning_honest(i: int, counts: dict) -> str:
+    """Review RC (session 22, MED 2, `churn.py`): honest slots r6 and r7 take a fresh identity every 24 microbatches
+    (3 tensors each: fewer than `sender_window`) from microbatch 40 on, the liars r0-r2 keep theirs."""
+    slot = i % 8
+    return f"r{slot}-{i // 24}" if slot >= 6 and i >= 40 else f"r{slot}"
+
+
+def test_without_bind_and_align_a_white_box_copy_of_the_senders_median_meets_the_lower_fence():
+    """Review RC (session 23), LOW 3: token rows solved so that the tensor's summary is the senders' median (it carries
+    nothing of the input) sit at 0 on every distance to the reference. With ``bind``/``align`` they are caught
+    (`test_a_copy_of_the_reference_is_still_caught_against_the_senders_median`); without them (an ablation variant)
+    only the magnitudes' lower fence sees it, so there it stays against the median too (fails without: 0 of 6)."""
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, distances="sign,swd,scale"))
+    for i in range(80):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        verifier.check_forward(1, f"r{i % 4}", i, x + torch.tanh(x @ weight))
+    track = verifier._tracks[(1, FORWARD)]
+    assert track.against_median
+    flagged = []
+    for j in range(6):
+        reference = verifier._reference(track)
+        rows = torch.linalg.lstsq(track.proj.T, reference.quantiles.T).solution.T  # one row per quantile level
+        copy = rows.repeat_interleave(4, dim=0).reshape(4, 32, 16)
+        flagged.append(verifier.check_forward(1, "copy", ("copy", j), copy).flagged)
+    assert all(flagged) and "copy" in verifier.banned()
+
+
+@pytest.mark.parametrize("sender_of", [_patient_liars, _churning_honest])
+def test_the_weighted_vote_gives_identities_no_weight_of_their_own(sender_of):
+    """`sender_vote="weighted"`: a sender weighs its tensors in the window (capped at `sender_window`), not one vote
+    per identity. With one vote per identity (the default) the patient liars' 9 identities outvote the 5 honest
+    senders (all five banned, c at the bisection's floor) and churning honest relays lose their votes (c 0.002):
+    both fail with `sender_vote="identity"`."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8, sender_vote="weighted"))
+    counts, shrinks = {}, []
+    for i in range(296):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        sender = sender_of(i, counts)
+        if i % 8 < 3 and i >= 40:
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            out = hi * out
+            shrinks.append(hi)
+        verifier.check_forward(1, sender, i, out)
+    assert not {w for w in verifier.banned() if int(w[1]) >= 3}
+    assert min(shrinks[-12:]) > 0.5
+
+
+def test_the_weighted_vote_caps_a_sender_at_its_share_of_a_small_stage():
+    """Review RC (session 23), HIGH 1: in a stage of 3 relays one liar spreads its third of the traffic over 3
+    identities (round robin, each under `sender_window` tensors in the window). Capped at `sender_window` (8) each
+    honest relay (about 21 tensors of the 64-tensor window) weighs 1, and the liar's identities 2.6 together: both
+    honest relays were banned (c 0.001). Capped at the stage's fair share, ceil(64 / `stage_relays`), the liar weighs
+    its traffic (fails with `stage_relays=0`)."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8, sender_vote="weighted",
+                                       stage_relays=3))
+    lies, shrinks = 0, []
+    for i in range(200):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        sender = f"r{i % 3}"
+        if i % 3 == 0 and i >= 40:
+            sender, lies = f"r0-{lies % 3}", lies + 1
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            out = hi * out
+            shrinks.append(hi)
+        verifier.check_forward(1, sender, i, out)
+    assert not {"r1", "r2"} & verifier.banned()
+    assert min(shrinks[-12:]) > 0.5
+
+
+def test_a_liar_that_keeps_a_small_stage_under_three_voters_meets_the_median_fence():
+    """Review RC (session 23), on the identity vote: in a stage of 3 relays a liar that takes a fresh identity every 7
+    lies never votes, so the stage has 2 voters and fell back to the pooled Tukey fence, whose quartiles a third of the
+    traffic moves: the white-box shrink reached c 0.001 (the session-21 drift). With 3 or more live senders the
+    fallback is now the pooled median fence (breakdown 50%); fails with the Tukey fallback."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8))
+    lies, shrinks = 0, []
+    for i in range(200):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        sender = f"r{i % 3}"
+        if i % 3 == 0 and i >= 40:
+            sender, lies = f"r0-{lies // 7}", lies + 1
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            out = hi * out
+            shrinks.append(hi)
+        verifier.check_forward(1, sender, i, out)
+    assert len(verifier._voters_of(verifier._tracks[(1, FORWARD)])) == 2
+    assert not {"r1", "r2"} & verifier.banned()
+    assert min(shrinks[-12:]) > 0.5
+
+
 def test_three_of_eight_senders_cannot_grow_an_accepted_mean_shift_through_the_reference():
     """Review RC (session 22), HIGH 1: the distances were taken against the link's EMA, which learns every accepted
     tensor, so 3 of 8 senders that add the largest accepted shift along one feature direction (their scale held
@@ -1273,3 +1398,81 @@ def test_a_gradient_grown_by_an_input_seen_shrunk_is_evidence_about_the_upstream
     beyond = microbatch("beyond", "b", "h2", shrink=True, grow=3.0)
     assert usual.flagged and usual.suspects == ("h1", "u1")
     assert beyond.flagged and "h2" in beyond.suspects
+
+
+def _replicas_of_one_version(verifier: Sentinel, senders_of, count: int, step: float = 0.0, grow: float = 1.0,
+                             start: int = 0, version=lambda n: n, noise: float = 0.01, probe: bool = False
+                             ) -> list[Verdict]:
+    """Honest replicas whose tensors of one model version nearly coincide (what a small model on fixed data sends):
+    tensor n is (grow ** n) * (a fixed sample + version(n) * step along one direction) plus `noise`; senders_of(n)
+    names its sender; `probe`: a white-box `would_accept` before each check."""
+    drift = torch.randn(16, generator=torch.Generator().manual_seed(5))
+    sample = _center() + torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(2 + start)
+    verdicts = []
+    for n in range(start, start + count):
+        tensor = (grow ** n) * (sample + version(n) * step * drift + noise * torch.randn(2, 8, 16, generator=gen))
+        if probe:
+            verifier.would_accept(1, FORWARD, tensor, n)
+        verdicts.append(verifier.check_forward(1, senders_of(n), n, tensor))
+    return verdicts
+
+
+def test_an_honest_tensor_close_to_the_senders_median_is_not_flagged_as_a_copy():
+    """Session-22 merge: under `fence="senders"` the off-path tests banned an honest relay. Honest replicas' tensors of
+    one model version nearly coincide, so against the senders' median (two of three senders' last summaries from the
+    current version) an honest tensor sat at log ``swd`` -6 while the fence, made of distances to the lagging EMA,
+    was -4.8. The magnitudes' lower fence is for copies of the EMA; against the median it is off (fails with it on:
+    r2 banned). The default distances (``bind``/``align`` among them, unmeasured here: no input is recorded)."""
+    verifier = Sentinel(SentinelConfig(warmup=12, window=32))
+    assert verifier.config.fence == "senders"  # the default
+    # three senders, two microbatches each per version, the version moving between them
+    verdicts = _replicas_of_one_version(verifier, lambda n: f"r{n % 3}", 120, step=0.3, version=lambda n: n // 6,
+                                        noise=1e-3)
+    assert verifier._tracks[(1, FORWARD)].against_median
+    assert not [v for v in verdicts if v.flagged] and not verifier.banned()
+
+
+@pytest.mark.parametrize("probe", [False, True])
+def test_the_windows_are_measured_again_when_the_reference_changes_kind(probe):
+    """The windows hold distances to one reference: when the senders' median takes over from the EMA (a third sender
+    reaches `sender_window` tensors) they are measured again against it from the summaries they came from. Here the
+    stage grows 10% per tensor, so the EMA lags (``scale`` +0.68) where the median does not (+0.32); with the windows
+    left as they were, the first tensors against the median fell outside fences made of distances to the EMA and all
+    three honest senders were banned (fails with `_remeasure` a no-op). With a white-box probe before each check
+    (review RC, session 23, LOW 4), the probe must not cache fences of the windows not yet measured again (2 honest
+    flags when `fences` did not settle the reference first)."""
+    verifier = Sentinel(SentinelConfig(warmup=12, window=32))
+    two_then_three = lambda n: f"r{n % 2}" if n < 60 else f"r{n % 3}"  # noqa: E731
+    verdicts = _replicas_of_one_version(verifier, two_then_three, 60, grow=1.1, probe=probe)
+    assert not verifier._tracks[(1, FORWARD)].against_median
+    verdicts += _replicas_of_one_version(verifier, two_then_three, 40, grow=1.1, start=60, probe=probe)
+    assert verifier._tracks[(1, FORWARD)].against_median
+    assert not [v for v in verdicts if v.flagged] and not verifier.banned()
+
+
+def test_a_copy_of_the_reference_is_still_caught_against_the_senders_median():
+    """With the magnitudes' lower fence off against the senders' median, what it caught (a tensor implausibly close to
+    the reference) is caught by the tensor's relation to its own input: a constant output equal to the reference's
+    mean is shrunk to nothing, an honest output of another microbatch (close to the reference, unrelated to this
+    input) fails ``bind``; each liar is banned, no honest sender is flagged."""
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8))
+    stage = lambda x: x + torch.tanh(x @ weight)  # noqa: E731
+
+    def hop(mb, sender, out=None):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        verifier.record_input(mb, 1, FORWARD, verifier.sketch(x))
+        return verifier.check_forward(1, sender, mb, stage(x) if out is None else out(x))
+
+    honest = [hop(i, f"r{i % 4}") for i in range(60)]
+    track = verifier._tracks[(1, FORWARD)]
+    assert track.against_median and not any(v.flagged for v in honest)
+    other = stage(_center() + torch.randn(4, 32, 16, generator=gen))
+    reference = verifier._reference(track).mean
+    for j in range(3):
+        assert hop(("constant", j), "c", lambda x: reference.expand(4, 32, 16).clone()).flagged
+        assert hop(("replay", j), "p", lambda x: other).flagged
+        assert not hop(("honest", j), f"r{j}").flagged
+    assert verifier.banned() == {"c", "p"}

@@ -55,7 +55,9 @@ def malicious_indices(config) -> list[int]:
 
 def run_config(config, attack: str, defended: bool, variant: str = "all") -> PipelineRunConfig:
     """The pipeline run of one cell of the grid."""
+    # the stage's size is the configuration's (the weighted vote's cap: `Sentinel._voters_of`)
     verifier = VerifierConfig(**{**dataclasses.asdict(config.sentinel), "enabled": defended,
+                                 "stage_relays": config.sentinel.stage_relays or config.relays,
                                  "placement": config.placement, "forward_response": config.forward_response})
     verifier = apply_variant(verifier, variant)
     relays = ",".join(map(str, malicious_indices(config))) if attack != "none" else ""

@@ -95,12 +95,14 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   flagged ~0.4% of honest GPT traffic; 5 flags ~0.1%). l1, l2 and swd are
   fenced on a log scale (`log_fences`): they are positive and right-skewed,
   and training drift scales them. The lower fence matters: a tensor that
-  copies the EMA is implausibly close to it. The IQR is floored (`min_spread`
+  copies the EMA is implausibly close to it (against the EMA only: against
+  the senders' median an honest tensor can be as close, see `_outside`). The IQR is floored (`min_spread`
   in log units, one feature's resolution 1/C for ``sign``) so a window of
   near-identical values does not turn every wiggle into a flag.
-  **Per sender** (`fence="senders"`, an option; the default stays `tukey`
-  because in small off-path groups it flagged honest microbatches and once
-  banned an honest relay, not yet traced): each quartile and the IQR
+  **Per sender** (`fence="senders"`, the default; session 23, after its
+  honest bans in small off-path groups were traced to the magnitudes' lower
+  fence and to windows holding distances to two references: `_outside`,
+  `_remeasure`): each quartile and the IQR
   are taken over each live sender's own last `sender_window` accepted values
   and then the median across senders (`sender_fence`), once at least 3
   senders have 4 each (before that, the pooled Tukey fence). A pooled window
@@ -227,6 +229,7 @@ BOUND = ("bind", "align")  # distances between a stage's output and its own inpu
 MAGNITUDES = ("l1", "l2", "swd")  # fenced on a log scale when `log_fences`
 VOTES = ("any", "majority", "all")
 FENCES = ("senders", "tukey", "median")
+SENDER_VOTES = ("identity", "weighted")
 FORWARD, BACKWARD = "forward", "backward"
 
 
@@ -266,8 +269,13 @@ class SentinelConfig:
     seed: int = 0  # run seed of the projection streams
     # senders: Tukey's fence from per-sender quartiles (`sender_fence`; a minority of senders cannot move it);
     # tukey: [Q1 - k*IQR, Q3 + k*IQR] over the pooled window; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%)
-    fence: str = "tukey"
+    fence: str = "senders"
     sender_window: int = 8  # accepted distances kept per sender and distance for the `senders` fence
+    # who votes in the `senders` fence and reference: identity (one vote per live identity with `sender_window`
+    # tensors over its lifetime) or weighted (each live sender weighs min(its tensors in the window, sender_window) /
+    # sender_window, weighted medians; review RC of session 22, findings 0 and 2: see `Sentinel._voters_of`)
+    sender_vote: str = "identity"
+    stage_relays: int = 0  # relays per stage where the deployment knows it (weighted vote: a sender's cap); 0 = unknown
     learn_k: float = 0.0  # > 0: only tensors inside Tukey fences of this multiplier update the EMA and windows
     detect_only: bool = False  # flag and respond, never ban: a worker reaching the strike rule is convicted (reported)
     remembered: int = 4096  # microbatches whose first verdicts are kept for resends (oldest dropped first)
@@ -284,6 +292,10 @@ class SentinelConfig:
             raise ConfigError(f"sentinel.vote={self.vote!r} must be one of {', '.join(VOTES)}")
         if self.fence not in FENCES:
             raise ConfigError(f"sentinel.fence={self.fence!r} must be one of {', '.join(FENCES)}")
+        if self.stage_relays < 0:
+            raise ConfigError(f"sentinel.stage_relays={self.stage_relays} must be >= 0 (0: unknown)")
+        if self.sender_vote not in SENDER_VOTES:
+            raise ConfigError(f"sentinel.sender_vote={self.sender_vote!r} must be one of {', '.join(SENDER_VOTES)}")
         if not (math.isfinite(self.learn_k) and 0 <= self.learn_k):
             raise ConfigError(f"sentinel.learn_k={self.learn_k} must be 0 (off) or a positive number")
         if not (math.isfinite(self.k) and self.k > 0):
@@ -406,7 +418,8 @@ def median_fence(values: list[float] | tuple[float, ...], k: float, floor: float
     return Fence(mid - half, mid + half)
 
 
-def sender_fence(per_sender: list[list[float]], k: float, floor: float = 0.0) -> Fence:
+def sender_fence(per_sender: list[list[float]], k: float, floor: float = 0.0,
+                 weights: list[float] | None = None) -> Fence:
     """Tukey's fence with each quartile and the IQR taken per sender, then the median across senders:
     [med(Q1_s) - k * S, med(Q3_s) + k * S], S = max(med(IQR_s * n_s / (n_s - 4/3)), floor), n_s the sender's count.
 
@@ -420,21 +433,46 @@ def sender_fence(per_sender: list[list[float]], k: float, floor: float = 0.0) ->
     the honest senders' own values whatever the liars send and however much of the traffic they carry. For
     exchangeable honest senders (replicas of one stage) it is the pooled Tukey fence up to sampling noise. A
     sender with fewer than `SENDER_VALUES` values (a distance not measured on all of its tensors) votes on the
-    quartiles and counts as spread 0: it cannot widen the fence. Who votes is the caller's (`Sentinel._voters_of`)."""
+    quartiles and counts as spread 0: it cannot widen the fence. Who votes, and with what weight (`weights`: the
+    medians across senders are then weighted medians), is the caller's (`Sentinel._voters_of`)."""
     if len(per_sender) < 1 or any(len(values) < 1 for values in per_sender):
         raise ValueError("a sender fence needs at least one sender, each with at least one value")
+    median = _median if weights is None else lambda values: weighted_median(values, weights)  # noqa: E731
     rows = [sorted(values) for values in per_sender]
-    q1 = _median([_quantile(r, 0.25) for r in rows])
-    q3 = _median([_quantile(r, 0.75) for r in rows])
+    q1 = median([_quantile(r, 0.25) for r in rows])
+    q3 = median([_quantile(r, 0.75) for r in rows])
     # a sender with fewer than SENDER_VALUES values votes on the quartiles and counts as no spread
     iqrs = [(_quantile(r, 0.75) - _quantile(r, 0.25)) * len(r) / (len(r) - 4 / 3) if len(r) >= SENDER_VALUES else 0.0
             for r in rows]
-    spread = max(_median(iqrs), floor)
+    spread = max(median(iqrs), floor)
     return Fence(q1 - k * spread, q3 + k * spread)
 
 
 def _median(values: list[float]) -> float:
     return _quantile(sorted(values), 0.5)
+
+
+def weighted_median(values: list[float], weights: list[float]) -> float:
+    """The value where the cumulative weight of the sorted values reaches half of the total (the mean of the two
+    values around it where it is reached exactly): the ordinary median when the weights are equal."""
+    pairs = sorted(zip(values, weights))
+    half, cum = sum(weights) / 2, 0.0
+    for i, (value, weight) in enumerate(pairs):
+        cum += weight
+        if math.isclose(cum, half, rel_tol=1e-9, abs_tol=1e-12) and i + 1 < len(pairs):
+            return (value + pairs[i + 1][0]) / 2
+        if cum > half:
+            return value
+    return pairs[-1][0]
+
+
+def _weighted_median_rows(rows: Tensor, weights: list[float]) -> Tensor:
+    """Coordinate-wise `weighted_median` of the rows of a [S, ...] tensor."""
+    if len(set(weights)) == 1:
+        return torch.quantile(rows, 0.5, dim=0)
+    flat = rows.reshape(rows.shape[0], -1)
+    return torch.tensor([weighted_median(flat[:, j].tolist(), weights) for j in range(flat.shape[1])],
+                        dtype=rows.dtype).reshape(rows.shape[1:])
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -682,6 +720,8 @@ class _Track:
         self.sender_fences: dict[tuple, object] = {}  # (distance, k, accepted, convicted) -> fence (a cache; and the reference)
         self.summaries: dict[str, deque[Summary]] = {}  # sender -> its last accepted summaries (`Sentinel._reference`)
         self.lifetime: dict[str, int] = {}  # sender -> tensors of it accepted so far (`Sentinel._voters_of`)
+        self.against_median: bool | None = None  # whether the windows hold distances to the senders' median (`_remeasure`)
+        self.kept: deque[Summary] = deque(maxlen=window)  # the summaries of the distances in `windows` (`_remeasure`)
 
 
 class Sentinel:
@@ -868,6 +908,7 @@ class Sentinel:
         track = self._tracks.get((link, direction))
         if track is None or track.accepted < self.config.warmup:
             return None
+        self._settled_reference(track)  # the windows on the reference in force before any fence is taken
         return {n: self._fence(track, n) for n in self._names if len(track.windows[n]) >= 4}
 
     def probe(self, link: int, direction: str, tensor: Tensor, microbatch: Hashable = None) -> tuple[str, ...] | None:
@@ -1156,7 +1197,8 @@ class Sentinel:
         track.ref = ema(track.ref, summary, beta)
         track.accepted += 1
         own = track.by_sender.setdefault(worker, {})
-        track.summaries.setdefault(worker, deque(maxlen=2)).append(summary)
+        track.summaries.setdefault(worker, deque(maxlen=self.config.sender_window)).append(summary)
+        track.kept.append(summary)
         for name, value in dist.items():
             track.windows[name].append(_scaled(name, value, self.config))
             own.setdefault(name, deque(maxlen=self.config.sender_window)).append(_scaled(name, value, self.config))
@@ -1173,6 +1215,39 @@ class Sentinel:
             track.given_spread.learn(means[2], beta)
             track.correction.learn(means[1], beta)
             track.gains.append(means[3])
+
+    def _settled_reference(self, track: _Track) -> Summary:
+        """`_reference`, with the windows measured again (`_remeasure`) when it changed kind since they were filled;
+        called before any fence of the track is taken (`_distances`, `fences`), so that a probe does not cache
+        fences of windows against the other reference (review RC, session 23, LOW 4)."""
+        reference = self._reference(track)
+        if track.against_median is not None and (reference is not track.ref) != track.against_median:
+            self._remeasure(track, reference)
+            for key in [key for key in track.sender_fences if key[0] != "reference"]:
+                del track.sender_fences[key]
+        track.against_median = reference is not track.ref
+        return reference
+
+    def _remeasure(self, track: _Track, reference: Summary) -> None:
+        """The reference changed kind (the senders' median took over from the EMA, or back): the windows of the
+        distances taken against it, pooled and per sender, are measured again from the summaries they came from,
+        against the new one. Values against two references are not one sample: at the session-22 merge the windows,
+        filled against the lagging EMA, put the fences where no honest tensor measured against the median lay (an
+        honest relay banned), and back on the EMA, windows of distances to the median (honest replicas of one model
+        version nearly coincide) fence out every honest tensor. Emptying them instead left the pooled fence in charge
+        until each sender had refilled, long enough for the white-box shrink to reach c 0.22 (toy stage).
+        ``bind`` and ``align`` do not depend on the reference."""
+        names = tuple(n for n in self._names if n not in BOUND)
+        for name in names:
+            values = [_scaled(name, distances(s, reference, (name,))[name], self.config) for s in track.kept]
+            track.windows[name] = deque(values[-len(track.windows[name]):] if track.windows[name] else (),
+                                        maxlen=self.config.window)
+        for worker, own in track.by_sender.items():
+            kept = list(track.summaries.get(worker, ()))
+            for name in names:
+                if name in own:
+                    values = [_scaled(name, distances(s, reference, (name,))[name], self.config) for s in kept]
+                    own[name] = deque(values[-len(own[name]):], maxlen=self.config.sender_window)
 
     def _means(self, link: int, direction: str, microbatch: Hashable,
                tensor: Tensor) -> tuple[Tensor, Tensor, Tensor, float] | None:
@@ -1249,7 +1324,7 @@ class Sentinel:
 
     def _distances(self, track: _Track, link: int, direction: str, microbatch: Hashable, tensor: Tensor,
                    summary: Summary) -> dict[str, float]:
-        dist = distances(summary, self._reference(track), self._names)
+        dist = distances(summary, self._settled_reference(track), self._names)
         if self.binds:
             stage = link if direction == FORWARD else link + 1
             inp = self._inputs.get(microbatch, {}).get((stage, direction))
@@ -1274,19 +1349,23 @@ class Sentinel:
             return track.ref
         key = ("reference", track.accepted, len(self._convicted))
         if key not in track.sender_fences:
-            latest = [track.summaries[w] for w in self._voters_of(track) if track.summaries.get(w)]
+            voters = self._voters_of(track)
+            latest = [list(track.summaries[w])[-2:] for w in voters]  # each sender's last 2
             if len(latest) < SENDERS:
                 track.sender_fences[key] = None
             else:
+                weights = [voters[w] for w in voters]
                 means = torch.stack([sum(s.mean for s in own) / len(own) for own in latest])
                 quantiles = torch.stack([sum(s.quantiles for s in own) / len(own) for own in latest])
-                track.sender_fences[key] = Summary(torch.quantile(means, 0.5, dim=0),
-                                                   torch.quantile(quantiles, 0.5, dim=0))
+                track.sender_fences[key] = Summary(_weighted_median_rows(means, weights),
+                                                   _weighted_median_rows(quantiles, weights))
         return track.sender_fences[key] if track.sender_fences[key] is not None else track.ref
 
-    def _voters_of(self, track: _Track) -> list[str]:
-        """The senders that vote in the per-sender fences and the reference: live (among the window's last accepted
-        tensors), not convicted, and with at least `sender_window` accepted tensors over their lifetime.
+    def _voters_of(self, track: _Track) -> dict[str, float]:
+        """The senders that vote in the per-sender fences and the reference, with their weights: live (among the
+        window's last accepted tensors), not convicted, and (`sender_vote="identity"`) with at least `sender_window`
+        accepted tensors over their lifetime, weight 1; or (`"weighted"`) any, weighing min(its tensors among the
+        window's last accepted ones, `sender_window`) / `sender_window`.
 
         One vote per identity is only sound while identities cost something: liars that took a fresh identity for
         every lie held most of the votes and framed every honest sender (review RC, session 22, finding 0: all five
@@ -1296,9 +1375,45 @@ class Sentinel:
         window). The price: an honest relay that takes a fresh identity more often than every `sender_window`
         accepted tensors does not vote (review RC MED 2: with 2 of 5 honest relays doing so every 3 tensors the liars
         held half of the votes); the vote rests on identities that last, which the pipeline's admission of joiners
-        (`data_node`) does not enforce."""
+        (`data_node`) does not enforce.
+
+        The weighted vote (review RC, session 22) counts what a sender carries now instead: identities then cost
+        nothing and buy nothing. Liars hold at most (their tensors in the window) / `sender_window` of the weight
+        however they spread them over identities (cycled, or built and kept live: the patient liar, RC's
+        `cycling_patient.py`, whose 9 identities each hold one tensor in the window and weigh 1/8), an honest relay
+        that changes identity keeps the weight of its tensors still in the window, and one that goes quiet loses it
+        as its tensors leave. The cap keeps a sender that carries more than its share (a faster relay) at one vote,
+        so the weight is that of a vote per sender where senders carry their share, and the liars' capped traffic
+        where they cycle. The tensors counted are those accepted, so a liar flagged often weighs less.
+
+        The cap must be a relay's fair share of the window: in a stage of R relays an honest relay carries about
+        `window` / R tensors, and capped at fewer it weighs no more than one of a liar's identities, so a liar that
+        spreads its share over a few identities outweighs it (review RC, session 23: 3 relays, 1 liar over 3
+        identities, window 64, cap 8: the liar weighed 2.6 against 2, both honest relays banned). So the cap is
+        ceil(`window` / `stage_relays`) where the deployment states the stage's size (the configuration, never the
+        live identities, which liars can add), else `sender_window` (8: a fair share at 8 relays per stage, window
+        64; with fewer relays per stage and the size unstated, the weighted vote does not hold).
+
+        **Scope of each** (review RC, session 23; toy stage, the white-box shrink). Identity (the default) holds
+        while identities last: a liar that builds a few identities of `sender_window` lies each and keeps them live
+        outvotes the honest relays (8 relays, 3 liars x 3 identities: all 5 honest banned; Table 1's 25% geometry, 4
+        relays, 1 liar x 4 identities: all 3 honest banned), and honest relays that change identity faster than
+        every `sender_window` tensors lose their votes; it holds at any traffic share (60% measured). Weighted holds
+        against any identity scheme with the cap at the stage's share and the configured stage present, but it is a
+        median of the accepted traffic: liars carrying half of a link's tensors over several identities each banned
+        every honest relay; and with fewer relays alive than `stage_relays` the honest ones are capped again (5 of
+        8 alive, 2 liars: all 3 honest banned). Neither survives both a Sybil of identities and a majority of the
+        traffic; the pipeline gives joiners no cost today (`data_node`)."""
         live = set(track.accepted_from) - self._convicted
-        return [w for w in sorted(live) if track.lifetime.get(w, 0) >= self.config.sender_window]
+        if self.config.sender_vote == "weighted":
+            relays = self.config.stage_relays
+            cap = math.ceil(self.config.window / relays) if relays else self.config.sender_window
+            counts = {w: 0 for w in live}
+            for w in track.accepted_from:
+                if w in counts:
+                    counts[w] += 1
+            return {w: min(counts[w], cap) / cap for w in sorted(live)}
+        return {w: 1.0 for w in sorted(live) if track.lifetime.get(w, 0) >= self.config.sender_window}
 
     def _disowns_input(self, track: _Track, dist: dict[str, float]) -> bool:
         """Whether the sender's tensor is reversed against (``align`` below its fence and `reversed_align`) or
@@ -1380,9 +1495,23 @@ class Sentinel:
 
     def _outside(self, track: _Track, dist: dict[str, float]) -> tuple[str, ...]:
         """Distances outside their fences (a distance without enough history, e.g. ``bind`` whose input
-        sketch was missing for most tensors, is not fenced yet)."""
+        sketch was missing for most tensors, is not fenced yet).
+
+        A magnitude (l1, l2, swd) below its fence counts only against the EMA, and only with `two_sided`: the
+        lower fence is there for a tensor that copies the EMA. Against the senders' median (`_reference`) an honest
+        tensor of the current model version can sit as close as a copy: honest replicas' tensors of one version are
+        nearly identical, so with 2 of 3 senders' latest summaries from the current iteration an honest one sat at
+        log ``swd`` -6.0 while the fence, from values measured against the lagging EMA, was -4.8 (the session-22
+        merge: an honest off-path relay banned). What a copy would hide, ``bind`` and ``align`` see (a tensor made
+        from the reference's statistics is unrelated to the stage's input), and a copy of the median moves nothing.
+        Without them (ablation variants such as ``sign,swd``) nothing else sees a white-box copy of the median (token
+        rows whose summary is the reference's: review RC, session 23, 0 of 6 flagged), so there the lower fence
+        stays, with the false-flag risk above in small groups of replicas."""
+        low_magnitudes = self.config.two_sided and (self._reference(track) is track.ref or not self.binds)
         return tuple(n for n in self._names if n in dist and len(track.windows[n]) >= 4
                      and not self._fence(track, n).contains(_scaled(n, dist[n], self.config))
+                     and not (n in MAGNITUDES and not low_magnitudes
+                              and _scaled(n, dist[n], self.config) < self._fence(track, n).low)
                      and not (n == "bind" and self.config.bind_floor > dist[n] > self._fence(track, n).high)
                      and not (n == "align" and self.config.align_floor < dist[n] < self._fence(track, n).low)
                      # a gradient counts on ``scale`` only when shrunk (honest gradients grow with the loss)
@@ -1394,14 +1523,22 @@ class Sentinel:
             key = (name, k, track.accepted, len(self._convicted))  # it changes only when these do
             if key not in track.sender_fences:
                 # the live senders of the window (not convicted) with enough accepted values of this distance
-                rows = [list(track.by_sender[w][name]) for w in self._voters_of(track) if track.by_sender[w].get(name)]
+                voters = self._voters_of(track)
+                voting = [w for w in voters if track.by_sender[w].get(name)]
+                rows = [list(track.by_sender[w][name]) for w in voting]
+                weights = None if self.config.sender_vote == "identity" else [voters[w] for w in voting]
                 if len(track.sender_fences) > 4 * len(self._names) + 4:
                     track.sender_fences.clear()
-                track.sender_fences[key] = (sender_fence(rows, k, self._floor(track, name))
+                track.sender_fences[key] = (sender_fence(rows, k, self._floor(track, name), weights)
                                             if len(rows) >= SENDERS else None)
             if track.sender_fences[key] is not None:
                 return track.sender_fences[key]
-        fence = median_fence if self.config.fence == "median" else tukey_fence
+        # `senders` without enough voters but with enough live senders (a liar that never lets an identity reach
+        # `sender_window` keeps a small stage under 3 voters, review RC s23: the pooled Tukey fence, whose breakdown
+        # is 25% of the traffic, let a 1-in-3 liar shrink to c 0.001): the pooled median fence (50%)
+        median = self.config.fence == "median" or (
+            self.config.fence == "senders" and len(set(track.accepted_from) - self._convicted) >= SENDERS)
+        fence = median_fence if median else tukey_fence
         return fence(list(track.windows[name]), k, self._floor(track, name))
 
     def _floor(self, track: _Track, name: str) -> float:
