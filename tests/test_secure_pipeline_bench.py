@@ -17,7 +17,7 @@ from phalanx.benchmarks.secure_pipeline import (
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.swarm import peer_identity
-from phalanx.runs.pipeline.launch_churn import churn_stream, iteration_churn
+from phalanx.runs.pipeline.launch_churn import iteration_churn
 from phalanx.runs.pipeline.presets import PIPELINE_PRESETS
 
 
@@ -96,13 +96,13 @@ def test_the_all_cells_attackers_stay_so_that_every_attack_runs_in_every_seed():
     steps = PIPELINE_PRESETS[config.preset]().steps
     for seed in range(3):
         secure, plain = (run_config(config, "all", side, seed) for side in ("secure", "plain"))
-        assert secure.faults == plain.faults and secure.faults.staying == [0, 1]
+        assert secure.faults == plain.faults and secure.faults.staying == [0, 1] and secure.faults.leave_span == 0.11
         histories = []
         for run in (secure, plain):
             relays = [str(r) for r in range(run.relays)]
-            rng, down, history = churn_stream(run.seed), set(), []
+            down, history = set(), []
             for it in range(steps):
-                for relay, fraction in iteration_churn(rng, relays, down, run.faults, {str(r) for r in run.faults.staying}):
+                for relay, fraction in iteration_churn(run.seed, it, relays, down, run.faults, {str(r) for r in run.faults.staying}):
                     (down.discard if fraction is None else down.add)(relay)
                     history.append((it, relay, fraction))
             histories.append(history)

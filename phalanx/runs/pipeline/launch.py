@@ -485,12 +485,13 @@ class Joins:
 def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed: dict[str, int], banned: frozenset[str],
            opened: list[tuple[int, float, float]], addrs: list[str], now: float) -> None:
     """Apply the churn decisions for the iterations opened so far (the first data node's `opened` rows, its
-    clock: monotonic, as ours): at each opening, first the leaves due by then, then the relays that come back
+    clock: monotonic, as ours): at each opening, first the leaves due by then or drawn in an earlier iteration
+    (a leave falls within its iteration), then the relays that come back
     (started again under their own index, with --join, once the old process is gone); then the leaves due by
     `now`, the time the rows were read (a later time could pass an opening not read yet). `banned`: the relays
     (by name) in the first data node's banned set, as its rows say."""
     for it, at, duration in opened[churn.opened + 1:]:
-        _leaves(churn, at, workers, joins, placed, banned)
+        _leaves(churn, at, workers, joins, placed, banned, opening=it)
         for event in churn.open(it, at, duration):
             print(f"phalanx: churn: relay {event.name} returns in iteration {event.it}", file=sys.stderr)
             joins.started(event.name)
@@ -503,16 +504,17 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed:
 
 
 def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: Joins, placed: dict[str, int],
-            banned: frozenset[str]) -> None:
-    """Take the leaves due by `now` (the stage rule may keep some), killing their processes."""
-    if not churn.due(now):
+            banned: frozenset[str], opening: int | None = None) -> None:
+    """Take the leaves due by `now` (and, as iteration `opening` opens, those drawn before it; the stage rule may
+    keep some), killing their processes."""
+    if not churn.due(now, opening):
         return
     # A relay keeps its stage alive only from the iteration it serves: over hivemind at 20 % churn, stage 2's last
     # serving relay was taken while a joiner there had the weights but served only from the next iteration, and
     # that iteration finished nothing.
     serving = {n: stage for n, stage in placed.items()
                if workers.procs[n].poll() is None and joins.serves_from.get(n, 0) <= churn.opened}
-    for event in churn.leave(now, serving, banned):
+    for event in churn.leave(now, serving, banned, opening):
         print(f"phalanx: churn: relay {event.name} leaves in iteration {event.it}", file=sys.stderr)
         workers.kill(event.name)
         placed.pop(event.name, None)

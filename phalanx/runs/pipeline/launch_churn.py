@@ -7,21 +7,35 @@ that left comes back with probability `join_rate`, under its own identity
 (it joins through the leader: placement, weights download, then it serves; a
 Byzantine index stays Byzantine, a banned one meets the join refusal), and
 each other relay leaves with probability `leave_rate` at a random point of
-the iteration (a fraction of the last iteration's duration). `simulate`
-restarts the peer (`network.restart`); `launch` starts a new process under
-the same index with `--join` after the old one is dead. join_rate brings back
-relays that left, as in the simulator: no relay beyond `config.peers` joins by
-churn (`faults.rejoin_after` and `phalanx peer` add new identities). The relays
-of `faults.stay` never leave by churn (an attacker that wants to stay in the
+the iteration: `fraction x faults.leave_span` seconds after it opens, or, with
+no span set, `fraction x` the last iteration's duration. `simulate` restarts
+the peer (`network.restart`); `launch` starts a new process under the same
+index with `--join` after the old one is dead. join_rate brings back relays
+that left, as in the simulator: no relay beyond `config.peers` joins by churn
+(`faults.rejoin_after` and `phalanx peer` add new identities). The relays of
+`faults.stay` never leave by churn (an attacker that wants to stay in the
 run: the bench's `all` cell keeps its Byzantine relays so that every attack
-runs in every seed); their draws are made and dropped.
+runs in every seed).
+
+Each relay draws from its own stream per iteration (`churn_draws`: seed,
+relay index, iteration), its leave, its leave's point and its return, whatever
+its state: a relay's fate in an iteration depends only on whether it is down
+then, never on the other relays or on how many draws came before. So two runs
+of the same seed at different speeds (the secure and the plain pipeline of
+issue 18's bench) take the same decisions wherever the rules below do not
+intervene, and with `faults.leave_span` set both place a leave at the same
+moment after the iteration opens. Without it (the default) a leave's moment
+follows the run's own pace, as GWTF's per-iteration churn: a slower run has
+its leaves later, and they may fall in another phase or iteration.
 
 A leave takes the relay unless it is the last live replica of its stage that
 is not banned (its weights would be gone: GWTF does not say how a wiped-out
 stage recovers; a banned replica serves nobody), as the simulator's `_leave`.
 A relay that serves no stage (still joining, refused, or its join failed) may
-always leave; it stays among the live relays for the draws until it does, as
-an idle simulated peer does. A relay that came back serves, and keeps its stage
+always leave, in both modes. A leave falls within the iteration it was drawn
+in: one not yet due when the next iteration opens falls then, before that
+iteration's draws, so that whether a relay is down when an iteration opens
+does not depend on how long the last one took. A relay that came back serves, and keeps its stage
 alive, only from the iteration after the one under way when its weights came
 in (its join event's `since`).
 
@@ -37,8 +51,7 @@ the launch's events leave the simulator's.
 from __future__ import annotations
 
 import bisect
-import random
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ...core.rng import py_stream
@@ -47,27 +60,33 @@ from .config import ChurnConfig, PipelineRunConfig
 BTARD_STAGE_FLOOR = 2  # launch under BTARD per stage: churn leaves this many unbanned serving replicas in a stage
 
 
-def churn_stream(seed: int) -> random.Random:
-    """The churn draws' stream of a run (the same in `simulate` and `launch`)."""
-    return py_stream(seed, "pipeline", "churn")
+def churn_draws(seed: int, relay: int, it: int) -> tuple[float, float, float]:
+    """Relay `relay`'s (index among the relays) draws in iteration `it`: (leave, leave's point, return), each
+    uniform in [0, 1), from a stream of its own (the same in `simulate` and `launch`)."""
+    rng = py_stream(seed, "pipeline", "churn", relay, it)
+    return rng.random(), rng.random(), rng.random()
 
 
-def iteration_churn(rng: random.Random, relays: Iterable[str], down: set[str] | frozenset[str],
-                    faults: ChurnConfig, stay: Collection[str] = ()) -> list[tuple[str, float | None]]:
-    """The draws of one opening iteration, in relay order: (relay, None) for a relay in `down` that comes
-    back now, (relay, fraction) for a live one that leaves `fraction` of the last iteration's duration
-    into this one. A relay in `stay` (`faults.stay`) draws as any other and its leave is dropped."""
+def iteration_churn(seed: int, it: int, relays: Sequence[str], down: Collection[str], faults: ChurnConfig,
+                    stay: Collection[str] = ()) -> list[tuple[str, float | None]]:
+    """The decisions of opening iteration `it`, in relay order (relay index = position in `relays`): (relay, None)
+    for a relay in `down` that comes back now, (relay, fraction) for a live one that leaves `fraction` of the
+    way into this iteration (`leave_offset`). A relay in `stay` (`faults.stay`) never leaves."""
     drawn: list[tuple[str, float | None]] = []
-    for relay in relays:
+    for index, relay in enumerate(relays):
+        leave, fraction, back = churn_draws(seed, index, it)
         if relay in down:
-            if faults.join_rate and rng.random() < faults.join_rate:
+            if back < faults.join_rate:
                 drawn.append((relay, None))
-            continue
-        if faults.leave_rate and rng.random() < faults.leave_rate:
-            fraction = rng.random()
-            if relay not in stay:
-                drawn.append((relay, fraction))
+        elif leave < faults.leave_rate and relay not in stay:
+            drawn.append((relay, fraction))
     return drawn
+
+
+def leave_offset(faults: ChurnConfig, fraction: float, last_duration: float) -> float:
+    """Seconds after its iteration opens that a leave drawn at `fraction` falls: of `faults.leave_span` when set
+    (a moment every run of the seed shares), else of the last iteration's duration (the run's own pace)."""
+    return fraction * (faults.leave_span or last_duration)
 
 
 def leave_allowed(name: str, stages: Mapping[str, int], banned: Collection[str], floor: int = 1) -> bool:
@@ -108,7 +127,6 @@ class PipelineChurn:
         self.opened = -1  # the last iteration whose draws are made
         self.scheduled: list[_Leave] = []  # leaves drawn and not yet due, by time
         self.events: list[RelayChurn] = []
-        self._rng = churn_stream(config.seed)
 
     @staticmethod
     def wanted(config: PipelineRunConfig) -> bool:
@@ -125,27 +143,34 @@ class PipelineChurn:
             raise ValueError(f"iteration {it} opened after {self.opened}")
         self.opened = it
         back = []
-        for name, fraction in iteration_churn(self._rng, self.relays, self.down, self.config.faults, self.stay):
+        faults = self.config.faults
+        for name, fraction in iteration_churn(self.config.seed, it, self.relays, self.down, faults, self.stay):
             if fraction is None:
                 self.down.discard(name)
                 back.append(RelayChurn(it, name, "returned"))
             else:
-                bisect.insort(self.scheduled, _Leave(at + fraction * duration, it, name))
+                bisect.insort(self.scheduled, _Leave(at + leave_offset(faults, fraction, duration), it, name))
         self.events.extend(back)
         return back
 
-    def due(self, now: float) -> bool:
-        """Whether a scheduled leave is due by `now`."""
-        return bool(self.scheduled) and self.scheduled[0].at <= now
+    def due(self, now: float, opening: int | None = None) -> bool:
+        """Whether a scheduled leave is due by `now`, or (`opening`: iteration `opening` opens now) was drawn in an
+        earlier iteration: a leave falls within its iteration."""
+        return any(leave.at <= now or (opening is not None and leave.it < opening) for leave in self.scheduled)
 
-    def leave(self, now: float, serving: dict[str, int], banned: frozenset[str] = frozenset()) -> list[RelayChurn]:
-        """The leaves due by `now` that take their relay. `serving` maps each live relay that serves (weights
-        in) to its stage; `banned`: the relays the first data node has banned so far (they do not keep a stage
-        alive)."""
+    def leave(self, now: float, serving: dict[str, int], banned: frozenset[str] = frozenset(),
+              opening: int | None = None) -> list[RelayChurn]:
+        """The leaves due by `now` (and, as iteration `opening` opens, those drawn before it), in time order, that
+        take their relay. `serving` maps each live relay that serves (weights in) to its stage; `banned`: the
+        relays the first data node has banned so far (they do not keep a stage alive)."""
         stages = dict(serving)
         gone = []
-        while self.due(now):
-            leave = self.scheduled.pop(0)
+        due: list[_Leave] = []
+        later: list[_Leave] = []
+        for leave in self.scheduled:
+            (due if leave.at <= now or (opening is not None and leave.it < opening) else later).append(leave)
+        self.scheduled = later
+        for leave in due:
             name = leave.name
             if name in self.down or not leave_allowed(name, stages, banned, self.floor):
                 continue
