@@ -142,6 +142,22 @@ def test_two_runs_at_different_speeds_meet_the_same_churn(span):
     assert sorted((e.it, e.name, e.event) for e in churn.events) == sorted((it, names[p], d) for it, p, d, _ in slow)
 
 
+def test_under_btard_per_stage_simulated_churn_leaves_two_replicas_in_a_stage():
+    """Session 23, the bench's `all` cell, seed 1: the simulator's churn left stage 2 one replica, the link attacker
+    (it stays), and its ban at iteration 20 emptied the stage for good: 20 iterations finished nothing, two honest
+    replicas were banned in the stalled rounds. Under BTARD per stage simulated churn keeps two, as `launch` does.
+    Every relay draws a leave in iteration 0: one of each stage's three goes (two with faults.stage_floor=1)."""
+    from phalanx.runs.config import override
+    from phalanx.runs.pipeline.run import simulate_pipeline
+
+    for floor, left in ((0, 2), (1, 4)):
+        churn = ["faults.leave_rate=1.0", "faults.leave_span=0.01", f"faults.stage_floor={floor}"]
+        config = override(get_preset("chars-gpt-pipeline"), ["btard.enabled=true", "steps=1", *churn])
+        events = simulate_pipeline(config, progress=False)["events"]
+        decisions = [e["decision"] for e in events if e["kind"] == "churn"]
+        assert (decisions.count("left"), decisions.count("kept")) == (left, 6 - left)
+
+
 def test_a_leave_falls_within_its_iteration_and_waits_for_its_time():
     config = _config(1.0, 0.0, seed=3)
     churn = PipelineChurn(config)
@@ -261,11 +277,12 @@ def test_under_btard_per_stage_launch_churn_leaves_two_replicas_in_a_stage():
     """Real time: a relay that comes back serves tens of seconds later, so under BTARD per stage a stage keeps two
     unbanned replicas (measured: with one, the liar, its ban emptied stage 1 for good in a launched all cell)."""
     from phalanx.runs.config import override
-    from phalanx.runs.pipeline.launch import launch_floor
+    from phalanx.runs.pipeline.launch_churn import stage_floor
 
     config = _config(1.0, 0.0, seed=1, steps=10)
-    assert launch_floor(config) == 1  # no BTARD: the simulator's rule
-    assert launch_floor(override(get_preset("secure-gpt-pipeline"), [])) == 2
+    assert stage_floor(config) == 1  # no BTARD
+    assert stage_floor(override(get_preset("secure-gpt-pipeline"), [])) == 2
+    assert stage_floor(override(get_preset("secure-gpt-pipeline"), ["faults.stage_floor=1"])) == 1
     live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}  # stage 1: 1, 3, 5
     churn = PipelineChurn(config, floor=2)
     churn.open(0, 0.0, 1.0)

@@ -21,7 +21,9 @@ verifiers, BTARD per stage) it runs, per seed, these cells:
   iteration opens on both sides (`faults.leave_span`), not at a fraction of the last iteration's length,
   which differs between the sides. `leave_span` (0.11 s) is just under the plain clean iteration
   (0.114-0.124 s in seeds 0-2, of which 0.084-0.094 s of microbatches on both sides): a leave falls within
-  its iteration on both sides, in the same phase (microbatches, then the stage aggregation). Decisions
+  its iteration on both sides, in the same phase (microbatches, then the stage aggregation). On both sides
+  churn leaves a stage `stage_floor` (2) unbanned replicas, the secure side's own rule under BTARD per stage
+  (with one left, the link attacker in seed 1, its ban emptied stage 2 for good). Decisions
   that legitimately differ (the stage rule keeps a stage's last unbanned replica, a banned replica serves
   nobody) are counted under the table (`churn` per run: iteration,
   relay and decision of each draw that acted).
@@ -93,6 +95,7 @@ class SecurePipelineConfig:
     join_rate: float = 0.1
     stay: bool = True  # all: its Byzantine relays never leave by churn (faults.stay); false: churn takes them too
     leave_span: float = 0.11  # all: a leave falls within this many simulated seconds after its iteration opens, on both sides
+    stage_floor: int = 2  # all: churn leaves a stage this many unbanned replicas, on both sides (the secure side's default)
     jobs: int = 1  # parallel processes (0: one per core)
     read_only: bool = False  # tabulate the runs.csv in the output directory, run nothing
 
@@ -109,8 +112,9 @@ class SecurePipelineConfig:
             raise ConfigError("cells must include clean: every loss is compared with it")
         if not (0 <= self.leave_rate <= 1 and 0 <= self.join_rate <= 1):
             raise ConfigError("leave_rate and join_rate are probabilities in [0, 1]")
-        if self.leave_span < 0:
-            raise ConfigError("leave_span must be >= 0 simulated seconds (0: the last iteration's duration, per side)")
+        if self.leave_span < 0 or self.stage_floor < 0:
+            raise ConfigError("leave_span must be >= 0 simulated seconds (0: the last iteration's duration, per side), "
+                              "stage_floor >= 0 (0: each side's own)")
 
     def cell_list(self) -> list[str]:
         return [c for c in self.cells.split(",") if c]
@@ -165,7 +169,7 @@ def settings(config: SecurePipelineConfig, cell: str, side: str, seed: int) -> l
                      f"attack.relays={relays}", f"attack.start={start}"]
     if cell == "all":
         sets += [f"faults.leave_rate={config.leave_rate}", f"faults.join_rate={config.join_rate}",
-                 f"faults.leave_span={config.leave_span}"]
+                 f"faults.leave_span={config.leave_span}", f"faults.stage_floor={config.stage_floor}"]
         if config.stay:
             sets.append(f"faults.stay={','.join(map(str, sorted(attackers(config, 'all', 'secure'))))}")
     return sets

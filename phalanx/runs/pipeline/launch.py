@@ -47,7 +47,7 @@ from ..launcher import (
 from ..netns import NetnsConfig
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import PipelineRunConfig
-from .launch_churn import BTARD_STAGE_FLOOR, PipelineChurn
+from .launch_churn import PipelineChurn, stage_floor
 from .run import (
     PipelineRecorder,
     build_node,
@@ -293,12 +293,6 @@ def _run_ended(transport, data_nodes: list[str]) -> bool:
     return bool(transport.board.get(FINISHED, 0).keys() & set(data_nodes))
 
 
-def launch_floor(config: PipelineRunConfig) -> int:
-    """The unbanned serving replicas launch churn leaves in a stage: more than the simulator's one under BTARD
-    per stage, where a relay that comes back cannot refill a stage before a lone liar's ban empties it."""
-    return BTARD_STAGE_FLOOR if config.btard.enabled else 1
-
-
 def launch_hosts(config: PipelineRunConfig) -> int:
     """The hosts of `launch --netns`: node i on host i, then the boundary verifiers by link; each joining
     relay (`faults.rejoin_after`, churn) gets a further, unshaped host as it starts."""
@@ -329,7 +323,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
                 workers.start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers-file", str(address_file))
             addrs = workers.address("0", address_file, JOIN_TIMEOUT, "the first peer")
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
-            churn = PipelineChurn(config, launch_floor(config)) if PipelineChurn.wanted(config) else None
+            churn = PipelineChurn(config, stage_floor(config)) if PipelineChurn.wanted(config) else None
             placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays that serve, by stage
             names = {peer_identity(config.seed, int(n)).peer_id: n for n in nodes}
             opened_at = None

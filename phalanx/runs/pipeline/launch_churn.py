@@ -39,13 +39,14 @@ does not depend on how long the last one took. A relay that came back serves, an
 alive, only from the iteration after the one under way when its weights came
 in (its join event's `since`).
 
-Where real time differs: a relay that comes back needs tens of seconds (a new
-process: imports, daemon, placement, download) to serve, against none in the
-simulator, so it cannot refill a stage within the iteration. Under BTARD per
-stage the launch therefore keeps `BTARD_STAGE_FLOOR` unbanned replicas per
-stage: with one left, that one may be the liar, and its ban empties the stage
-for good (measured: docs/notes/issue-18.md, session 18). Where the floor binds,
-the launch's events leave the simulator's.
+Under BTARD per stage churn keeps `BTARD_STAGE_FLOOR` unbanned replicas per
+stage, in both modes (`stage_floor`; `faults.stage_floor` sets another): with
+one left, that one may be the liar, and its ban empties the stage for good, as
+no live replica is left to give a joiner the stage's weights (measured over
+hivemind in session 18, where a relay that comes back needs tens of seconds to
+serve, and in the simulator in session 23: issue 18's `all` cell, seed 1, lost
+stage 2 at iteration 20 for the rest of the run when the link attacker, its
+last replica, was banned).
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ from dataclasses import dataclass, field
 from ...core.rng import py_stream
 from .config import ChurnConfig, PipelineRunConfig
 
-BTARD_STAGE_FLOOR = 2  # launch under BTARD per stage: churn leaves this many unbanned serving replicas in a stage
+BTARD_STAGE_FLOOR = 2  # under BTARD per stage churn leaves this many unbanned serving replicas in a stage
+
+
+def stage_floor(config: PipelineRunConfig) -> int:
+    """The unbanned serving replicas churn leaves in a stage: `faults.stage_floor`, or (0) `BTARD_STAGE_FLOOR`
+    under BTARD per stage and one otherwise."""
+    return config.faults.stage_floor or (BTARD_STAGE_FLOOR if config.btard.enabled else 1)
 
 
 def churn_draws(seed: int, relay: int, it: int) -> tuple[float, float, float]:
@@ -118,7 +125,7 @@ class PipelineChurn:
     """Which relays to stop and start again as iterations open (decisions only; the launcher acts)."""
 
     def __init__(self, config: PipelineRunConfig, floor: int = 1) -> None:
-        """`floor`: the unbanned serving replicas a leave leaves in its stage (1: the simulator's rule)."""
+        """`floor`: the unbanned serving replicas a leave leaves in its stage (`stage_floor(config)` in a run)."""
         self.config = config
         self.floor = floor
         self.relays = [str(i) for i in range(config.data_nodes, config.peers)]

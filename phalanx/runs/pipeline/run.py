@@ -40,7 +40,7 @@ from ...transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
 from ..dp.swarm import peer_identity
 from ..live import LiveLog
 from .config import PipelineRunConfig
-from .launch_churn import iteration_churn, leave_allowed, leave_offset
+from .launch_churn import iteration_churn, leave_allowed, leave_offset, stage_floor
 
 
 def pipeline_task(config: PipelineRunConfig) -> Task:
@@ -332,10 +332,10 @@ def simulate_pipeline(
                 network.schedule(event["t1"] + f.crash_at, lambda: _crash(event["peer"]))
 
         def _leave(pid: str, drawn: int) -> None:
-            """Churn takes a relay (its draw of iteration `drawn`), unless it is the last live one of its stage that
-            is not banned (the stage's weights would be gone: GWTF does not say how a wiped-out stage recovers; a
-            banned replica serves nobody, as the first data node sees it). A relay still joining (not placed, or
-            refused) serves no stage and may always go, as in `launch`."""
+            """Churn takes a relay (its draw of iteration `drawn`), unless it would leave its stage fewer unbanned
+            live replicas than `stage_floor` (one; two under BTARD per stage): the stage's weights would be gone, and
+            GWTF does not say how a wiped-out stage recovers; a banned replica serves nobody, as the first data node
+            sees it. A relay still joining (not placed, or refused) serves no stage and may always go, as in `launch`."""
             if leaving.get(pid, (0.0, None))[1] != drawn:
                 return  # fell already, as its iteration ended
             del leaving[pid]
@@ -345,7 +345,7 @@ def simulate_pipeline(
             node = nodes.get(pid)
             out = nodes[ids[starter]].banned if ids[starter] in nodes else set()
             serving = {p: n.stage for p, n in nodes.items() if p not in crashed and n.version >= node.version} if node else {}
-            if leave_allowed(pid, serving, out):  # the rule `launch` applies too
+            if leave_allowed(pid, serving, out, stage_floor(config)):  # the rule `launch` applies too
                 _crash(pid)
                 churned(pid, drawn, "left")
             else:
