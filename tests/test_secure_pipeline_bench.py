@@ -96,7 +96,8 @@ def test_the_all_cells_attackers_stay_so_that_every_attack_runs_in_every_seed():
     steps = PIPELINE_PRESETS[config.preset]().steps
     for seed in range(3):
         secure, plain = (run_config(config, "all", side, seed) for side in ("secure", "plain"))
-        assert secure.faults == plain.faults and secure.faults.staying == [0, 1] and secure.faults.leave_span == 0.11
+        assert secure.faults == plain.faults and secure.faults.staying == [0, 1]
+        assert (secure.faults.leave_span, secure.faults.stage_floor) == (0.11, 2)  # a moment and a rule both sides share
         histories = []
         for run in (secure, plain):
             relays = [str(r) for r in range(run.relays)]
@@ -112,3 +113,11 @@ def test_the_all_cells_attackers_stay_so_that_every_attack_runs_in_every_seed():
     with pytest.raises(ConfigError, match="faults.stay"):
         override(run_config(config, "all", "secure", 0), ["faults.stay=12"])
     assert run_config(override(config, ["stay=false"]), "all", "secure", 0).faults.staying == []  # the old choice
+
+
+def test_the_table_counts_the_churn_decisions_the_two_sides_share():
+    from phalanx.benchmarks.secure_pipeline import churn_comparison
+
+    secure, plain = "1:3:L 2:3:R 5:4:S 7:2:L", "1:3:L 2:3:R 5:4:L 6:4:R 7:2:L"
+    assert churn_comparison(secure, plain) == "3 of 5 the same; differ: 5:4 S/L, 6:4 -/R"
+    assert churn_comparison("", "") == "0 of 0 the same"
