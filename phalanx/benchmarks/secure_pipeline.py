@@ -23,10 +23,10 @@ verifiers, BTARD per stage) it runs, per seed, these cells:
   (0.114-0.124 s in seeds 0-2, of which 0.084-0.094 s of microbatches on both sides): a leave falls within
   its iteration on both sides, in the same phase (microbatches, then the stage aggregation). On both sides
   churn leaves a stage `stage_floor` (2) unbanned replicas, the secure side's own rule under BTARD per stage
-  (with one left, the link attacker in seed 1, its ban emptied stage 2 for good). Decisions
-  that legitimately differ (the stage rule keeps a stage's last unbanned replica, a banned replica serves
-  nobody) are counted under the table (`churn` per run: iteration,
-  relay and decision of each draw that acted).
+  (with one left, the link attacker in seed 1, its ban emptied stage 2 for good). Decisions that
+  legitimately differ (the stage rule counts unbanned replicas that serve the current version: a banned
+  replica serves nobody, and a relay that came back is placed by other rules under BTARD per stage) are
+  counted under the table (`churn` per run: iteration, relay and decision of each draw that acted).
 
 Beside each, the same cell on the plain pipeline (mean reducer, no verifiers, no BTARD). The plain
 pipeline has no all-reduce protocol to lie in, so its protocol and forge cells run the same relay lying
