@@ -1,4 +1,4 @@
-"""Churn of a launched pipeline: the simulator's draws (same stream, same order), relays that come back under
+"""Churn of a launched pipeline: the simulator's draws (one stream per relay and iteration), relays that come back under
 their own index, never the last unbanned relay of a stage (two under BTARD per stage); the launcher restarts a
 relay under its name with --join, reads its appended records from where the new process begins, and starts it
 only once the old one is gone."""
@@ -11,10 +11,9 @@ import uuid
 import pytest
 
 from phalanx.core.errors import LocalError
-from phalanx.core.rng import py_stream
 from phalanx.runs.launcher import ProcessLauncher
 from phalanx.runs.pipeline.config import ChurnConfig
-from phalanx.runs.pipeline.launch_churn import PipelineChurn
+from phalanx.runs.pipeline.launch_churn import PipelineChurn, churn_draws
 from phalanx.runs.presets import get_preset
 from phalanx.runs.processes import marked_processes
 
@@ -24,14 +23,15 @@ def _config(leave: float, join: float, seed: int = 0, steps: int = 60):
     return dataclasses.replace(config, seed=seed, steps=steps, faults=ChurnConfig(leave_rate=leave, join_rate=join))
 
 
-def _run(leave: float, join: float, seed: int = 0, steps: int = 60) -> tuple[PipelineChurn, list[dict[str, int]]]:
+def _run(leave: float, join: float, seed: int = 0, steps: int = 60,
+         banned: frozenset[str] = frozenset()) -> tuple[PipelineChurn, list[dict[str, int]]]:
     """Iterations opening one second apart, each lasting a second; a relay that comes back serves its first stage."""
     config = _config(leave, join, seed, steps)
     churn = PipelineChurn(config)
     live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}
     views = []
     for it in range(steps):
-        for event in churn.leave(float(it), live):
+        for event in churn.leave(float(it), live, banned):
             del live[event.name]
         for event in churn.open(it, float(it), 1.0):
             live[event.name] = config.stage_of(int(event.name))
@@ -39,23 +39,22 @@ def _run(leave: float, join: float, seed: int = 0, steps: int = 60) -> tuple[Pip
     return churn, views
 
 
-def _simulator_draws(config, steps: int) -> list[tuple[int, str, str]]:
-    """The simulator's churn loop as `simulate` ran it before this module shared it (on_start in runs/pipeline/run.py:
-    py_stream(seed, "pipeline", "churn"), a leave at uniform(0, last duration) into the iteration), every leave taken."""
-    rng = py_stream(config.seed, "pipeline", "churn")
-    crashed: set[str] = set()
+def _drawn(config, steps: int) -> list[tuple[int, str, str]]:
+    """The churn decisions by their definition, every leave taken: relay r (process data_nodes + r) draws
+    `churn_draws(seed, r, it)` = (leave, point, return) in iteration it; it leaves if up and leave < leave_rate,
+    comes back if down and return < join_rate."""
+    down: set[str] = set()
     events = []
     for it in range(steps):
-        for pid in [str(i) for i in range(config.data_nodes, config.peers)]:
-            if pid in crashed:
-                if config.faults.join_rate and rng.random() < config.faults.join_rate:
-                    crashed.discard(pid)
-                    events.append((it, pid, "returned"))
-                continue
-            if config.faults.leave_rate and rng.random() < config.faults.leave_rate:
-                rng.uniform(0, 1.0)
-                crashed.add(pid)  # (the simulator crashes it later in the iteration: no draw in between)
-                events.append((it, pid, "left"))
+        for r in range(config.relays):
+            name = str(config.data_nodes + r)
+            leave, _, back = churn_draws(config.seed, r, it)
+            if name in down and back < config.faults.join_rate:
+                down.discard(name)
+                events.append((it, name, "returned"))
+            elif name not in down and leave < config.faults.leave_rate:
+                down.add(name)
+                events.append((it, name, "left"))
     return events
 
 
@@ -82,13 +81,81 @@ def test_launch_takes_the_simulators_draws():
             churn.leave(float(it), {})
             churn.open(it, float(it), 1.0)
         churn.leave(40.0, {})
-        assert sorted((e.it, e.name, e.event) for e in churn.events) == sorted(_simulator_draws(config, 40))
+        assert sorted((e.it, e.name, e.event) for e in churn.events) == sorted(_drawn(config, 40))
 
 
 def test_decisions_are_seeded_and_none_without_rates():
     assert _run(0.1, 0.3, seed=4)[0].events == _run(0.1, 0.3, seed=4)[0].events
     assert _run(0.1, 0.3, seed=4)[0].events != _run(0.1, 0.3, seed=5)[0].events
     assert _run(0.0, 0.0)[0].events == []
+
+
+def test_a_leave_the_stage_rule_keeps_shifts_no_other_relays_churn():
+    """Session 22 (helper E's trace of the bench's `all` cell): the run drew all churn from one stream, so a leave
+    the stage rule kept (the relay then drew a leave, not a return, in the next iteration) shifted every later draw
+    of every relay. Now each relay draws from its own stream per iteration: here stage 1's rule binds differently
+    (relay 5 banned in one run: it keeps stage 1 alive in neither), and stage 2's churn is the same in both."""
+    free, _ = _run(0.3, 0.3, seed=2, steps=40)
+    ruled, _ = _run(0.3, 0.3, seed=2, steps=40, banned=frozenset({"5"}))
+
+    def of(churn: PipelineChurn, stage: set[str]) -> list[tuple[int, str, str]]:
+        return [(e.it, e.name, e.event) for e in churn.events if e.name in stage]
+
+    assert of(free, {"1", "3", "5"}) != of(ruled, {"1", "3", "5"})  # the rule acted differently in stage 1
+    assert of(free, {"2", "4", "6"}) == of(ruled, {"2", "4", "6"}) and len(of(free, {"2", "4", "6"})) >= 10
+
+
+@pytest.mark.parametrize("span", [0.05, 0.0])
+def test_two_runs_at_different_speeds_meet_the_same_churn(span):
+    """The secure and the plain side of issue 18's bench run the same seed at different speeds. Session 22: they
+    shared 10 of 26 / 35 churn events (one stream for all draws, whose count depends on who is down; a leave fell at
+    a fraction of the *last* iteration's length, and then in the next iteration if this one was shorter). Now a 5x
+    slower run takes the same decisions per (relay, iteration): with `faults.leave_span` set each leave also falls
+    the same simulated time after its iteration opens; without it (the last iteration's length) a leave that has
+    not fallen when the next iteration opens falls then. `launch`'s PipelineChurn, told the same openings, takes the
+    same decisions (no stage rule binds in this seed)."""
+    from phalanx.runs.config import override
+    from phalanx.runs.dp.swarm import peer_identity
+    from phalanx.runs.pipeline.run import simulate_pipeline
+
+    runs, lengths = [], []
+    for speed in ([], ["network.flops=2e9"]):
+        config = override(get_preset("chars-gpt-pipeline"), ["steps=8", "faults.leave_rate=0.2", "faults.join_rate=0.3",
+                                                             f"faults.leave_span={span}", *speed])
+        summary = simulate_pipeline(config, progress=False)
+        opened = {m["step"]: m["t_start"] for m in summary["metrics"]}
+        runs.append([(e["it"], e["peer"], e["decision"], round(e["t0"] - opened[e["it"]], 9))
+                     for e in summary["events"] if e["kind"] == "churn"])
+        lengths.append([m["duration"] for m in summary["metrics"]])
+    assert min(lengths[1]) > 3 * min(lengths[0])  # the shortest iteration (no churn in it): 0.42 s against 0.077
+    fast, slow = runs
+    assert [event[:3] for event in fast] == [event[:3] for event in slow]
+    assert {d for _, _, d, _ in fast} == {"left", "returned"}
+    if span:
+        assert fast == slow and all(0 < offset < span for _, _, d, offset in fast if d == "left")
+    churn = PipelineChurn(config)
+    names = {peer_identity(config.seed, i).peer_id: str(i) for i in range(config.peers)}
+    for it, at in sorted(opened.items()):
+        churn.leave(at, {}, opening=it)
+        churn.open(it, at, lengths[1][it - 1] if it else config.pipeline.complete_timeout)
+    churn.leave(float("inf"), {})
+    assert sorted((e.it, e.name, e.event) for e in churn.events) == sorted((it, names[p], d) for it, p, d, _ in slow)
+
+
+def test_under_btard_per_stage_simulated_churn_leaves_two_replicas_in_a_stage():
+    """Session 23, the bench's `all` cell, seed 1: the simulator's churn left stage 2 one replica, the link attacker
+    (it stays), and its ban at iteration 20 emptied the stage for good: 20 iterations finished nothing, two honest
+    replicas were banned in the stalled rounds. Under BTARD per stage simulated churn keeps two, as `launch` does.
+    Every relay draws a leave in iteration 0: one of each stage's three goes (two with faults.stage_floor=1)."""
+    from phalanx.runs.config import override
+    from phalanx.runs.pipeline.run import simulate_pipeline
+
+    for floor, left in ((0, 2), (1, 4)):
+        churn = ["faults.leave_rate=1.0", "faults.leave_span=0.01", f"faults.stage_floor={floor}"]
+        config = override(get_preset("chars-gpt-pipeline"), ["btard.enabled=true", "steps=1", *churn])
+        events = simulate_pipeline(config, progress=False)["events"]
+        decisions = [e["decision"] for e in events if e["kind"] == "churn"]
+        assert (decisions.count("left"), decisions.count("kept")) == (left, 6 - left)
 
 
 def test_a_leave_falls_within_its_iteration_and_waits_for_its_time():
@@ -150,7 +217,7 @@ def test_a_joiner_overtaken_by_the_end_of_the_run_stops_without_failing():
 
 def test_a_banned_replica_does_not_keep_its_stage_alive():
     """Stage 1 holds relays 1, 3 and 5, and 5 is banned: it leaves, and of 1 and 3 the later to leave stays."""
-    config = _config(1.0, 0.0, seed=3, steps=10)
+    config = _config(1.0, 0.0, seed=1, steps=10)
     live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}
     churn = PipelineChurn(config)
     churn.open(0, 0.0, 1.0)
@@ -210,11 +277,12 @@ def test_under_btard_per_stage_launch_churn_leaves_two_replicas_in_a_stage():
     """Real time: a relay that comes back serves tens of seconds later, so under BTARD per stage a stage keeps two
     unbanned replicas (measured: with one, the liar, its ban emptied stage 1 for good in a launched all cell)."""
     from phalanx.runs.config import override
-    from phalanx.runs.pipeline.launch import launch_floor
+    from phalanx.runs.pipeline.launch_churn import stage_floor
 
-    config = _config(1.0, 0.0, seed=3, steps=10)
-    assert launch_floor(config) == 1  # no BTARD: the simulator's rule
-    assert launch_floor(override(get_preset("secure-gpt-pipeline"), [])) == 2
+    config = _config(1.0, 0.0, seed=1, steps=10)
+    assert stage_floor(config) == 1  # no BTARD
+    assert stage_floor(override(get_preset("secure-gpt-pipeline"), [])) == 2
+    assert stage_floor(override(get_preset("secure-gpt-pipeline"), ["faults.stage_floor=1"])) == 1
     live = {str(i): config.stage_of(i) for i in range(config.data_nodes, config.peers)}  # stage 1: 1, 3, 5
     churn = PipelineChurn(config, floor=2)
     churn.open(0, 0.0, 1.0)

@@ -17,7 +17,7 @@ from phalanx.benchmarks.secure_pipeline import (
 from phalanx.core.errors import ConfigError
 from phalanx.runs.config import override
 from phalanx.runs.dp.swarm import peer_identity
-from phalanx.runs.pipeline.launch_churn import churn_stream, iteration_churn
+from phalanx.runs.pipeline.launch_churn import iteration_churn
 from phalanx.runs.pipeline.presets import PIPELINE_PRESETS
 
 
@@ -97,12 +97,13 @@ def test_the_all_cells_attackers_stay_so_that_every_attack_runs_in_every_seed():
     for seed in range(3):
         secure, plain = (run_config(config, "all", side, seed) for side in ("secure", "plain"))
         assert secure.faults == plain.faults and secure.faults.staying == [0, 1]
+        assert (secure.faults.leave_span, secure.faults.stage_floor) == (0.11, 2)  # a moment and a rule both sides share
         histories = []
         for run in (secure, plain):
             relays = [str(r) for r in range(run.relays)]
-            rng, down, history = churn_stream(run.seed), set(), []
+            down, history = set(), []
             for it in range(steps):
-                for relay, fraction in iteration_churn(rng, relays, down, run.faults, {str(r) for r in run.faults.staying}):
+                for relay, fraction in iteration_churn(run.seed, it, relays, down, run.faults, {str(r) for r in run.faults.staying}):
                     (down.discard if fraction is None else down.add)(relay)
                     history.append((it, relay, fraction))
             histories.append(history)
@@ -112,3 +113,11 @@ def test_the_all_cells_attackers_stay_so_that_every_attack_runs_in_every_seed():
     with pytest.raises(ConfigError, match="faults.stay"):
         override(run_config(config, "all", "secure", 0), ["faults.stay=12"])
     assert run_config(override(config, ["stay=false"]), "all", "secure", 0).faults.staying == []  # the old choice
+
+
+def test_the_table_counts_the_churn_decisions_the_two_sides_share():
+    from phalanx.benchmarks.secure_pipeline import churn_comparison
+
+    secure, plain = "1:3:L 2:3:R 5:4:S 7:2:L", "1:3:L 2:3:R 5:4:L 6:4:R 7:2:L"
+    assert churn_comparison(secure, plain) == "3 of 5 the same; differ: 5:4 S/L, 6:4 -/R"
+    assert churn_comparison("", "") == "0 of 0 the same"

@@ -14,9 +14,19 @@ verifiers, BTARD per stage) it runs, per seed, these cells:
   `byzantine.attack` holds one name per run), under relay churn (`leave_rate`, `join_rate` per relay
   and iteration). Its Byzantine relays want to stay (`faults.stay`, `stay=true`): churn never takes them, so each
   attack runs in every seed (on session 21's merged main churn took the link attacker before it could
-  lie in seeds 0 and 2: `idle` and `out` below). Their leave draws are made and dropped, so both sides
-  of a seed draw the same churn (the plain side keeps the same relays in, the all-reduce liar's index
-  too, though it is honest there).
+  lie in seeds 0 and 2: `idle` and `out` below); the plain side keeps the same relays in (the all-reduce
+  liar's index too, though it is honest there).
+  Both sides of a seed meet the same churn: each relay draws its fate per iteration from a stream of its
+  own (`launch_churn.churn_draws`), and a leave falls `fraction x leave_span` simulated seconds after its
+  iteration opens on both sides (`faults.leave_span`), not at a fraction of the last iteration's length,
+  which differs between the sides. `leave_span` (0.11 s) is just under the plain clean iteration
+  (0.114-0.124 s in seeds 0-2, of which 0.084-0.094 s of microbatches on both sides): a leave falls within
+  its iteration on both sides, in the same phase (microbatches, then the stage aggregation). On both sides
+  churn leaves a stage `stage_floor` (2) unbanned replicas, the secure side's own rule under BTARD per stage
+  (with one left, the link attacker in seed 1, its ban emptied stage 2 for good). Decisions that
+  legitimately differ (the stage rule counts unbanned replicas that serve the current version: a banned
+  replica serves nobody, and a relay that came back is placed by other rules under BTARD per stage) are
+  counted under the table (`churn` per run: iteration, relay and decision of each draw that acted).
 
 Beside each, the same cell on the plain pipeline (mean reducer, no verifiers, no BTARD). The plain
 pipeline has no all-reduce protocol to lie in, so its protocol and forge cells run the same relay lying
@@ -84,6 +94,8 @@ class SecurePipelineConfig:
     leave_rate: float = 0.1  # the `all` cell's churn, per relay and iteration
     join_rate: float = 0.1
     stay: bool = True  # all: its Byzantine relays never leave by churn (faults.stay); false: churn takes them too
+    leave_span: float = 0.11  # all: a leave falls within this many simulated seconds after its iteration opens, on both sides
+    stage_floor: int = 2  # all: churn leaves a stage this many unbanned replicas, on both sides (the secure side's default)
     jobs: int = 1  # parallel processes (0: one per core)
     read_only: bool = False  # tabulate the runs.csv in the output directory, run nothing
 
@@ -100,6 +112,9 @@ class SecurePipelineConfig:
             raise ConfigError("cells must include clean: every loss is compared with it")
         if not (0 <= self.leave_rate <= 1 and 0 <= self.join_rate <= 1):
             raise ConfigError("leave_rate and join_rate are probabilities in [0, 1]")
+        if self.leave_span < 0 or self.stage_floor < 0:
+            raise ConfigError("leave_span must be >= 0 simulated seconds (0: the last iteration's duration, per side), "
+                              "stage_floor >= 0 (0: each side's own)")
 
     def cell_list(self) -> list[str]:
         return [c for c in self.cells.split(",") if c]
@@ -153,7 +168,8 @@ def settings(config: SecurePipelineConfig, cell: str, side: str, seed: int) -> l
             sets += ["attack.name=scaling", "attack.target=aggregation", f"attack.factor={config.plain_factor}",
                      f"attack.relays={relays}", f"attack.start={start}"]
     if cell == "all":
-        sets += [f"faults.leave_rate={config.leave_rate}", f"faults.join_rate={config.join_rate}"]
+        sets += [f"faults.leave_rate={config.leave_rate}", f"faults.join_rate={config.join_rate}",
+                 f"faults.leave_span={config.leave_span}", f"faults.stage_floor={config.stage_floor}"]
         if config.stay:
             sets.append(f"faults.stay={','.join(map(str, sorted(attackers(config, 'all', 'secure'))))}")
     return sets
@@ -206,7 +222,28 @@ def measure(run: PipelineRunConfig, summary: dict, byzantine: dict[int, tuple[st
         "simulated_seconds": summary["simulated_seconds"],
         "leaves": sum(e["kind"] == "leave" for e in summary["events"]),
         "joins": sum(e["kind"] == "join" for e in summary["events"]),
+        "churn": " ".join(f"{it}:{relay}:{code}" for it, relay, code in churn_decisions(summary["events"], relay_of)),
     }
+
+
+CHURN_CODES = {("returned", ""): "R", ("left", ""): "L", ("kept", "stage"): "S", ("kept", "down"): "D"}
+
+
+def churn_decisions(events: list[dict], relay_of: dict[str, int]) -> list[tuple[int, int, str]]:
+    """Each churn draw that acted, as (iteration drawn, relay index, code): R returned, L left, and a leave kept
+    from taking its relay by S the stage rule, D its relay gone already (another fault)."""
+    return sorted((e["it"], relay_of[e["peer"]], CHURN_CODES[(e["decision"], e["why"])])
+                  for e in events if e["kind"] == "churn")
+
+
+def churn_comparison(secure: str, plain: str) -> str:
+    """The two sides' churn decisions of one seed (runs.csv `churn` strings): how many (iteration, relay) draws
+    acted the same, and each that did not (secure code / plain code, '-' where that side's draw did nothing)."""
+    sides = [{tuple(map(int, d.split(":")[:2])): d.split(":")[2] for d in text.split()} for text in (secure, plain)]
+    keys = sorted(set(sides[0]) | set(sides[1]))
+    differ = [f"{it}:{relay} {sides[0].get((it, relay), '-')}/{sides[1].get((it, relay), '-')}" for it, relay in keys
+              if sides[0].get((it, relay)) != sides[1].get((it, relay))]
+    return f"{len(keys) - len(differ)} of {len(keys)} the same" + (f"; differ: {', '.join(differ)}" if differ else "")
 
 
 def run_one(config: SecurePipelineConfig, cell: str, side: str, seed: int) -> dict:
@@ -310,6 +347,12 @@ def format_table(rows: list[dict], config: SecurePipelineConfig) -> str:
     lines += goals(rows)
     if "all" in config.cell_list():
         lines.append("plain 'all': the link attacker and churn only (a plain run carries one link-attack policy)")
+        lines.append("churn of 'all', per seed: draws that acted (iteration:relay, secure/plain: R returned, L left, a leave "
+                     "kept by S the stage rule, D one gone already; - nothing)")
+        for seed in sorted({r["seed"] for r in rows}):
+            s, p = by.get(("all", "secure", seed)), by.get(("all", "plain", seed))
+            if s and p and s.get("churn") is not None and p.get("churn") is not None:
+                lines.append(f"  seed {seed}: {churn_comparison(s['churn'], p['churn'])}")
     if "forge" in config.cell_list() and not config.forge_available():
         lines.append(f"forge: not run, no protocol attack named {config.forge_attack!r} yet (issue 18 item 2)")
     return "\n".join(lines)

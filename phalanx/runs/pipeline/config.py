@@ -55,6 +55,8 @@ class ChurnConfig:
 
     leave_rate: float = 0.0  # chance that a live relay crashes during an iteration
     join_rate: float = 0.0  # chance that a crashed relay comes back (as a joiner) at an iteration's start
+    leave_span: float = 0.0  # a leave falls uniformly within this many seconds after its iteration opens (0: within
+    # the last iteration's duration, the run's own pace); set, two runs of a seed at different speeds share the moment
     crash_relay: int = -1  # crash this relay (index among relays) once ...
     crash_at: float = 0.0  # ... at this many seconds into iteration `crash_iteration`
     crash_iteration: int = 0
@@ -62,12 +64,15 @@ class ChurnConfig:
     # iteration `crash_iteration`, `crash_at` seconds after that forward
     crash_data_node: int = -1  # crash this data node (index) at `crash_at` seconds into `crash_iteration`
     rejoin_after: int = 0  # launch only: this many iterations after the kill, a fresh relay process joins (0: none)
+    stage_floor: int = 0  # churn leaves a stage at least this many unbanned live replicas (0: 2 under BTARD per stage, else 1)
     stay: str = ""  # comma-separated relay indices churn never takes (an attacker that wants to stay): their
-    # leave draws are made and dropped, so the other relays' draws are those of any run with the same `stay`
+    # leave is dropped (each relay draws from a stream of its own: the others draw as in any run)
 
     def __post_init__(self) -> None:
         check(0 <= self.leave_rate <= 1, "faults.leave_rate", self.leave_rate, "must be a probability in [0, 1]")
         check(0 <= self.join_rate <= 1, "faults.join_rate", self.join_rate, "must be a probability in [0, 1]")
+        check(self.leave_span >= 0, "faults.leave_span", self.leave_span, "must be >= 0 seconds (0: the last iteration's duration)")
+        check(self.stage_floor >= 0, "faults.stage_floor", self.stage_floor, "must be >= 0 (0: 2 under BTARD per stage, else 1)")
         check(self.crash_relay >= -1, "faults.crash_relay", self.crash_relay, "must be a relay index or -1 (none)")
         check(self.crash_at >= 0, "faults.crash_at", self.crash_at, "must be >= 0 seconds")
         check(self.crash_iteration >= 0, "faults.crash_iteration", self.crash_iteration, "must be >= 0")

@@ -47,7 +47,7 @@ from ..launcher import (
 from ..netns import NetnsConfig
 from ..processes import MARKER_ENV, guard_worker, new_marker
 from .config import PipelineRunConfig
-from .launch_churn import BTARD_STAGE_FLOOR, PipelineChurn
+from .launch_churn import PipelineChurn, stage_floor
 from .run import (
     PipelineRecorder,
     build_node,
@@ -293,12 +293,6 @@ def _run_ended(transport, data_nodes: list[str]) -> bool:
     return bool(transport.board.get(FINISHED, 0).keys() & set(data_nodes))
 
 
-def launch_floor(config: PipelineRunConfig) -> int:
-    """The unbanned serving replicas launch churn leaves in a stage: more than the simulator's one under BTARD
-    per stage, where a relay that comes back cannot refill a stage before a lone liar's ban empties it."""
-    return BTARD_STAGE_FLOOR if config.btard.enabled else 1
-
-
 def launch_hosts(config: PipelineRunConfig) -> int:
     """The hosts of `launch --netns`: node i on host i, then the boundary verifiers by link; each joining
     relay (`faults.rejoin_after`, churn) gets a further, unshaped host as it starts."""
@@ -329,7 +323,7 @@ def launch_pipeline(config: PipelineRunConfig, out: Path, progress: bool = True,
                 workers.start(f"v{link}", "--index", "0", "--verifier", str(link), "--initial-peers-file", str(address_file))
             addrs = workers.address("0", address_file, JOIN_TIMEOUT, "the first peer")
             bar = tqdm(total=config.steps, desc=f"launch {config.preset}", disable=not progress, leave=False)
-            churn = PipelineChurn(config, launch_floor(config)) if PipelineChurn.wanted(config) else None
+            churn = PipelineChurn(config, stage_floor(config)) if PipelineChurn.wanted(config) else None
             placed = {n: config.stage_of(int(n)) for n in nodes[config.data_nodes:]}  # live relays that serve, by stage
             names = {peer_identity(config.seed, int(n)).peer_id: n for n in nodes}
             opened_at = None
@@ -485,12 +479,13 @@ class Joins:
 def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed: dict[str, int], banned: frozenset[str],
            opened: list[tuple[int, float, float]], addrs: list[str], now: float) -> None:
     """Apply the churn decisions for the iterations opened so far (the first data node's `opened` rows, its
-    clock: monotonic, as ours): at each opening, first the leaves due by then, then the relays that come back
+    clock: monotonic, as ours): at each opening, first the leaves due by then or drawn in an earlier iteration
+    (a leave falls within its iteration), then the relays that come back
     (started again under their own index, with --join, once the old process is gone); then the leaves due by
     `now`, the time the rows were read (a later time could pass an opening not read yet). `banned`: the relays
     (by name) in the first data node's banned set, as its rows say."""
     for it, at, duration in opened[churn.opened + 1:]:
-        _leaves(churn, at, workers, joins, placed, banned)
+        _leaves(churn, at, workers, joins, placed, banned, opening=it)
         for event in churn.open(it, at, duration):
             print(f"phalanx: churn: relay {event.name} returns in iteration {event.it}", file=sys.stderr)
             joins.started(event.name)
@@ -503,16 +498,17 @@ def _churn(churn: PipelineChurn, workers: ProcessLauncher, joins: Joins, placed:
 
 
 def _leaves(churn: PipelineChurn, now: float, workers: ProcessLauncher, joins: Joins, placed: dict[str, int],
-            banned: frozenset[str]) -> None:
-    """Take the leaves due by `now` (the stage rule may keep some), killing their processes."""
-    if not churn.due(now):
+            banned: frozenset[str], opening: int | None = None) -> None:
+    """Take the leaves due by `now` (and, as iteration `opening` opens, those drawn before it; the stage rule may
+    keep some), killing their processes."""
+    if not churn.due(now, opening):
         return
     # A relay keeps its stage alive only from the iteration it serves: over hivemind at 20 % churn, stage 2's last
     # serving relay was taken while a joiner there had the weights but served only from the next iteration, and
     # that iteration finished nothing.
     serving = {n: stage for n, stage in placed.items()
                if workers.procs[n].poll() is None and joins.serves_from.get(n, 0) <= churn.opened}
-    for event in churn.leave(now, serving, banned):
+    for event in churn.leave(now, serving, banned, opening):
         print(f"phalanx: churn: relay {event.name} leaves in iteration {event.it}", file=sys.stderr)
         workers.kill(event.name)
         placed.pop(event.name, None)

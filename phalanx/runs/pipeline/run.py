@@ -40,7 +40,7 @@ from ...transport.sim import LinkProfile, SimConfig, SimNetwork, run_simulation
 from ..dp.swarm import peer_identity
 from ..live import LiveLog
 from .config import PipelineRunConfig
-from .launch_churn import churn_stream, iteration_churn, leave_allowed
+from .launch_churn import iteration_churn, leave_allowed, leave_offset, stage_floor
 
 
 def pipeline_task(config: PipelineRunConfig) -> Task:
@@ -276,9 +276,9 @@ def simulate_pipeline(
                     if a != b:
                         network.set_link(a, b, LinkProfile(net.latency, rng.uniform(net.bandwidth_min, net.bandwidth_max)))
         done = [asyncio.Event() for _ in range(config.data_nodes)]
-        churn = churn_stream(config.seed)
         staying = {relay_ids[r] for r in config.faults.staying}
         crashed: set[str] = set()
+        leaving: dict[str, tuple[float, int]] = {}  # relay -> (when, iteration drawn) of a leave not yet fallen
         triggered: list[str] = []
         nodes: dict[str, DataNode | Relay] = {}
 
@@ -297,7 +297,11 @@ def simulate_pipeline(
             if f.crash_data_node >= 0 and it == f.crash_iteration:
                 victim_node = ids[f.crash_data_node]
                 network.schedule(asyncio.get_running_loop().time() + f.crash_at, lambda: _crash(victim_node))
-            for pid, fraction in iteration_churn(churn, relay_ids, crashed, f, staying):  # the draws `launch` takes too
+            # a leave falls within the iteration it was drawn in: one not yet due falls as the next one opens
+            for pid, (_, drawn) in sorted(leaving.items(), key=lambda item: item[1]):
+                _leave(pid, drawn)
+            now = asyncio.get_running_loop().time()
+            for pid, fraction in iteration_churn(config.seed, it, relay_ids, crashed, f, staying):  # `launch`'s too
                 if fraction is None:
                     crashed.discard(pid)
                     # its old node (stage, version) is gone: until it is placed again it keeps no stage alive
@@ -305,9 +309,18 @@ def simulate_pipeline(
                     # be placed there again, so iterations 213-299 finished nothing)
                     nodes.pop(pid, None)
                     network.restart(pid)
+                    churned(pid, it, "returned")
                 else:
-                    at = asyncio.get_running_loop().time() + fraction * duration
-                    network.schedule(at, lambda pid=pid: _leave(pid))
+                    at = now + leave_offset(f, fraction, duration)
+                    leaving[pid] = (at, it)
+                    network.schedule(at, lambda pid=pid, it=it: _leave(pid, it))
+
+        def churned(pid: str, it: int, decision: str, why: str = "") -> None:
+            """Record a churn decision: relay `pid`'s draw of iteration `it` brought it back, took it, or was kept
+            from taking it (`why`: `stage`, the stage rule; `down`, gone already by another fault)."""
+            now = asyncio.get_running_loop().time()
+            recorder.events.append({"kind": "churn", "peer": pid, "it": it, "decision": decision, "why": why,
+                                    "t0": now, "t1": now})
 
         def on_event(event: dict) -> None:
             recorder.on_event(event)
@@ -318,17 +331,25 @@ def simulate_pipeline(
                 triggered.append(event["peer"])
                 network.schedule(event["t1"] + f.crash_at, lambda: _crash(event["peer"]))
 
-        def _leave(pid: str) -> None:
-            """Churn takes a relay, unless it is the last live one of its stage that is not banned (the stage's
-            weights would be gone: GWTF does not say how a wiped-out stage recovers; a banned replica serves
-            nobody, as the first data node sees it)."""
-            node = nodes.get(pid)
-            if node is None or pid in crashed:
+        def _leave(pid: str, drawn: int) -> None:
+            """Churn takes a relay (its draw of iteration `drawn`), unless it would leave its stage fewer unbanned
+            live replicas than `stage_floor` (one; two under BTARD per stage): the stage's weights would be gone, and
+            GWTF does not say how a wiped-out stage recovers; a banned replica serves nobody, as the first data node
+            sees it. A relay still joining (not placed, or refused) serves no stage and may always go, as in `launch`."""
+            if leaving.get(pid, (0.0, None))[1] != drawn:
+                return  # fell already, as its iteration ended
+            del leaving[pid]
+            if pid in crashed:
+                churned(pid, drawn, "kept", "down")
                 return
+            node = nodes.get(pid)
             out = nodes[ids[starter]].banned if ids[starter] in nodes else set()
-            serving = {p: n.stage for p, n in nodes.items() if p not in crashed and n.version >= node.version}
-            if leave_allowed(pid, serving, out):  # the rule `launch` applies too
+            serving = {p: n.stage for p, n in nodes.items() if p not in crashed and n.version >= node.version} if node else {}
+            if leave_allowed(pid, serving, out, stage_floor(config)):  # the rule `launch` applies too
                 _crash(pid)
+                churned(pid, drawn, "left")
+            else:
+                churned(pid, drawn, "kept", "stage")
 
         def _crash(pid: str) -> None:
             if pid not in crashed:
