@@ -1119,7 +1119,7 @@ def test_without_bind_and_align_a_white_box_copy_of_the_senders_median_meets_the
     only the magnitudes' lower fence sees it, so there it stays against the median too (fails without: 0 of 6)."""
     gen = torch.Generator().manual_seed(8)
     weight = torch.randn(16, 16, generator=gen) / 4
-    verifier = Sentinel(SentinelConfig(warmup=32, window=32, distances="sign,swd,scale"))
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=32, window=32, distances="sign,swd,scale"))
     for i in range(80):
         x = _center() + torch.randn(4, 32, 16, generator=gen)
         verifier.check_forward(1, f"r{i % 4}", i, x + torch.tanh(x @ weight))
@@ -1142,7 +1142,7 @@ def test_the_weighted_vote_gives_identities_no_weight_of_their_own(sender_of):
     both fail with `sender_vote="identity"`."""
     gen = torch.Generator().manual_seed(21)
     weight = torch.randn(16, 16, generator=gen) / 4
-    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8, sender_vote="weighted"))
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=32, window=64, bind_projections=8, sender_vote="weighted"))
     counts, shrinks = {}, []
     for i in range(296):
         x = _center() + torch.randn(4, 32, 16, generator=gen)
@@ -1169,7 +1169,7 @@ def test_the_weighted_vote_caps_a_sender_at_its_share_of_a_small_stage():
     its traffic (fails with `stage_relays=0`)."""
     gen = torch.Generator().manual_seed(21)
     weight = torch.randn(16, 16, generator=gen) / 4
-    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8, sender_vote="weighted",
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=32, window=64, bind_projections=8, sender_vote="weighted",
                                        stage_relays=3))
     lies, shrinks = 0, []
     for i in range(200):
@@ -1197,7 +1197,7 @@ def test_a_liar_that_keeps_a_small_stage_under_three_voters_meets_the_median_fen
     fallback is now the pooled median fence (breakdown 50%); fails with the Tukey fallback."""
     gen = torch.Generator().manual_seed(21)
     weight = torch.randn(16, 16, generator=gen) / 4
-    verifier = Sentinel(SentinelConfig(warmup=32, window=64, bind_projections=8))
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=32, window=64, bind_projections=8))
     lies, shrinks = 0, []
     for i in range(200):
         x = _center() + torch.randn(4, 32, 16, generator=gen)
@@ -1424,8 +1424,7 @@ def test_an_honest_tensor_close_to_the_senders_median_is_not_flagged_as_a_copy()
     current version) an honest tensor sat at log ``swd`` -6 while the fence, made of distances to the lagging EMA,
     was -4.8. The magnitudes' lower fence is for copies of the EMA; against the median it is off (fails with it on:
     r2 banned). The default distances (``bind``/``align`` among them, unmeasured here: no input is recorded)."""
-    verifier = Sentinel(SentinelConfig(warmup=12, window=32))
-    assert verifier.config.fence == "senders"  # the default
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=12, window=32))
     # three senders, two microbatches each per version, the version moving between them
     verdicts = _replicas_of_one_version(verifier, lambda n: f"r{n % 3}", 120, step=0.3, version=lambda n: n // 6,
                                         noise=1e-3)
@@ -1442,7 +1441,7 @@ def test_the_windows_are_measured_again_when_the_reference_changes_kind(probe):
     three honest senders were banned (fails with `_remeasure` a no-op). With a white-box probe before each check
     (review RC, session 23, LOW 4), the probe must not cache fences of the windows not yet measured again (2 honest
     flags when `fences` did not settle the reference first)."""
-    verifier = Sentinel(SentinelConfig(warmup=12, window=32))
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=12, window=32))
     two_then_three = lambda n: f"r{n % 2}" if n < 60 else f"r{n % 3}"  # noqa: E731
     verdicts = _replicas_of_one_version(verifier, two_then_three, 60, grow=1.1, probe=probe)
     assert not verifier._tracks[(1, FORWARD)].against_median
@@ -1458,7 +1457,7 @@ def test_a_copy_of_the_reference_is_still_caught_against_the_senders_median():
     input) fails ``bind``; each liar is banned, no honest sender is flagged."""
     gen = torch.Generator().manual_seed(8)
     weight = torch.randn(16, 16, generator=gen) / 4
-    verifier = Sentinel(SentinelConfig(warmup=32, window=32, bind_projections=8))
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=32, window=32, bind_projections=8))
     stage = lambda x: x + torch.tanh(x @ weight)  # noqa: E731
 
     def hop(mb, sender, out=None):

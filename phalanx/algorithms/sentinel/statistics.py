@@ -99,10 +99,12 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   the senders' median an honest tensor can be as close, see `_outside`). The IQR is floored (`min_spread`
   in log units, one feature's resolution 1/C for ``sign``) so a window of
   near-identical values does not turn every wiggle into a flag.
-  **Per sender** (`fence="senders"`, the default; session 23, after its
-  honest bans in small off-path groups were traced to the magnitudes' lower
-  fence and to windows holding distances to two references: `_outside`,
-  `_remeasure`): each quartile and the IQR
+  **Per sender** (`fence="senders"`, an option; session 23 fixed its honest
+  bans in small off-path groups, traced to the magnitudes' lower fence and to
+  windows holding distances to two references: `_outside`, `_remeasure`; it
+  is not the default because the merged hivemind secure-pipeline test banned
+  an honest stage-2 relay with it, on `scale`, with 2 live senders left on
+  the link): each quartile and the IQR
   are taken over each live sender's own last `sender_window` accepted values
   and then the median across senders (`sender_fence`), once at least 3
   senders have 4 each (before that, the pooled Tukey fence). A pooled window
@@ -269,7 +271,7 @@ class SentinelConfig:
     seed: int = 0  # run seed of the projection streams
     # senders: Tukey's fence from per-sender quartiles (`sender_fence`; a minority of senders cannot move it);
     # tukey: [Q1 - k*IQR, Q3 + k*IQR] over the pooled window; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%)
-    fence: str = "senders"
+    fence: str = "tukey"
     sender_window: int = 8  # accepted distances kept per sender and distance for the `senders` fence
     # who votes in the `senders` fence and reference: identity (one vote per live identity with `sender_window`
     # tensors over its lifetime) or weighted (each live sender weighs min(its tensors in the window, sender_window) /
