@@ -402,7 +402,7 @@ def test_streams_keep_talking_peers_in_view_while_dht_lookups_fail() -> None:
                 await asyncio.sleep(0.5)
             assert first.peer_id in blind.members()
             # An outsider that replays first's genuine record on its own stream is not taken for first.
-            outsider = await P2P.create(initial_peers=first.visible_maddrs())
+            outsider = await P2P.create(initial_peers=blind.visible_maddrs())  # dialled directly: no routing-table race
             assert first._own is not None
             _, reader, writer = await outsider.call_binary_stream_handler(
                 PeerID(libp2p_id_of(blind.identity.public_key)), blind._protocol
