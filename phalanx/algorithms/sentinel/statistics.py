@@ -182,6 +182,12 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   is a flag (substituted) held against the upstream workers alone: a stage
   behind a LayerNorm answers an input shrunk by c with gradients 1/c as large
   (`_grown_by_shrunk_input`; 37.5% `adaptive`: the honest head was banned).
+  A tensor flagged only for being larger than usual while the input the
+  verifiers delivered to its stage for that microbatch was itself an outlier
+  (its spread beyond the link's fence on the usual inputs'), and grown by no
+  more than that input past the ``scale`` fence, is flagged but held against
+  nobody: the microbatch's data explains it (`_large_as_its_input`; issue 18's
+  `all` seed 2: three outlier microbatches banned an honest relay).
 * **Stage-wide drift.** Under the honest-majority-per-stage assumption the
   replicas of a stage share its parameters, so when the latest tensors of at
   least half of a stage's other senders are fence-flagged (the judged sender
@@ -1044,9 +1050,11 @@ class Sentinel:
         shrunk = self._scales.get(microbatch, {}).get(link - 1 if direction == FORWARD else link, 0.0) < SHRUNK_INPUT
         grown = flagged and not own and not alone and self._grown_by_shrunk_input(track, link, direction, microbatch,
                                                                                dist, outside)
+        explained = (flagged and not own and not adds_own_mean and not grown
+                     and self._large_as_its_input(track, dist, outside, means))
         return self._strike(verdict, blame_upstream=not alone, own=own or adds_own_mean, lasting=own,
                             upstream_only=not alone and (corrected or grown),
-                            shrunk_input=(corrected and shrunk) or grown)
+                            shrunk_input=(corrected and shrunk) or grown, explained=explained)
 
     def _remember(self, track: _Track, link: int, direction: str, worker: str, microbatch: Hashable,
                   dist: dict[str, float], outside: tuple[str, ...]) -> _Judged:
@@ -1476,6 +1484,36 @@ class Sentinel:
         return bool(outside) and all(n in MAGNITUDES and _scaled(n, dist[n], self.config) > self._fence(track, n).high
                                      for n in outside)
 
+    def _large_as_its_input(self, track: _Track, dist: dict[str, float], outside: tuple[str, ...],
+                            means: tuple[Tensor, Tensor, Tensor, float] | None) -> bool:
+        """Whether a flagged tensor is only larger than usual while what the verifiers delivered to its stage for
+        this microbatch was itself an outlier the same way: every distance outside lies above its fence and is a
+        magnitude (l1, l2, swd); the log spread of the stage's input lies above the usual inputs' (EMA) by more
+        than the link's Tukey fence (`k`) on their distances to it; and its ``scale`` less that excess lies inside
+        the ``scale`` fence (it grew by no more than its input explains, past what the link accepts). Such a
+        flag is the microbatch's (its data), not the sender's: the tensor is still flagged (and a gradient
+        replaced), but it is a strike against nobody.
+
+        Decided from the input, which the sender does not control (the verifier of the link before judged it),
+        and bounded by ``scale``: a sender that lies on ``swd`` while its input is usual, or that grows its output
+        beyond the ``scale`` fence by more than its input grew, is held to it as before. Measured: issue 18's
+        `all` cell, seed 2, microbatches 313, 318, 319 were the largest tensors of every link (forward swd rank
+        101-108 of 105-109), and stage 2's gradients of them on link 1 were flagged on ``swd`` alone (log swd
+        0.01-0.25 above its fence, ``scale`` 0.35-0.40) while the gradient delivered to that stage spread
+        0.24-0.27 (log) above the usual, beyond the fence of 0.16-0.17: the honest relay 5 was banned at the
+        third (session 22: relay 6, another routing, the same microbatches). Inputs that far out: 8 of 555
+        backward tensors of that run, none forward."""
+        if means is None or not outside or len(track.given_spread.window) < 4 or track.given_spread.ref is None:
+            return False
+        if not all(n in MAGNITUDES and _scaled(n, dist[n], self.config) > self._fence(track, n).high for n in outside):
+            return False
+        if "scale" not in dist or len(track.windows["scale"]) < 4:
+            return False
+        excess = (means[2] - track.given_spread.ref).item()
+        if excess <= tukey_fence(list(track.given_spread.window), self.config.k).high:
+            return False
+        return self._fence(track, "scale").contains(dist["scale"] - excess)
+
     def _large_correction(self, track: _Track, dist: dict[str, float]) -> bool:
         """``align`` below its fence but above `align_floor`: the stage's correction outweighs its pass-through,
         which an honest stage does now and then and an honest stage fed a shrunk input does often: evidence about
@@ -1548,13 +1586,13 @@ class Sentinel:
         return 1.0 / track.ref.mean.shape[0] if name == "sign" else self.config.min_spread
 
     def _strike(self, verdict: Verdict, blame_upstream: bool = True, own: bool = False, lasting: bool = True,
-                upstream_only: bool = False, shrunk_input: bool = False) -> Verdict:
+                upstream_only: bool = False, shrunk_input: bool = False, explained: bool = False) -> Verdict:
         """Count the verdict in the strike histories of the sender and (`blame_upstream`) the workers upstream
         of it; a flag is held against all of them, or against the sender alone when it is its `own` (`lasting`:
         also counted among its last `own_window` microbatches);
         `upstream_only`: no flag on the tensor, evidence about the sender's input, shared by the sender and the
         upstream workers, or held against the upstream workers alone when this verifier saw that input arrive
-        shrunk (`shrunk_input`)."""
+        shrunk (`shrunk_input`); `explained`: a flag its input explains (`_large_as_its_input`), held against nobody."""
         mb = verdict.microbatch
         source = (verdict.link, verdict.direction)  # which track's flag a strike is (see `_forgive`)
         if verdict.direction == FORWARD:
@@ -1566,7 +1604,7 @@ class Sentinel:
         if blame_upstream:
             bound = verdict.link if verdict.direction == BACKWARD else verdict.link - 1
             handlers |= {w for link, w in self._paths.get(mb, {}).items() if link <= bound}
-        blames = verdict.flagged or upstream_only
+        blames = (verdict.flagged or upstream_only) and not explained
         if upstream_only and shrunk_input:
             # the input the verifier delivered was shrunk: an honest stage behind a LayerNorm corrects that much
             # (measured: 37.5% `adaptive`, an honest stage-2 relay fed by three shrinking attackers collected a share
