@@ -1161,16 +1161,11 @@ def test_the_weighted_vote_gives_identities_no_weight_of_their_own(sender_of):
     assert min(shrinks[-12:]) > 0.5
 
 
-def test_the_weighted_vote_caps_a_sender_at_its_share_of_a_small_stage():
-    """Review RC (session 23), HIGH 1: in a stage of 3 relays one liar spreads its third of the traffic over 3
-    identities (round robin, each under `sender_window` tensors in the window). Capped at `sender_window` (8) each
-    honest relay (about 21 tensors of the 64-tensor window) weighs 1, and the liar's identities 2.6 together: both
-    honest relays were banned (c 0.001). Capped at the stage's fair share, ceil(64 / `stage_relays`), the liar weighs
-    its traffic (fails with `stage_relays=0`)."""
+def _small_stage_shrinks(verifier: Sentinel, identity) -> list[float]:
+    """A stage of 3 relays on the residual toy stage: from microbatch 40 relay r0 sends the smallest scale c of its
+    output that `verifier` accepts (bisected), its n-th lie under the identity `identity(n)`. The accepted c of each lie."""
     gen = torch.Generator().manual_seed(21)
     weight = torch.randn(16, 16, generator=gen) / 4
-    verifier = Sentinel(SentinelConfig(fence="senders", warmup=32, window=64, bind_projections=8, sender_vote="weighted",
-                                       stage_relays=3))
     lies, shrinks = 0, []
     for i in range(200):
         x = _center() + torch.randn(4, 32, 16, generator=gen)
@@ -1178,7 +1173,7 @@ def test_the_weighted_vote_caps_a_sender_at_its_share_of_a_small_stage():
         verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
         sender = f"r{i % 3}"
         if i % 3 == 0 and i >= 40:
-            sender, lies = f"r0-{lies % 3}", lies + 1
+            sender, lies = identity(lies), lies + 1
             lo, hi = 0.0, 1.0
             for _ in range(10):
                 mid = (lo + hi) / 2
@@ -1186,6 +1181,18 @@ def test_the_weighted_vote_caps_a_sender_at_its_share_of_a_small_stage():
             out = hi * out
             shrinks.append(hi)
         verifier.check_forward(1, sender, i, out)
+    return shrinks
+
+
+def test_the_weighted_vote_caps_a_sender_at_its_share_of_a_small_stage():
+    """Review RC (session 23), HIGH 1: in a stage of 3 relays one liar spreads its third of the traffic over 3
+    identities (round robin, each under `sender_window` tensors in the window). Capped at `sender_window` (8) each
+    honest relay (about 21 tensors of the 64-tensor window) weighs 1, and the liar's identities 2.6 together: both
+    honest relays were banned (c 0.001). Capped at the stage's fair share, ceil(64 / `stage_relays`), the liar weighs
+    its traffic (fails with `stage_relays=0`)."""
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=32, window=64, bind_projections=8, sender_vote="weighted",
+                                       stage_relays=3))
+    shrinks = _small_stage_shrinks(verifier, lambda lie: f"r0-{lie % 3}")
     assert not {"r1", "r2"} & verifier.banned()
     assert min(shrinks[-12:]) > 0.5
 
@@ -1195,24 +1202,8 @@ def test_a_liar_that_keeps_a_small_stage_under_three_voters_meets_the_median_fen
     lies never votes, so the stage has 2 voters and fell back to the pooled Tukey fence, whose quartiles a third of the
     traffic moves: the white-box shrink reached c 0.001 (the session-21 drift). With 3 or more live senders the
     fallback is now the pooled median fence (breakdown 50%); fails with the Tukey fallback."""
-    gen = torch.Generator().manual_seed(21)
-    weight = torch.randn(16, 16, generator=gen) / 4
     verifier = Sentinel(SentinelConfig(fence="senders", warmup=32, window=64, bind_projections=8))
-    lies, shrinks = 0, []
-    for i in range(200):
-        x = _center() + torch.randn(4, 32, 16, generator=gen)
-        out = x + torch.tanh(x @ weight)
-        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
-        sender = f"r{i % 3}"
-        if i % 3 == 0 and i >= 40:
-            sender, lies = f"r0-{lies // 7}", lies + 1
-            lo, hi = 0.0, 1.0
-            for _ in range(10):
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
-            out = hi * out
-            shrinks.append(hi)
-        verifier.check_forward(1, sender, i, out)
+    shrinks = _small_stage_shrinks(verifier, lambda lie: f"r0-{lie // 7}")
     assert len(verifier._voters_of(verifier._tracks[(1, FORWARD)])) == 2
     assert not {"r1", "r2"} & verifier.banned()
     assert min(shrinks[-12:]) > 0.5
