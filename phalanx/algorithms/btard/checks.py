@@ -175,12 +175,18 @@ def passed_over(owners: list[str], drops: dict[str, dict[str, str]]) -> set[str]
     declarations only, never when an aggregate arrived: a crashed owner is not waited for, and a
     slow one whose aggregate reaches some peers in time is left out by all of them (itself too).
     """
-    passed = {
+    passed = silent_to_all(owners, drops)
+    rest = [o for o in owners if o not in passed]
+    return passed if all(o in drops for o in rest) and 2 * len(rest) > len(owners) else None
+
+
+def silent_to_all(owners: list[str], drops: dict[str, dict[str, str]]) -> set[str]:
+    """Owners that every other declaration held drops as silent (`SILENT_DROPS`), and at least one does: what
+    `passed_over` passes over once the declarations at hand decide it."""
+    return {
         o for o in owners
         if (others := [d for d in drops if d != o]) and all(drops[d].get(o) in SILENT_DROPS for d in others)
     }
-    rest = [o for o in owners if o not in passed]
-    return passed if all(o in drops for o in rest) and 2 * len(rest) > len(owners) else None
 
 
 # --- claims and their canonical order (BTARD App. D.3) ------------------------

@@ -179,6 +179,8 @@ class StageSecureRound(SecureRound):
     targets that their validator reported unverified (retired if they depart in that step or the next).
     """
 
+    fills_missing = True  # `StageRound.fill_missing` takes every partition another replica applied and I lack
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.unjudged: dict[int, set[str]] = {}  # step -> silent owners whose sum nobody can judge

@@ -81,7 +81,7 @@ import torch
 from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, passed_over, tensor_hash
+from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, passed_over, silent_to_all, tensor_hash
 from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
 from ...core.serialization import decode, encode
@@ -101,6 +101,13 @@ __all__ = ["SECURE_REDUCERS", "AdmissionHook", "BTARDConfig", "InputsHook", "Sec
 
 class SecureRound(ButterflyAllReduce):
     """One peer's side of BTARD; `await round(step, gradient, group)` once per step."""
+
+    # True where the caller takes, after the round, every partition it lacks that another member applied (checked
+    # against its owner's signed aggregate commitment: a stage round's `fill_missing`). Only then may the gather
+    # stop waiting for the declarations of owners that left before committing, and pass over, while the
+    # declarations at hand do not decide it, every owner they all drop as silent (`_gather`): a member that applied
+    # one of those is the one a peer lacking it takes it from. The data-parallel round has no such repair.
+    fills_missing = False
 
     def __init__(
         self,
@@ -447,11 +454,14 @@ class SecureRound(ButterflyAllReduce):
         patience = self.state.btard.timeout / 4
         started = tr.clock.now()
 
+        def enough(got: dict[str, SignedEnvelope]) -> bool:
+            if tr.clock.now() - started < 2 * patience:
+                return False
+            return passed_over(owners, declarations(got)) is not None or (self.fills_missing and self._left_uncommitted(st, got))
+
         async def aggregate_commitments():
             held = await tr.collect_broadcasts(
-                "bt.rcommit", step, owners, self._gather_wait(st), relays=len(st.members),
-                enough=lambda got: tr.clock.now() - started >= 2 * patience and passed_over(owners, declarations(got)) is not None,
-                patience=patience,
+                "bt.rcommit", step, owners, self._gather_wait(st), relays=len(st.members), enough=enough, patience=patience,
             )
             rcommitted.set()
             return held
@@ -528,6 +538,27 @@ class SecureRound(ButterflyAllReduce):
         now = asyncio.get_running_loop().time()
         return max(0.0, min(times[len(others) // 2], now) + full - now)
 
+    def _left_uncommitted(self, st: StepState, got: dict[str, SignedEnvelope]) -> bool:
+        """Whether every owner whose declaration I lack has left my view and no commitment of its for this step
+        reached me (it left before committing: it never declares, and waiting allreduce.timeout + btard.timeout
+        for it, when it is half of the group, cost the `all` cell 10 s a time), with at least half of the owners
+        declared. An owner that looks gone to me only but committed (to anyone: commitments are relayed and
+        fetched) is waited for; one that committed to nobody is dropped as silent by every declaration, so the
+        gather passes it over (`_passed_over`) whether or not its declaration comes."""
+        me, tr = self.transport.peer_id, self.transport
+        missing = [o for o in st.group if o not in got and o != me]
+        view, committed = set(tr.members()), tr.board.get("bt.commit", st.step)
+        declared = sum(1 for o in st.group if o in got)
+        return bool(missing) and 2 * declared >= len(st.group) and not any(o in view or o in committed for o in missing)
+
+    def _undecided(self, owners: list[str], drops: dict[str, dict[str, str]]) -> set[str]:
+        """Whom the gather passes over when the declarations at hand do not decide it (`passed_over` is None):
+        nobody in the data-parallel round; where missing partitions are filled from the others (`fills_missing`),
+        every owner that all the declarations at hand drop as silent, me too. Another member applies one only
+        when a declaration I lack did not drop it, and then I take it from that member; I never apply a
+        partition that the others pass over, which nothing could undo."""
+        return silent_to_all(owners, drops) if self.fills_missing else set()
+
     async def _passed_over(self, st: StepState, drops: dict[str, dict[str, str]]) -> set[str]:
         """The owners this step leaves out (`passed_over`), checked against a declaration signed twice.
 
@@ -537,13 +568,16 @@ class SecureRound(ButterflyAllReduce):
         declarations they hold: a second version is an equivocation proof, and a declaration signed
         twice drops nobody. Asked only when someone would be passed over (a crash, a silent owner)."""
         tr, step = self.transport, st.step
-        passed = passed_over(st.group, drops) or set()
+        passed = passed_over(st.group, drops)
+        passed = self._undecided(st.group, drops) if passed is None else passed
         if not passed:
             return passed
         sources = [p for p in st.members if p != tr.peer_id and p not in passed]
         await tr.fetch_broadcasts("bt.rcommit", step, [o for o in st.group if o in drops], sources, self.state.btard.timeout / 4)
         twice = {proof.first.sender for proof in tr.board.proofs if proof.first.topic == "bt.rcommit" and proof.first.step == step}
-        return passed_over(st.group, {o: ({} if o in twice else d) for o, d in drops.items()}) or set()
+        cleared = {o: ({} if o in twice else d) for o, d in drops.items()}
+        passed = passed_over(st.group, cleared)
+        return self._undecided(st.group, cleared) if passed is None else passed
 
     async def _relay_aggregates(self, st: StepState) -> None:
         """Aggregates that have not come from their owner, asked of the other members once the owner's
