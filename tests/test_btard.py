@@ -757,23 +757,37 @@ def test_a_commitment_timed_at_the_deadline_splits_nobody(tmp_path):
     assert len({digests[p] for p in honest if p not in view}) == 1
 
 
-def test_an_owner_every_other_owner_dropped_as_silent_is_passed_over_whether_or_not_its_own_declaration_came():
+def test_an_owner_most_other_owners_dropped_as_silent_is_passed_over_whether_or_not_its_own_declaration_came():
     owners = ["a", "b", "c", "x"]
     late = {"x": "late_commit"}
-    # Crashed x: the three others' declarations decide it, before and after x's (slow) own arrives.
-    assert passed_over(owners, {"a": late, "b": late}) is None  # c has not declared yet
+    # Crashed x: the others' declarations decide it, before and after x's (slow) own arrives.
+    assert passed_over(owners, {"a": late, "b": late}) is None  # c and x, undeclared, could still drop a (or b)
     assert passed_over(owners, {"a": late, "b": late, "c": late}) == {"x"}
     assert passed_over(owners, {"a": late, "b": late, "c": late, "x": {}}) == {"x"}
     # Crashed after its commitment, before its parts: dropped as missing_part (or late) by all of them.
     assert passed_over(owners, {"a": {"x": "missing_part"}, "b": late, "c": {"x": "missing_part"}}) == {"x"}
-    # One owner that used x's part (deadline_edge's in-time half), or got a wrong one: x is waited for, as before.
-    assert passed_over(owners, {"a": late, "b": late, "c": {}}) is None
-    assert passed_over(owners, {"a": late, "b": late, "c": {"x": "part_hash"}}) is None
-    assert passed_over(owners, {"a": late, "b": late, "c": {}, "x": {}}) == set()
-    # A lone declaration that calls every other owner late decides nothing (a majority must have declared).
+    # Silent for two of its three others: passed over even where one owner used its part (deadline_edge's in-time
+    # half: the part departs with it, `late_for_most`) or got a wrong one; silent for one of three: applied.
+    assert passed_over(owners, {"a": late, "b": late, "c": {}}) == {"x"}
+    assert passed_over(owners, {"a": late, "b": late, "c": {"x": "part_hash"}, "x": {}}) == {"x"}
+    assert passed_over(owners, {"a": late, "b": {}, "c": {}, "x": {}}) == set()
+    # A lone declaration that calls every other owner late decides nothing and passes nobody over.
     everyone_late = {o: "late_commit" for o in owners}
     assert passed_over(owners, {"a": everyone_late}) is None
+    assert passed_over(owners, {"a": everyone_late, "b": {}, "c": {}, "x": {}}) == set()
     assert passed_over(["a", "x"], {"a": late}) is None
+
+
+def test_colluders_that_declare_each_others_parts_to_one_peer_revive_no_owner_the_others_passed_over():
+    # Review s24-RB 4: r and q commit to each other only, so every honest declaration drops both as silent; each
+    # declares, to honest b only, that it used the other's part. With "every other declaration held drops it" b
+    # (holding them) passed nobody over and applied both partitions while a, c, d passed both over: two models. The
+    # count of silent drops among the other owners' declarations only grows with what arrives.
+    owners = ["a", "b", "c", "d", "q", "r"]
+    honest = {p: {"q": "late_commit", "r": "late_commit"} for p in "abcd"}
+    assert passed_over(owners, honest) == {"q", "r"}
+    assert passed_over(owners, {**honest, "r": {}, "q": {}}) == {"q", "r"}
+    assert passed_over(owners, {**honest, "r": {"a": "late_commit", "b": "late_commit"}, "q": {"a": "late_commit"}}) == {"q", "r"}
 
 
 def test_a_committer_that_leaves_the_view_does_not_push_the_commitment_deadline_back():

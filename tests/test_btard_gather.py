@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from phalanx.core.envelope import SignedEnvelope
 from phalanx.core.errors import PeerTimeout
 from phalanx.runs.dp.swarm import peer_identity
@@ -72,24 +74,27 @@ def _gather_times(monkeypatch) -> dict[str, float]:
     return took
 
 
-def test_a_stage_does_not_wait_for_the_declarations_of_the_half_that_left_before_committing(monkeypatch):
-    # Issue 18's all/1, iteration 4: half of stage 3 left at the iteration's opening, and the two others waited
-    # allreduce.timeout + btard.timeout (10 s there) for their declarations, since two declarations of four decide
-    # nothing (`passed_over`). Here relays 3 and 5 of stage 2 crash before committing at iteration 3: they are out
-    # of the survivors' views by then and no commitment of theirs reached anyone, so the gather stops after its
-    # minimum (the fetch of withheld declarations, btard.timeout / 2) and passes them over. Before: 7.5 s each.
-    crashed = {_pid(3), _pid(5)}
-    _crash_at_commitment(monkeypatch, crashed)
+@pytest.mark.parametrize("crashed", [(3, 5), (5,)])
+def test_a_stage_does_not_wait_for_the_declarations_of_replicas_that_left_before_committing(monkeypatch, crashed):
+    # Issue 18's all/1: half of stage 3 left at iteration 4's opening, and the two others waited allreduce.timeout +
+    # btard.timeout (10 s there) for their declarations, since two declarations of four decide nothing
+    # (`passed_over`); where one of four left (all/0, all/1 iteration 2), the three others waited btard.timeout / 2
+    # (the fetch of withheld declarations) before passing it over. Here relays 3 and 5, or 5, of stage 2 crash before
+    # committing at iteration 3: they are out of the survivors' views by then and no commitment of theirs reached
+    # anyone, so the gather ends once the survivors' declarations are in. Before: 7.5 s, and 1.25 s.
+    gone = {_pid(r) for r in crashed}
+    _crash_at_commitment(monkeypatch, gone)
     took = _gather_times(monkeypatch)
     summary = simulate_pipeline(_config(), progress=False)
-    survivors = [_pid(1), _pid(7)]
-    assert all(took[p] < T for p in survivors)
+    survivors = [_pid(r) for r in (1, 3, 5, 7) if _pid(r) not in gone]
+    assert all(took[p] < T / 4 for p in survivors)
     assert summary["bans"] == [] and summary["banned"] == []
-    assert len(_stage_digests(summary, crashed)) == 1
+    assert len(_stage_digests(summary, gone)) == 1
     assert all(m["completed"] == 8 for m in summary["metrics"])
 
 
-def test_a_byzantine_that_looks_gone_to_one_replica_and_declares_to_another_only_splits_no_weights(monkeypatch):
+@pytest.mark.parametrize("declares", [True, False])
+def test_a_byzantine_that_looks_gone_to_one_replica_and_declares_to_another_only_splits_no_weights(monkeypatch, declares):
     # The adversary of the gather's early stop. Relay 7 crashes before committing at iteration 3, so the declarations
     # of the other three are the group's but one. Byzantine relay 5 looks gone to honest relay 1 from the start of
     # 1's round of iteration 3 to the end of its gather (out of 1's view, sends it nothing, answers none of its
@@ -100,7 +105,10 @@ def test_a_byzantine_that_looks_gone_to_one_replica_and_declares_to_another_only
     # passed over while the declarations do not decide it, as before), relay 1 could not have taken it from 3 (3's
     # round was still open and 5's declaration not yet there when 1 filled its missing partitions), and stage 2's
     # honest weights parted for good. Both pass 5 over (both declarations drop it as silent): one digest, and 5,
-    # late for both owners that declared, departs.
+    # late for both owners that declared, departs. Without its declaration (declares=False) relay 3 waits its whole
+    # gather, 7.5 s after relay 1 stopped, and reveals its MPRNG value only then: relay 1 waited mprng.timeout from
+    # its own (early) reveal, claimed no_reveal and banned honest relay 3 on its side alone. Relay 1 now waits for
+    # the first reveals until mprng.timeout after its gather would have ended.
     byzantine, blind, other, crashed = _pid(5), _pid(1), _pid(3), _pid(7)
     _crash_at_commitment(monkeypatch, {crashed})
     gone, held = {"now": False}, {}
@@ -146,7 +154,7 @@ def test_a_byzantine_that_looks_gone_to_one_replica_and_declares_to_another_only
 
         if topic == "bt.commit":
             asyncio.ensure_future(later())
-        else:
+        elif declares:
             await later()
         return envelope
 
@@ -157,8 +165,48 @@ def test_a_byzantine_that_looks_gone_to_one_replica_and_declares_to_another_only
     monkeypatch.setattr(SimTransport, "send", withheld)
     monkeypatch.setattr(SimTransport, "request", unanswered)
     monkeypatch.setattr(StageView, "broadcast", to_one_late)
-    summary = simulate_pipeline(_config(), progress=False)
-    assert byzantine not in held[blind] and byzantine in held[other]  # the two cut differently
+    summary = simulate_pipeline(_config(steps=6), progress=False)  # relay 1 waits out 5's report of iteration 3 in 4
+    assert byzantine not in held[blind] and (byzantine in held[other]) == declares  # the two cut differently
     assert set(summary["banned"]) <= {byzantine}
     assert len(_stage_digests(summary, {byzantine, crashed})) == 1
     assert sum(1 for p, (s, _, _) in summary["replicas"].items() if s == 2 and p not in (byzantine, crashed)) == 2
+
+
+def test_a_commitment_sent_to_one_owner_only_does_not_part_two_honest_deadlines(monkeypatch):
+    # Review s23-RE MED 11. Byzantine relay 3 sends its commitment of iteration 3 to relay 1 only; the others fetch it
+    # after a patience (btard.timeout / 4). The anchor (more than half of the other committers) then held at once for
+    # relay 1 and a patience later for relay 7, and so did their deadlines. Honest relay 5 begins its round 1.1 x
+    # btard.timeout late: its commitment came after relay 1's deadline and before relay 7's, so relay 1 dropped it
+    # (late_commit) and relay 7 did not; relay 3 keeps it too (it waits for it), so one owner of three dropped it:
+    # ELIMINATE, honest relays 1 and 5 banned, the Byzantine not. Each owner now passes a commitment it takes on to
+    # the others at once, so the anchors of honest owners differ by a latency: 5 is late for both and departs.
+    byzantine, first, late = _pid(3), _pid(1), _pid(5)
+    broadcast, call, commitments = StageView.broadcast, SecureRound.__call__, SecureRound._commitments
+
+    async def to_one(self, topic, step, payload):
+        if not (self.peer_id == byzantine and step == IT and topic == "bt.commit"):
+            return await broadcast(self, topic, step, payload)
+        envelope = SignedEnvelope.create(self.identity, topic, step, payload)
+        self.board.add(envelope)
+        await self.send(first, BROADCAST_TOPIC, envelope.to_bytes())
+        return envelope
+
+    async def late_round(self, step, vector, group):
+        if self.transport.peer_id == late and step == IT:
+            await asyncio.sleep(1.1 * T)
+        return await call(self, step, vector, group)
+
+    async def keeps_the_late_one(self, st):
+        start, held = self.transport.clock.now(), await commitments(self, st)
+        if self.transport.peer_id != byzantine or st.step != IT:
+            return held
+        await asyncio.sleep(start + 1.4 * T - self.transport.clock.now())
+        board = self.transport.board.get("bt.commit", IT)
+        return {p: board[p] for p in st.committers if p in board}
+
+    monkeypatch.setattr(StageView, "broadcast", to_one)
+    monkeypatch.setattr(SecureRound, "__call__", late_round)
+    monkeypatch.setattr(SecureRound, "_commitments", keeps_the_late_one)
+    summary = simulate_pipeline(_config(), progress=False)
+    assert set(summary["banned"]) <= {byzantine}
+    assert len(_stage_digests(summary, {byzantine})) == 1

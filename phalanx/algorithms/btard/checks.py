@@ -165,28 +165,37 @@ SILENT_DROPS = ("late_commit", "missing_part")  # an owner's drop of a sender th
 
 
 def passed_over(owners: list[str], drops: dict[str, dict[str, str]]) -> set[str] | None:
-    """Owners whose partition a step leaves out because they sent no owner anything in time (their
+    """Owners whose partition a step leaves out because they sent most owners nothing in time (their
     commitment or their parts); None while the declarations at hand do not decide it.
 
     `drops`: the aggregate commitments held so far, owner -> {dropped owner: reason}. An owner is
-    passed over when every other declaration held drops it as silent (`SILENT_DROPS`); that is decided once
-    the owners not passed over have all declared and are more than half of the owners (so a lone
-    declaration that calls every other owner late decides nothing). The outcome reads signed
-    declarations only, never when an aggregate arrived: a crashed owner is not waited for, and a
-    slow one whose aggregate reaches some peers in time is left out by all of them (itself too).
+    passed over once more than half of the other owners' declarations drop it as silent (`SILENT_DROPS`:
+    `silent_for_most`), and that is decided once every other owner is either passed over or declared and
+    can no longer be (its silent drops and the undeclared others are at most half of its others). The
+    count is monotone: a declaration that comes later (a colluder's, sent to some peers only, that says it
+    used a fellow colluder's part) never revives an owner that others already passed over, and with
+    f < n / 2 at least one honest owner found every owner passed over silent. A lone declaration that calls
+    every other owner late passes nobody over. The outcome reads signed declarations only, never when an
+    aggregate arrived: a crashed owner is not waited for, and a slow one whose aggregate reaches some
+    peers in time is left out by all of them (itself too).
     """
-    passed = silent_to_all(owners, drops)
-    rest = [o for o in owners if o not in passed]
-    return passed if all(o in drops for o in rest) and 2 * len(rest) > len(owners) else None
+    others = len(owners) - 1
+    passed = silent_for_most(owners, drops)
+    undecided = [
+        o for o in owners if o not in passed and not (
+            o in drops and 2 * (_silent_drops(o, drops) + sum(1 for d in owners if d != o and d not in drops)) <= others)
+    ]
+    return None if undecided else passed
 
 
-def silent_to_all(owners: list[str], drops: dict[str, dict[str, str]]) -> set[str]:
-    """Owners that every other declaration held drops as silent (`SILENT_DROPS`), and at least one does: what
-    `passed_over` passes over once the declarations at hand decide it."""
-    return {
-        o for o in owners
-        if (others := [d for d in drops if d != o]) and all(drops[d].get(o) in SILENT_DROPS for d in others)
-    }
+def silent_for_most(owners: list[str], drops: dict[str, dict[str, str]]) -> set[str]:
+    """Owners that the declarations held of more than half of the other owners drop as silent: passed over
+    whatever declarations come later (`passed_over`)."""
+    return {o for o in owners if 2 * _silent_drops(o, drops) > len(owners) - 1}
+
+
+def _silent_drops(owner: str, drops: dict[str, dict[str, str]]) -> int:
+    return sum(1 for d in drops if d != owner and drops[d].get(owner) in SILENT_DROPS)
 
 
 # --- claims and their canonical order (BTARD App. D.3) ------------------------

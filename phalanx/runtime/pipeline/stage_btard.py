@@ -180,6 +180,7 @@ class StageSecureRound(SecureRound):
     """
 
     fills_missing = True  # `StageRound.fill_missing` takes every partition another replica applied and I lack
+    echoes_commitments = True  # a stage group is a few replicas
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -313,6 +314,13 @@ class StageRound:
         bounds, g = part_bounds(result.vector.numel(), len(owners)), group_digest(owners)
         timeout = self.round.state.btard.timeout
         commitments, passed = self._commitments(it, owners, g)
+        unheard = [o for o in missing if o in passed and o not in commitments]
+        if unheard and sources:
+            # The declarations of the owners I passed over that I lack (my gather may have ended at once: they left
+            # before committing): one that another replica holds and that does not drop a fellow passed-over owner
+            # makes that owner's partition one the others apply, and then I take it from them.
+            await self.view.fetch_broadcasts("bt.rcommit", it, unheard, sources, timeout)
+            commitments, passed = self._commitments(it, owners, g)
         wanted = [o for o in missing if o not in passed]  # a passed-over owner's partition: nobody applied it
         if any(o not in commitments for o in wanted) and sources:
             await self.view.fetch_broadcasts("bt.rcommit", it, [o for o in wanted if o not in commitments], sources, timeout)

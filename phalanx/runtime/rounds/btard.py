@@ -81,7 +81,7 @@ import torch
 from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, passed_over, silent_to_all, tensor_hash
+from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, passed_over, silent_for_most, tensor_hash
 from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
 from ...core.serialization import decode, encode
@@ -108,6 +108,12 @@ class SecureRound(ButterflyAllReduce):
     # declarations at hand do not decide it, every owner they all drop as silent (`_gather`): a member that applied
     # one of those is the one a peer lacking it takes it from. The data-parallel round has no such repair.
     fills_missing = False
+    # True: each commitment taken is passed on to the other members at once, so that one a Byzantine sends to one
+    # owner only reaches the others within a latency, not a fetch's patience later (review s23-RE MED 11: that
+    # patience parted two honest owners' deadlines, and a late honest committer dropped by one of them alone was an
+    # ELIMINATE of two honest members). (n - 1)(n - 2) small envelopes per member and step: a stage group's few
+    # replicas, not a data-parallel swarm.
+    echoes_commitments = False
 
     def __init__(
         self,
@@ -179,7 +185,7 @@ class SecureRound(ButterflyAllReduce):
         # MPRNG commits now, alongside the scatter, and reveals once every aggregate commitment is in
         # (App. B: r must not be known before them); it runs on into the background verification.
         rcommitted = asyncio.Event()
-        drawn = asyncio.ensure_future(draw(state, self.mprng, self.entropy, step, group, rcommitted.wait))
+        drawn = asyncio.ensure_future(draw(state, self.mprng, self.entropy, step, group, rcommitted.wait, lambda: st.gathered_by))
         committed = state.policy.committed_gradient(step, vector.detach().reshape(-1).to(torch.float32))
         parts = [committed[a:b] for a, b in st.bounds]
         state.grads[step] = committed
@@ -332,6 +338,16 @@ class SecureRound(ButterflyAllReduce):
         others = [p for p in st.committers if p != me]
 
         arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
+        echoed: set[str] = set()
+
+        def echo(got: dict[str, SignedEnvelope]) -> bool:
+            for p in [p for p in got if p != me and p not in echoed] if self.echoes_commitments else []:
+                echoed.add(p)
+                for q in [q for q in st.members if q not in (me, p)]:
+                    sending = asyncio.ensure_future(_pass_on(tr, q, got[p]))
+                    self.state.pending_sends.add(sending)
+                    sending.add_done_callback(self.state.pending_sends.discard)
+            return False
 
         def silent_in_view(got: dict[str, SignedEnvelope]) -> bool:
             view = set(tr.members())
@@ -346,6 +362,7 @@ class SecureRound(ButterflyAllReduce):
             # deadline would differ from the others' (review s23-RE HIGH 1 and 1b: two honest banned).
             for p in got:
                 arrived.setdefault(p, tr.clock.now())
+            echo(got)
             return 2 * sum(1 for p in others if p in got) > len(others) or not silent_in_view(got)
 
         def lag_of(got: dict[str, SignedEnvelope]) -> float:
@@ -361,7 +378,7 @@ class SecureRound(ButterflyAllReduce):
         )
         lag = lag_of(got) if anchored(got) else 0.0
         return await tr.collect_broadcasts(
-            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays
+            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays, enough=echo
         )
 
     async def _reduce(
@@ -451,18 +468,27 @@ class SecureRound(ButterflyAllReduce):
         # must not make me late for the next step's commitments. Who is passed over is decided only after
         # that fetch had its chance: colluders that withhold their declarations (which do not drop each
         # other) from me alone would otherwise have me pass them over while every other peer applies them.
+        # Where missing partitions are filled from the others (`fills_missing`), the owners passed over and those
+        # whose declaration is missing may instead all have left before committing (`_left_uncommitted`): then the
+        # gather ends at once, and the fill asks the others for the declarations of the owners it passed over.
         patience = self.state.btard.timeout / 4
-        started = tr.clock.now()
+        started, wait = tr.clock.now(), self._gather_wait(st)
+        gone = [False]  # the gather ended for owners that left before committing (`_left_uncommitted`)
 
         def enough(got: dict[str, SignedEnvelope]) -> bool:
-            if tr.clock.now() - started < 2 * patience:
-                return False
-            return passed_over(owners, declarations(got)) is not None or (self.fills_missing and self._left_uncommitted(st, got))
+            drops = declarations(got)
+            decided = passed_over(owners, drops)
+            if self.fills_missing and self._left_uncommitted(st, got, silent_for_most(owners, drops)):
+                gone[0] = True
+                return True
+            return tr.clock.now() - started >= 2 * patience and decided is not None
 
         async def aggregate_commitments():
             held = await tr.collect_broadcasts(
-                "bt.rcommit", step, owners, self._gather_wait(st), relays=len(st.members), enough=enough, patience=patience,
+                "bt.rcommit", step, owners, wait, relays=len(st.members), enough=enough, patience=patience,
             )
+            if gone[0]:  # another member may gather until then: MPRNG's first reveals are waited for (`btard_verify.draw`)
+                st.gathered_by = started + wait
             rcommitted.set()
             return held
 
@@ -538,26 +564,30 @@ class SecureRound(ButterflyAllReduce):
         now = asyncio.get_running_loop().time()
         return max(0.0, min(times[len(others) // 2], now) + full - now)
 
-    def _left_uncommitted(self, st: StepState, got: dict[str, SignedEnvelope]) -> bool:
-        """Whether every owner whose declaration I lack has left my view and no commitment of its for this step
-        reached me (it left before committing: it never declares, and waiting allreduce.timeout + btard.timeout
-        for it, when it is half of the group, cost the `all` cell 10 s a time), with at least half of the owners
-        declared. An owner that looks gone to me only but committed (to anyone: commitments are relayed and
+    def _left_uncommitted(self, st: StepState, got: dict[str, SignedEnvelope], passing: set[str]) -> bool:
+        """Whether every owner whose declaration I lack is in `passing` (passed over whatever comes: silent for most
+        owners) and, like every other one in `passing`, has left my view and no commitment of its for this step
+        reached me (it left before committing: it never declares; waiting allreduce.timeout + btard.timeout for
+        it, when it was half of the group, and the fetch's btard.timeout / 2 otherwise, cost the `all` cell 10 s and
+        2.5 s a time), with at least half of the owners declared. An owner that some declaration used is silent for
+        most owners at most, and one whose declaration I lack is waited for unless it is (review s24-RB 1: an owner
+        that one honest owner used, whose declaration came to it only after I stepped). An owner that looks gone to me only but committed (to anyone: commitments are relayed and
         fetched) is waited for; one that committed to nobody is dropped as silent by every declaration, so the
         gather passes it over (`_passed_over`) whether or not its declaration comes."""
         me, tr = self.transport.peer_id, self.transport
-        missing = [o for o in st.group if o not in got and o != me]
+        missing = {o for o in st.group if o not in got} - {me}
         view, committed = set(tr.members()), tr.board.get("bt.commit", st.step)
         declared = sum(1 for o in st.group if o in got)
-        return bool(missing) and 2 * declared >= len(st.group) and not any(o in view or o in committed for o in missing)
+        out = (missing | passing) - {me}
+        return (bool(out) and missing <= passing and 2 * declared >= len(st.group)
+                and not any(o in view or o in committed for o in out))
 
     def _undecided(self, owners: list[str], drops: dict[str, dict[str, str]]) -> set[str]:
         """Whom the gather passes over when the declarations at hand do not decide it (`passed_over` is None):
         nobody in the data-parallel round; where missing partitions are filled from the others (`fills_missing`),
-        every owner that all the declarations at hand drop as silent, me too. Another member applies one only
-        when a declaration I lack did not drop it, and then I take it from that member; I never apply a
-        partition that the others pass over, which nothing could undo."""
-        return silent_to_all(owners, drops) if self.fills_missing else set()
+        every owner that more than half of the other owners drop as silent in them (me too): passed over by every
+        member whatever declarations come later. One that I apply and another member lacks, it takes from me."""
+        return silent_for_most(owners, drops) if self.fills_missing else set()
 
     async def _passed_over(self, st: StepState, drops: dict[str, dict[str, str]]) -> set[str]:
         """The owners this step leaves out (`passed_over`), checked against a declaration signed twice.
@@ -738,6 +768,14 @@ def _aggregate_hash(env: SignedEnvelope, g: bytes) -> bytes | None:
     """The hash an aggregate commitment for group `g` binds (malformed declarations too), else None."""
     obj = decoded(env.payload, env.sender, None)
     return declared_hash(obj) if group_in(obj) == g else None
+
+
+async def _pass_on(tr: Transport, peer: str, envelope: SignedEnvelope) -> None:
+    """Send a signed broadcast I hold on to `peer` (best effort, as a broadcast is: a peer gone takes nothing)."""
+    try:
+        await tr.send(peer, BROADCAST_TOPIC, envelope.to_bytes())
+    except PhalanxError:
+        pass
 
 
 # --- the round's lying broadcasts (attack policies decide when) ----------------------

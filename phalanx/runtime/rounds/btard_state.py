@@ -110,7 +110,7 @@ class RoundState:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> the gradient this peer committed
     used: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # step -> the parts this owner aggregated
     evidence: list[Evidence] = field(default_factory=list)  # the transport's evidence, claimed by the next verification
-    pending_sends: set[asyncio.Future] = field(default_factory=set)  # a deadline-edge attacker's delayed broadcasts (kept referenced)
+    pending_sends: set[asyncio.Future] = field(default_factory=set)  # sends not awaited: commitments passed on, a deadline-edge attacker's broadcasts (kept referenced)
 
     @property
     def tau(self) -> float:
@@ -137,6 +137,7 @@ class StepState:
     inputs: dict[str, bytes] = field(default_factory=dict)  # committer -> digest of its committed inputs (InputsHook)
     aggregates: dict[str, torch.Tensor] = field(default_factory=dict)
     passed: set[str] = field(default_factory=set)  # owners every other owner declared late_commit: partitions left out
+    gathered_by: float = 0.0  # (clock) when my gather would have ended at the latest: other members may gather until then
     meta: dict[str, tuple[dict, dict]] = field(default_factory=dict)
     z: torch.Tensor | None = None
     z64: torch.Tensor | None = None

@@ -64,11 +64,16 @@ SEEN_TOPICS = ("bt.commit", "bt.rcommit", "bt.meta")  # what honest peers exchan
 
 async def draw(
     state: RoundState, mprng: MPRNGConfig, entropy: Callable[[int], bytes], step: int, group: list[str],
-    before_reveal: Callable[[], Awaitable[None]],
+    before_reveal: Callable[[], Awaitable[None]], gathered_by: Callable[[], float] = lambda: 0.0,
 ) -> tuple[bytes | None, list[Claim]]:
     """The step's MPRNG output (drawn among the step's group) and claims against its cheaters.
 
     Among the group, not every member: a joiner still catching up is not waited for.
+    The first reveals are waited for mprng.timeout from `gathered_by()` (when my gather would have ended at the
+    latest) if that is later than now: a member reveals once its gather ends, and mine may have ended well before
+    it would have (it stopped for owners gone before committing that another honest member still waits for:
+    `SecureRound._gather`); that member's reveal is then waited for as long as before, not claimed no_reveal on my
+    side only.
 
     MPRNG runs on a copy of the ledger, so its bans (no reveal, bad
     reveal, equivocation: each derived from signed broadcasts every honest
@@ -79,7 +84,13 @@ async def draw(
     shadow.restore(state.ledger.records)
     before = set(shadow.banned)
     try:
-        value = (await run_mprng(state.transport, shadow, step, mprng, entropy, before_reveal=before_reveal, among=group)).value
+        clock = state.transport.clock
+
+        def reveal_wait() -> float:
+            return max(mprng.timeout, gathered_by() + mprng.timeout - clock.now())
+
+        value = (await run_mprng(state.transport, shadow, step, mprng, entropy, before_reveal=before_reveal, among=group,
+                                 reveal_wait=reveal_wait)).value
     except MPRNGFailed as exc:
         log.warning("BTARD step %d has no random value (%s): V2 and validation are skipped", step, exc)
         value = None

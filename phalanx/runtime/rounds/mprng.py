@@ -129,6 +129,7 @@ async def run_mprng(
     behaviour: MPRNGBehaviour = MPRNGBehaviour(),
     before_reveal: Callable[[], Awaitable[None]] | None = None,
     among: list[str] | None = None,
+    reveal_wait: Callable[[], float] | None = None,
 ) -> MPRNGResult:
     """Run one MPRNG round among the current, unbanned members (or the unbanned ones of `among`).
 
@@ -138,7 +139,8 @@ async def run_mprng(
 
     `before_reveal`, when given, is awaited before the first reveal: a caller
     can commit early and reveal only once what r must not influence is fixed
-    (BTARD: every aggregate commitment). Raises MPRNGFailed when no attempt
+    (BTARD: every aggregate commitment); `reveal_wait()`, asked after it, how long
+    the first attempt's reveals are waited for (default the timeout). Raises MPRNGFailed when no attempt
     agreed (e.g. a peer keeps lying about what it saw); callers treat that as
     "no random value this round".
     """
@@ -160,8 +162,10 @@ async def run_mprng(
         # A participant whose commitment missed my deadline was silent already: once every committed
         # participant has revealed it gets a grace, not the whole timeout. Its reveal only matters when
         # it names another seen set, and one sent on time reaches everyone within the grace.
+        wait = reveal_wait() if reveal_wait is not None and attempt == 0 else config.timeout
         envelopes = await transport.collect_passing_over(
-            reveal_topic, round_id, participants, config.timeout, lambda got: {p for p in participants if p not in commits}
+            reveal_topic, round_id, participants, wait, lambda got: {p for p in participants if p not in commits},
+            grace=config.timeout / 4,
         )
         reveals, disagreeing = {}, []
         for peer, env in envelopes.items():
