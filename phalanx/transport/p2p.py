@@ -67,6 +67,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from ..core.envelope import SignedEnvelope
 from ..core.errors import (
     ConfigError,
     Evidence,
@@ -78,7 +79,7 @@ from ..core.errors import (
 )
 from ..core.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify_signature
 from ..core.serialization import DEFAULT_LIMITS, Limits, decode, digest, encode
-from .base import Transport
+from .base import BROADCAST_TOPIC, Transport
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ WRITE_CHUNK = 2**20
 # allowance for clocks of different peers disagreeing.
 CLOCK_SKEW = 30.0
 STARTUP_TIMEOUT = 30.0
+# How long `stop` lets the sends of this peer's last broadcasts finish (each is also bounded by send_timeout).
+LINGER = 5.0
 # libp2p dials over TCP from its listening port by default (port reuse, for NAT mappings). Two peers
 # that dial each other at the same instant then make one TCP connection (a simultaneous open) on which
 # both ends start the secure handshake as its initiator; it fails ("noise: message is too short"),
@@ -261,6 +264,7 @@ class HivemindTransport(Transport):
         self._store_task: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
         self._inbound: set[asyncio.Task] = set()
+        self._outbound: set[asyncio.Task] = set()  # broadcast sends still running
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -316,8 +320,11 @@ class HivemindTransport(Transport):
             task.add_done_callback(_log_death)
 
     async def stop(self) -> None:
-        """Stop background work, close streams, shut down the DHT process and its daemon."""
-        tasks = [*self._background, *self._inbound]
+        """Let the last broadcasts' sends finish (up to LINGER seconds), stop background work, close streams,
+        shut down the DHT process and its daemon."""
+        if self._outbound:
+            await asyncio.wait(set(self._outbound), timeout=min(LINGER, self._send_timeout))
+        tasks = [*self._background, *self._inbound, *self._outbound]
         tasks += [t for t in (self._refresh_task, self._store_task) if t is not None]
         for task in tasks:
             task.cancel()
@@ -520,6 +527,32 @@ class HivemindTransport(Transport):
             return await asyncio.wait_for(self._exchange(peer, REQUEST, topic, payload), timeout)
         except asyncio.TimeoutError:
             raise PeerTimeout(peer, f"request {topic!r} got no answer in {timeout}s") from None
+
+    async def broadcast(self, topic: str, step: int, payload: bytes) -> SignedEnvelope:
+        """Sign `payload` for slot (topic, step), start its sends to every other member, and return: as in the
+        simulator, a broadcast does not wait for delivery. Each send goes on in the background until the member
+        acks it or send_timeout passes; `stop` lets them finish for up to LINGER seconds.
+
+        Waiting here for every member's ack put the slowest member's round trip through both daemons on the
+        caller's path, between messages that do not depend on it: a commitment and the parts it binds, an
+        aggregate's commitment and the aggregate, the next step's join and the parts' collection.
+        """
+        if self._p2p is None:
+            raise LocalError("the transport is not started; `await start()` first")
+        envelope = SignedEnvelope.create(self.identity, topic, step, payload)
+        self.board.add(envelope)
+        data = envelope.to_bytes()
+        for peer in self.members():
+            if peer != self.peer_id:
+                task = asyncio.create_task(self.send(peer, BROADCAST_TOPIC, data), name=f"phalanx-broadcast-{topic}")
+                self._outbound.add(task)
+                task.add_done_callback(self._sent)
+        return envelope
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._outbound.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # `send` ends every failure of the network itself
+            log.error("a broadcast send failed", exc_info=task.exception())
 
     async def send(self, peer: str, topic: str, payload: bytes) -> None:
         try:
