@@ -246,6 +246,53 @@ def test_one_way_send(shared: Shared) -> None:
 
 
 @pytest.mark.hivemind
+def test_exchanges_with_a_peer_one_after_another_share_one_stream(shared: Shared) -> None:
+    a, _, c = shared.peers
+
+    async def body() -> None:
+        got: list[bytes] = []
+        c.add_message_handler("pooled", lambda sender, payload: got.append(payload))
+        c.add_request_handler("pooled.echo", lambda sender, payload: asyncio.sleep(0, payload))
+        p2p, opened = a._p2p, []
+        assert p2p is not None
+        open_stream = p2p.call_binary_stream_handler
+
+        async def counted(*args):
+            opened.append(args)
+            return await open_stream(*args)
+
+        p2p.call_binary_stream_handler = counted  # type: ignore[method-assign]
+        try:
+            for i in range(5):
+                await a.send(c.peer_id, "pooled", bytes([i]))
+                assert await a.request(c.peer_id, "pooled.echo", bytes([i]), timeout=5) == bytes([i])
+        finally:
+            del p2p.call_binary_stream_handler
+        assert got == [bytes([i]) for i in range(5)]
+        assert len(opened) <= 1  # one stream (none if an earlier test left one to c open), not one per exchange
+
+    shared.run(body)
+
+
+@pytest.mark.hivemind
+def test_a_stream_the_answerer_closed_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.transport import p2p
+
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+            got: list[bytes] = []
+            b.add_message_handler("late", lambda sender, payload: got.append(payload))
+            await a.send(b.peer_id, "late", b"first")
+            monkeypatch.setattr(p2p, "SERVE_IDLE", 0.1)  # b closes its end of the stream, idle since the first
+            await a.send(b.peer_id, "late", b"second")  # on the stream the first left, which b still serves
+            await asyncio.sleep(1.0)
+            await a.send(b.peer_id, "late", b"third")
+            assert got == [b"first", b"second", b"third"]
+
+    run(body)
+
+
+@pytest.mark.hivemind
 def test_broadcast_reaches_every_board(shared: Shared) -> None:
     a, b, c = shared.peers
 

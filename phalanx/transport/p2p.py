@@ -23,16 +23,23 @@ peer that is alive and talking is never refused for a stale record, however
 late its loop runs the re-store. A peer that stopped signs nothing more: it
 leaves every view at most one ttl after its last stream or store.
 
-Wire format. One libp2p stream per message or request, raw bytes through the
-daemon. A frame is ``kind u8 | topic length u8 | payload length u64 | topic |
-payload``; the receiver checks the lengths against its limits before it reads
-the payload. Each end's first frame is a RECORD (topic: its phalanx id,
-payload: its membership record); a record is taken into the view only if it
-is valid, live, newer than the one held, and names the libp2p id that the
-secure channel authenticated. A one-way message is answered with an empty RESPONSE (an ack, so
-that `send` returns once the peer has it); a request with RESPONSE or ERROR.
-The requester closes the stream first; the answerer waits for that before it
-closes its end (the daemon may reset a stream closed early, cutting the answer).
+Wire format. Raw bytes over libp2p streams through the daemon, one message or
+request at a time per stream. A frame is ``kind u8 | topic length u8 | payload
+length u64 | topic | payload``; the receiver checks the lengths against its
+limits before it reads the payload. An exchange is: the requester's RECORD
+(topic: its phalanx id, payload: its membership record) and its MESSAGE or
+REQUEST frame, then the answerer's RECORD and its answer; a record is taken
+into the view only if it is valid, live, newer than the one held, and names the
+libp2p id that the secure channel authenticated. A one-way message is answered
+with an empty RESPONSE (an ack, so that `send` returns once the peer has it); a
+request with RESPONSE or ERROR. After a complete exchange the requester keeps
+the stream for its next exchange with that peer (up to POOL_IDLE seconds idle,
+POOL_SIZE streams per peer): opening a stream costs a connection to each
+daemon and a protocol negotiation between them, more than a small message
+itself. The answerer serves exchanges on a stream one after another until the
+requester closes it, or SERVE_IDLE seconds pass without one. The requester
+closes first; the answerer waits for that before it closes its end (the daemon
+may reset a stream closed early, cutting the answer).
 
 Importing this module imports hivemind (about a second), which also sets
 torch's sharing strategy to ``file_system`` and renames the WARNING log level
@@ -91,6 +98,12 @@ WRITE_CHUNK = 2**20
 # allowance for clocks of different peers disagreeing.
 CLOCK_SKEW = 30.0
 STARTUP_TIMEOUT = 30.0
+# A stream is reused for the next exchange with its peer while it has been idle less than POOL_IDLE seconds;
+# the answerer closes a stream idle SERVE_IDLE seconds, well after the requester stopped reusing it, so that
+# a reused stream is never one the answerer is closing. At most POOL_SIZE idle streams are kept per peer.
+POOL_IDLE = 10.0
+SERVE_IDLE = 30.0
+POOL_SIZE = 8
 # How long `stop` lets the sends of this peer's last broadcasts finish (each is also bounded by send_timeout).
 LINGER = 5.0
 # libp2p dials over TCP from its listening port by default (port reuse, for NAT mappings). Two peers
@@ -265,6 +278,7 @@ class HivemindTransport(Transport):
         self._background: list[asyncio.Task] = []
         self._inbound: set[asyncio.Task] = set()
         self._outbound: set[asyncio.Task] = set()  # broadcast sends still running
+        self._idle: dict[str, list[_Stream]] = {}  # peer -> streams of finished exchanges, kept for the next ones
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -330,6 +344,10 @@ class HivemindTransport(Transport):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._background, self._refresh_task, self._store_task = [], None, None
+        for streams in self._idle.values():
+            for stream in streams:
+                stream.writer.close()
+        self._idle = {}
         if self._p2p is not None:
             await self._p2p.shutdown()
             self._p2p = None
@@ -582,25 +600,69 @@ class HivemindTransport(Transport):
         if self._p2p is None:
             raise LocalError("the transport is not started; `await start()` first")
         record = await self._record_of(peer)
+        stream = self._reusable(peer, record.libp2p_id)
+        if stream is not None:
+            try:
+                return await self._exchange_on(peer, stream, kind, topic_bytes, payload, reused=True)
+            except _Stale:
+                pass  # closed under us before the peer took anything (it restarted, say): on a fresh stream
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID(record.libp2p_id), self._protocol)
         except (P2PDaemonError, asyncio.IncompleteReadError, OSError) as exc:  # the daemon may hang up mid-answer
             raise PeerUnreachable(peer, f"cannot open a stream: {exc!r}") from None
+        return await self._exchange_on(peer, _Stream(record.libp2p_id, reader, writer, 0.0), kind, topic_bytes, payload, reused=False)
+
+    async def _exchange_on(self, peer: str, stream: _Stream, kind: int, topic: bytes, payload: bytes, reused: bool) -> bytes:
+        """One exchange on `stream`; the stream is kept for the next one if it completed, else closed.
+
+        Raises _Stale if `reused` and the stream was found closed before any byte of an answer came."""
+        done = False
         try:
-            await self._write_record(writer)
-            await _write_frame(writer, kind, topic_bytes, payload)
-            await self._read_record(reader, peer, record.libp2p_id)
-            answer_kind, _, answer = await _read_frame(reader, peer, self.limits, {RESPONSE, ERROR})
+            try:
+                await self._write_record(stream.writer)
+                await _write_frame(stream.writer, kind, topic, payload)
+                await self._read_record(stream.reader, peer, stream.libp2p_id)
+            except (asyncio.IncompleteReadError, OSError) as exc:
+                if reused and not (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                    raise _Stale() from None
+                raise
+            answer_kind, _, answer = await _read_frame(stream.reader, peer, self.limits, {RESPONSE, ERROR})
+            done = True
         except RemoteError as exc:
             self.report(exc.evidence)
             raise RequestFailed(peer, f"bad answer: {exc}") from None
         except (asyncio.IncompleteReadError, OSError) as exc:
             raise PeerUnreachable(peer, f"stream broke: {exc!r}") from None
         finally:
-            writer.close()
+            # Only a stream whose exchange completed is in a known state; one cut anywhere (a timeout, a
+            # cancellation, a bad answer) is closed.
+            if done:
+                self._park(peer, stream)
+            else:
+                stream.writer.close()
         if answer_kind == ERROR:
             raise RequestFailed(peer, answer.decode(errors="replace"))
         return answer
+
+    def _reusable(self, peer: str, libp2p_id: bytes) -> _Stream | None:
+        """An idle stream to `peer` (as `libp2p_id`) that can carry the next exchange; stale ones are closed."""
+        streams = self._idle.get(peer, [])
+        now = asyncio.get_running_loop().time()
+        while streams:
+            stream = streams.pop()
+            fresh = now - stream.parked < POOL_IDLE and stream.libp2p_id == libp2p_id
+            if fresh and not stream.writer.is_closing() and not stream.reader.at_eof():
+                return stream
+            stream.writer.close()
+        return None
+
+    def _park(self, peer: str, stream: _Stream) -> None:
+        """Keep the stream of a completed exchange for the next one with `peer`."""
+        streams = self._idle.setdefault(peer, [])
+        if self._p2p is None or len(streams) >= POOL_SIZE:
+            stream.writer.close()
+            return
+        streams.append(dataclasses.replace(stream, parked=asyncio.get_running_loop().time()))
 
     async def _exchange_with_self(self, kind: int, topic: str, payload: bytes) -> bytes:
         """What `_exchange` does for a message or request addressed to ourselves, without the network."""
@@ -615,27 +677,39 @@ class HivemindTransport(Transport):
     # --- receiving -----------------------------------------------------------
 
     async def _on_stream(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Serve one incoming stream: one message (acked) or one request (answered)."""
+        """Serve one incoming stream: exchanges, one after another, each a message (acked) or a request
+        (answered), until the requester closes it or none comes for SERVE_IDLE seconds."""
         task = asyncio.current_task()
         assert task is not None
         self._inbound.add(task)
         try:
-            sender = await asyncio.wait_for(self._sender_of(info.peer_id, reader), self._send_timeout)
-            if sender is None:
-                log.warning("dropping a stream from %s: no valid membership record", info.peer_id)
-                return
-            kind, topic, payload = await asyncio.wait_for(
-                _read_frame(reader, sender, self.limits, {MESSAGE, REQUEST}), self._send_timeout
-            )
-            if kind == MESSAGE:
-                self._deliver_message(sender, topic, payload)
-                ok, answer = True, b""
-            else:
-                ok, answer = await self._serve_request(sender, topic, payload)
-            await asyncio.wait_for(self._write_answer(writer, RESPONSE if ok else ERROR, answer), self._send_timeout)
-            # The requester closes first, once it has the whole answer: closing
-            # our end earlier lets the daemon reset the stream and cut the answer.
-            await asyncio.wait_for(reader.read(1), self._send_timeout)
+            served = 0
+            while True:
+                # The requester closes first, once it has the whole answer (closing our end earlier lets the
+                # daemon reset the stream and cut the answer): its close, between exchanges, ends the stream.
+                try:
+                    sender = await asyncio.wait_for(self._sender_of(info.peer_id, reader), SERVE_IDLE if served else self._send_timeout)
+                except asyncio.IncompleteReadError as exc:
+                    if served and not exc.partial:
+                        return
+                    raise
+                except asyncio.TimeoutError:
+                    if served:
+                        return
+                    raise
+                if sender is None:
+                    log.warning("dropping a stream from %s: no valid membership record", info.peer_id)
+                    return
+                kind, topic, payload = await asyncio.wait_for(
+                    _read_frame(reader, sender, self.limits, {MESSAGE, REQUEST}), self._send_timeout
+                )
+                if kind == MESSAGE:
+                    self._deliver_message(sender, topic, payload)
+                    ok, answer = True, b""
+                else:
+                    ok, answer = await self._serve_request(sender, topic, payload)
+                await asyncio.wait_for(self._write_answer(writer, RESPONSE if ok else ERROR, answer), self._send_timeout)
+                served += 1
         except RemoteError as exc:
             self.report(exc.evidence)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:
@@ -655,6 +729,20 @@ class HivemindTransport(Transport):
     async def _write_answer(self, writer: asyncio.StreamWriter, kind: int, answer: bytes) -> None:
         await self._write_record(writer)
         await _write_frame(writer, kind, b"", answer)
+
+
+class _Stale(Exception):
+    """A reused stream that was closed before the exchange got any answer."""
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """An open stream to a peer, idle between exchanges since `parked` (the event loop's time)."""
+
+    libp2p_id: bytes
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    parked: float
 
 
 def _log_death(task: asyncio.Task) -> None:
