@@ -283,11 +283,15 @@ def test_a_stream_the_answerer_closed_is_not_reused(monkeypatch: pytest.MonkeyPa
             got: list[bytes] = []
             b.add_message_handler("late", lambda sender, payload: got.append(payload))
             await a.send(b.peer_id, "late", b"first")
-            monkeypatch.setattr(p2p, "SERVE_IDLE", 0.1)  # b closes its end of the stream, idle since the first
+            monkeypatch.setattr(p2p, "SERVE_IDLE", 0.1)  # b closes its end of a stream idle for 0.1 s
             await a.send(b.peer_id, "late", b"second")  # on the stream the first left, which b still serves
             await asyncio.sleep(1.0)
-            await a.send(b.peer_id, "late", b"third")
-            assert got == [b"first", b"second", b"third"]
+            await a.send(b.peer_id, "late", b"third")  # a saw b's close of that stream: on a fresh one
+            await asyncio.sleep(1.0)
+            (stream,) = a._idle[b.peer_id]  # closed by b too, but taken before a sees it (the race):
+            monkeypatch.setattr(stream.reader, "at_eof", lambda: False)
+            await a.send(b.peer_id, "late", b"fourth")  # sent on it, found closed, sent again on a fresh one
+            assert got == [b"first", b"second", b"third", b"fourth"]
 
     run(body)
 
@@ -316,6 +320,36 @@ def test_broadcast_returns_before_the_acks_and_its_send_to_a_stalled_member_goes
                 while len(a._outbound) > 1:  # b's ack is on its way
                     await asyncio.sleep(0.01)
                 assert len(a._outbound) == 1  # the send to the mute member still waits for its ack
+            finally:
+                Mute.released.set()
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_a_member_that_never_acks_holds_a_bounded_backlog_and_a_stop_cancelled_while_lingering_still_shuts_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from phalanx.transport import p2p
+
+    monkeypatch.setattr(p2p, "BROADCAST_BACKLOG", 4)
+
+    async def body() -> None:
+        Mute.released = asyncio.Event()
+        async with swarm(3, mute_first=True) as (mute, a, b):
+            try:
+                for step in range(6):
+                    envelope = await a.broadcast("grad", step, b"commitment")
+                    assert await b.board.wait("grad", step, [a.peer_id], timeout=5.0) == {a.peer_id: envelope}
+                    while b.peer_id in a._backlog:  # b's ack is on its way
+                        await asyncio.sleep(0.01)
+                assert a._backlog == {mute.peer_id: 4}  # 4 sends wait for the mute member's ack, not 6
+                stopping = asyncio.create_task(a.stop())  # lingers for the mute member's sends...
+                await asyncio.sleep(0.5)
+                stopping.cancel()  # ... and is cancelled there (a SIGTERM handler)
+                with pytest.raises(asyncio.CancelledError):
+                    await stopping
+                assert a._dht is None and a._p2p is None  # shut down all the same
             finally:
                 Mute.released.set()
 

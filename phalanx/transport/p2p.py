@@ -39,7 +39,11 @@ daemon and a protocol negotiation between them, more than a small message
 itself. The answerer serves exchanges on a stream one after another until the
 requester closes it, or SERVE_IDLE seconds pass without one. The requester
 closes first; the answerer waits for that before it closes its end (the daemon
-may reset a stream closed early, cutting the answer).
+may reset a stream closed early, cutting the answer). A reused stream found
+closed before any byte of the answer is retried once on a fresh stream: if the
+answerer had taken the exchange and closed without answering (it was stopping),
+the message or request arrives twice (the board and the all-reduce keep the
+first; a quota-counted request, `bt.aggregate`, counts twice).
 
 Importing this module imports hivemind (about a second), which also sets
 torch's sharing strategy to ``file_system`` and renames the WARNING log level
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -106,6 +111,11 @@ SERVE_IDLE = 30.0
 POOL_SIZE = 8
 # How long `stop` lets the sends of this peer's last broadcasts finish (each is also bounded by send_timeout).
 LINGER = 5.0
+# At most this many broadcast sends to one member wait for its ack at a time; further broadcasts skip it (it
+# fetches what it misses from the sender and relays, as any member that missed one). Above a BTARD step's 8
+# broadcasts: a member whose loop is busy for a step misses none. Without a cap, a member that never acks (frozen,
+# or Byzantine and still in view) holds a stream and a daemon socket per broadcast for send_timeout each.
+BROADCAST_BACKLOG = 32
 # libp2p dials over TCP from its listening port by default (port reuse, for NAT mappings). Two peers
 # that dial each other at the same instant then make one TCP connection (a simultaneous open) on which
 # both ends start the secure handshake as its initiator; it fails ("noise: message is too short"),
@@ -278,6 +288,7 @@ class HivemindTransport(Transport):
         self._background: list[asyncio.Task] = []
         self._inbound: set[asyncio.Task] = set()
         self._outbound: set[asyncio.Task] = set()  # broadcast sends still running
+        self._backlog: dict[str, int] = {}  # member -> broadcast sends to it still running
         self._idle: dict[str, list[_Stream]] = {}  # peer -> streams of finished exchanges, kept for the next ones
 
     # --- lifecycle -----------------------------------------------------------
@@ -336,8 +347,12 @@ class HivemindTransport(Transport):
     async def stop(self) -> None:
         """Let the last broadcasts' sends finish (up to LINGER seconds), stop background work, close streams,
         shut down the DHT process and its daemon."""
+        cancelled = False
         if self._outbound:
-            await asyncio.wait(set(self._outbound), timeout=min(LINGER, self._send_timeout))
+            try:
+                await asyncio.wait(set(self._outbound), timeout=min(LINGER, self._send_timeout))
+            except asyncio.CancelledError:  # stopped while lingering (a SIGTERM handler): shut down all the same
+                cancelled = True
         tasks = [*self._background, *self._inbound, *self._outbound]
         tasks += [t for t in (self._refresh_task, self._store_task) if t is not None]
         for task in tasks:
@@ -355,6 +370,8 @@ class HivemindTransport(Transport):
             await asyncio.get_running_loop().run_in_executor(None, self._dht.shutdown)
             self._dht = None
         self._view, self._by_libp2p, self._maddrs, self._own = {}, {}, [], None
+        if cancelled:
+            raise asyncio.CancelledError
 
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs (with /p2p/<libp2p id>) that other peers can pass as `initial_peers`."""
@@ -549,7 +566,8 @@ class HivemindTransport(Transport):
     async def broadcast(self, topic: str, step: int, payload: bytes) -> SignedEnvelope:
         """Sign `payload` for slot (topic, step), start its sends to every other member, and return: as in the
         simulator, a broadcast does not wait for delivery. Each send goes on in the background until the member
-        acks it or send_timeout passes; `stop` lets them finish for up to LINGER seconds.
+        acks it or send_timeout passes; `stop` lets them finish for up to LINGER seconds. A member that has
+        BROADCAST_BACKLOG sends unacknowledged is skipped (it fetches the envelope from the sender or relays).
 
         Waiting here for every member's ack put the slowest member's round trip through both daemons on the
         caller's path, between messages that do not depend on it: a commitment and the parts it binds, an
@@ -561,14 +579,22 @@ class HivemindTransport(Transport):
         self.board.add(envelope)
         data = envelope.to_bytes()
         for peer in self.members():
-            if peer != self.peer_id:
-                task = asyncio.create_task(self.send(peer, BROADCAST_TOPIC, data), name=f"phalanx-broadcast-{topic}")
-                self._outbound.add(task)
-                task.add_done_callback(self._sent)
+            if peer == self.peer_id:
+                continue
+            if self._backlog.get(peer, 0) >= BROADCAST_BACKLOG:
+                log.info("broadcast %r not sent to %s: %d sends to it unacknowledged", topic, peer[:8], BROADCAST_BACKLOG)
+                continue
+            self._backlog[peer] = self._backlog.get(peer, 0) + 1
+            task = asyncio.create_task(self.send(peer, BROADCAST_TOPIC, data), name=f"phalanx-broadcast-{topic}")
+            self._outbound.add(task)
+            task.add_done_callback(functools.partial(self._sent, peer))
         return envelope
 
-    def _sent(self, task: asyncio.Task) -> None:
+    def _sent(self, peer: str, task: asyncio.Task) -> None:
         self._outbound.discard(task)
+        self._backlog[peer] -= 1
+        if not self._backlog[peer]:
+            del self._backlog[peer]
         if not task.cancelled() and task.exception() is not None:  # `send` ends every failure of the network itself
             log.error("a broadcast send failed", exc_info=task.exception())
 
@@ -657,12 +683,20 @@ class HivemindTransport(Transport):
         return None
 
     def _park(self, peer: str, stream: _Stream) -> None:
-        """Keep the stream of a completed exchange for the next one with `peer`."""
+        """Keep the stream of a completed exchange for the next one with `peer`; close every stream idle
+        POOL_IDLE or longer (to this or any peer: one that left is never asked for its streams again)."""
+        now = asyncio.get_running_loop().time()
+        for other, idle in list(self._idle.items()):
+            for old in [x for x in idle if now - x.parked >= POOL_IDLE]:
+                idle.remove(old)
+                old.writer.close()
+            if not idle:
+                del self._idle[other]
         streams = self._idle.setdefault(peer, [])
         if self._p2p is None or len(streams) >= POOL_SIZE:
             stream.writer.close()
             return
-        streams.append(dataclasses.replace(stream, parked=asyncio.get_running_loop().time()))
+        streams.append(dataclasses.replace(stream, parked=now))
 
     async def _exchange_with_self(self, kind: int, topic: str, payload: bytes) -> bytes:
         """What `_exchange` does for a message or request addressed to ourselves, without the network."""
