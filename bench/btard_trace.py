@@ -111,12 +111,13 @@ def install(path: Path, me: str) -> None:
     _span_async(btard_verify, "_compare_views", "compare_views", lambda state, st, *a, **k: _step_of(st))
     _span_async(btard_verify, "_agreed_checks", "agreed_checks", lambda state, st, *a, **k: _step_of(st))
     _span_async(btard_verify, "_collect_passing_over", "collect_passing_over", lambda state, topic, step, *a, **k: {"step": step, "topic": topic})
-    _span_async(Transport, "broadcast", "broadcast", lambda self, topic, step, *a, **k: {"step": step, "topic": topic})
+    for owner in {Transport, p2p.HivemindTransport}:  # the base class's, and the transport's own if it has one
+        if "broadcast" in owner.__dict__:
+            _span_async(owner, "broadcast", "broadcast", lambda self, topic, step, *a, **k: {"step": step, "topic": topic})
     _span_async(Transport, "collect_broadcasts", "collect", lambda self, topic, step, *a, **k: {"step": step, "topic": topic})
     _span_async(Transport, "fetch_broadcasts", "fetch", lambda self, topic, step, *a, **k: {"step": step, "topic": topic})
     _span_async(p2p.HivemindTransport, "_exchange", "exchange", lambda self, peer, kind, topic, payload: {"topic": topic, "bytes": len(payload), "to": peer[:8]})
     _span_async(p2p.P2P, "call_binary_stream_handler", "stream_open", lambda *a, **k: {})
-    _span_async(p2p.HivemindTransport, "_read_record", "read_record", lambda *a, **k: {})
     _span_sync(SignedEnvelope, "create", "sign")
     _span_sync(SignedEnvelope, "verify", "verify_sig")
     add = BroadcastBoard.add
