@@ -88,3 +88,18 @@ def test_the_cache_holds_the_newest_steps_only():
     cache("a", 0)  # asked again after it was dropped: computed again, and not kept
     assert sorted(cache.held()) == [("a", 2), ("b", 1)]
     assert computed == [("a", 0), ("b", 1), ("a", 2), ("a", 0)]
+
+
+def test_the_cache_holds_at_most_per_step_gradients_of_a_step():
+    computed: list[tuple[str, int]] = []
+
+    def compute(peer: str, step: int) -> torch.Tensor:
+        computed.append((peer, step))
+        return torch.zeros(2)
+
+    cache = RecomputeCache(compute, steps=2, per_step=2)
+    for peer in "abcd":  # a slanderer accused every member: each verdict recomputes one
+        cache(peer, 5)
+    assert sorted(cache.held()) == [("a", 5), ("b", 5)]
+    cache("d", 5)  # not held: computed again
+    assert computed == [("a", 5), ("b", 5), ("c", 5), ("d", 5), ("d", 5)]

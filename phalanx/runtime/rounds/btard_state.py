@@ -99,14 +99,17 @@ class RecomputeCache:
     (`validate`), the metadata filled in for a contributor that sent none (`_fill_missing_meta`), the verdict
     on a `gradient` accusation. The gradient is a function of public data at that step's parameters, so each
     is the same tensor; callers read it and never write to it. Older steps are dropped (they are recomputed
-    if asked for again), so at most `steps` steps' gradients are held.
+    if asked for again), and at most `per_step` gradients are held for a step (the first asked for: validators'
+    targets and missing metadata come before the verdicts; a slanderer that accuses every member gets the rest
+    recomputed, not held), so at most steps x per_step gradients are held.
     """
 
-    def __init__(self, compute: Callable[[str, int], torch.Tensor], steps: int = 2) -> None:
-        if steps < 1:
-            raise ConfigError(f"a recompute cache must hold at least one step, got {steps}")
+    def __init__(self, compute: Callable[[str, int], torch.Tensor], steps: int = 2, per_step: int = 4) -> None:
+        if steps < 1 or per_step < 1:
+            raise ConfigError(f"a recompute cache must hold at least one step and one gradient a step, got {steps}, {per_step}")
         self.compute = compute
         self.steps = steps
+        self.per_step = per_step
         self._held: dict[tuple[str, int], torch.Tensor] = {}
         self._newest: int | None = None
 
@@ -119,7 +122,7 @@ class RecomputeCache:
             self._newest = step
             for key in [k for k in self._held if k[1] <= step - self.steps]:
                 del self._held[key]
-        if step > self._newest - self.steps:
+        if step > self._newest - self.steps and sum(1 for k in self._held if k[1] == step) < self.per_step:
             self._held[(peer, step)] = held
         return held
 
