@@ -670,3 +670,15 @@ def test_a_slow_dht_store_does_not_hold_back_the_next_record() -> None:
         transport._store_task.cancel()
 
     run(body, timeout=5.0)
+
+
+def test_a_broadcast_on_a_transport_not_running_goes_on_its_board_only() -> None:
+    # A background verification may broadcast after its transport stopped (a run's teardown), as on the
+    # base class: the envelope is signed and kept, and sent to nobody; no error.
+    async def body() -> None:
+        transport = HivemindTransport(Identity.from_seed(b"stopped"), run_id="r")
+        envelope = await transport.broadcast("bt.report", 3, b"report")
+        assert transport.board.get("bt.report", 3) == {transport.peer_id: envelope}
+        assert not transport._outbound
+
+    run(body)

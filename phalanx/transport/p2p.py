@@ -573,8 +573,6 @@ class HivemindTransport(Transport):
         caller's path, between messages that do not depend on it: a commitment and the parts it binds, an
         aggregate's commitment and the aggregate, the next step's join and the parts' collection.
         """
-        if self._p2p is None:
-            raise LocalError("the transport is not started; `await start()` first")
         envelope = SignedEnvelope.create(self.identity, topic, step, payload)
         self.board.add(envelope)
         data = envelope.to_bytes()
