@@ -682,3 +682,24 @@ def test_a_broadcast_on_a_transport_not_running_goes_on_its_board_only() -> None
         assert not transport._outbound
 
     run(body)
+
+
+def test_a_broadcast_while_the_transport_stops_is_sent_to_nobody() -> None:
+    # A background verification may broadcast while `stop` shuts the daemon down: its sends would outlive the
+    # cancellation of the others (and fail, logged as errors). It goes on the board only.
+    async def body() -> None:
+        transport = HivemindTransport(Identity.from_seed(b"stopping"), run_id="r")
+        other = MembershipRecord.create(Identity.from_seed(b"other"), "r", get_dht_time() + 30)
+        transport._absorb({other.peer_id: other.to_bytes()})
+        assert other.peer_id in transport.members()
+        sent = []
+
+        class Daemon:
+            async def shutdown(self) -> None:
+                sent.append(await transport.broadcast("bt.report", 3, b"report"))
+
+        transport._p2p = Daemon()  # type: ignore[assignment]
+        await transport.stop()
+        assert sent and not transport._outbound
+
+    run(body)

@@ -289,6 +289,7 @@ class HivemindTransport(Transport):
         self._inbound: set[asyncio.Task] = set()
         self._outbound: set[asyncio.Task] = set()  # broadcast sends still running
         self._backlog: dict[str, int] = {}  # member -> broadcast sends to it still running
+        self._stopping = False  # from `stop` on: a broadcast goes on the board only (nobody would cancel its sends)
         self._idle: dict[str, list[_Stream]] = {}  # peer -> streams of finished exchanges, kept for the next ones
 
     # --- lifecycle -----------------------------------------------------------
@@ -297,6 +298,7 @@ class HivemindTransport(Transport):
         """Start the DHT process and its libp2p daemon, publish our record and read the others'."""
         if self._dht is not None:
             raise LocalError("this transport is already started")
+        self._stopping = False
         loop = asyncio.get_running_loop()
         os.environ.setdefault(REUSEPORT_ENV, "false")  # read by the daemon, which inherits our environment
         key_dir = tempfile.mkdtemp(prefix="phalanx-key-")
@@ -348,6 +350,7 @@ class HivemindTransport(Transport):
         """Let the last broadcasts' sends finish (up to LINGER seconds), stop background work, close streams,
         shut down the DHT process and its daemon."""
         cancelled = False
+        self._stopping = True
         if self._outbound:
             try:
                 await asyncio.wait(set(self._outbound), timeout=min(LINGER, self._send_timeout))
@@ -568,6 +571,7 @@ class HivemindTransport(Transport):
         simulator, a broadcast does not wait for delivery. Each send goes on in the background until the member
         acks it or send_timeout passes; `stop` lets them finish for up to LINGER seconds. A member that has
         BROADCAST_BACKLOG sends unacknowledged is skipped (it fetches the envelope from the sender or relays).
+        Once `stop` began, the envelope goes on this peer's board only.
 
         Waiting here for every member's ack put the slowest member's round trip through both daemons on the
         caller's path, between messages that do not depend on it: a commitment and the parts it binds, an
@@ -576,7 +580,7 @@ class HivemindTransport(Transport):
         envelope = SignedEnvelope.create(self.identity, topic, step, payload)
         self.board.add(envelope)
         data = envelope.to_bytes()
-        for peer in self.members():
+        for peer in self.members() if not self._stopping else []:
             if peer == self.peer_id:
                 continue
             if self._backlog.get(peer, 0) >= BROADCAST_BACKLOG:
