@@ -246,6 +246,57 @@ def test_one_way_send(shared: Shared) -> None:
 
 
 @pytest.mark.hivemind
+def test_exchanges_with_a_peer_one_after_another_share_one_stream(shared: Shared) -> None:
+    a, _, c = shared.peers
+
+    async def body() -> None:
+        got: list[bytes] = []
+        c.add_message_handler("pooled", lambda sender, payload: got.append(payload))
+        c.add_request_handler("pooled.echo", lambda sender, payload: asyncio.sleep(0, payload))
+        p2p, opened = a._p2p, []
+        assert p2p is not None
+        open_stream = p2p.call_binary_stream_handler
+
+        async def counted(*args):
+            opened.append(args)
+            return await open_stream(*args)
+
+        p2p.call_binary_stream_handler = counted  # type: ignore[method-assign]
+        try:
+            for i in range(5):
+                await a.send(c.peer_id, "pooled", bytes([i]))
+                assert await a.request(c.peer_id, "pooled.echo", bytes([i]), timeout=5) == bytes([i])
+        finally:
+            del p2p.call_binary_stream_handler
+        assert got == [bytes([i]) for i in range(5)]
+        assert len(opened) <= 1  # one stream (none if an earlier test left one to c open), not one per exchange
+
+    shared.run(body)
+
+
+@pytest.mark.hivemind
+def test_a_stream_the_answerer_closed_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.transport import p2p
+
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+            got: list[bytes] = []
+            b.add_message_handler("late", lambda sender, payload: got.append(payload))
+            await a.send(b.peer_id, "late", b"first")
+            monkeypatch.setattr(p2p, "SERVE_IDLE", 0.1)  # b closes its end of a stream idle for 0.1 s
+            await a.send(b.peer_id, "late", b"second")  # on the stream the first left, which b still serves
+            await asyncio.sleep(1.0)
+            await a.send(b.peer_id, "late", b"third")  # a saw b's close of that stream: on a fresh one
+            await asyncio.sleep(1.0)
+            (stream,) = a._idle[b.peer_id]  # closed by b too, but taken before a sees it (the race):
+            monkeypatch.setattr(stream.reader, "at_eof", lambda: False)
+            await a.send(b.peer_id, "late", b"fourth")  # sent on it, found closed, sent again on a fresh one
+            assert got == [b"first", b"second", b"third", b"fourth"]
+
+    run(body)
+
+
+@pytest.mark.hivemind
 def test_broadcast_reaches_every_board(shared: Shared) -> None:
     a, b, c = shared.peers
 
@@ -259,18 +310,59 @@ def test_broadcast_reaches_every_board(shared: Shared) -> None:
 
 
 @pytest.mark.hivemind
-def test_broadcast_is_not_held_up_by_a_stalled_member() -> None:
+def test_broadcast_returns_before_the_acks_and_its_send_to_a_stalled_member_goes_on() -> None:
     async def body() -> None:
         Mute.released = asyncio.Event()
-        async with swarm(3, send_timeout=2.0, mute_first=True) as (mute, a, b):
+        async with swarm(3, mute_first=True) as (mute, a, b):  # send_timeout 60 s: a wait for mute's ack outlasts the test
             try:
-                # Sequential sends would wait for `mute` (sorted first) before b.
-                broadcasting = asyncio.create_task(a.broadcast("grad", 1, b"commitment"))
-                assert a.peer_id in await b.board.wait("grad", 1, [a.peer_id], timeout=1.0)
-                assert not broadcasting.done()  # still waiting for the mute member's ack
-                await broadcasting  # gives up on it after send_timeout, without raising
+                envelope = await a.broadcast("grad", 1, b"commitment")  # the mute member never acks
+                assert await b.board.wait("grad", 1, [a.peer_id], timeout=5.0) == {a.peer_id: envelope}
+                while len(a._outbound) > 1:  # b's ack is on its way
+                    await asyncio.sleep(0.01)
+                assert len(a._outbound) == 1  # the send to the mute member still waits for its ack
             finally:
                 Mute.released.set()
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_a_member_that_never_acks_holds_a_bounded_backlog_and_a_stop_cancelled_while_lingering_still_shuts_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from phalanx.transport import p2p
+
+    monkeypatch.setattr(p2p, "BROADCAST_BACKLOG", 4)
+
+    async def body() -> None:
+        Mute.released = asyncio.Event()
+        async with swarm(3, mute_first=True) as (mute, a, b):
+            try:
+                for step in range(6):
+                    envelope = await a.broadcast("grad", step, b"commitment")
+                    assert await b.board.wait("grad", step, [a.peer_id], timeout=5.0) == {a.peer_id: envelope}
+                    while b.peer_id in a._backlog:  # b's ack is on its way
+                        await asyncio.sleep(0.01)
+                assert a._backlog == {mute.peer_id: 4}  # 4 sends wait for the mute member's ack, not 6
+                stopping = asyncio.create_task(a.stop())  # lingers for the mute member's sends...
+                await asyncio.sleep(0.5)
+                stopping.cancel()  # ... and is cancelled there (a SIGTERM handler)
+                with pytest.raises(asyncio.CancelledError):
+                    await stopping
+                assert a._dht is None and a._p2p is None  # shut down all the same
+            finally:
+                Mute.released.set()
+
+    run(body)
+
+
+@pytest.mark.hivemind
+def test_a_broadcast_just_before_stop_is_delivered() -> None:
+    async def body() -> None:
+        async with swarm(2) as (a, b):
+            envelope = await a.broadcast("grad", 2, b"last words")
+            await a.stop()  # lets the broadcast's sends finish first
+            assert b.board.get("grad", 2) == {a.peer_id: envelope}
 
     run(body)
 
@@ -578,3 +670,36 @@ def test_a_slow_dht_store_does_not_hold_back_the_next_record() -> None:
         transport._store_task.cancel()
 
     run(body, timeout=5.0)
+
+
+def test_a_broadcast_on_a_transport_not_running_goes_on_its_board_only() -> None:
+    # A background verification may broadcast after its transport stopped (a run's teardown), as on the
+    # base class: the envelope is signed and kept, and sent to nobody; no error.
+    async def body() -> None:
+        transport = HivemindTransport(Identity.from_seed(b"stopped"), run_id="r")
+        envelope = await transport.broadcast("bt.report", 3, b"report")
+        assert transport.board.get("bt.report", 3) == {transport.peer_id: envelope}
+        assert not transport._outbound
+
+    run(body)
+
+
+def test_a_broadcast_while_the_transport_stops_is_sent_to_nobody() -> None:
+    # A background verification may broadcast while `stop` shuts the daemon down: its sends would outlive the
+    # cancellation of the others (and fail, logged as errors). It goes on the board only.
+    async def body() -> None:
+        transport = HivemindTransport(Identity.from_seed(b"stopping"), run_id="r")
+        other = MembershipRecord.create(Identity.from_seed(b"other"), "r", get_dht_time() + 30)
+        transport._absorb({other.peer_id: other.to_bytes()})
+        assert other.peer_id in transport.members()
+        sent = []
+
+        class Daemon:
+            async def shutdown(self) -> None:
+                sent.append(await transport.broadcast("bt.report", 3, b"report"))
+
+        transport._p2p = Daemon()  # type: ignore[assignment]
+        await transport.stop()
+        assert sent and not transport._outbound
+
+    run(body)

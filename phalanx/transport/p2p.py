@@ -23,16 +23,27 @@ peer that is alive and talking is never refused for a stale record, however
 late its loop runs the re-store. A peer that stopped signs nothing more: it
 leaves every view at most one ttl after its last stream or store.
 
-Wire format. One libp2p stream per message or request, raw bytes through the
-daemon. A frame is ``kind u8 | topic length u8 | payload length u64 | topic |
-payload``; the receiver checks the lengths against its limits before it reads
-the payload. Each end's first frame is a RECORD (topic: its phalanx id,
-payload: its membership record); a record is taken into the view only if it
-is valid, live, newer than the one held, and names the libp2p id that the
-secure channel authenticated. A one-way message is answered with an empty RESPONSE (an ack, so
-that `send` returns once the peer has it); a request with RESPONSE or ERROR.
-The requester closes the stream first; the answerer waits for that before it
-closes its end (the daemon may reset a stream closed early, cutting the answer).
+Wire format. Raw bytes over libp2p streams through the daemon, one message or
+request at a time per stream. A frame is ``kind u8 | topic length u8 | payload
+length u64 | topic | payload``; the receiver checks the lengths against its
+limits before it reads the payload. An exchange is: the requester's RECORD
+(topic: its phalanx id, payload: its membership record) and its MESSAGE or
+REQUEST frame, then the answerer's RECORD and its answer; a record is taken
+into the view only if it is valid, live, newer than the one held, and names the
+libp2p id that the secure channel authenticated. A one-way message is answered
+with an empty RESPONSE (an ack, so that `send` returns once the peer has it); a
+request with RESPONSE or ERROR. After a complete exchange the requester keeps
+the stream for its next exchange with that peer (up to POOL_IDLE seconds idle,
+POOL_SIZE streams per peer): opening a stream costs a connection to each
+daemon and a protocol negotiation between them, more than a small message
+itself. The answerer serves exchanges on a stream one after another until the
+requester closes it, or SERVE_IDLE seconds pass without one. The requester
+closes first; the answerer waits for that before it closes its end (the daemon
+may reset a stream closed early, cutting the answer). A reused stream found
+closed before any byte of the answer is retried once on a fresh stream: if the
+answerer had taken the exchange and closed without answering (it was stopping),
+the message or request arrives twice (the board and the all-reduce keep the
+first; a quota-counted request, `bt.aggregate`, counts twice).
 
 Importing this module imports hivemind (about a second), which also sets
 torch's sharing strategy to ``file_system`` and renames the WARNING log level
@@ -44,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -67,6 +79,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from ..core.envelope import SignedEnvelope
 from ..core.errors import (
     ConfigError,
     Evidence,
@@ -78,7 +91,7 @@ from ..core.errors import (
 )
 from ..core.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify_signature
 from ..core.serialization import DEFAULT_LIMITS, Limits, decode, digest, encode
-from .base import Transport
+from .base import BROADCAST_TOPIC, Transport
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +103,19 @@ WRITE_CHUNK = 2**20
 # allowance for clocks of different peers disagreeing.
 CLOCK_SKEW = 30.0
 STARTUP_TIMEOUT = 30.0
+# A stream is reused for the next exchange with its peer while it has been idle less than POOL_IDLE seconds;
+# the answerer closes a stream idle SERVE_IDLE seconds, well after the requester stopped reusing it, so that
+# a reused stream is never one the answerer is closing. At most POOL_SIZE idle streams are kept per peer.
+POOL_IDLE = 10.0
+SERVE_IDLE = 30.0
+POOL_SIZE = 8
+# How long `stop` lets the sends of this peer's last broadcasts finish (each is also bounded by send_timeout).
+LINGER = 5.0
+# At most this many broadcast sends to one member wait for its ack at a time; further broadcasts skip it (it
+# fetches what it misses from the sender and relays, as any member that missed one). Above a BTARD step's 8
+# broadcasts: a member whose loop is busy for a step misses none. Without a cap, a member that never acks (frozen,
+# or Byzantine and still in view) holds a stream and a daemon socket per broadcast for send_timeout each.
+BROADCAST_BACKLOG = 32
 # libp2p dials over TCP from its listening port by default (port reuse, for NAT mappings). Two peers
 # that dial each other at the same instant then make one TCP connection (a simultaneous open) on which
 # both ends start the secure handshake as its initiator; it fails ("noise: message is too short"),
@@ -261,6 +287,10 @@ class HivemindTransport(Transport):
         self._store_task: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
         self._inbound: set[asyncio.Task] = set()
+        self._outbound: set[asyncio.Task] = set()  # broadcast sends still running
+        self._backlog: dict[str, int] = {}  # member -> broadcast sends to it still running
+        self._stopping = False  # from `stop` on: a broadcast goes on the board only (nobody would cancel its sends)
+        self._idle: dict[str, list[_Stream]] = {}  # peer -> streams of finished exchanges, kept for the next ones
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -268,6 +298,7 @@ class HivemindTransport(Transport):
         """Start the DHT process and its libp2p daemon, publish our record and read the others'."""
         if self._dht is not None:
             raise LocalError("this transport is already started")
+        self._stopping = False
         loop = asyncio.get_running_loop()
         os.environ.setdefault(REUSEPORT_ENV, "false")  # read by the daemon, which inherits our environment
         key_dir = tempfile.mkdtemp(prefix="phalanx-key-")
@@ -316,13 +347,25 @@ class HivemindTransport(Transport):
             task.add_done_callback(_log_death)
 
     async def stop(self) -> None:
-        """Stop background work, close streams, shut down the DHT process and its daemon."""
-        tasks = [*self._background, *self._inbound]
+        """Let the last broadcasts' sends finish (up to LINGER seconds), stop background work, close streams,
+        shut down the DHT process and its daemon."""
+        cancelled = False
+        self._stopping = True
+        if self._outbound:
+            try:
+                await asyncio.wait(set(self._outbound), timeout=min(LINGER, self._send_timeout))
+            except asyncio.CancelledError:  # stopped while lingering (a SIGTERM handler): shut down all the same
+                cancelled = True
+        tasks = [*self._background, *self._inbound, *self._outbound]
         tasks += [t for t in (self._refresh_task, self._store_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._background, self._refresh_task, self._store_task = [], None, None
+        for streams in self._idle.values():
+            for stream in streams:
+                stream.writer.close()
+        self._idle = {}
         if self._p2p is not None:
             await self._p2p.shutdown()
             self._p2p = None
@@ -330,6 +373,8 @@ class HivemindTransport(Transport):
             await asyncio.get_running_loop().run_in_executor(None, self._dht.shutdown)
             self._dht = None
         self._view, self._by_libp2p, self._maddrs, self._own = {}, {}, [], None
+        if cancelled:
+            raise asyncio.CancelledError
 
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs (with /p2p/<libp2p id>) that other peers can pass as `initial_peers`."""
@@ -521,6 +566,40 @@ class HivemindTransport(Transport):
         except asyncio.TimeoutError:
             raise PeerTimeout(peer, f"request {topic!r} got no answer in {timeout}s") from None
 
+    async def broadcast(self, topic: str, step: int, payload: bytes) -> SignedEnvelope:
+        """Sign `payload` for slot (topic, step), start its sends to every other member, and return: as in the
+        simulator, a broadcast does not wait for delivery. Each send goes on in the background until the member
+        acks it or send_timeout passes; `stop` lets them finish for up to LINGER seconds. A member that has
+        BROADCAST_BACKLOG sends unacknowledged is skipped (it fetches the envelope from the sender or relays).
+        Once `stop` began, the envelope goes on this peer's board only.
+
+        Waiting here for every member's ack put the slowest member's round trip through both daemons on the
+        caller's path, between messages that do not depend on it: a commitment and the parts it binds, an
+        aggregate's commitment and the aggregate, the next step's join and the parts' collection.
+        """
+        envelope = SignedEnvelope.create(self.identity, topic, step, payload)
+        self.board.add(envelope)
+        data = envelope.to_bytes()
+        for peer in self.members() if not self._stopping else []:
+            if peer == self.peer_id:
+                continue
+            if self._backlog.get(peer, 0) >= BROADCAST_BACKLOG:
+                log.info("broadcast %r not sent to %s: %d sends to it unacknowledged", topic, peer[:8], BROADCAST_BACKLOG)
+                continue
+            self._backlog[peer] = self._backlog.get(peer, 0) + 1
+            task = asyncio.create_task(self.send(peer, BROADCAST_TOPIC, data), name=f"phalanx-broadcast-{topic}")
+            self._outbound.add(task)
+            task.add_done_callback(functools.partial(self._sent, peer))
+        return envelope
+
+    def _sent(self, peer: str, task: asyncio.Task) -> None:
+        self._outbound.discard(task)
+        self._backlog[peer] -= 1
+        if not self._backlog[peer]:
+            del self._backlog[peer]
+        if not task.cancelled() and task.exception() is not None:  # `send` ends every failure of the network itself
+            log.error("a broadcast send failed", exc_info=task.exception())
+
     async def send(self, peer: str, topic: str, payload: bytes) -> None:
         try:
             await asyncio.wait_for(self._exchange(peer, MESSAGE, topic, payload), self._send_timeout)
@@ -549,25 +628,77 @@ class HivemindTransport(Transport):
         if self._p2p is None:
             raise LocalError("the transport is not started; `await start()` first")
         record = await self._record_of(peer)
+        stream = self._reusable(peer, record.libp2p_id)
+        if stream is not None:
+            try:
+                return await self._exchange_on(peer, stream, kind, topic_bytes, payload, reused=True)
+            except _Stale:
+                pass  # closed under us before the peer took anything (it restarted, say): on a fresh stream
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID(record.libp2p_id), self._protocol)
         except (P2PDaemonError, asyncio.IncompleteReadError, OSError) as exc:  # the daemon may hang up mid-answer
             raise PeerUnreachable(peer, f"cannot open a stream: {exc!r}") from None
+        return await self._exchange_on(peer, _Stream(record.libp2p_id, reader, writer, 0.0), kind, topic_bytes, payload, reused=False)
+
+    async def _exchange_on(self, peer: str, stream: _Stream, kind: int, topic: bytes, payload: bytes, reused: bool) -> bytes:
+        """One exchange on `stream`; the stream is kept for the next one if it completed, else closed.
+
+        Raises _Stale if `reused` and the stream was found closed before any byte of an answer came."""
+        done = False
         try:
-            await self._write_record(writer)
-            await _write_frame(writer, kind, topic_bytes, payload)
-            await self._read_record(reader, peer, record.libp2p_id)
-            answer_kind, _, answer = await _read_frame(reader, peer, self.limits, {RESPONSE, ERROR})
+            try:
+                await self._write_record(stream.writer)
+                await _write_frame(stream.writer, kind, topic, payload)
+                await self._read_record(stream.reader, peer, stream.libp2p_id)
+            except (asyncio.IncompleteReadError, OSError) as exc:
+                if reused and not (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                    raise _Stale() from None
+                raise
+            answer_kind, _, answer = await _read_frame(stream.reader, peer, self.limits, {RESPONSE, ERROR})
+            done = True
         except RemoteError as exc:
             self.report(exc.evidence)
             raise RequestFailed(peer, f"bad answer: {exc}") from None
         except (asyncio.IncompleteReadError, OSError) as exc:
             raise PeerUnreachable(peer, f"stream broke: {exc!r}") from None
         finally:
-            writer.close()
+            # Only a stream whose exchange completed is in a known state; one cut anywhere (a timeout, a
+            # cancellation, a bad answer) is closed.
+            if done:
+                self._park(peer, stream)
+            else:
+                stream.writer.close()
         if answer_kind == ERROR:
             raise RequestFailed(peer, answer.decode(errors="replace"))
         return answer
+
+    def _reusable(self, peer: str, libp2p_id: bytes) -> _Stream | None:
+        """An idle stream to `peer` (as `libp2p_id`) that can carry the next exchange; stale ones are closed."""
+        streams = self._idle.get(peer, [])
+        now = asyncio.get_running_loop().time()
+        while streams:
+            stream = streams.pop()
+            fresh = now - stream.parked < POOL_IDLE and stream.libp2p_id == libp2p_id
+            if fresh and not stream.writer.is_closing() and not stream.reader.at_eof():
+                return stream
+            stream.writer.close()
+        return None
+
+    def _park(self, peer: str, stream: _Stream) -> None:
+        """Keep the stream of a completed exchange for the next one with `peer`; close every stream idle
+        POOL_IDLE or longer (to this or any peer: one that left is never asked for its streams again)."""
+        now = asyncio.get_running_loop().time()
+        for other, idle in list(self._idle.items()):
+            for old in [x for x in idle if now - x.parked >= POOL_IDLE]:
+                idle.remove(old)
+                old.writer.close()
+            if not idle:
+                del self._idle[other]
+        streams = self._idle.setdefault(peer, [])
+        if self._p2p is None or len(streams) >= POOL_SIZE:
+            stream.writer.close()
+            return
+        streams.append(dataclasses.replace(stream, parked=now))
 
     async def _exchange_with_self(self, kind: int, topic: str, payload: bytes) -> bytes:
         """What `_exchange` does for a message or request addressed to ourselves, without the network."""
@@ -582,27 +713,39 @@ class HivemindTransport(Transport):
     # --- receiving -----------------------------------------------------------
 
     async def _on_stream(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Serve one incoming stream: one message (acked) or one request (answered)."""
+        """Serve one incoming stream: exchanges, one after another, each a message (acked) or a request
+        (answered), until the requester closes it or none comes for SERVE_IDLE seconds."""
         task = asyncio.current_task()
         assert task is not None
         self._inbound.add(task)
         try:
-            sender = await asyncio.wait_for(self._sender_of(info.peer_id, reader), self._send_timeout)
-            if sender is None:
-                log.warning("dropping a stream from %s: no valid membership record", info.peer_id)
-                return
-            kind, topic, payload = await asyncio.wait_for(
-                _read_frame(reader, sender, self.limits, {MESSAGE, REQUEST}), self._send_timeout
-            )
-            if kind == MESSAGE:
-                self._deliver_message(sender, topic, payload)
-                ok, answer = True, b""
-            else:
-                ok, answer = await self._serve_request(sender, topic, payload)
-            await asyncio.wait_for(self._write_answer(writer, RESPONSE if ok else ERROR, answer), self._send_timeout)
-            # The requester closes first, once it has the whole answer: closing
-            # our end earlier lets the daemon reset the stream and cut the answer.
-            await asyncio.wait_for(reader.read(1), self._send_timeout)
+            served = 0
+            while True:
+                # The requester closes first, once it has the whole answer (closing our end earlier lets the
+                # daemon reset the stream and cut the answer): its close, between exchanges, ends the stream.
+                try:
+                    sender = await asyncio.wait_for(self._sender_of(info.peer_id, reader), SERVE_IDLE if served else self._send_timeout)
+                except asyncio.IncompleteReadError as exc:
+                    if served and not exc.partial:
+                        return
+                    raise
+                except asyncio.TimeoutError:
+                    if served:
+                        return
+                    raise
+                if sender is None:
+                    log.warning("dropping a stream from %s: no valid membership record", info.peer_id)
+                    return
+                kind, topic, payload = await asyncio.wait_for(
+                    _read_frame(reader, sender, self.limits, {MESSAGE, REQUEST}), self._send_timeout
+                )
+                if kind == MESSAGE:
+                    self._deliver_message(sender, topic, payload)
+                    ok, answer = True, b""
+                else:
+                    ok, answer = await self._serve_request(sender, topic, payload)
+                await asyncio.wait_for(self._write_answer(writer, RESPONSE if ok else ERROR, answer), self._send_timeout)
+                served += 1
         except RemoteError as exc:
             self.report(exc.evidence)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:
@@ -622,6 +765,20 @@ class HivemindTransport(Transport):
     async def _write_answer(self, writer: asyncio.StreamWriter, kind: int, answer: bytes) -> None:
         await self._write_record(writer)
         await _write_frame(writer, kind, b"", answer)
+
+
+class _Stale(Exception):
+    """A reused stream that was closed before the exchange got any answer."""
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """An open stream to a peer, idle between exchanges since `parked` (the event loop's time)."""
+
+    libp2p_id: bytes
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    parked: float
 
 
 def _log_death(task: asyncio.Task) -> None:

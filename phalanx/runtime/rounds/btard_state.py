@@ -5,7 +5,8 @@
 - `RoundState`: one peer's round across steps (its transport, configs, hooks, the gradients it committed and
   the parts it aggregated), read by the critical path (`btard`), the background verification
   (`btard_verify`), the validators (`btard_validate`) and the verdicts (`btard_judge`);
-- `StepState`: everything one step's checks and verdicts read, with the checks that read nothing else.
+- `StepState`: everything one step's checks and verdicts read, with the checks that read nothing else;
+- `RecomputeCache`: a member's gradient recomputed once per (member, step), whoever asks for it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,45 @@ class AdmissionHook(Protocol):
     def load_checkpoint_state(self, saved: dict) -> None: ...
 
 
+class RecomputeCache:
+    """`compute(peer, step)`, each (peer, step) computed once while its step is among the newest `steps` asked for.
+
+    A step's verification may need one member's gradient more than once: a validator's recomputation
+    (`validate`), the metadata filled in for a contributor that sent none (`_fill_missing_meta`), the verdict
+    on a `gradient` accusation. The gradient is a function of public data at that step's parameters, so each
+    is the same tensor; callers read it and never write to it. Older steps are dropped (they are recomputed
+    if asked for again), and at most `per_step` gradients are held for a step (the first asked for: validators'
+    targets and missing metadata come before the verdicts; a slanderer that accuses every member gets the rest
+    recomputed, not held), so at most steps x per_step gradients are held.
+    """
+
+    def __init__(self, compute: Callable[[str, int], torch.Tensor], steps: int = 2, per_step: int = 4) -> None:
+        if steps < 1 or per_step < 1:
+            raise ConfigError(f"a recompute cache must hold at least one step and one gradient a step, got {steps}, {per_step}")
+        self.compute = compute
+        self.steps = steps
+        self.per_step = per_step
+        self._held: dict[tuple[str, int], torch.Tensor] = {}
+        self._newest: int | None = None
+
+    def __call__(self, peer: str, step: int) -> torch.Tensor:
+        held = self._held.get((peer, step))
+        if held is not None:
+            return held
+        held = self.compute(peer, step)
+        if self._newest is None or step > self._newest:
+            self._newest = step
+            for key in [k for k in self._held if k[1] <= step - self.steps]:
+                del self._held[key]
+        if step > self._newest - self.steps and sum(1 for k in self._held if k[1] == step) < self.per_step:
+            self._held[(peer, step)] = held
+        return held
+
+    def held(self) -> list[tuple[str, int]]:
+        """The (peer, step) pairs held now."""
+        return list(self._held)
+
+
 @dataclass
 class RoundState:
     """One peer's round across steps: what the critical path, the verification and the verdicts share."""
@@ -111,6 +151,10 @@ class RoundState:
     used: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # step -> the parts this owner aggregated
     evidence: list[Evidence] = field(default_factory=list)  # the transport's evidence, claimed by the next verification
     pending_sends: set[asyncio.Future] = field(default_factory=set)  # sends not awaited: commitments passed on, a deadline-edge attacker's broadcasts (kept referenced)
+
+    def __post_init__(self) -> None:
+        if self.recompute is not None and not isinstance(self.recompute, RecomputeCache):
+            self.recompute = RecomputeCache(self.recompute)
 
     @property
     def tau(self) -> float:
