@@ -123,6 +123,29 @@ def test_gwtf_backward_crash_is_repaired_recomputing_only_the_lost_stage():
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
 
 
+def _left_after_its_backward(routing: str) -> PipelineRunConfig:
+    # the first stage-2 relay to finish a backward in iteration 1 leaves 15 ms later: its COMPLETE has reached the
+    # stage-3 relay (5 ms), its own gradient (padded to 5 MB: 40 ms on the wire) has not reached stage 1. Nobody can
+    # report that backward broken; the stage-1 relay sees its next peer leave (watch_period) and reports it lost
+    config = replace(_crash_config(routing), faults=ChurnConfig(crash_stage=2, crash_iteration=1, crash_at=0.015,
+                                                                crash_after="bwd"))
+    return replace(config, pipeline=replace(config.pipeline, activation_bytes=5_000_000, watch_period=1.0))
+
+
+def test_gwtf_repairs_a_stage_that_left_after_taking_the_backward():
+    # the stage-3 relay keeps the gradient it delivered: the stage is rebuilt and resumed from it, as a broken
+    # backward is, instead of the microbatch restarting after a COMPLETE timeout (issue 18, all/1's seq 55)
+    config = _left_after_its_backward("gwtf")
+    summary = simulate_pipeline(config, progress=False)
+    first = next(e for e in summary["events"] if e["kind"] == "bwd" and e["stage"] == 2 and e["it"] == 1)
+    victim = next(mb for mb in summary["microbatches"] if (mb["src"], mb["seq"], mb["it"]) == (first["src"], first["seq"], 1))
+    assert (victim["outcome"], victim["att"], victim["restarts"], victim["repairs"]) == ("ok", 0, 0, 1)
+    assert victim["recomputed"] == [2] and first["peer"] not in victim["path"]
+    assert _forward_counts(summary, victim["src"], victim["seq"], 0) == {0: 1, 1: 1, 2: 2, 3: 1}
+    assert all(mb["outcome"] == "ok" and mb["restarts"] == 0 for mb in summary["microbatches"])
+    assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+
+
 def test_swarm_backward_crash_restarts_from_the_data_node():
     summary = simulate_pipeline(_crash_config("swarm"), progress=False)
     it1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]

@@ -107,6 +107,7 @@ class Aggregation:
         self.grads.clear()
         self.received.clear()
         self.pending.clear()
+        self.delivered.clear()
         self.suspects.clear()
         self.rerouted.clear()
         self.backed.clear()

@@ -346,6 +346,7 @@ class DataNode(PipelineNode):
         self.rerouted.add(mb.key(self.me))
         self.held.pop(mb.key(self.me), None)
         self.pending.pop(mb.key(self.me), None)
+        self.delivered.pop(mb.key(self.me), None)
         if self.verifier is not None:
             self.verifier.drop(mb.key(self.me), self.version)
         mb.att += 1
@@ -550,8 +551,9 @@ class DataNode(PipelineNode):
     def _on_broken(self, sender: str, payload: bytes) -> None:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "broken report")
         key = m.parse_key(obj, sender)
-        stage, lost = obj.get("stage"), obj.get("lost", False)
-        if type(stage) is not int or not 0 <= stage <= self.last or not isinstance(lost, bool):
+        stage, lost, dead = obj.get("stage"), obj.get("lost", False), obj.get("to", "")
+        if (type(stage) is not int or not 0 <= stage <= self.last or not isinstance(lost, bool)
+                or not isinstance(dead, str)):
             raise RemoteError(Evidence(sender, "malformed", "broken report with a bad stage"))
         if stage == 0:  # the input gradient a stage-1 relay sent me did not arrive (a timeout, or I refused it)
             mb = self._live_mb(key)
@@ -559,24 +561,44 @@ class DataNode(PipelineNode):
                 self.restart(mb, self.version)  # not wait out the microbatch timeout
             return
         if lost:
-            self.forward_lost(key)
+            self.forward_lost(key, stage, dead)
         else:
             self.spawn(self.handle_broken(key, stage, sender))
 
-    async def report_lost(self, key: m.Key, stage: int) -> None:
-        self.forward_lost(key)
+    async def report_lost(self, key: m.Key, stage: int, dead: str) -> None:
+        self.forward_lost(key, stage, dead)
 
-    def forward_lost(self, key: m.Key) -> None:
-        """A node on the microbatch's path saw the peer it passed it to leave. Before the output came
-        home the microbatch is lost: restart it. After, its backward may be stuck at the gone peer
-        with nobody left to report it: restart it unless a repair makes progress within a COMPLETE timeout."""
+    def forward_lost(self, key: m.Key, stage: int, dead: str) -> None:
+        """A node on the microbatch's path saw the peer it passed it to (`dead`, of `stage`) leave. Before the
+        output came home the microbatch is lost: restart it. After, its backward may be stuck at the gone
+        peer with nobody left to report it: repair the stage from the gradient delivered to it
+        (`_repair_delivered`), and restart it unless a repair makes progress within a COMPLETE timeout."""
         mb = self._live_mb(key)
         if mb is None:
             return
         if mb.t_loss is None:
             self.restart(mb, self.version)
+            return
+        self.spawn(self._restart_unless_progress(mb, key[2], self.now()))
+        if dead:
+            self.spawn(self._repair_delivered(mb, key, stage, dead))
+
+    async def _repair_delivered(self, mb: Microbatch, key: m.Key, stage: int, dead: str) -> None:
+        """`dead` took the microbatch's backward and left before passing its own on (had it not taken it, its sender
+        would report the backward broken): the next node of the path keeps the gradient it delivered (`delivered`),
+        so the stage is repaired from it as from a broken report. Only for a peer gone from my view, and only
+        when that node confirms it delivered to that peer: a lost report alone repairs nothing."""
+        if not 1 <= stage <= self.last or len(mb.path) != self.last + 1 or dead in self.transport.members():
+            return
+        holder = mb.path[stage + 1] if stage < self.last else self.me
+        if holder == self.me:
+            c = self.delivered.get(key)
+            confirmed = c is not None and c.path[c.stage] == dead
         else:
-            self.spawn(self._restart_unless_progress(mb, key[2], self.now()))
+            body = {"src": key[0], "seq": key[1], "att": key[2], "delivered_to": dead}
+            confirmed = await self._ask(holder, m.PING, encode(body)) == m.OK
+        if confirmed and self._live_mb(key) is mb:
+            await self.handle_broken(key, stage, holder)
 
     async def _restart_unless_progress(self, mb: Microbatch, att: int, since: float) -> None:
         await asyncio.sleep(self.config.complete_timeout)

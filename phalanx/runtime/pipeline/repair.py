@@ -26,15 +26,24 @@ class Repair:
         for key, h in list(self.held.items()):
             if h.next_peer is not None and h.next_peer not in members and not h.lost_reported:
                 h.lost_reported = True
-                self.spawn(self.report_lost(key, self.stage + 1))
+                self.spawn(self.report_lost(key, self.stage + 1, h.next_peer))
 
-    async def report_lost(self, key: m.Key, stage: int) -> None:
-        body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "lost": True}
+    async def report_lost(self, key: m.Key, stage: int, dead: str) -> None:
+        body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "lost": True, "to": dead}
         await self.transport.send(key[0], m.BROKEN, encode(body))
 
     async def _on_ping(self, sender: str, payload: bytes) -> bytes:
-        key = m.parse_key(m.parse_mapping(payload, sender, self.transport.limits, "ping"), sender)
-        return m.answer(m.OK if key in self.held else m.UNKNOWN)
+        """Whether I hold the microbatch's forward (a repair resends my output), or, with `delivered_to`, whether I
+        delivered its backward to that peer (a repair of its stage resumes from the gradient I keep)."""
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "ping")
+        key = m.parse_key(obj, sender)
+        to = obj.get("delivered_to")
+        if to is None:
+            return m.answer(m.OK if key in self.held else m.UNKNOWN)
+        if not isinstance(to, str):
+            raise RemoteError(Evidence(sender, "malformed", "bad ping"))
+        c = self.delivered.get(key)
+        return m.answer(m.OK if c is not None and c.path[c.stage] == to else m.UNKNOWN)
 
     async def _on_reforward(self, sender: str, payload: bytes) -> bytes:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "reforward")
@@ -55,6 +64,7 @@ class Repair:
         if dead is not None:
             h.excluded.add(dead)
         h.next_peer = None
+        h.lost_reported = False  # the new next peer may leave too
         self.spawn(self.send_forward(key))
         return True
 
@@ -75,7 +85,9 @@ class Repair:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "resume")
         key = m.parse_key(obj, sender)
         prefix, rec = obj.get("path"), obj.get("rec")
-        carry = self.pending.get(key)
+        carry = self.pending.get(key, self.delivered.get(key))  # I failed to deliver it, or delivered it to a peer
+        if key not in self.pending and carry is not None and carry.path[carry.stage] in self.transport.members():
+            carry = None  # ... that is still here: it passes its own on, and nobody takes this one from me
         if carry is None:
             return m.answer(m.UNKNOWN)
         ok = (
@@ -89,7 +101,8 @@ class Repair:
             return m.answer(m.UNKNOWN)  # our views of its stage differ (a move not yet seen here): not evidence
         if self.sealing and "seal" in obj:
             self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)
-        del self.pending[key]
+        self.pending.pop(key, None)
+        self.delivered.pop(key, None)
         path = tuple(prefix) + carry.path[carry.stage + 1:]
         recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
         self.spawn(self.send_backward(dataclasses.replace(carry, path=path, recomputed=recomputed)))
