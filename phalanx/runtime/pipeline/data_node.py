@@ -56,7 +56,8 @@ class Microbatch:
     t_loss: float | None = None
     t_end: float | None = None
     loss: float | None = None
-    path: tuple[str, ...] = ()
+    path: tuple[str, ...] = ()  # the nodes of its stages: the backward's once it finished
+    loss_path: tuple[str, ...] = ()  # the path of the output that came home (a repair changes `path`, not this)
     recomputed: tuple[int, ...] = ()
     restarts: int = 0
     repairs: int = 0
@@ -65,6 +66,24 @@ class Microbatch:
 
     def key(self, src: str) -> m.Key:
         return (src, self.seq, self.att)
+
+
+def expected_slots(loss_path: tuple[str, ...], path: tuple[str, ...], last: int, me: str) -> list[tuple[str, int, str, str]]:
+    """The verdict slots (direction, link, sender, receiver) of every relay-sent tensor that a microbatch's aggregated
+    gradients were computed from, given the path of the output that came home (`loss_path`) and the path its backward
+    finished on (`path`; they differ after a repair). Forward: links 1..S along `loss_path` (the loss, and every stage
+    a repair did not rebuild, computed from those activations), and the link into each node a repair put on the path
+    (it recomputed from what crossed it); backward: links 0..S-1 along `path`. A repair's last rebuilt stage never
+    sends its recomputed output (the holder resumes with the gradient of the output it had): nothing was computed
+    from it, so no verdict on it is wanted; its sender gains nothing, since the output it replaced stays wanted."""
+    def receiver(p: tuple[str, ...], link: int) -> str:
+        return p[link + 1] if link < last else me
+
+    slots = {(CHECK_FORWARD, link, loss_path[link], receiver(loss_path, link)) for link in range(1, last + 1)}
+    slots |= {(CHECK_FORWARD, link, path[link], path[link + 1]) for link in range(1, last)
+              if path[link + 1] != loss_path[link + 1]}
+    slots |= {(CHECK_BACKWARD, link, path[link + 1], path[link]) for link in range(last)}
+    return sorted(slots)
 
 
 class DataNode(PipelineNode):
@@ -351,7 +370,7 @@ class DataNode(PipelineNode):
             self.verifier.drop(mb.key(self.me), self.version)
         mb.att += 1
         mb.restarts += 1
-        mb.t_loss = None
+        mb.t_loss, mb.loss_path = None, ()
         self.spawn(self.start(mb, it))
 
     def _live_mb(self, key: m.Key) -> Microbatch | None:
@@ -408,7 +427,7 @@ class DataNode(PipelineNode):
         with torch.enable_grad():
             loss = self.task.output_loss(logits, mb.y)
             (grad,) = torch.autograd.grad(loss, logits)
-        mb.loss, mb.t_loss, mb.path = float(loss.detach()), self.now(), c.path
+        mb.loss, mb.t_loss, mb.path, mb.loss_path = float(loss.detach()), self.now(), c.path, c.path
         mb.t_progress = self.now()
         self._emit("loss", c.key, c.it, t0)
         self.spawn(self.send_backward(m.Carry(c.key, c.it, self.last, c.path, grad, recomputed=c.recomputed,
@@ -455,22 +474,22 @@ class DataNode(PipelineNode):
 
     def _expected(self, mb: Microbatch) -> list[tuple[str, int, str, str]]:
         """The verdict slots that clear a microbatch (see `clearance`)."""
-        path, last = mb.path, self.last
-        slots = [(CHECK_FORWARD, link, path[link], path[link + 1] if link < last else self.me) for link in range(1, last + 1)]
-        return slots + [(CHECK_BACKWARD, link, path[link + 1], path[link]) for link in range(last)]
+        return expected_slots(mb.loss_path or mb.path, mb.path, self.last, self.me)
+
+    def _paths_whole(self, mb: Microbatch) -> bool:
+        return len(mb.path) == self.last + 1 and len(mb.loss_path or mb.path) == self.last + 1
 
     def missing(self, mb: Microbatch, it: int) -> set[int]:
         """The links whose verifier has given no verdict yet on a relay-sent tensor of the microbatch's path."""
         slots = self.verdicts.get((mb.key(self.me), it), {})
-        return {slot[1] for slot in self._expected(mb) if slot not in slots} if len(mb.path) == self.last + 1 else set()
+        return {slot[1] for slot in self._expected(mb) if slot not in slots} if self._paths_whole(mb) else set()
 
     def clearance(self, mb: Microbatch, it: int) -> bool | None:
-        """Whether every relay-sent tensor on the microbatch's path was cleared by its link's verifier (True),
-        one was flagged (False), or verdicts are still missing (None). Judged: forward, links 1..S (the sender
-        path[l] to path[l + 1], me for the output); backward, links 0..S-1 (path[l + 1] to path[l]); what I send
-        is not judged. Verdicts about other senders or receivers are not about this path: ignored."""
+        """Whether every relay-sent tensor its stages computed from was cleared by its link's verifier (True), one
+        was flagged (False), or verdicts are still missing (None); which tensors: `expected_slots`. What I send is
+        not judged. Verdicts about other senders or receivers are not about this microbatch's paths: ignored."""
         slots = self.verdicts.get((mb.key(self.me), it), {})
-        if len(mb.path) != self.last + 1:
+        if not self._paths_whole(mb):
             return False
         expected = self._expected(mb)
         if not all(slots.get(slot, True) for slot in expected):
