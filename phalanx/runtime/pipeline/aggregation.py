@@ -108,6 +108,7 @@ class Aggregation:
         self.received.clear()
         self.pending.clear()
         self.delivered.clear()
+        self.released.clear()
         self.suspects.clear()
         self.rerouted.clear()
         self.backed.clear()

@@ -114,6 +114,7 @@ class DataNode(PipelineNode):
                                         lambda p: self.directory.get(p) == 0, self.on_event,
                                         choose=self._choose_next, on_ban=self.sentinel_ban)
         self.mbs: dict[int, Microbatch] = {}
+        self.lost_seen: set[tuple[int, str]] = set()  # (seq, departed peer) of the lost reports acted on this iteration
         self.deferred: list[Microbatch] = []
         self.next_seq = 0
         self.deadline = 0.0
@@ -163,6 +164,7 @@ class DataNode(PipelineNode):
             batch.append(Microbatch(self.next_seq, x, y, it))
             self.next_seq += 1
         self.mbs = {mb.seq: mb for mb in batch}
+        self.lost_seen.clear()
         if self.flow is not None:
             self.flow.pause(True)  # routes stay put while this iteration's microbatches run
         for mb in batch:
@@ -580,9 +582,27 @@ class DataNode(PipelineNode):
                 self.restart(mb, self.version)  # not wait out the microbatch timeout
             return
         if lost:
-            self.forward_lost(key, stage, dead)
+            # only from a relay of the stage before, about a peer of `stage`, once per departed peer and microbatch,
+            # and once that peer is gone from my view too (views differ by seconds): another one is not evidence, and
+            # acting on it would let any relay restart every microbatch it can name
+            if (stage >= 2 and self.directory.get(sender) == stage - 1 and self.directory.get(dead) == stage
+                    and (key[1], dead) not in self.lost_seen):
+                self.lost_seen.add((key[1], dead))
+                if dead in self.transport.members():
+                    self.spawn(self._lost_once_gone(key, stage, dead))
+                else:
+                    self.forward_lost(key, stage, dead)
         else:
             self.spawn(self.handle_broken(key, stage, sender))
+
+    async def _lost_once_gone(self, key: m.Key, stage: int, dead: str) -> None:
+        """A lost report about a peer I still see: act on it once it leaves my view, within a COMPLETE timeout."""
+        deadline = self.now() + self.config.complete_timeout
+        while dead in self.transport.members():
+            if self.now() >= deadline:
+                return
+            await asyncio.sleep(self.config.complete_timeout / 10)
+        self.forward_lost(key, stage, dead)
 
     async def report_lost(self, key: m.Key, stage: int, dead: str) -> None:
         self.forward_lost(key, stage, dead)
@@ -598,7 +618,7 @@ class DataNode(PipelineNode):
         if mb.t_loss is None:
             self.restart(mb, self.version)
             return
-        self.spawn(self._restart_unless_progress(mb, key[2], self.now()))
+        self.spawn(self._restart_unless_progress(mb, key[2], self.now(), mb.repairs))
         if dead:
             self.spawn(self._repair_delivered(mb, key, stage, dead))
 
@@ -613,15 +633,20 @@ class DataNode(PipelineNode):
         if holder == self.me:
             c = self.delivered.get(key)
             confirmed = c is not None and c.path[c.stage] == dead
+            if confirmed:
+                self.released.add(key)
         else:
             body = {"src": key[0], "seq": key[1], "att": key[2], "delivered_to": dead}
             confirmed = await self._ask(holder, m.PING, encode(body)) == m.OK
         if confirmed and self._live_mb(key) is mb:
             await self.handle_broken(key, stage, holder)
 
-    async def _restart_unless_progress(self, mb: Microbatch, att: int, since: float) -> None:
+    async def _restart_unless_progress(self, mb: Microbatch, att: int, since: float, repairs: int) -> None:
+        """Restart the microbatch after a COMPLETE timeout unless it finished, made progress after `since`, or a
+        repair began after the `repairs` it had (that one arms its own timeout)."""
         await asyncio.sleep(self.config.complete_timeout)
-        if mb.att == att and not mb.done.is_set() and mb.t_progress <= since and self.mbs.get(mb.seq) is mb:
+        if (mb.att == att and not mb.done.is_set() and mb.t_progress <= since and mb.repairs == repairs
+                and self.mbs.get(mb.seq) is mb):
             self.restart(mb, self.version)
 
     async def handle_broken(self, key: m.Key, stage: int, holder: str) -> None:
@@ -653,3 +678,5 @@ class DataNode(PipelineNode):
             ok = await self._ask(live_node, m.REFORWARD, encode(body)) == m.OK
         if not ok and self._live_mb(key) is mb:
             self.restart(mb, self.version)
+        elif ok:  # a repair that dead-ends (its RESUME refused) costs a COMPLETE timeout, not the microbatch timeout
+            self.spawn(self._restart_unless_progress(mb, key[2], mb.t_progress, mb.repairs))

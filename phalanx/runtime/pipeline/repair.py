@@ -43,7 +43,10 @@ class Repair:
         if not isinstance(to, str):
             raise RemoteError(Evidence(sender, "malformed", "bad ping"))
         c = self.delivered.get(key)
-        return m.answer(m.OK if c is not None and c.path[c.stage] == to else m.UNKNOWN)
+        if c is None or c.path[c.stage] != to or sender != key[0]:
+            return m.answer(m.UNKNOWN)
+        self.released.add(key)  # its data node repairs that stage from it: a RESUME may take it (whatever my view)
+        return m.answer(m.OK)
 
     async def _on_reforward(self, sender: str, payload: bytes) -> bytes:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "reforward")
@@ -85,9 +88,8 @@ class Repair:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "resume")
         key = m.parse_key(obj, sender)
         prefix, rec = obj.get("path"), obj.get("rec")
-        carry = self.pending.get(key, self.delivered.get(key))  # I failed to deliver it, or delivered it to a peer
-        if key not in self.pending and carry is not None and carry.path[carry.stage] in self.transport.members():
-            carry = None  # ... that is still here: it passes its own on, and nobody takes this one from me
+        # one I failed to deliver, or one I delivered to a peer that left, once our data node asked for it (`released`)
+        carry = self.pending.get(key, self.delivered.get(key) if key in self.released else None)
         if carry is None:
             return m.answer(m.UNKNOWN)
         ok = (
@@ -103,6 +105,7 @@ class Repair:
             self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)
         self.pending.pop(key, None)
         self.delivered.pop(key, None)
+        self.released.discard(key)
         path = tuple(prefix) + carry.path[carry.stage + 1:]
         recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
         self.spawn(self.send_backward(dataclasses.replace(carry, path=path, recomputed=recomputed)))
