@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from phalanx.core.errors import PhalanxError
-from phalanx.core.serialization import encode
+from phalanx.core.serialization import decode, encode
 from phalanx.runs.dp.swarm import peer_identity
 from phalanx.runs.pipeline.config import (
     ChurnConfig,
@@ -22,9 +22,11 @@ from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline import messages as m
 from phalanx.runtime.pipeline.config import PipelineConfig
+from phalanx.runtime.pipeline.links import Links
 from phalanx.runtime.pipeline.relay import Relay
 from phalanx.runtime.pipeline.repair import Repair
 from phalanx.runtime.pipeline.verifier import VerifierConfig
+from phalanx.runtime.rounds.btard import BTARDConfig
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
 from phalanx.transport.sim import SimNetwork
 
@@ -220,6 +222,60 @@ def test_lost_reports_about_peers_still_there_restart_nothing(monkeypatch):
     summary = simulate_pipeline(config, progress=False)
     assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4]
     assert sum(mb["restarts"] for mb in summary["microbatches"]) == 0
+
+
+def test_lost_reports_about_keys_no_microbatch_has_keep_nothing_from_the_honest_one(monkeypatch):
+    # a stage-1 relay reports, every 0.25 s, each live stage-2 peer lost for every seq under an attempt no microbatch
+    # has; the honest report after the real departure still repairs the victim (RP finding 6: the liar's reports
+    # filled the once-per-departure memory first, and the victim waited out the microbatch timeout)
+    config = _left_after_its_backward("gwtf")
+    liar = sorted(_stage_ids(config, 1))[0]
+    serve = Relay.serve
+
+    async def burn(self) -> None:
+        data_node = next(p for p, s in self.directory.items() if s == 0)
+        while True:
+            await asyncio.sleep(0.25)
+            for seq in range(4 * (self.version + 2)):
+                for peer in self.live(2):
+                    body = {"src": data_node, "seq": seq, "att": 99, "stage": 2, "lost": True, "to": peer}
+                    await self.transport.send(data_node, m.BROKEN, encode(body))
+
+    async def lying_serve(self) -> None:
+        if self.me == liar:
+            self.spawn(burn(self))
+        await serve(self)
+
+    monkeypatch.setattr(Relay, "serve", lying_serve)
+    summary = simulate_pipeline(config, progress=False)
+    first = next(e for e in summary["events"] if e["kind"] == "bwd" and e["stage"] == 2 and e["it"] == 1)
+    victim = next(mb for mb in summary["microbatches"] if (mb["src"], mb["seq"], mb["it"]) == (first["src"], first["seq"], 1))
+    assert (victim["outcome"], victim["restarts"], victim["repairs"]) == ("ok", 0, 1)
+    assert summary["metrics"][1]["duration"] < 2 * config.pipeline.complete_timeout
+
+
+def test_a_repair_node_that_resumes_without_its_seal_gets_nobody_banned(monkeypatch):
+    # BTARD per stage with validators: the stage-3 holder commits its forward input sealed by the relay that left; a
+    # repair node that asks it to RESUME without sealing its recomputed output would leave that commitment naming a
+    # peer off the final path, and validators convicted the honest holder (RP finding 8). It is refused: the repair
+    # dead-ends, the microbatch restarts, nobody is banned
+    ask = Links._ask
+
+    async def unsealed(self, peer, topic, payload, timeout=None, watch=()):
+        if topic == m.RESUME:
+            obj = decode(payload, self.me, self.transport.limits)
+            obj.pop("seal", None)
+            payload = encode(obj)
+        return await ask(self, peer, topic, payload, timeout, watch)
+
+    monkeypatch.setattr(Links, "_ask", unsealed)
+    config = replace(_left_after_its_backward("gwtf"), seed=1, peers=10, steps=4,
+                     allreduce=AllReduceConfig(reducer="centered_clip", tau=1.0),
+                     btard=BTARDConfig(enabled=True, validators=2, timeout=2.5))
+    summary = simulate_pipeline(config, progress=False)
+    assert summary["banned"] == []
+    assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4, 4]
+    assert any(mb["repairs"] for mb in summary["microbatches"])
 
 
 def test_swarm_backward_crash_restarts_from_the_data_node():

@@ -114,7 +114,7 @@ class DataNode(PipelineNode):
                                         lambda p: self.directory.get(p) == 0, self.on_event,
                                         choose=self._choose_next, on_ban=self.sentinel_ban)
         self.mbs: dict[int, Microbatch] = {}
-        self.lost_seen: set[tuple[int, str]] = set()  # (seq, departed peer) of the lost reports acted on this iteration
+        self.lost_seen: set[tuple[m.Key, str]] = set()  # (microbatch, departed peer) of the lost reports taken this iteration
         self.deferred: list[Microbatch] = []
         self.next_seq = 0
         self.deadline = 0.0
@@ -586,8 +586,8 @@ class DataNode(PipelineNode):
             # and once that peer is gone from my view too (views differ by seconds): another one is not evidence, and
             # acting on it would let any relay restart every microbatch it can name
             if (stage >= 2 and self.directory.get(sender) == stage - 1 and self.directory.get(dead) == stage
-                    and (key[1], dead) not in self.lost_seen):
-                self.lost_seen.add((key[1], dead))
+                    and self._live_mb(key) is not None and (key, dead) not in self.lost_seen):
+                self.lost_seen.add((key, dead))  # a report about a key I do not run marks nothing (RP 6)
                 if dead in self.transport.members():
                     self.spawn(self._lost_once_gone(key, stage, dead))
                 else:
@@ -600,6 +600,7 @@ class DataNode(PipelineNode):
         deadline = self.now() + self.config.complete_timeout
         while dead in self.transport.members():
             if self.now() >= deadline:
+                self.lost_seen.discard((key, dead))  # it did not leave: a later report about it counts again
                 return
             await asyncio.sleep(self.config.complete_timeout / 10)
         self.forward_lost(key, stage, dead)

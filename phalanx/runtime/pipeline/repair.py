@@ -101,8 +101,12 @@ class Repair:
             raise RemoteError(Evidence(sender, "malformed", "bad resume request"))
         if self.directory.get(sender, carry.stage) != carry.stage:
             return m.answer(m.UNKNOWN)  # our views of its stage differ (a move not yet seen here): not evidence
-        if self.sealing and "seal" in obj:
-            self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)
+        if self.sealing and key in self.received and not (
+                "seal" in obj and self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)):
+            # my committed input must become the asker's sealed output: else my stage gradient looks computed from a
+            # tensor nobody on the final path sent, and validators convict me (RP 8). Refused, not evidence: the
+            # repair dead-ends and the microbatch restarts
+            return m.answer(m.UNKNOWN)
         self.pending.pop(key, None)
         self.delivered.pop(key, None)
         self.released.discard(key)
@@ -111,7 +115,7 @@ class Repair:
         self.spawn(self.send_backward(dataclasses.replace(carry, path=path, recomputed=recomputed)))
         return m.answer(m.OK)
 
-    def reseal(self, key: m.Key, prefix: tuple[str, ...], seal: m.Seal, sender: str) -> None:
+    def reseal(self, key: m.Key, prefix: tuple[str, ...], seal: m.Seal, sender: str) -> bool:
         """The peer that rebuilt my upstream stage sealed the output it recomputed. When that is exactly the
         activation I computed with (the same weights and input give the same tensor), it becomes the forward
         input I commit to, under the repaired path: the dead sender's seal would not match the path that
@@ -119,3 +123,5 @@ class Repair:
         forward, backward = self.received.get(key, (None, None))
         if forward is not None and seal.signer == sender and seal.valid(key, forward.it, CHECK_FORWARD, self.stage, forward.tensor):
             self.received[key] = (dataclasses.replace(forward, path=prefix, seal=seal), backward)
+            return True
+        return False
