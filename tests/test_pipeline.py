@@ -224,6 +224,35 @@ def test_lost_reports_about_peers_still_there_restart_nothing(monkeypatch):
     assert sum(mb["restarts"] for mb in summary["microbatches"]) == 0
 
 
+def test_broken_reports_from_a_relay_that_holds_nothing_repair_and_restart_nothing(monkeypatch):
+    # a stage-3 relay (honest otherwise) reports, every 0.2 s, the stage-2 backward of every microbatch it can name
+    # broken at itself (RP finding 1b: before the loss each restarted the microbatch, after it each started a repair
+    # whose REFORWARD excluded the honest next peer; no iteration finished anything)
+    config = replace(_crash_config("gwtf"), faults=ChurnConfig())
+    liar = sorted(_stage_ids(config, 3))[0]
+    serve = Relay.serve
+
+    async def lie(self) -> None:
+        data_node = next(p for p, s in self.directory.items() if s == 0)
+        while True:
+            await asyncio.sleep(0.2)
+            for seq in range(4 * (self.version + 2)):
+                for att in range(4):
+                    body = {"src": data_node, "seq": seq, "att": att, "stage": 2}
+                    await self.transport.send(data_node, m.BROKEN, encode(body))
+
+    async def lying_serve(self) -> None:
+        if self.me == liar:
+            self.spawn(lie(self))
+        await serve(self)
+
+    monkeypatch.setattr(Relay, "serve", lying_serve)
+    summary = simulate_pipeline(config, progress=False)
+    assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4]
+    assert sum(mb["restarts"] for mb in summary["microbatches"]) == 0
+    assert sum(mb["repairs"] for mb in summary["microbatches"]) <= 12  # at most one per microbatch that went through it
+
+
 def test_lost_reports_about_keys_no_microbatch_has_keep_nothing_from_the_honest_one(monkeypatch):
     # a stage-1 relay reports, every 0.25 s, each live stage-2 peer lost for every seq under an attempt no microbatch
     # has; the honest report after the real departure still repairs the victim (RP finding 6: the liar's reports

@@ -115,6 +115,7 @@ class DataNode(PipelineNode):
                                         choose=self._choose_next, on_ban=self.sentinel_ban)
         self.mbs: dict[int, Microbatch] = {}
         self.lost_seen: set[tuple[m.Key, str]] = set()  # (microbatch, departed peer) of the lost reports taken this iteration
+        self.repairing: set[tuple[m.Key, int]] = set()  # (microbatch, stage) repaired on a broken report within a COMPLETE timeout
         self.deferred: list[Microbatch] = []
         self.next_seq = 0
         self.deadline = 0.0
@@ -592,8 +593,11 @@ class DataNode(PipelineNode):
                     self.spawn(self._lost_once_gone(key, stage, dead))
                 else:
                     self.forward_lost(key, stage, dead)
-        else:
-            self.spawn(self.handle_broken(key, stage, sender))
+        else:  # a backward breaks only after the loss, at the node of the path's next stage; one repair of a stage at once
+            mb = self._live_mb(key)
+            if (mb is not None and mb.t_loss is not None and mb.path[stage + 1:stage + 2] == (sender,)
+                    and (key, stage) not in self.repairing):
+                self.spawn(self.handle_broken(key, stage, sender))
 
     async def _lost_once_gone(self, key: m.Key, stage: int, dead: str) -> None:
         """A lost report about a peer I still see: act on it once it leaves my view, within a COMPLETE timeout."""
@@ -663,6 +667,8 @@ class DataNode(PipelineNode):
             return
         mb.repairs += 1
         mb.t_progress = self.now()
+        self.repairing.add((key, stage))
+        asyncio.get_running_loop().call_later(self.config.complete_timeout, self.repairing.discard, (key, stage))
         live_at, live_node = 0, self.me
         members = set(self.transport.members())
         for stage_index in range(stage - 1, 0, -1):
