@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from phalanx.core.errors import PhalanxError
-from phalanx.core.serialization import encode
+from phalanx.core.serialization import decode, encode
 from phalanx.runs.dp.swarm import peer_identity
 from phalanx.runs.pipeline.config import (
     ChurnConfig,
@@ -22,8 +22,13 @@ from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline import messages as m
 from phalanx.runtime.pipeline.config import PipelineConfig
+from phalanx.runtime.pipeline.links import Links
+from phalanx.runtime.pipeline.relay import Relay
+from phalanx.runtime.pipeline.repair import Repair
 from phalanx.runtime.pipeline.verifier import VerifierConfig
+from phalanx.runtime.rounds.btard import BTARDConfig
 from phalanx.runtime.rounds.butterfly import AllReduceConfig
+from phalanx.transport.sim import SimNetwork
 
 
 def _mlp_config(**kw) -> PipelineRunConfig:
@@ -121,6 +126,185 @@ def test_gwtf_backward_crash_is_repaired_recomputing_only_the_lost_stage():
     assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
     assert victim not in summary["replicas"]
     assert all(len(d) == 1 for d in _replicas_agree(summary).values())
+
+
+def _left_after_its_backward(routing: str) -> PipelineRunConfig:
+    # the first stage-2 relay to finish a backward in iteration 1 leaves 15 ms later: its COMPLETE has reached the
+    # stage-3 relay (5 ms), its own gradient (padded to 5 MB: 40 ms on the wire) has not reached stage 1. Nobody can
+    # report that backward broken; the stage-1 relay sees its next peer leave (watch_period) and reports it lost
+    config = replace(_crash_config(routing), faults=ChurnConfig(crash_stage=2, crash_iteration=1, crash_at=0.015,
+                                                                crash_after="bwd"))
+    return replace(config, pipeline=replace(config.pipeline, activation_bytes=5_000_000, watch_period=1.0))
+
+
+def test_gwtf_repairs_a_stage_that_left_after_taking_the_backward():
+    # the stage-3 relay keeps the gradient it delivered: the stage is rebuilt and resumed from it, as a broken
+    # backward is, instead of the microbatch restarting after a COMPLETE timeout (issue 18, all/1's seq 55)
+    config = _left_after_its_backward("gwtf")
+    summary = simulate_pipeline(config, progress=False)
+    first = next(e for e in summary["events"] if e["kind"] == "bwd" and e["stage"] == 2 and e["it"] == 1)
+    victim = next(mb for mb in summary["microbatches"] if (mb["src"], mb["seq"], mb["it"]) == (first["src"], first["seq"], 1))
+    assert (victim["outcome"], victim["att"], victim["restarts"], victim["repairs"]) == ("ok", 0, 0, 1)
+    assert victim["recomputed"] == [2] and first["peer"] not in victim["path"]
+    assert _forward_counts(summary, victim["src"], victim["seq"], 0) == {0: 1, 1: 1, 2: 2, 3: 1}
+    assert all(mb["outcome"] == "ok" and mb["restarts"] == 0 for mb in summary["microbatches"])
+    assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+
+
+def _stage_ids(config: PipelineRunConfig, stage: int) -> set[str]:
+    return {peer_identity(config.seed, i).peer_id for i in range(config.peers) if config.stage_of(i) == stage}
+
+
+def test_a_stage_repair_resumes_while_the_holder_still_sees_the_peer_that_left(monkeypatch):
+    # the stage-3 relays (the holders) see the crash 3 s after everyone else, as views differ over hivemind: the data
+    # node's confirmation releases the delivered gradient, and the repair resumes it (RP finding 3: the holder refused
+    # the RESUME while it still saw the receiver, and the microbatch waited out the microbatch timeout)
+    config = _left_after_its_backward("gwtf")
+    late, view = _stage_ids(config, 3), SimNetwork._view
+
+    def lagging(self, me):
+        seen = view(self, me)
+        if me.id not in late:
+            return seen
+        now = self._running_loop().time()
+        return sorted({*seen, *(pid for pid, p in self._peers.items()
+                                if not p.alive and now - p.crashed_at < self.config.detection_delay + 3.0)})
+
+    monkeypatch.setattr(SimNetwork, "_view", lagging)
+    summary = simulate_pipeline(config, progress=False)
+    first = next(e for e in summary["events"] if e["kind"] == "bwd" and e["stage"] == 2 and e["it"] == 1)
+    victim = next(mb for mb in summary["microbatches"] if (mb["src"], mb["seq"], mb["it"]) == (first["src"], first["seq"], 1))
+    assert (victim["outcome"], victim["restarts"], victim["repairs"], victim["recomputed"]) == ("ok", 0, 1, [2])
+    assert summary["metrics"][1]["duration"] < 2 * config.pipeline.complete_timeout
+
+
+def test_a_repair_whose_resume_is_refused_restarts_after_a_complete_timeout(monkeypatch):
+    # every holder refuses RESUME (a thief took the gradient first, RP finding 2): the repair dead-ends, and the data
+    # node restarts the microbatch a COMPLETE timeout after its REFORWARD, not after the microbatch timeout (60 s)
+    async def refuse(self, sender, payload):
+        return m.answer(m.UNKNOWN)
+
+    monkeypatch.setattr(Repair, "_on_resume", refuse)
+    config = _left_after_its_backward("gwtf")
+    summary = simulate_pipeline(config, progress=False)
+    first = next(e for e in summary["events"] if e["kind"] == "bwd" and e["stage"] == 2 and e["it"] == 1)
+    victim = next(mb for mb in summary["microbatches"] if (mb["src"], mb["seq"], mb["it"]) == (first["src"], first["seq"], 1))
+    assert (victim["outcome"], victim["restarts"], victim["repairs"]) == ("ok", 1, 1)
+    assert all(r["completed"] == 4 for r in summary["metrics"])
+    assert summary["metrics"][1]["duration"] < 4 * config.pipeline.complete_timeout < config.pipeline.microbatch_timeout
+
+
+def test_lost_reports_about_peers_still_there_restart_nothing(monkeypatch):
+    # stage-1 relay 0 (honest otherwise) tells the data node, every 0.2 s, that each microbatch it can name (every seq
+    # and attempt) was lost: at stage 2 by a live stage-2 relay or by nobody, and at stage 3. RP finding 1: each
+    # restarted a microbatch whose output had not come home, and no iteration finished anything
+    config = replace(_crash_config("gwtf"), faults=ChurnConfig())
+    liar = peer_identity(config.seed, 1).peer_id
+    named = sorted(_stage_ids(config, 2))[0]
+    serve = Relay.serve
+
+    async def lie(self) -> None:
+        data_node = next(p for p, s in self.directory.items() if s == 0)
+        while True:
+            await asyncio.sleep(0.2)
+            for seq in range(4 * (self.version + 2)):
+                for att in range(4):
+                    for stage, to in ((2, named), (2, ""), (3, named)):
+                        body = {"src": data_node, "seq": seq, "att": att, "stage": stage, "lost": True, "to": to}
+                        await self.transport.send(data_node, m.BROKEN, encode(body))
+
+    async def lying_serve(self) -> None:
+        if self.me == liar:
+            self.spawn(lie(self))
+        await serve(self)
+
+    monkeypatch.setattr(Relay, "serve", lying_serve)
+    summary = simulate_pipeline(config, progress=False)
+    assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4]
+    assert sum(mb["restarts"] for mb in summary["microbatches"]) == 0
+
+
+def test_broken_reports_from_a_relay_that_holds_nothing_repair_and_restart_nothing(monkeypatch):
+    # a stage-3 relay (honest otherwise) reports, every 0.2 s, the stage-2 backward of every microbatch it can name
+    # broken at itself (RP finding 1b: before the loss each restarted the microbatch, after it each started a repair
+    # whose REFORWARD excluded the honest next peer; no iteration finished anything)
+    config = replace(_crash_config("gwtf"), faults=ChurnConfig())
+    liar = sorted(_stage_ids(config, 3))[0]
+    serve = Relay.serve
+
+    async def lie(self) -> None:
+        data_node = next(p for p, s in self.directory.items() if s == 0)
+        while True:
+            await asyncio.sleep(0.2)
+            for seq in range(4 * (self.version + 2)):
+                for att in range(4):
+                    body = {"src": data_node, "seq": seq, "att": att, "stage": 2}
+                    await self.transport.send(data_node, m.BROKEN, encode(body))
+
+    async def lying_serve(self) -> None:
+        if self.me == liar:
+            self.spawn(lie(self))
+        await serve(self)
+
+    monkeypatch.setattr(Relay, "serve", lying_serve)
+    summary = simulate_pipeline(config, progress=False)
+    assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4]
+    assert sum(mb["restarts"] for mb in summary["microbatches"]) == 0
+    assert sum(mb["repairs"] for mb in summary["microbatches"]) <= 12  # at most one per microbatch that went through it
+
+
+def test_lost_reports_about_keys_no_microbatch_has_keep_nothing_from_the_honest_one(monkeypatch):
+    # a stage-1 relay reports, every 0.25 s, each live stage-2 peer lost for every seq under an attempt no microbatch
+    # has; the honest report after the real departure still repairs the victim (RP finding 6: the liar's reports
+    # filled the once-per-departure memory first, and the victim waited out the microbatch timeout)
+    config = _left_after_its_backward("gwtf")
+    liar = sorted(_stage_ids(config, 1))[0]
+    serve = Relay.serve
+
+    async def burn(self) -> None:
+        data_node = next(p for p, s in self.directory.items() if s == 0)
+        while True:
+            await asyncio.sleep(0.25)
+            for seq in range(4 * (self.version + 2)):
+                for peer in self.live(2):
+                    body = {"src": data_node, "seq": seq, "att": 99, "stage": 2, "lost": True, "to": peer}
+                    await self.transport.send(data_node, m.BROKEN, encode(body))
+
+    async def lying_serve(self) -> None:
+        if self.me == liar:
+            self.spawn(burn(self))
+        await serve(self)
+
+    monkeypatch.setattr(Relay, "serve", lying_serve)
+    summary = simulate_pipeline(config, progress=False)
+    first = next(e for e in summary["events"] if e["kind"] == "bwd" and e["stage"] == 2 and e["it"] == 1)
+    victim = next(mb for mb in summary["microbatches"] if (mb["src"], mb["seq"], mb["it"]) == (first["src"], first["seq"], 1))
+    assert (victim["outcome"], victim["restarts"], victim["repairs"]) == ("ok", 0, 1)
+    assert summary["metrics"][1]["duration"] < 2 * config.pipeline.complete_timeout
+
+
+def test_a_repair_node_that_resumes_without_its_seal_gets_nobody_banned(monkeypatch):
+    # BTARD per stage with validators: the stage-3 holder commits its forward input sealed by the relay that left; a
+    # repair node that asks it to RESUME without sealing its recomputed output would leave that commitment naming a
+    # peer off the final path, and validators convicted the honest holder (RP finding 8). It is refused: the repair
+    # dead-ends, the microbatch restarts, nobody is banned
+    ask = Links._ask
+
+    async def unsealed(self, peer, topic, payload, timeout=None, watch=()):
+        if topic == m.RESUME:
+            obj = decode(payload, self.me, self.transport.limits)
+            obj.pop("seal", None)
+            payload = encode(obj)
+        return await ask(self, peer, topic, payload, timeout, watch)
+
+    monkeypatch.setattr(Links, "_ask", unsealed)
+    config = replace(_left_after_its_backward("gwtf"), seed=1, peers=10, steps=4,
+                     allreduce=AllReduceConfig(reducer="centered_clip", tau=1.0),
+                     btard=BTARDConfig(enabled=True, validators=2, timeout=2.5))
+    summary = simulate_pipeline(config, progress=False)
+    assert summary["banned"] == []
+    assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4, 4]
+    assert any(mb["repairs"] for mb in summary["microbatches"])
 
 
 def test_swarm_backward_crash_restarts_from_the_data_node():

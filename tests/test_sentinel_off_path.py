@@ -19,15 +19,15 @@ from phalanx.core.errors import ConfigError
 from phalanx.core.serialization import encode
 from phalanx.runs.config import override
 from phalanx.runs.dp.swarm import peer_identity
-from phalanx.runs.pipeline.config import LinkAttackConfig, PipelineRunConfig
+from phalanx.runs.pipeline.config import ChurnConfig, LinkAttackConfig, PipelineRunConfig
 from phalanx.runs.pipeline.report import report_pipeline
-from phalanx.runs.pipeline.run import simulate_pipeline
+from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
 from phalanx.runs.records import read_jsonl
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline import messages as m
 from phalanx.runtime.pipeline.backward import Backward
 from phalanx.runtime.pipeline.config import PipelineConfig
-from phalanx.runtime.pipeline.data_node import DataNode
+from phalanx.runtime.pipeline.data_node import DataNode, expected_slots
 from phalanx.runtime.pipeline.links import Links
 from phalanx.runtime.pipeline.verifier import RECEIPT, VerifierConfig, VerifierHop
 
@@ -313,3 +313,78 @@ def test_a_relay_that_skips_its_copies_is_banned_and_one_that_skips_its_receipts
     assert [r["completed"] for r in summary["metrics"]][3:] == [8, 8]
     through_mute = [mb for mb in summary["microbatches"] if mute in mb["path"] and mb["it"] >= 2]
     assert through_mute and all(mb["outcome"] == "ok" for mb in through_mute if silent not in mb["path"])
+
+
+def _repair_config(**faults) -> PipelineRunConfig:
+    """GWTF (which repairs a broken backward) over 3 stages x 2 relays, verifiers off the path; digits-mlp at 0.27 s
+    per stage forward, activations padded to 5 MB (40 ms on a link), next peers watched every second."""
+    return PipelineRunConfig(
+        peers=7, data_nodes=1, steps=3,
+        train=TrainConfig(task="digits-mlp", batch_size=8, lr=0.1),
+        pipeline=PipelineConfig(stages=3, microbatches=4, capacity=4, routing="gwtf", flops_scale=2e5, complete_timeout=4.0,
+                                activation_bytes=5_000_000, watch_period=1.0),
+        sentinel=VerifierConfig(enabled=True, placement="boundary", hop="off_path"),
+        faults=ChurnConfig(**faults),
+    )
+
+
+def test_a_repaired_microbatch_needs_no_verdict_on_the_output_its_repair_never_sent():
+    """The first stage-2 relay to finish a backward in iteration 1 leaves 15 ms later, before its gradient reached
+    stage 1: stage 2 is rebuilt by another relay, which recomputes its output and resumes the stage-3 relay's gradient
+    without sending that output over link 2. The microbatch is aggregated on the verdicts of the tensors that
+    crossed (link 2's forward from the relay that left: stage 3 computed from it), not deferred for a verdict on
+    a tensor that never crossed a link."""
+    config = _repair_config(crash_stage=2, crash_iteration=1, crash_at=0.015, crash_after="bwd")
+    summary = simulate_pipeline(config, progress=False)
+    repaired = [mb for mb in summary["microbatches"] if mb["repairs"]]
+    assert [(mb["it"], mb["outcome"], mb["recomputed"]) for mb in repaired] == [(1, "ok", [2])]
+    assert not [e for e in summary["events"] if e["kind"] == "unverified"]
+    assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4]
+    assert [r["loss"] for r in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+
+
+def test_a_relay_that_forces_a_repair_around_itself_does_not_clear_what_it_sent(monkeypatch):
+    """Relay 4 (stage 2, on every path here) sends no copy of its outputs from iteration 1 and answers every backward
+    DENIED: the stage-3 relay reports the backward broken, stage 2 is rebuilt by relay 1 and the microbatch finishes
+    on a path without relay 4. Stage 3 computed from relay 4's unjudged output, so that microbatch stays out of the
+    aggregation: a repair never clears the tensor it routed around (`expected_slots` keeps wanting it; SENTINEL's
+    input sketches and taint keep the microbatch out as well, which is why the next test pins the rule itself)."""
+    config = _repair_config()
+    liar = peer_identity(config.seed, 5).peer_id
+    honest_copy, honest_backward = Links.send_copy, Backward._on_backward
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        if not (self.me == liar and direction == "forward" and c.it >= 1):
+            await honest_copy(self, verifier, direction, to, c, pad)
+
+    async def on_backward(self, sender, payload):
+        if self.me == liar and m.parse_carry(payload, sender, self.transport.limits, self.last + 1).it >= 1:
+            return m.answer(m.DENIED)
+        return await honest_backward(self, sender, payload)
+
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    monkeypatch.setattr(Backward, "_on_backward", on_backward)
+    summary = simulate_pipeline(config, progress=False)
+    hidden = {(v["it"], (v["src"], v["seq"], v["att"])) for v in summary["verdicts"] if v["reason"] == "no_copy"}
+    assert {v["peer"] for v in summary["verdicts"] if v["reason"] == "no_copy"} == {liar}
+    around = {(mb["it"], (mb["src"], mb["seq"], mb["att"])) for mb in summary["microbatches"]
+              if mb["repairs"] and mb["recomputed"] == [2] and liar not in mb["path"] and mb["t_end"] is not None}
+    assert around and around <= hidden  # finished around the liar, each after stage 3 took its unjudged output
+    assert not hidden & _aggregated(summary)
+    assert set(summary["banned"]) <= {liar}
+
+
+def test_a_repaired_path_wants_the_verdicts_of_what_its_stages_computed_from():
+    """Path D a b c home; b left after its backward and the repair put n in its place (n recomputed from a's output
+    and resumed c's gradient, never sending its own output). Wanted: the forward chain that made the loss (a -> b,
+    b -> c, c -> D: c computed from b's output, so b's output stays wanted after b is routed around), a -> n (what n
+    computed from), and the backward along the final path; not n -> c, which never crossed link 2. Unrepaired,
+    the slots are the path's, as before."""
+    fwd, bwd = "forward", "backward"
+    repaired = expected_slots(("D", "a", "b", "c"), ("D", "a", "n", "c"), 3, "D")
+    assert repaired == sorted([(fwd, 1, "a", "b"), (fwd, 2, "b", "c"), (fwd, 3, "c", "D"), (fwd, 1, "a", "n"),
+                               (bwd, 0, "a", "D"), (bwd, 1, "n", "a"), (bwd, 2, "c", "n")])
+    # stages 1 and 2 rebuilt from the data node: what n1 sent n2 crossed link 1; neither n2's output nor the data node's
+    assert (fwd, 1, "n1", "n2") in expected_slots(("D", "a", "b", "c"), ("D", "n1", "n2", "c"), 3, "D")
+    assert expected_slots(("D", "a", "b", "c"), ("D", "a", "b", "c"), 3, "D") == sorted(
+        [(fwd, 1, "a", "b"), (fwd, 2, "b", "c"), (fwd, 3, "c", "D"), (bwd, 0, "a", "D"), (bwd, 1, "b", "a"), (bwd, 2, "c", "b")])

@@ -62,6 +62,7 @@ class ChurnConfig:
     crash_iteration: int = 0
     crash_stage: int = 0  # > 0: instead, crash the first relay of this stage to finish a forward in
     # iteration `crash_iteration`, `crash_at` seconds after that forward
+    crash_after: str = "fwd"  # crash_stage's trigger: the first forward (fwd) or backward (bwd) of that stage
     crash_data_node: int = -1  # crash this data node (index) at `crash_at` seconds into `crash_iteration`
     rejoin_after: int = 0  # launch only: this many iterations after the kill, a fresh relay process joins (0: none)
     stage_floor: int = 0  # churn leaves a stage at least this many unbanned live replicas (0: 2 under BTARD per stage, else 1)
@@ -78,6 +79,7 @@ class ChurnConfig:
         check(self.crash_iteration >= 0, "faults.crash_iteration", self.crash_iteration, "must be >= 0")
         check(self.rejoin_after >= 0, "faults.rejoin_after", self.rejoin_after, "must be >= 0 (0: no joiner)")
         check(self.crash_stage >= 0, "faults.crash_stage", self.crash_stage, "must be >= 0 (0: use faults.crash_relay)")
+        check(self.crash_after in ("fwd", "bwd"), "faults.crash_after", self.crash_after, "must be fwd or bwd")
         try:
             indices = self.staying
         except ValueError:

@@ -326,7 +326,7 @@ def simulate_pipeline(
             recorder.on_event(event)
             live.write(index_of.get(event["peer"], len(ids)), {"type": "event", **event})
             f = config.faults
-            if (f.crash_stage and event["kind"] == "fwd" and event["stage"] == f.crash_stage
+            if (f.crash_stage and event["kind"] == f.crash_after and event["stage"] == f.crash_stage
                     and event["it"] == f.crash_iteration and not crashed and not triggered):
                 triggered.append(event["peer"])
                 network.schedule(event["t1"] + f.crash_at, lambda: _crash(event["peer"]))

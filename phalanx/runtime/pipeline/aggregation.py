@@ -107,6 +107,8 @@ class Aggregation:
         self.grads.clear()
         self.received.clear()
         self.pending.clear()
+        self.delivered.clear()
+        self.released.clear()
         self.suspects.clear()
         self.rerouted.clear()
         self.backed.clear()

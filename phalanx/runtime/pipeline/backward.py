@@ -77,6 +77,8 @@ class Backward:
         """Send an input gradient to the node serving carry.stage; on failure keep it and report BROKEN."""
         target = carry.path[carry.stage]
         word = await self.deliver(target, CHECK_BACKWARD, carry)
+        if word == m.OK:
+            self.delivered[carry.key] = carry  # a repair resumes from it if `target` leaves before passing its own on
         if word in (m.OK, m.STALE):
             return
         self.router.failed(target)

@@ -56,7 +56,8 @@ class Microbatch:
     t_loss: float | None = None
     t_end: float | None = None
     loss: float | None = None
-    path: tuple[str, ...] = ()
+    path: tuple[str, ...] = ()  # the nodes of its stages: the backward's once it finished
+    loss_path: tuple[str, ...] = ()  # the path of the output that came home (a repair changes `path`, not this)
     recomputed: tuple[int, ...] = ()
     restarts: int = 0
     repairs: int = 0
@@ -65,6 +66,24 @@ class Microbatch:
 
     def key(self, src: str) -> m.Key:
         return (src, self.seq, self.att)
+
+
+def expected_slots(loss_path: tuple[str, ...], path: tuple[str, ...], last: int, me: str) -> list[tuple[str, int, str, str]]:
+    """The verdict slots (direction, link, sender, receiver) of every relay-sent tensor that a microbatch's aggregated
+    gradients were computed from, given the path of the output that came home (`loss_path`) and the path its backward
+    finished on (`path`; they differ after a repair). Forward: links 1..S along `loss_path` (the loss, and every stage
+    a repair did not rebuild, computed from those activations), and the link into each node a repair put on the path
+    (it recomputed from what crossed it); backward: links 0..S-1 along `path`. A repair's last rebuilt stage never
+    sends its recomputed output (the holder resumes with the gradient of the output it had): nothing was computed
+    from it, so no verdict on it is wanted; its sender gains nothing, since the output it replaced stays wanted."""
+    def receiver(p: tuple[str, ...], link: int) -> str:
+        return p[link + 1] if link < last else me
+
+    slots = {(CHECK_FORWARD, link, loss_path[link], receiver(loss_path, link)) for link in range(1, last + 1)}
+    slots |= {(CHECK_FORWARD, link, path[link], path[link + 1]) for link in range(1, last)
+              if path[link + 1] != loss_path[link + 1]}
+    slots |= {(CHECK_BACKWARD, link, path[link + 1], path[link]) for link in range(last)}
+    return sorted(slots)
 
 
 class DataNode(PipelineNode):
@@ -95,6 +114,8 @@ class DataNode(PipelineNode):
                                         lambda p: self.directory.get(p) == 0, self.on_event,
                                         choose=self._choose_next, on_ban=self.sentinel_ban)
         self.mbs: dict[int, Microbatch] = {}
+        self.lost_seen: set[tuple[m.Key, str]] = set()  # (microbatch, departed peer) of the lost reports taken this iteration
+        self.repairing: set[tuple[m.Key, int]] = set()  # (microbatch, stage) repaired on a broken report within a COMPLETE timeout
         self.deferred: list[Microbatch] = []
         self.next_seq = 0
         self.deadline = 0.0
@@ -144,6 +165,7 @@ class DataNode(PipelineNode):
             batch.append(Microbatch(self.next_seq, x, y, it))
             self.next_seq += 1
         self.mbs = {mb.seq: mb for mb in batch}
+        self.lost_seen.clear()
         if self.flow is not None:
             self.flow.pause(True)  # routes stay put while this iteration's microbatches run
         for mb in batch:
@@ -346,11 +368,12 @@ class DataNode(PipelineNode):
         self.rerouted.add(mb.key(self.me))
         self.held.pop(mb.key(self.me), None)
         self.pending.pop(mb.key(self.me), None)
+        self.delivered.pop(mb.key(self.me), None)
         if self.verifier is not None:
             self.verifier.drop(mb.key(self.me), self.version)
         mb.att += 1
         mb.restarts += 1
-        mb.t_loss = None
+        mb.t_loss, mb.loss_path = None, ()
         self.spawn(self.start(mb, it))
 
     def _live_mb(self, key: m.Key) -> Microbatch | None:
@@ -407,7 +430,7 @@ class DataNode(PipelineNode):
         with torch.enable_grad():
             loss = self.task.output_loss(logits, mb.y)
             (grad,) = torch.autograd.grad(loss, logits)
-        mb.loss, mb.t_loss, mb.path = float(loss.detach()), self.now(), c.path
+        mb.loss, mb.t_loss, mb.path, mb.loss_path = float(loss.detach()), self.now(), c.path, c.path
         mb.t_progress = self.now()
         self._emit("loss", c.key, c.it, t0)
         self.spawn(self.send_backward(m.Carry(c.key, c.it, self.last, c.path, grad, recomputed=c.recomputed,
@@ -454,22 +477,22 @@ class DataNode(PipelineNode):
 
     def _expected(self, mb: Microbatch) -> list[tuple[str, int, str, str]]:
         """The verdict slots that clear a microbatch (see `clearance`)."""
-        path, last = mb.path, self.last
-        slots = [(CHECK_FORWARD, link, path[link], path[link + 1] if link < last else self.me) for link in range(1, last + 1)]
-        return slots + [(CHECK_BACKWARD, link, path[link + 1], path[link]) for link in range(last)]
+        return expected_slots(mb.loss_path or mb.path, mb.path, self.last, self.me)
+
+    def _paths_whole(self, mb: Microbatch) -> bool:
+        return len(mb.path) == self.last + 1 and len(mb.loss_path or mb.path) == self.last + 1
 
     def missing(self, mb: Microbatch, it: int) -> set[int]:
         """The links whose verifier has given no verdict yet on a relay-sent tensor of the microbatch's path."""
         slots = self.verdicts.get((mb.key(self.me), it), {})
-        return {slot[1] for slot in self._expected(mb) if slot not in slots} if len(mb.path) == self.last + 1 else set()
+        return {slot[1] for slot in self._expected(mb) if slot not in slots} if self._paths_whole(mb) else set()
 
     def clearance(self, mb: Microbatch, it: int) -> bool | None:
-        """Whether every relay-sent tensor on the microbatch's path was cleared by its link's verifier (True),
-        one was flagged (False), or verdicts are still missing (None). Judged: forward, links 1..S (the sender
-        path[l] to path[l + 1], me for the output); backward, links 0..S-1 (path[l + 1] to path[l]); what I send
-        is not judged. Verdicts about other senders or receivers are not about this path: ignored."""
+        """Whether every relay-sent tensor its stages computed from was cleared by its link's verifier (True), one
+        was flagged (False), or verdicts are still missing (None); which tensors: `expected_slots`. What I send is
+        not judged. Verdicts about other senders or receivers are not about this microbatch's paths: ignored."""
         slots = self.verdicts.get((mb.key(self.me), it), {})
-        if len(mb.path) != self.last + 1:
+        if not self._paths_whole(mb):
             return False
         expected = self._expected(mb)
         if not all(slots.get(slot, True) for slot in expected):
@@ -550,8 +573,9 @@ class DataNode(PipelineNode):
     def _on_broken(self, sender: str, payload: bytes) -> None:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "broken report")
         key = m.parse_key(obj, sender)
-        stage, lost = obj.get("stage"), obj.get("lost", False)
-        if type(stage) is not int or not 0 <= stage <= self.last or not isinstance(lost, bool):
+        stage, lost, dead = obj.get("stage"), obj.get("lost", False), obj.get("to", "")
+        if (type(stage) is not int or not 0 <= stage <= self.last or not isinstance(lost, bool)
+                or not isinstance(dead, str)):
             raise RemoteError(Evidence(sender, "malformed", "broken report with a bad stage"))
         if stage == 0:  # the input gradient a stage-1 relay sent me did not arrive (a timeout, or I refused it)
             mb = self._live_mb(key)
@@ -559,28 +583,75 @@ class DataNode(PipelineNode):
                 self.restart(mb, self.version)  # not wait out the microbatch timeout
             return
         if lost:
-            self.forward_lost(key)
-        else:
-            self.spawn(self.handle_broken(key, stage, sender))
+            # only from a relay of the stage before, about a peer of `stage`, once per departed peer and microbatch,
+            # and once that peer is gone from my view too (views differ by seconds): another one is not evidence, and
+            # acting on it would let any relay restart every microbatch it can name
+            if (stage >= 2 and self.directory.get(sender) == stage - 1 and self.directory.get(dead) == stage
+                    and self._live_mb(key) is not None and (key, dead) not in self.lost_seen):
+                self.lost_seen.add((key, dead))  # a report about a key I do not run marks nothing (RP 6)
+                if dead in self.transport.members():
+                    self.spawn(self._lost_once_gone(key, stage, dead))
+                else:
+                    self.forward_lost(key, stage, dead)
+        else:  # a backward breaks only after the loss, at the node of the path's next stage; one repair of a stage at once
+            mb = self._live_mb(key)
+            if (mb is not None and mb.t_loss is not None and mb.path[stage + 1:stage + 2] == (sender,)
+                    and (key, stage) not in self.repairing):
+                self.spawn(self.handle_broken(key, stage, sender))
 
-    async def report_lost(self, key: m.Key, stage: int) -> None:
-        self.forward_lost(key)
+    async def _lost_once_gone(self, key: m.Key, stage: int, dead: str) -> None:
+        """A lost report about a peer I still see: act on it once it leaves my view, within a COMPLETE timeout."""
+        deadline = self.now() + self.config.complete_timeout
+        while dead in self.transport.members():
+            if self.now() >= deadline:
+                self.lost_seen.discard((key, dead))  # it did not leave: a later report about it counts again
+                return
+            await asyncio.sleep(self.config.complete_timeout / 10)
+        self.forward_lost(key, stage, dead)
 
-    def forward_lost(self, key: m.Key) -> None:
-        """A node on the microbatch's path saw the peer it passed it to leave. Before the output came
-        home the microbatch is lost: restart it. After, its backward may be stuck at the gone peer
-        with nobody left to report it: restart it unless a repair makes progress within a COMPLETE timeout."""
+    async def report_lost(self, key: m.Key, stage: int, dead: str) -> None:
+        self.forward_lost(key, stage, dead)
+
+    def forward_lost(self, key: m.Key, stage: int, dead: str) -> None:
+        """A node on the microbatch's path saw the peer it passed it to (`dead`, of `stage`) leave. Before the
+        output came home the microbatch is lost: restart it. After, its backward may be stuck at the gone
+        peer with nobody left to report it: repair the stage from the gradient delivered to it
+        (`_repair_delivered`), and restart it unless a repair makes progress within a COMPLETE timeout."""
         mb = self._live_mb(key)
         if mb is None:
             return
         if mb.t_loss is None:
             self.restart(mb, self.version)
-        else:
-            self.spawn(self._restart_unless_progress(mb, key[2], self.now()))
+            return
+        self.spawn(self._restart_unless_progress(mb, key[2], self.now(), mb.repairs))
+        if dead:
+            self.spawn(self._repair_delivered(mb, key, stage, dead))
 
-    async def _restart_unless_progress(self, mb: Microbatch, att: int, since: float) -> None:
+    async def _repair_delivered(self, mb: Microbatch, key: m.Key, stage: int, dead: str) -> None:
+        """`dead` took the microbatch's backward and left before passing its own on (had it not taken it, its sender
+        would report the backward broken): the next node of the path keeps the gradient it delivered (`delivered`),
+        so the stage is repaired from it as from a broken report. Only for a peer gone from my view, and only
+        when that node confirms it delivered to that peer: a lost report alone repairs nothing."""
+        if not 1 <= stage <= self.last or len(mb.path) != self.last + 1 or dead in self.transport.members():
+            return
+        holder = mb.path[stage + 1] if stage < self.last else self.me
+        if holder == self.me:
+            c = self.delivered.get(key)
+            confirmed = c is not None and c.path[c.stage] == dead
+            if confirmed:
+                self.released.add(key)
+        else:
+            body = {"src": key[0], "seq": key[1], "att": key[2], "delivered_to": dead}
+            confirmed = await self._ask(holder, m.PING, encode(body)) == m.OK
+        if confirmed and self._live_mb(key) is mb:
+            await self.handle_broken(key, stage, holder)
+
+    async def _restart_unless_progress(self, mb: Microbatch, att: int, since: float, repairs: int) -> None:
+        """Restart the microbatch after a COMPLETE timeout unless it finished, made progress after `since`, or a
+        repair began after the `repairs` it had (that one arms its own timeout)."""
         await asyncio.sleep(self.config.complete_timeout)
-        if mb.att == att and not mb.done.is_set() and mb.t_progress <= since and self.mbs.get(mb.seq) is mb:
+        if (mb.att == att and not mb.done.is_set() and mb.t_progress <= since and mb.repairs == repairs
+                and self.mbs.get(mb.seq) is mb):
             self.restart(mb, self.version)
 
     async def handle_broken(self, key: m.Key, stage: int, holder: str) -> None:
@@ -596,6 +667,8 @@ class DataNode(PipelineNode):
             return
         mb.repairs += 1
         mb.t_progress = self.now()
+        self.repairing.add((key, stage))
+        asyncio.get_running_loop().call_later(self.config.complete_timeout, self.repairing.discard, (key, stage))
         live_at, live_node = 0, self.me
         members = set(self.transport.members())
         for stage_index in range(stage - 1, 0, -1):
@@ -612,3 +685,5 @@ class DataNode(PipelineNode):
             ok = await self._ask(live_node, m.REFORWARD, encode(body)) == m.OK
         if not ok and self._live_mb(key) is mb:
             self.restart(mb, self.version)
+        elif ok:  # a repair that dead-ends (its RESUME refused) costs a COMPLETE timeout, not the microbatch timeout
+            self.spawn(self._restart_unless_progress(mb, key[2], mb.t_progress, mb.repairs))

@@ -24,6 +24,7 @@ class Held:
     out: torch.Tensor
     excluded: set[str] = field(default_factory=set)
     next_peer: str | None = None
+    trying: str | None = None  # the next peer being asked to take it (counted as its load until it answers)
     recomputed: tuple[int, ...] = ()
     sent: torch.Tensor | None = None  # what goes forward (the output, unless the node's policy tampers)
     lost_reported: bool = False  # its next peer left the membership view and the data node was told
@@ -122,8 +123,9 @@ class Forward:
                 load = {p: n for (sink, p), n in self.sent_to.items() if sink == key[0]}
             else:
                 for other in self.held.values():
-                    if other.next_peer is not None:
-                        load[other.next_peer] = load.get(other.next_peer, 0) + 1
+                    at = other.next_peer or other.trying
+                    if at is not None:
+                        load[at] = load.get(at, 0) + 1
             upstream = h.carry.path[-1] if h.carry.path else ""
             client = self.client_routed and 0 < self.stage < self.last
             peer = key[0] if client else self.router.choose(nxt, candidates, key[0], upstream, load)
@@ -136,7 +138,9 @@ class Forward:
             carry = self.signed(CHECK_FORWARD, carry, h.carry, peer)
             self.forwarded_to.setdefault(key, set()).add(peer)  # also when it times out here but computes there
             t0 = self.now()
+            h.trying = peer
             word = await self.deliver("" if client else peer, CHECK_FORWARD, carry)
+            h.trying = None
             if client and word == m.DENIED:  # the data node found no next peer: it restarts the microbatch
                 self.held.pop(key, None)
                 return

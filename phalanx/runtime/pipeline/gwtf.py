@@ -50,11 +50,12 @@ class FlowRouter(Router):
         if not candidates:
             return None
         load = load or {}
-        if upstream:
-            paired = self.flow.route(sink, upstream)
-            if paired in candidates:
+        if upstream:  # the units paired with the peer it came from; several (a stage-1 relay's units all come from
+            # its data node): spread over them as the flow branch does, not always the first (which idled the others)
+            paired = {p: n for p, n in self.flow.routes(sink, upstream).items() if p in candidates}
+            if paired:
                 self.last_branch = "paired"
-                return paired
+                return min(sorted(paired), key=lambda p: (load.get(p, 0) + 1) / paired[p])
         hops = {p: n for p, n in self.flow.next_hops(sink).items() if p in candidates and n > 0}
         if hops and self.units_are_slots:
             hops = {p: n for p, n in hops.items() if load.get(p, 0) < n}

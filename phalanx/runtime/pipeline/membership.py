@@ -94,6 +94,7 @@ class Membership:
         for key in keys:  # free the slots
             self.held.pop(key, None)
             self.pending.pop(key, None)
+            self.delivered.pop(key, None)
             self.rerouted.add(key)
         if peer in self.banned:
             return

@@ -131,6 +131,9 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         self.sent_to: dict[tuple[str, str], int] = {}  # (data node, next peer) -> microbatches placed there this iteration
         self.grads: dict[m.Key, torch.Tensor] = {}  # key -> this node's parameter gradient for that microbatch
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
+        self.delivered: dict[m.Key, m.Carry] = {}  # backward gradients this node delivered, until aggregation: a
+        # repair resumes from one when its receiver left before passing its own gradient on
+        self.released: set[m.Key] = set()  # delivered gradients their data node asked a repair to resume from
         self.suspects: set[str] = set()
         self.banned: set[str] = set()  # peers we hold evidence against (or a relay told us it does)
         self.rerouted: set[m.Key] = set()  # microbatches dropped here (a verifier banned a peer on their path, a newer

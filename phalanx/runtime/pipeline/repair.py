@@ -26,15 +26,27 @@ class Repair:
         for key, h in list(self.held.items()):
             if h.next_peer is not None and h.next_peer not in members and not h.lost_reported:
                 h.lost_reported = True
-                self.spawn(self.report_lost(key, self.stage + 1))
+                self.spawn(self.report_lost(key, self.stage + 1, h.next_peer))
 
-    async def report_lost(self, key: m.Key, stage: int) -> None:
-        body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "lost": True}
+    async def report_lost(self, key: m.Key, stage: int, dead: str) -> None:
+        body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "lost": True, "to": dead}
         await self.transport.send(key[0], m.BROKEN, encode(body))
 
     async def _on_ping(self, sender: str, payload: bytes) -> bytes:
-        key = m.parse_key(m.parse_mapping(payload, sender, self.transport.limits, "ping"), sender)
-        return m.answer(m.OK if key in self.held else m.UNKNOWN)
+        """Whether I hold the microbatch's forward (a repair resends my output), or, with `delivered_to`, whether I
+        delivered its backward to that peer (a repair of its stage resumes from the gradient I keep)."""
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "ping")
+        key = m.parse_key(obj, sender)
+        to = obj.get("delivered_to")
+        if to is None:
+            return m.answer(m.OK if key in self.held else m.UNKNOWN)
+        if not isinstance(to, str):
+            raise RemoteError(Evidence(sender, "malformed", "bad ping"))
+        c = self.delivered.get(key)
+        if c is None or c.path[c.stage] != to or sender != key[0]:
+            return m.answer(m.UNKNOWN)
+        self.released.add(key)  # its data node repairs that stage from it: a RESUME may take it (whatever my view)
+        return m.answer(m.OK)
 
     async def _on_reforward(self, sender: str, payload: bytes) -> bytes:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "reforward")
@@ -55,6 +67,7 @@ class Repair:
         if dead is not None:
             h.excluded.add(dead)
         h.next_peer = None
+        h.lost_reported = False  # the new next peer may leave too
         self.spawn(self.send_forward(key))
         return True
 
@@ -75,7 +88,8 @@ class Repair:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "resume")
         key = m.parse_key(obj, sender)
         prefix, rec = obj.get("path"), obj.get("rec")
-        carry = self.pending.get(key)
+        # one I failed to deliver, or one I delivered to a peer that left, once our data node asked for it (`released`)
+        carry = self.pending.get(key, self.delivered.get(key) if key in self.released else None)
         if carry is None:
             return m.answer(m.UNKNOWN)
         ok = (
@@ -87,15 +101,21 @@ class Repair:
             raise RemoteError(Evidence(sender, "malformed", "bad resume request"))
         if self.directory.get(sender, carry.stage) != carry.stage:
             return m.answer(m.UNKNOWN)  # our views of its stage differ (a move not yet seen here): not evidence
-        if self.sealing and "seal" in obj:
-            self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)
-        del self.pending[key]
+        if self.sealing and key in self.received and not (
+                "seal" in obj and self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)):
+            # my committed input must become the asker's sealed output: else my stage gradient looks computed from a
+            # tensor nobody on the final path sent, and validators convict me (RP 8). Refused, not evidence: the
+            # repair dead-ends and the microbatch restarts
+            return m.answer(m.UNKNOWN)
+        self.pending.pop(key, None)
+        self.delivered.pop(key, None)
+        self.released.discard(key)
         path = tuple(prefix) + carry.path[carry.stage + 1:]
         recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
         self.spawn(self.send_backward(dataclasses.replace(carry, path=path, recomputed=recomputed)))
         return m.answer(m.OK)
 
-    def reseal(self, key: m.Key, prefix: tuple[str, ...], seal: m.Seal, sender: str) -> None:
+    def reseal(self, key: m.Key, prefix: tuple[str, ...], seal: m.Seal, sender: str) -> bool:
         """The peer that rebuilt my upstream stage sealed the output it recomputed. When that is exactly the
         activation I computed with (the same weights and input give the same tensor), it becomes the forward
         input I commit to, under the repaired path: the dead sender's seal would not match the path that
@@ -103,3 +123,5 @@ class Repair:
         forward, backward = self.received.get(key, (None, None))
         if forward is not None and seal.signer == sender and seal.valid(key, forward.it, CHECK_FORWARD, self.stage, forward.tensor):
             self.received[key] = (dataclasses.replace(forward, path=prefix, seal=seal), backward)
+            return True
+        return False
