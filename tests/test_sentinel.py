@@ -16,6 +16,7 @@ from phalanx.algorithms.sentinel.statistics import (
     SentinelConfig,
     Summary,
     Verdict,
+    _Track,
     align,
     bind_sketch,
     binding,
@@ -1500,3 +1501,65 @@ def test_a_gradient_as_large_as_its_outlier_input_is_no_strike_and_a_liar_on_a_u
         lies, convicted = run(**lie)
         assert all(v.flagged and v.outside == ("swd",) and "r" in v.suspects for v in lies), lie
         assert convicted == {"r"}, lie
+
+
+def _burst_stage(verifier: Sentinel, route, jumps: list[float], noise_seed: int = 0) -> list[Verdict]:
+    """Honest replicas of one stage whose tensors of one model version nearly coincide (a fixed sample times the
+    model's magnitude, plus 1e-3 noise), 4 microbatches per iteration, the magnitude growing by exp(jumps[it]) per
+    iteration (early training); `route(it)` names the sender of each microbatch of iteration `it`."""
+    sample = _center() + torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(noise_seed)
+    verdicts, level = [], 0.0
+    for it, jump in enumerate(jumps):
+        level += jump
+        for m, sender in enumerate(route(it)):
+            tensor = math.exp(level) * (sample + 1e-3 * torch.randn(4, 8, 16, generator=gen))
+            verdicts.append(verifier.check_forward(1, sender, (it, m), tensor))
+    return verdicts
+
+
+@pytest.mark.parametrize("noise_seed", [0, 1])
+def test_a_relay_banned_by_another_defence_does_not_keep_a_vote_on_the_link(noise_seed):
+    """The session-23 merge (hivemind secure-pipeline test, link 2 forward, `fence="senders"`): BTARD banned stage 2's
+    all-reduce liar, which this verifier is not told, so its identity stayed in the window; with 8 tensors of the
+    warm-up it was a third voter on a link where 2 relays still sent. The senders' median reference then sat on the
+    older of the two sending relays' latest versions while one relay sent a burst of one version, their windows held
+    near-identical values (the trace: four of 0.254-0.256), and an honest relay was banned on ``scale`` alone when
+    the model moved (values 0.34-0.42 here, 0.36-0.45 there). A sender is gone once the relays that sent after it
+    have each sent `sender_window` tensors since (`_present`): then the link has 2 voters, the EMA reference and the
+    pooled fence. Fails without `_present` (r0 banned, 5 honest flags on ``scale``)."""
+    warm_up = [["r0", "r1", "r1", "r2"], ["r1", "r1", "r0", "r2"], ["r0", "r2", "r1", "r1"], ["r1", "r1", "r0", "r2"],
+               ["r0", "r2", "r0", "r2"]]  # r1 carries 8 of the 20 warm-up tensors, then is banned elsewhere
+    bursts = [["r2"] * 4, ["r0", "r0", "r2", "r2"], ["r0"] * 4]
+    route = lambda it: warm_up[it] if it < 5 else bursts[it % 3]  # noqa: E731
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=20, window=64))
+    verdicts = _burst_stage(verifier, route, [0.16, 0.24, 0.29, 0.09, 0.23, 0.21, 0.2, 0.03, 0.01, 0.12, 0.22, 0.08],
+                            noise_seed)
+    assert not [v for v in verdicts if v.flagged] and not verifier.banned()
+    assert set(verifier._voters_of(verifier._tracks[(1, FORWARD)])) == {"r0", "r2"}
+
+
+def test_quiet_identities_do_not_keep_each_other_present_and_a_minority_cannot_take_an_honest_relay_out():
+    """`_present` against the liar that shapes it. (1) Two liar identities that go quiet (banned by another defence on
+    purpose) are both gone once the two relays still sending have `sender_window` tensors each since: judged from
+    the most recent sender back, the later quiet one does not keep the earlier present. (2) In a stage of 8 relays,
+    3 liars sending `sender_window` tensors each (and one honest relay doing so) since an honest relay's last tensor
+    do not take it out: that needs more than half of those that sent after it, so 2 honest relays among them."""
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=5, window=64))
+    track = verifier._tracks.setdefault((1, FORWARD), _Track(verifier._names, 64, 1, FORWARD))
+    track.accepted_from.extend(["l1", "h1", "l2", "h2"] * 3 + ["h1", "h2"] * 7)
+    track.accepted = len(track.accepted_from)
+    assert verifier._present(track) == {"h1", "h2", "l1", "l2"}  # h1: 7 tensors since l2's last
+    track.accepted_from.extend(["h1", "h2"])
+    track.accepted += 2
+    assert verifier._present(track) == {"h1", "h2"}
+    eight = Sentinel(SentinelConfig(fence="senders", warmup=5, window=64))
+    track = eight._tracks.setdefault((1, FORWARD), _Track(eight._names, 64, 1, FORWARD))
+    relays = ["l0", "l1", "l2", "h3", "h4", "h5", "h6", "h7"]
+    track.accepted_from.extend(relays[::-1] + ["l0", "l1", "l2", "h3"] * 8 + ["h4", "h5", "h6"])
+    track.accepted = len(track.accepted_from)
+    assert eight._present(track) == set(relays)
+    track.accepted_from.extend(["h4"] * 7)
+    track.accepted += 7
+    assert eight._present(track) == set(relays) - {"h7"}
+

@@ -99,15 +99,15 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   the senders' median an honest tensor can be as close, see `_outside`). The IQR is floored (`min_spread`
   in log units, one feature's resolution 1/C for ``sign``) so a window of
   near-identical values does not turn every wiggle into a flag.
-  **Per sender** (`fence="senders"`, an option; session 23 fixed its honest
+  **Per sender** (`fence="senders"`, the default; session 23 fixed its honest
   bans in small off-path groups, traced to the magnitudes' lower fence and to
-  windows holding distances to two references: `_outside`, `_remeasure`; it
-  is not the default because the merged hivemind secure-pipeline test banned
-  an honest stage-2 relay with it, on `scale`, with 2 live senders left on
-  the link): each quartile and the IQR
-  are taken over each live sender's own last `sender_window` accepted values
-  and then the median across senders (`sender_fence`), once at least 3
-  senders have 4 each (before that, the pooled Tukey fence). A pooled window
+  windows holding distances to two references: `_outside`, `_remeasure`;
+  session 24 the one at the session-23 merge, where a relay banned by another
+  defence still voted on a link of 2 sending relays: `_present`): each
+  quartile and the IQR are taken over each present sender's own last
+  `sender_window` accepted values and then the median across senders
+  (`sender_fence`), once at least 3 senders vote (before that, the pooled
+  median fence with 3 or more present senders, else the pooled Tukey fence). A pooled window
   is a mix whose proportions the senders choose: at 37.5% malicious the
   white-box attacker's values sat on Q1, and each turnover of the window
   moved the fence k*IQR further (accepted shrink c: 0.7 -> 0.11, and the loss
@@ -277,7 +277,7 @@ class SentinelConfig:
     seed: int = 0  # run seed of the projection streams
     # senders: Tukey's fence from per-sender quartiles (`sender_fence`; a minority of senders cannot move it);
     # tukey: [Q1 - k*IQR, Q3 + k*IQR] over the pooled window; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%)
-    fence: str = "tukey"
+    fence: str = "senders"
     sender_window: int = 8  # accepted distances kept per sender and distance for the `senders` fence
     # who votes in the `senders` fence and reference: identity (one vote per live identity with `sender_window`
     # tensors over its lifetime) or weighted (each live sender weighs min(its tensors in the window, sender_window) /
@@ -1414,7 +1414,7 @@ class Sentinel:
         every honest relay; and with fewer relays alive than `stage_relays` the honest ones are capped again (5 of
         8 alive, 2 liars: all 3 honest banned). Neither survives both a Sybil of identities and a majority of the
         traffic; the pipeline gives joiners no cost today (`data_node`)."""
-        live = set(track.accepted_from) - self._convicted
+        live = self._present(track)
         if self.config.sender_vote == "weighted":
             relays = self.config.stage_relays
             cap = math.ceil(self.config.window / relays) if relays else self.config.sender_window
@@ -1424,6 +1424,41 @@ class Sentinel:
                     counts[w] += 1
             return {w: min(counts[w], cap) / cap for w in sorted(live)}
         return {w: 1.0 for w in sorted(live) if track.lifetime.get(w, 0) >= self.config.sender_window}
+
+    def _present(self, track: _Track) -> frozenset[str]:
+        """The senders still present on the link: among the window's last accepted tensors, not convicted, and not
+        gone. A sender is gone when, since its last accepted tensor, at least 2 of the present senders that sent
+        after it, and more than half of those counted with it, have each had `sender_window` accepted tensors;
+        judged from the most recent sender back, so that two quiet identities do not keep each other present.
+
+        Why: a sender another defence banned (BTARD bans a stage replica; this verifier is not told) stays in the
+        window for `window` accepted tensors. Counted present, it made a link of 2 sending relays look like 3: at
+        the session-23 merge (hivemind secure-pipeline test, link 2 forward) the banned all-reduce liar was a third
+        voter, the senders' median reference then sat on the older of the two live relays' latest versions while one
+        relay sent a burst of one version, the sending relays' windows filled with near-identical values, and an
+        honest relay was banned on ``scale`` alone when the model moved. A gone sender neither votes nor counts
+        toward the median fallback; it votes again from its next accepted tensor.
+
+        What it costs against liars: to take an honest relay out, the senders with `sender_window` tensors since its
+        last must be more than half of those that sent after it, so a minority of liars needs honest senders among
+        them (8 relays, 3 liars: 2 honest relays with 8 tensors each since the honest one's last, a gap of about 50
+        tensors for a relay with an eighth of the traffic); a liar's own identities go as soon as the honest relays
+        have sent that much."""
+        key = ("present", track.accepted, len(self._convicted))
+        if key not in track.sender_fences:
+            order = list(track.accepted_from)
+            last = {w: i for i, w in enumerate(order) if w not in self._convicted}
+            present: list[str] = []
+            for worker in sorted(last, key=last.get, reverse=True):  # the most recent sender first
+                since: dict[str, int] = {}
+                for w in order[last[worker] + 1:]:
+                    since[w] = since.get(w, 0) + 1
+                after = [w for w in present if w in since]
+                busy = sum(since[w] >= self.config.sender_window for w in after)
+                if not (busy >= 2 and 2 * busy > len(after) + 1):
+                    present.append(worker)
+            track.sender_fences[key] = frozenset(present)
+        return track.sender_fences[key]
 
     def _disowns_input(self, track: _Track, dist: dict[str, float]) -> bool:
         """Whether the sender's tensor is reversed against (``align`` below its fence and `reversed_align`) or
@@ -1494,6 +1529,7 @@ class Sentinel:
         flag is the microbatch's (its data), not the sender's: the tensor is still flagged (and a gradient
         replaced), but it is a strike against nobody.
 
+
         Decided from the input, which the sender does not control (the verifier of the link before judged it),
         and bounded by ``scale``: a sender that lies on ``swd`` while its input is usual, or that grows its output
         beyond the ``scale`` fence by more than its input grew, is held to it as before. Measured: issue 18's
@@ -1562,7 +1598,7 @@ class Sentinel:
         if self.config.fence == "senders":
             key = (name, k, track.accepted, len(self._convicted))  # it changes only when these do
             if key not in track.sender_fences:
-                # the live senders of the window (not convicted) with enough accepted values of this distance
+                # the present senders (`_present`) with enough accepted values of this distance
                 voters = self._voters_of(track)
                 voting = [w for w in voters if track.by_sender[w].get(name)]
                 rows = [list(track.by_sender[w][name]) for w in voting]
@@ -1573,11 +1609,11 @@ class Sentinel:
                                             if len(rows) >= SENDERS else None)
             if track.sender_fences[key] is not None:
                 return track.sender_fences[key]
-        # `senders` without enough voters but with enough live senders (a liar that never lets an identity reach
+        # `senders` without enough voters but with enough present senders (a liar that never lets an identity reach
         # `sender_window` keeps a small stage under 3 voters, review RC s23: the pooled Tukey fence, whose breakdown
         # is 25% of the traffic, let a 1-in-3 liar shrink to c 0.001): the pooled median fence (50%)
         median = self.config.fence == "median" or (
-            self.config.fence == "senders" and len(set(track.accepted_from) - self._convicted) >= SENDERS)
+            self.config.fence == "senders" and len(self._present(track)) >= SENDERS)
         fence = median_fence if median else tukey_fence
         return fence(list(track.windows[name]), k, self._floor(track, name))
 
