@@ -1563,3 +1563,34 @@ def test_quiet_identities_do_not_keep_each_other_present_and_a_minority_cannot_t
     track.accepted += 7
     assert eight._present(track) == set(relays) - {"h7"}
 
+
+def test_an_upstream_that_grows_its_outputs_within_its_fences_is_still_held_to_the_outlier_inputs_it_made():
+    """`_large_as_its_input` against the adversary that knows it (session 24): a stage-1 relay U grows each of its
+    outputs as far as link 1's fences accept (white-box bisection: 1.2-1.4x); the stage-2 relays are honest, and their
+    outputs of U's microbatches, as large as their inputs, are flagged on link 2 (``swd``) with inputs beyond the
+    usual spread. Held against nobody (the rule as landed), they were the only evidence against U (its own tensors
+    pass): 15 of 23 such flags over 10 toy seeds went unstruck and U was never banned (3 of 10 without the rule).
+    Forward, what the stage was given came from the upstream senders, so such a flag is now theirs alone (the honest
+    stage-2 sender is not struck), and U is banned (fails with the flag held against nobody)."""
+    gen = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(16, 16, generator=gen) / 4, torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(warmup=48, window=64, bind_projections=8))
+    explained = []
+    for i in range(90):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        out, sender = x + torch.tanh(x @ w1), ("U", "h1a", "h1b", "h1c")[i % 4]
+        sender = "h1a" if sender in verifier.banned() else sender  # routing avoids a banned relay
+        if sender == "U" and i >= 60:
+            lo, hi = 1.0, 4.0
+            for _ in range(12):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if verifier.would_accept(1, FORWARD, mid * out, i) else (lo, mid)
+            out = lo * out
+        assert not verifier.check_forward(1, sender, i, out).flagged
+        verifier.record_input(i, 2, FORWARD, verifier.sketch(out))
+        verdict = verifier.check_forward(2, f"h2{i // 4 % 4}", i, out + torch.tanh(out @ w2), upstream={1: sender})
+        if verdict.flagged and verdict.outside == ("swd",):
+            explained.append(verdict)
+    assert explained and all(v.suspects == ("U",) for v in explained)
+    assert verifier.banned() == {"U"}

@@ -185,9 +185,13 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   A tensor flagged only for being larger than usual while the input the
   verifiers delivered to its stage for that microbatch was itself an outlier
   (its spread beyond the link's fence on the usual inputs'), and grown by no
-  more than that input past the ``scale`` fence, is flagged but held against
-  nobody: the microbatch's data explains it (`_large_as_its_input`; issue 18's
-  `all` seed 2: three outlier microbatches banned an honest relay).
+  more than that input past the ``scale`` fence, is flagged but not held
+  against its sender: the microbatch's input explains it
+  (`_large_as_its_input`; issue 18's `all` seed 2: three outlier microbatches
+  banned an honest relay). A gradient's is held against nobody; an
+  activation's against the upstream workers alone, who delivered that input
+  and may have made it (a relay that grows its outputs within its own fences
+  is otherwise never struck: session 24).
 * **Stage-wide drift.** Under the honest-majority-per-stage assumption the
   replicas of a stage share its parameters, so when the latest tensors of at
   least half of a stage's other senders are fence-flagged (the judged sender
@@ -1050,11 +1054,15 @@ class Sentinel:
         shrunk = self._scales.get(microbatch, {}).get(link - 1 if direction == FORWARD else link, 0.0) < SHRUNK_INPUT
         grown = flagged and not own and not alone and self._grown_by_shrunk_input(track, link, direction, microbatch,
                                                                                dist, outside)
-        explained = (flagged and not own and not adds_own_mean and not grown
-                     and self._large_as_its_input(track, dist, outside, means))
+        large = (flagged and not own and not adds_own_mean and not grown
+                 and self._large_as_its_input(track, dist, outside, means))
+        # forward, the outlier input is what the upstream senders delivered, which they may have made (within their
+        # own fences): held against them alone; backward, against nobody (see `_large_as_its_input`)
+        made_upstream = large and direction == FORWARD and not alone
         return self._strike(verdict, blame_upstream=not alone, own=own or adds_own_mean, lasting=own,
-                            upstream_only=not alone and (corrected or grown),
-                            shrunk_input=(corrected and shrunk) or grown, explained=explained)
+                            upstream_only=not alone and (corrected or grown or made_upstream),
+                            shrunk_input=(corrected and shrunk) or grown or made_upstream,
+                            explained=large and not made_upstream)
 
     def _remember(self, track: _Track, link: int, direction: str, worker: str, microbatch: Hashable,
                   dist: dict[str, float], outside: tuple[str, ...]) -> _Judged:
@@ -1526,9 +1534,19 @@ class Sentinel:
         magnitude (l1, l2, swd); the log spread of the stage's input lies above the usual inputs' (EMA) by more
         than the link's Tukey fence (`k`) on their distances to it; and its ``scale`` less that excess lies inside
         the ``scale`` fence (it grew by no more than its input explains, past what the link accepts). Such a
-        flag is the microbatch's (its data), not the sender's: the tensor is still flagged (and a gradient
-        replaced), but it is a strike against nobody.
+        flag is not the sender's: the tensor is still flagged (and a gradient replaced), but on a gradient it is a
+        strike against nobody, and on an activation a strike against the upstream workers alone (`_check`).
 
+        Why not nobody forward (session 24): the input of a forward tensor is what the upstream relays sent, and a
+        relay that grows its outputs as far as its own fences accept (white-box, 1.2-1.4x on the toy stage) makes
+        the honest next stage's outputs such flags; held against nobody, they were the only evidence against it
+        and it was never banned (10 toy seeds: 15 of 23 flags unstruck, banned in 0; without the rule in 3;
+        `test_an_upstream_that_grows_its_outputs_within_its_fences_...`). Backward, the input is the gradient the
+        next stage sent, and the workers a flag is held against (the sender and the forward upstream) did not
+        make it. What a sender still gets: on a microbatch whose input is that far out (the data's ~1.4%, or every
+        microbatch a colluding upstream inflates, which then takes the strikes), a magnitude lie up to its input's
+        excess past the ``scale`` fence goes without a strike of its own; the tensor is still flagged, so it is
+        answered as any flag (a gradient replaced by the momentum, an activation's microbatch tainted).
 
         Decided from the input, which the sender does not control (the verifier of the link before judged it),
         and bounded by ``scale``: a sender that lies on ``swd`` while its input is usual, or that grows its output
