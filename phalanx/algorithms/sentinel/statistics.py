@@ -253,6 +253,7 @@ SHRUNK_RATIO = 1e-2
 SENDER_VALUES = 4  # accepted values a sender needs before its quartiles count in the `senders` fence
 SENDERS = 3  # senders with that many values needed for the `senders` fence (fewer: the pooled Tukey fence)
 SHRUNK_INPUT = -0.2  # ``scale`` of a stage's input (log) below which its large correction is explained by it (c < 0.82)
+GONE_GAPS = 3  # a sender is gone only after this many of its usual gaps without an accepted tensor (`Sentinel._present`)
 
 @dataclass(frozen=True)
 class SentinelConfig:
@@ -1436,8 +1437,10 @@ class Sentinel:
     def _present(self, track: _Track) -> frozenset[str]:
         """The senders still present on the link: among the window's last accepted tensors, not convicted, and not
         gone. A sender is gone when, since its last accepted tensor, at least 2 of the present senders that sent
-        after it, and more than half of those counted with it, have each had `sender_window` accepted tensors;
-        judged from the most recent sender back, so that two quiet identities do not keep each other present.
+        after it, and more than half of those counted with it, have each had `sender_window` accepted tensors, and
+        more than `GONE_GAPS` of its usual gaps have passed since (its usual gap: the window's accepted tensors over
+        its own among them); judged from the most recent sender back, so that two quiet identities do not keep each
+        other present.
 
         Why: a sender another defence banned (BTARD bans a stage replica; this verifier is not told) stays in the
         window for `window` accepted tensors. Counted present, it made a link of 2 sending relays look like 3: at
@@ -1451,7 +1454,14 @@ class Sentinel:
         last must be more than half of those that sent after it, so a minority of liars needs honest senders among
         them (8 relays, 3 liars: 2 honest relays with 8 tensors each since the honest one's last, a gap of about 50
         tensors for a relay with an eighth of the traffic); a liar's own identities go as soon as the honest relays
-        have sent that much."""
+        have sent that much. A slow honest relay is not gone for being slow (review RS, session 24, HIGH 1: in a
+        3-relay stage with traffic shares 0.45 / 0.45 / 0.10 the slow relay was gone whenever the other two had sent 8
+        each since its last, ~15% of the checks; the stage then had 2 present senders, the pooled Tukey fence and the
+        EMA reference, and the white-box shrink reached c 0.001): it is gone after `GONE_GAPS` of its usual gaps
+        (0.9^30 = 4% of the time at a tenth of the traffic; toy: c >= 0.66, as without `_present`), a relay banned
+        elsewhere after a few iterations (the reproduction: 3 x 36 / 8 tensors). A sender with at most `GONE_GAPS`
+        tensors in the window is never gone before it leaves it. What a liar can still do: take most of the traffic
+        from an honest relay that had its share, so that its silence looks like a departure."""
         key = ("present", track.accepted, len(self._convicted))
         if key not in track.sender_fences:
             order = list(track.accepted_from)
@@ -1463,7 +1473,8 @@ class Sentinel:
                     since[w] = since.get(w, 0) + 1
                 after = [w for w in present if w in since]
                 busy = sum(since[w] >= self.config.sender_window for w in after)
-                if not (busy >= 2 and 2 * busy > len(after) + 1):
+                gap, usual = len(order) - 1 - last[worker], len(order) / order.count(worker)
+                if not (busy >= 2 and 2 * busy > len(after) + 1 and gap > GONE_GAPS * usual):
                     present.append(worker)
             track.sender_fences[key] = frozenset(present)
         return track.sender_fences[key]
