@@ -1622,3 +1622,32 @@ def test_an_upstream_that_grows_its_outputs_within_its_fences_is_still_held_to_t
             explained.append(verdict)
     assert explained and all(v.suspects == ("U",) for v in explained)
     assert verifier.banned() == {"U"}
+
+
+def test_a_gradient_judged_before_its_activation_is_not_learned():
+    """Hivemind secure-pipeline test (session 24, 2 of 7 runs): off the path the copies race, and a stage-2 gradient
+    of the zeros attacker's activation reached the link-1 verifier before that activation, at ``scale`` +4.1 (the
+    upper side of a gradient's ``scale`` does not flag). Learned, it dragged the EMA: every honest gradient after it
+    sat at ``scale`` -2.8 (2 stage-2 relays sending: the EMA was the reference), flagged and shared with the honest
+    stage-1 relay, which was banned. A gradient whose
+    activation over the same link this verifier has not judged is judged but not learned (fails without: the honest
+    gradients after it flagged)."""
+    sample = _center() + torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    pattern = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(3)
+    verifier = Sentinel(SentinelConfig(warmup=24, window=32))
+
+    def wobble() -> float:  # honest magnitudes move a little from one microbatch to the next
+        return math.exp(0.05 * torch.randn((), generator=gen).item())
+
+    def microbatch(i: int, early: float = 0.0) -> Verdict:
+        sender, receiver = f"s1r{i % 4}", f"s2r{i % 2}"  # 2 stage-2 relays: under 3 voters, the EMA is the reference
+        if early:
+            verdict = verifier.check_backward(1, receiver, i, early * pattern, upstream={1: sender})
+        verifier.check_forward(1, sender, i, wobble() * sample)
+        return verdict if early else verifier.check_backward(1, receiver, i, wobble() * pattern, upstream={1: sender})
+
+    for i in range(40):
+        assert not microbatch(i).flagged
+    assert not microbatch(40, early=60.0).flagged  # inside its fences: only its learning was the harm
+    assert not [i for i in range(41, 60) if microbatch(i).flagged]

@@ -762,6 +762,7 @@ class Sentinel:
         self._bind_proj: dict[int, Tensor] = {}  # features -> projection of the bind sketches
         self._judged: dict[Hashable, dict[tuple[int, str, str], _First]] = {}  # resends: see `_once`
         self._scales: dict[Hashable, dict[int, float]] = {}  # microbatch -> forward link -> ``scale`` judged there
+        self._forwarded: dict[Hashable, set[int]] = {}  # microbatch -> links whose forward tensor of it was judged here
 
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
@@ -817,7 +818,12 @@ class Sentinel:
         elif replaced is not None and link < replaced:
             verdict = Verdict(link, BACKWARD, worker, microbatch, False, "tainted")
         else:
-            verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=learn)
+            # a gradient whose activation this verifier has not judged yet (off the path, the copies race: the
+            # hivemind secure-pipeline test, a stage's gradient of the zeros attacker's activation arrived first, at
+            # ``scale`` +4.1, and dragged the EMA so that every honest gradient after it sat at -2.8 and an honest
+            # relay was banned), or of a microbatch forgotten since (dropped at a ban), is judged but not learned
+            forwarded = link in self._forwarded.get(microbatch, ()) or (link, FORWARD) not in self._tracks
+            verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=learn and forwarded)
         if link == 0:
             self.forget(microbatch)
         if not (verdict.flagged or verdict.reason == "banned" or origin is not None and link >= origin[0] - 1):
@@ -850,6 +856,7 @@ class Sentinel:
         self._inputs.pop(microbatch, None)
         self._judged.pop(microbatch, None)
         self._scales.pop(microbatch, None)
+        self._forwarded.pop(microbatch, None)
 
     @property
     def binds(self) -> bool:
@@ -973,6 +980,8 @@ class Sentinel:
         microbatch was tainted or its input recorded, it is judged again against the current state, but
         neither learned nor remembered."""
         self._learn_path(microbatch, upstream)
+        if direction == FORWARD:
+            self._forwarded.setdefault(microbatch, set()).add(link)
         digest = _digest(tensor)
         key = (link, direction, worker)
         given = self._given(link, direction, microbatch)
