@@ -260,8 +260,9 @@ def test_odd_gradients_are_held_against_the_upstream_forward_sender_too():
     """An attacker whose activations pass (delay, adaptive) is caught through the gradients after it."""
     verifier = Sentinel(SentinelConfig(warmup=20, window=20, strikes=3, strike_window=8))
     gen = torch.Generator().manual_seed(10)
-    _warm(verifier, 1, 25, gen)
-    _warm(verifier, 1, 25, gen, BACKWARD)
+    for i in range(25):  # each gradient after its activation (a gradient judged first is not learned)
+        verifier.check_forward(1, f"w{i % 3}", ("warm", i), _honest(gen, _center()))
+        verifier.check_backward(1, f"w{i % 3}", ("warm", i), _honest(gen, _center()))
     odd = torch.full((4, 8, 16), 6.0)
     for i in range(3):
         downstream = f"s2r{i}"  # a different honest next-stage worker each time
