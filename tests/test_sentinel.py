@@ -1603,7 +1603,7 @@ def test_an_upstream_that_grows_its_outputs_within_its_fences_is_still_held_to_t
     stage-2 sender is not struck), and U is banned (fails with the flag held against nobody)."""
     gen = torch.Generator().manual_seed(0)
     w1, w2 = torch.randn(16, 16, generator=gen) / 4, torch.randn(16, 16, generator=gen) / 4
-    verifier = Sentinel(SentinelConfig(warmup=48, window=64, bind_projections=8))
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=48, window=64, bind_projections=8))
     explained = []
     for i in range(90):
         x = _center() + torch.randn(4, 32, 16, generator=gen)

@@ -99,7 +99,10 @@ Choices where the paper is silent (each is a `SentinelConfig` field):
   the senders' median an honest tensor can be as close, see `_outside`). The IQR is floored (`min_spread`
   in log units, one feature's resolution 1/C for ``sign``) so a window of
   near-identical values does not turn every wiggle into a flag.
-  **Per sender** (`fence="senders"`, the default; session 23 fixed its honest
+  **Per sender** (`fence="senders"`, an option: with bursty routing in a stage
+  of 3 relays and a fast-moving model it banned an honest relay in 3 of 60 toy
+  trials, the pooled Tukey fence in none (review RS, session 24, HIGH 2);
+  session 23 fixed its honest
   bans in small off-path groups, traced to the magnitudes' lower fence and to
   windows holding distances to two references: `_outside`, `_remeasure`;
   session 24 the one at the session-23 merge, where a relay banned by another
@@ -282,7 +285,7 @@ class SentinelConfig:
     seed: int = 0  # run seed of the projection streams
     # senders: Tukey's fence from per-sender quartiles (`sender_fence`; a minority of senders cannot move it);
     # tukey: [Q1 - k*IQR, Q3 + k*IQR] over the pooled window; median: median -+ (k + 1/2) * 2*MAD (breakdown 50%)
-    fence: str = "senders"
+    fence: str = "tukey"
     sender_window: int = 8  # accepted distances kept per sender and distance for the `senders` fence
     # who votes in the `senders` fence and reference: identity (one vote per live identity with `sender_window`
     # tensors over its lifetime) or weighted (each live sender weighs min(its tensors in the window, sender_window) /
