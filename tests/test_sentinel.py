@@ -16,6 +16,7 @@ from phalanx.algorithms.sentinel.statistics import (
     SentinelConfig,
     Summary,
     Verdict,
+    _Track,
     align,
     bind_sketch,
     binding,
@@ -259,8 +260,9 @@ def test_odd_gradients_are_held_against_the_upstream_forward_sender_too():
     """An attacker whose activations pass (delay, adaptive) is caught through the gradients after it."""
     verifier = Sentinel(SentinelConfig(warmup=20, window=20, strikes=3, strike_window=8))
     gen = torch.Generator().manual_seed(10)
-    _warm(verifier, 1, 25, gen)
-    _warm(verifier, 1, 25, gen, BACKWARD)
+    for i in range(25):  # each gradient after its activation (a gradient judged first is not learned)
+        verifier.check_forward(1, f"w{i % 3}", ("warm", i), _honest(gen, _center()))
+        verifier.check_backward(1, f"w{i % 3}", ("warm", i), _honest(gen, _center()))
     odd = torch.full((4, 8, 16), 6.0)
     for i in range(3):
         downstream = f"s2r{i}"  # a different honest next-stage worker each time
@@ -1500,3 +1502,153 @@ def test_a_gradient_as_large_as_its_outlier_input_is_no_strike_and_a_liar_on_a_u
         lies, convicted = run(**lie)
         assert all(v.flagged and v.outside == ("swd",) and "r" in v.suspects for v in lies), lie
         assert convicted == {"r"}, lie
+
+
+def _burst_stage(verifier: Sentinel, route, jumps: list[float], noise_seed: int = 0) -> list[Verdict]:
+    """Honest replicas of one stage whose tensors of one model version nearly coincide (a fixed sample times the
+    model's magnitude, plus 1e-3 noise), 4 microbatches per iteration, the magnitude growing by exp(jumps[it]) per
+    iteration (early training); `route(it)` names the sender of each microbatch of iteration `it`."""
+    sample = _center() + torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(noise_seed)
+    verdicts, level = [], 0.0
+    for it, jump in enumerate(jumps):
+        level += jump
+        for m, sender in enumerate(route(it)):
+            tensor = math.exp(level) * (sample + 1e-3 * torch.randn(4, 8, 16, generator=gen))
+            verdicts.append(verifier.check_forward(1, sender, (it, m), tensor))
+    return verdicts
+
+
+@pytest.mark.parametrize("noise_seed", [0, 1])
+def test_a_relay_banned_by_another_defence_does_not_keep_a_vote_on_the_link(noise_seed):
+    """The session-23 merge (hivemind secure-pipeline test, link 2 forward, `fence="senders"`): BTARD banned stage 2's
+    all-reduce liar, which this verifier is not told, so its identity stayed in the window; with 8 tensors of the
+    warm-up it was a third voter on a link where 2 relays still sent. The senders' median reference then sat on the
+    older of the two sending relays' latest versions while one relay sent a burst of one version, their windows held
+    near-identical values (the trace: four of 0.254-0.256), and an honest relay was banned on ``scale`` alone when
+    the model moved (values 0.34-0.42 here, 0.36-0.45 there). A sender is gone once the relays that sent after it
+    have each sent `sender_window` tensors since (`_present`): then the link has 2 voters, the EMA reference and the
+    pooled fence. Fails without `_present` (r0 banned, 5 honest flags on ``scale``)."""
+    warm_up = [["r0", "r1", "r1", "r2"], ["r1", "r1", "r0", "r2"], ["r0", "r2", "r1", "r1"], ["r1", "r1", "r0", "r2"],
+               ["r0", "r2", "r0", "r2"]]  # r1 carries 8 of the 20 warm-up tensors, then is banned elsewhere
+    bursts = [["r2"] * 4, ["r0", "r0", "r2", "r2"], ["r0"] * 4]
+    route = lambda it: warm_up[it] if it < 5 else bursts[it % 3]  # noqa: E731
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=20, window=64))
+    verdicts = _burst_stage(verifier, route, [0.16, 0.24, 0.29, 0.09, 0.23, 0.21, 0.2, 0.03, 0.01, 0.12, 0.22, 0.08],
+                            noise_seed)
+    assert not [v for v in verdicts if v.flagged] and not verifier.banned()
+    assert set(verifier._voters_of(verifier._tracks[(1, FORWARD)])) == {"r0", "r2"}
+
+
+def test_quiet_identities_do_not_keep_each_other_present_and_a_minority_cannot_take_an_honest_relay_out():
+    """`_present` against the liar that shapes it. (1) Two liar identities that go quiet (banned by another defence on
+    purpose) are both gone once the two relays still sending have `sender_window` tensors each since and 3 of the
+    quiet ones' usual gaps have passed: judged from the most recent sender back, the later quiet one does not keep the
+    earlier present. (2) In a stage of 8 relays, 3 liars sending `sender_window` tensors each (and one honest relay
+    doing so) since an honest relay's last tensor do not take it out: that needs more than half of those that sent
+    after it, so 2 honest relays among them."""
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=5, window=64))
+    track = verifier._tracks.setdefault((1, FORWARD), _Track(verifier._names, 64, 1, FORWARD))
+    track.accepted_from.extend(["l1", "h1", "l2", "h2"] * 5 + ["h1", "h2"] * 13)
+    track.accepted = len(track.accepted_from)
+    assert verifier._present(track) == {"h1", "h2", "l1", "l2"}  # l2: 27 tensors since its last, 3 usual gaps 27.6
+    track.accepted_from.extend(["h1", "h2"])
+    track.accepted += 2
+    assert verifier._present(track) == {"h1", "h2"}
+    eight = Sentinel(SentinelConfig(fence="senders", warmup=5, window=64))
+    track = eight._tracks.setdefault((1, FORWARD), _Track(eight._names, 160, 1, FORWARD))
+    relays = ["l0", "l1", "l2", "h3", "h4", "h5", "h6", "h7"]
+    track.accepted_from.extend(relays[::-1] * 4 + ["l0", "l1", "l2", "h3"] * 18 + ["h4", "h5", "h6"])
+    track.accepted = len(track.accepted_from)
+    assert eight._present(track) == set(relays)  # h7 quiet for 82 tensors, more than 3 of its usual gaps
+    track.accepted_from.extend(["h4"] * 6)
+    track.accepted += 6
+    assert eight._present(track) == set(relays) - {"h7"}
+
+
+def test_a_slow_honest_relay_of_a_small_stage_keeps_its_vote():
+    """Review RS (session 24), HIGH 1: a 3-relay stage where the white-box shrinker r0 and the honest r1 carry 45% of
+    the traffic each and the honest r2 10% (routing follows measured throughput). r2 was gone whenever the other two
+    had sent `sender_window` tensors each since its last one; the stage then had 2 present senders, the pooled Tukey
+    fence and the EMA reference, and the shrink fell (c 0.39 here within 160 microbatches, 0.001 in the reviewer's
+    longer runs). A sender is gone only after `GONE_GAPS` of its own usual gaps (fails without: c 0.39)."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    routing = random.Random(1)
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=32, window=64, bind_projections=8))
+    shrinks = []
+    for i in range(160):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        out = x + torch.tanh(x @ weight)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        sender = f"r{i % 3}" if i < 40 else routing.choices(["r0", "r1", "r2"], (0.45, 0.45, 0.10))[0]
+        if sender == "r0" and i >= 40:
+            lo, hi = 0.0, 1.0
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            out = hi * out
+            shrinks.append(hi)
+        verifier.check_forward(1, sender, i, out)
+    assert not {"r1", "r2"} & verifier.banned()
+    assert min(shrinks) > 0.5
+
+def test_an_upstream_that_grows_its_outputs_within_its_fences_is_still_held_to_the_outlier_inputs_it_made():
+    """`_large_as_its_input` against the adversary that knows it (session 24): a stage-1 relay U grows each of its
+    outputs as far as link 1's fences accept (white-box bisection: 1.2-1.4x); the stage-2 relays are honest, and their
+    outputs of U's microbatches, as large as their inputs, are flagged on link 2 (``swd``) with inputs beyond the
+    usual spread. Held against nobody (the rule as landed), they were the only evidence against U (its own tensors
+    pass): 15 of 23 such flags over 10 toy seeds went unstruck and U was never banned (3 of 10 without the rule).
+    Forward, what the stage was given came from the upstream senders, so such a flag is now theirs alone (the honest
+    stage-2 sender is not struck), and U is banned (fails with the flag held against nobody)."""
+    gen = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(16, 16, generator=gen) / 4, torch.randn(16, 16, generator=gen) / 4
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=48, window=64, bind_projections=8))
+    explained = []
+    for i in range(90):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
+        out, sender = x + torch.tanh(x @ w1), ("U", "h1a", "h1b", "h1c")[i % 4]
+        sender = "h1a" if sender in verifier.banned() else sender  # routing avoids a banned relay
+        if sender == "U" and i >= 60:
+            lo, hi = 1.0, 4.0
+            for _ in range(12):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if verifier.would_accept(1, FORWARD, mid * out, i) else (lo, mid)
+            out = lo * out
+        assert not verifier.check_forward(1, sender, i, out).flagged
+        verifier.record_input(i, 2, FORWARD, verifier.sketch(out))
+        verdict = verifier.check_forward(2, f"h2{i // 4 % 4}", i, out + torch.tanh(out @ w2), upstream={1: sender})
+        if verdict.flagged and verdict.outside == ("swd",):
+            explained.append(verdict)
+    assert explained and all(v.suspects == ("U",) for v in explained)
+    assert verifier.banned() == {"U"}
+
+
+def test_a_gradient_judged_before_its_activation_is_not_learned():
+    """Hivemind secure-pipeline test (session 24, 2 of 7 runs): off the path the copies race, and a stage-2 gradient
+    of the zeros attacker's activation reached the link-1 verifier before that activation, at ``scale`` +4.1 (the
+    upper side of a gradient's ``scale`` does not flag). Learned, it dragged the EMA: every honest gradient after it
+    sat at ``scale`` -2.8 (2 stage-2 relays sending: the EMA was the reference), flagged and shared with the honest
+    stage-1 relay, which was banned. A gradient whose
+    activation over the same link this verifier has not judged is judged but not learned (fails without: the honest
+    gradients after it flagged)."""
+    sample = _center() + torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    pattern = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(3)
+    verifier = Sentinel(SentinelConfig(warmup=24, window=32))
+
+    def wobble() -> float:  # honest magnitudes move a little from one microbatch to the next
+        return math.exp(0.05 * torch.randn((), generator=gen).item())
+
+    def microbatch(i: int, early: float = 0.0) -> Verdict:
+        sender, receiver = f"s1r{i % 4}", f"s2r{i % 2}"  # 2 stage-2 relays: under 3 voters, the EMA is the reference
+        if early:
+            verdict = verifier.check_backward(1, receiver, i, early * pattern, upstream={1: sender})
+        verifier.check_forward(1, sender, i, wobble() * sample)
+        return verdict if early else verifier.check_backward(1, receiver, i, wobble() * pattern, upstream={1: sender})
+
+    for i in range(40):
+        assert not microbatch(i).flagged
+    assert not microbatch(40, early=60.0).flagged  # inside its fences: only its learning was the harm
+    assert not [i for i in range(41, 60) if microbatch(i).flagged]
