@@ -194,6 +194,27 @@ def test_a_repair_whose_resume_is_refused_restarts_after_a_complete_timeout(monk
     assert summary["metrics"][1]["duration"] < 4 * config.pipeline.complete_timeout < config.pipeline.microbatch_timeout
 
 
+def _flood_reports(monkeypatch, liar: str, period: float, bodies) -> None:
+    """`liar`, a relay honest otherwise, sends its data node every `period` seconds a BROKEN report for each body that
+    `bodies(relay, data_node, seq)` gives, for every seq it can name."""
+    serve = Relay.serve
+
+    async def flood(self) -> None:
+        data_node = next(p for p, s in self.directory.items() if s == 0)
+        while True:
+            await asyncio.sleep(period)
+            for seq in range(4 * (self.version + 2)):
+                for body in bodies(self, data_node, seq):
+                    await self.transport.send(data_node, m.BROKEN, encode(body))
+
+    async def lying_serve(self) -> None:
+        if self.me == liar:
+            self.spawn(flood(self))
+        await serve(self)
+
+    monkeypatch.setattr(Relay, "serve", lying_serve)
+
+
 def test_lost_reports_about_peers_still_there_restart_nothing(monkeypatch):
     # stage-1 relay 0 (honest otherwise) tells the data node, every 0.2 s, that each microbatch it can name (every seq
     # and attempt) was lost: at stage 2 by a live stage-2 relay or by nobody, and at stage 3. RP finding 1: each
@@ -201,24 +222,9 @@ def test_lost_reports_about_peers_still_there_restart_nothing(monkeypatch):
     config = replace(_crash_config("gwtf"), faults=ChurnConfig())
     liar = peer_identity(config.seed, 1).peer_id
     named = sorted(_stage_ids(config, 2))[0]
-    serve = Relay.serve
-
-    async def lie(self) -> None:
-        data_node = next(p for p, s in self.directory.items() if s == 0)
-        while True:
-            await asyncio.sleep(0.2)
-            for seq in range(4 * (self.version + 2)):
-                for att in range(4):
-                    for stage, to in ((2, named), (2, ""), (3, named)):
-                        body = {"src": data_node, "seq": seq, "att": att, "stage": stage, "lost": True, "to": to}
-                        await self.transport.send(data_node, m.BROKEN, encode(body))
-
-    async def lying_serve(self) -> None:
-        if self.me == liar:
-            self.spawn(lie(self))
-        await serve(self)
-
-    monkeypatch.setattr(Relay, "serve", lying_serve)
+    _flood_reports(monkeypatch, liar, 0.2, lambda relay, data_node, seq: [
+        {"src": data_node, "seq": seq, "att": att, "stage": stage, "lost": True, "to": to}
+        for att in range(4) for stage, to in ((2, named), (2, ""), (3, named))])
     summary = simulate_pipeline(config, progress=False)
     assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4]
     assert sum(mb["restarts"] for mb in summary["microbatches"]) == 0
@@ -230,23 +236,8 @@ def test_broken_reports_from_a_relay_that_holds_nothing_repair_and_restart_nothi
     # whose REFORWARD excluded the honest next peer; no iteration finished anything)
     config = replace(_crash_config("gwtf"), faults=ChurnConfig())
     liar = sorted(_stage_ids(config, 3))[0]
-    serve = Relay.serve
-
-    async def lie(self) -> None:
-        data_node = next(p for p, s in self.directory.items() if s == 0)
-        while True:
-            await asyncio.sleep(0.2)
-            for seq in range(4 * (self.version + 2)):
-                for att in range(4):
-                    body = {"src": data_node, "seq": seq, "att": att, "stage": 2}
-                    await self.transport.send(data_node, m.BROKEN, encode(body))
-
-    async def lying_serve(self) -> None:
-        if self.me == liar:
-            self.spawn(lie(self))
-        await serve(self)
-
-    monkeypatch.setattr(Relay, "serve", lying_serve)
+    _flood_reports(monkeypatch, liar, 0.2, lambda relay, data_node, seq: [
+        {"src": data_node, "seq": seq, "att": att, "stage": 2} for att in range(4)])
     summary = simulate_pipeline(config, progress=False)
     assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4]
     assert sum(mb["restarts"] for mb in summary["microbatches"]) == 0
@@ -259,23 +250,8 @@ def test_lost_reports_about_keys_no_microbatch_has_keep_nothing_from_the_honest_
     # filled the once-per-departure memory first, and the victim waited out the microbatch timeout)
     config = _left_after_its_backward("gwtf")
     liar = sorted(_stage_ids(config, 1))[0]
-    serve = Relay.serve
-
-    async def burn(self) -> None:
-        data_node = next(p for p, s in self.directory.items() if s == 0)
-        while True:
-            await asyncio.sleep(0.25)
-            for seq in range(4 * (self.version + 2)):
-                for peer in self.live(2):
-                    body = {"src": data_node, "seq": seq, "att": 99, "stage": 2, "lost": True, "to": peer}
-                    await self.transport.send(data_node, m.BROKEN, encode(body))
-
-    async def lying_serve(self) -> None:
-        if self.me == liar:
-            self.spawn(burn(self))
-        await serve(self)
-
-    monkeypatch.setattr(Relay, "serve", lying_serve)
+    _flood_reports(monkeypatch, liar, 0.25, lambda relay, data_node, seq: [
+        {"src": data_node, "seq": seq, "att": 99, "stage": 2, "lost": True, "to": peer} for peer in relay.live(2)])
     summary = simulate_pipeline(config, progress=False)
     first = next(e for e in summary["events"] if e["kind"] == "bwd" and e["stage"] == 2 and e["it"] == 1)
     victim = next(mb for mb in summary["microbatches"] if (mb["src"], mb["seq"], mb["it"]) == (first["src"], first["seq"], 1))
