@@ -40,6 +40,15 @@ def _center(features: int = 16) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, features) + 0.05  # no feature has a zero mean
 
 
+def _smallest_accepted(verifier: Sentinel, link: int, tensor: torch.Tensor, microbatch) -> float:
+    """The white-box shrink: the smallest scale of `tensor` that the verifier's fences on `link` accept (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if verifier.would_accept(link, FORWARD, mid * tensor, microbatch) else (mid, hi)
+    return hi
+
+
 def _warm(verifier: Sentinel, link: int, count: int, gen: torch.Generator, direction: str = FORWARD) -> None:
     check = verifier.check_forward if direction == FORWARD else verifier.check_backward
     for i in range(count):
@@ -1084,10 +1093,7 @@ def test_liars_cycling_identities_neither_take_the_vote_nor_frame_the_honest_sen
         if slot < 3 and i >= 40:
             lies[slot] = lies.get(slot, 0) + 1
             sender = f"r{slot}-{(lies[slot] - 1) // per_identity}"  # a fresh identity every per_identity lies
-            lo, hi = 0.0, 1.0
-            for _ in range(10):
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            hi = _smallest_accepted(verifier, 1, out, i)
             out = hi * out
             shrinks.append(hi)
         verifier.check_forward(1, sender, i, out)
@@ -1152,10 +1158,7 @@ def test_the_weighted_vote_gives_identities_no_weight_of_their_own(sender_of):
         verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
         sender = sender_of(i, counts)
         if i % 8 < 3 and i >= 40:
-            lo, hi = 0.0, 1.0
-            for _ in range(10):
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            hi = _smallest_accepted(verifier, 1, out, i)
             out = hi * out
             shrinks.append(hi)
         verifier.check_forward(1, sender, i, out)
@@ -1176,10 +1179,7 @@ def _small_stage_shrinks(verifier: Sentinel, identity) -> list[float]:
         sender = f"r{i % 3}"
         if i % 3 == 0 and i >= 40:
             sender, lies = identity(lies), lies + 1
-            lo, hi = 0.0, 1.0
-            for _ in range(10):
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            hi = _smallest_accepted(verifier, 1, out, i)
             out = hi * out
             shrinks.append(hi)
         verifier.check_forward(1, sender, i, out)
@@ -1373,10 +1373,7 @@ def test_a_gradient_grown_by_an_input_seen_shrunk_is_evidence_about_the_upstream
     def microbatch(mb, upstream: str, head: str, shrink: bool = False, grow: float = 1.0) -> Verdict:
         x = _center() + torch.randn(4, 32, 16, generator=gen)
         if shrink:  # the white-box attacker: the smallest scale link 2's fences accept
-            lo, hi = 0.0, 1.0
-            for _ in range(10):
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if verifier.would_accept(2, FORWARD, mid * x, mb) else (mid, hi)
+            hi = _smallest_accepted(verifier, 2, x, mb)
             x = hi * x
         assert not verifier.check_forward(2, upstream, mb, x).flagged
         return verifier.check_backward(2, head, mb, head_gradient(x, grow))
@@ -1583,10 +1580,7 @@ def test_a_slow_honest_relay_of_a_small_stage_keeps_its_vote():
         verifier.record_input(i, 1, FORWARD, verifier.sketch(x))
         sender = f"r{i % 3}" if i < 40 else routing.choices(["r0", "r1", "r2"], (0.45, 0.45, 0.10))[0]
         if sender == "r0" and i >= 40:
-            lo, hi = 0.0, 1.0
-            for _ in range(10):
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if verifier.would_accept(1, FORWARD, mid * out, i) else (mid, hi)
+            hi = _smallest_accepted(verifier, 1, out, i)
             out = hi * out
             shrinks.append(hi)
         verifier.check_forward(1, sender, i, out)
