@@ -194,6 +194,47 @@ def test_a_repair_whose_resume_is_refused_restarts_after_a_complete_timeout(monk
     assert summary["metrics"][1]["duration"] < 4 * config.pipeline.complete_timeout < config.pipeline.microbatch_timeout
 
 
+def test_a_relay_of_the_repaired_stage_cannot_take_the_gradient_before_the_repair_node(monkeypatch):
+    # 3 relays per stage; the last stage-2 relay (the thief, honest otherwise) asks every stage-3 relay, every 50 ms, to
+    # RESUME each key it does not hold, under a path it writes itself, and drops what comes. RP finding 2b: it took the
+    # delivered gradient once its data node released it, the repair dead-ended and the victim restarted
+    config = replace(_left_after_its_backward("gwtf"), peers=10)
+    thief = [peer_identity(config.seed, i).peer_id for i in range(config.peers) if config.stage_of(i) == 2][-1]
+    stolen: list[tuple[int, str]] = []
+    serve, on_backward = Relay.serve, Relay._on_backward
+
+    async def steal(relay: Relay) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            src = next(p for p, s in relay.directory.items() if s == 0)
+            first = next(p for p, s in relay.directory.items() if s == 1)
+            for seq in range(4 * (relay.version + 1)):
+                if (src, seq, 0) not in relay.held:
+                    body = encode({"src": src, "seq": seq, "att": 0, "path": [src, first, relay.me], "rec": []})
+                    for holder in relay.live(3):
+                        if await relay._ask(holder, m.RESUME, body, timeout=0.5) == m.OK:
+                            stolen.append((seq, holder))
+
+    async def thief_serve(self) -> None:
+        if self.me == thief:
+            self.spawn(steal(self))
+        await serve(self)
+
+    async def thief_backward(self, sender: str, payload: bytes) -> bytes:
+        c = m.parse_carry(payload, sender, self.transport.limits, self.last + 1)
+        if self.me == thief and c.key not in self.held:
+            return m.answer(m.OK)  # a stolen gradient: taken, dropped
+        return await on_backward(self, sender, payload)
+
+    monkeypatch.setattr(Relay, "serve", thief_serve)
+    monkeypatch.setattr(Relay, "_on_backward", thief_backward)
+    summary = simulate_pipeline(config, progress=False)
+    assert stolen == []
+    iteration_1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
+    assert [mb["outcome"] for mb in iteration_1] == ["ok"] * 4 and sum(mb["restarts"] for mb in iteration_1) == 0
+    assert sum(mb["repairs"] for mb in iteration_1) >= 1
+
+
 def _flood_reports(monkeypatch, liar: str, period: float, bodies) -> None:
     """`liar`, a relay honest otherwise, sends its data node every `period` seconds a BROKEN report for each body that
     `bodies(relay, data_node, seq)` gives, for every seq it can name."""

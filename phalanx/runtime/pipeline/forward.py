@@ -140,6 +140,8 @@ class Forward:
             t0 = self.now()
             h.trying = peer
             word = await self.deliver("" if client else peer, CHECK_FORWARD, carry)
+            if word == m.OK:
+                h.next_peer = peer  # before anything awaits: a repair's holder may ask whom I handed it to (`handed_to`)
             h.trying = None
             if client and word == m.DENIED:  # the data node found no next peer: it restarts the microbatch
                 self.held.pop(key, None)
@@ -150,7 +152,6 @@ class Forward:
                 self.router.observe(peer, self.now() - t0)
                 if self.flow is not None:
                     await self.flow.send(self.flow.measured_rtt(peer, self.now() - t0, self.config.ema))
-                h.next_peer = peer
                 self.sent_to[(key[0], peer)] = self.sent_to.get((key[0], peer), 0) + 1
                 return
             if word == m.STALE:

@@ -37,7 +37,11 @@ class Repair:
         delivered its backward to that peer (a repair of its stage resumes from the gradient I keep)."""
         obj = m.parse_mapping(payload, sender, self.transport.limits, "ping")
         key = m.parse_key(obj, sender)
-        to = obj.get("delivered_to")
+        to, handed = obj.get("delivered_to"), obj.get("handed_to")
+        if handed is not None:  # a holder asks whether I handed my repaired output to the peer that asks it to resume
+            if not isinstance(handed, str):
+                raise RemoteError(Evidence(sender, "malformed", "bad ping"))
+            return m.answer(m.OK if self.handed_to(key, sender, handed) else m.UNKNOWN)
         if to is None:
             return m.answer(m.OK if key in self.held else m.UNKNOWN)
         if not isinstance(to, str):
@@ -47,6 +51,13 @@ class Repair:
             return m.answer(m.UNKNOWN)
         self.released.add(key)  # its data node repairs that stage from it: a RESUME may take it (whatever my view)
         return m.answer(m.OK)
+
+    def handed_to(self, key: m.Key, holder: str, asker: str) -> bool:
+        """Whether I am sending (or sent) my output of a repair that resumes at `holder` to `asker`, the node that
+        rebuilt the next stage: the repair's carry names the holder and the stage it rebuilds up to."""
+        h = self.held.get(key)
+        return (h is not None and h.carry.holder == holder and h.carry.repair == self.stage + 1
+                and asker in (h.next_peer, h.trying))
 
     async def _on_reforward(self, sender: str, payload: bytes) -> bytes:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "reforward")
@@ -101,6 +112,12 @@ class Repair:
             raise RemoteError(Evidence(sender, "malformed", "bad resume request"))
         if self.directory.get(sender, carry.stage) != carry.stage:
             return m.answer(m.UNKNOWN)  # our views of its stage differ (a move not yet seen here): not evidence
+        if not await self._fed_by(key, prefix[-2], sender):
+            # the node before it in its path did not hand it this repair: a relay of that stage that asks first
+            # would take the gradient and drop it (RP 2b). Refused, not evidence (that node may have left)
+            return m.answer(m.UNKNOWN)
+        if self.pending.get(key, self.delivered.get(key) if key in self.released else None) is not carry:
+            return m.answer(m.UNKNOWN)  # taken by another RESUME while I asked
         if self.sealing and key in self.received and not (
                 "seal" in obj and self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)):
             # my committed input must become the asker's sealed output: else my stage gradient looks computed from a
@@ -114,6 +131,14 @@ class Repair:
         recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
         self.spawn(self.send_backward(dataclasses.replace(carry, path=path, recomputed=recomputed)))
         return m.answer(m.OK)
+
+    async def _fed_by(self, key: m.Key, feeder: str, asker: str) -> bool:
+        """Whether `feeder` (the node before `asker` in the path it resumes with) handed `asker` the repair that
+        resumes here: only the node that rebuilt the stage may take the gradient I keep for it."""
+        if feeder == self.me:
+            return self.handed_to(key, self.me, asker)
+        body = {"src": key[0], "seq": key[1], "att": key[2], "handed_to": asker}
+        return await self._ask(feeder, m.PING, encode(body)) == m.OK
 
     def reseal(self, key: m.Key, prefix: tuple[str, ...], seal: m.Seal, sender: str) -> bool:
         """The peer that rebuilt my upstream stage sealed the output it recomputed. When that is exactly the
