@@ -22,6 +22,7 @@ from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline import messages as m
 from phalanx.runtime.pipeline.config import PipelineConfig
+from phalanx.runtime.pipeline.data_node import expected_slots
 from phalanx.runtime.pipeline.links import Links
 from phalanx.runtime.pipeline.relay import Relay
 from phalanx.runtime.pipeline.repair import Repair
@@ -233,6 +234,49 @@ def test_a_relay_of_the_repaired_stage_cannot_take_the_gradient_before_the_repai
     iteration_1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
     assert [mb["outcome"] for mb in iteration_1] == ["ok"] * 4 and sum(mb["restarts"] for mb in iteration_1) == 0
     assert sum(mb["repairs"] for mb in iteration_1) >= 1
+
+
+def test_a_microbatch_repaired_twice_in_one_backward_is_aggregated_on_the_tensors_that_crossed(monkeypatch):
+    # verifiers off the path; stage 2 is rebuilt (its relay left after its backward), and when the stage-3 holder
+    # takes the repair node's RESUME the stage-1 relay of the path leaves too: the repair node's gradient breaks at
+    # stage 1, which is rebuilt from the data node. RP finding 4: the repair node was not on the path the data node
+    # knew (its broken report was not heard: a restart), and the path wanted a verdict on new stage-1 node -> repair
+    # node, a tensor that never crossed link 1 (deferred); the repair node computed from the old stage-1 relay's output
+    config = replace(_left_after_its_backward("gwtf"), sentinel=VerifierConfig(enabled=True, placement="boundary",
+                                                                               hop="off_path"))
+    networks: list[SimNetwork] = []
+    crashed: list[str] = []
+    on_resume = Repair._on_resume
+
+    async def resume_then_crash(self, sender: str, payload: bytes) -> bytes:
+        answer = await on_resume(self, sender, payload)
+        path = m.parse_mapping(payload, sender, self.transport.limits, "resume")["path"]
+        if not crashed and m.parse_answer(answer, sender, self.transport.limits) == m.OK:
+            crashed.append(path[1])  # the stage-1 relay the repair node sends its gradient to
+            networks[0].crash(path[1])
+        return answer
+
+    monkeypatch.setattr(Repair, "_on_resume", resume_then_crash)
+    summary = simulate_pipeline(config, progress=False, adversary=lambda network, directory: networks.append(network))
+    repaired = [mb for mb in summary["microbatches"] if mb["repairs"]]
+    assert [(mb["it"], mb["outcome"], mb["att"], mb["repairs"], mb["recomputed"]) for mb in repaired] == [(1, "ok", 0, 2, [1, 2])]
+    assert crashed and crashed[0] not in repaired[0]["path"]
+    assert not [e for e in summary["events"] if e["kind"] == "unverified"]
+    assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4]
+    assert [r["loss"] for r in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+
+
+def test_a_node_rebuilt_before_its_sender_was_rebuilt_wants_the_verdict_of_what_it_computed_from():
+    # path D a b c home; b left after its backward and n rebuilt stage 2 from a's output; then a's backward broke and
+    # n1 rebuilt stage 1 from the data node (n resumed it): the final path is D n1 n c, and n computed from a's output
+    # (as its holders told), never from n1's, which never crossed link 1 (RP finding 4)
+    fed = {(1, "n"): "a", (0, "n1"): "D"}
+    slots = expected_slots(("D", "a", "b", "c"), ("D", "n1", "n", "c"), 3, "D", fed)
+    assert [s for s in slots if s[0] == "forward"] == [("forward", 1, "a", "b"), ("forward", 1, "a", "n"),
+                                                       ("forward", 2, "b", "c"), ("forward", 3, "c", "D")]
+    # the same node picked again at its stage by a deeper rebuild: judged by what fed it last (the holder told)
+    again = expected_slots(("D", "a", "b", "c"), ("D", "n1", "b", "c"), 3, "D", {(1, "b"): "n1", (0, "n1"): "D"})
+    assert ("forward", 1, "n1", "b") in again and ("forward", 1, "a", "b") in again
 
 
 def _flood_reports(monkeypatch, liar: str, period: float, bodies) -> None:

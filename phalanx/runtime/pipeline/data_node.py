@@ -18,7 +18,7 @@ to the next smallest id, which takes over.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +61,10 @@ class Microbatch:
     recomputed: tuple[int, ...] = ()
     restarts: int = 0
     repairs: int = 0
+    opened: dict[int, tuple[str, int]] = field(default_factory=dict)  # stage -> (holder, stage of the node that
+    # resends) of each repair started and not yet resumed
+    fed: dict[tuple[int, str], str] = field(default_factory=dict)  # (link, node a repair put on the path) -> the
+    # sender of what it recomputed from, as its holder told (`repaired`); the latest repair wins
     outcome: str = "pending"
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -68,20 +72,28 @@ class Microbatch:
         return (src, self.seq, self.att)
 
 
-def expected_slots(loss_path: tuple[str, ...], path: tuple[str, ...], last: int, me: str) -> list[tuple[str, int, str, str]]:
+def expected_slots(
+    loss_path: tuple[str, ...], path: tuple[str, ...], last: int, me: str, fed: Mapping[tuple[int, str], str] | None = None,
+) -> list[tuple[str, int, str, str]]:
     """The verdict slots (direction, link, sender, receiver) of every relay-sent tensor that a microbatch's aggregated
-    gradients were computed from, given the path of the output that came home (`loss_path`) and the path its backward
-    finished on (`path`; they differ after a repair). Forward: links 1..S along `loss_path` (the loss, and every stage
-    a repair did not rebuild, computed from those activations), and the link into each node a repair put on the path
-    (it recomputed from what crossed it); backward: links 0..S-1 along `path`. A repair's last rebuilt stage never
-    sends its recomputed output (the holder resumes with the gradient of the output it had): nothing was computed
-    from it, so no verdict on it is wanted; its sender gains nothing, since the output it replaced stays wanted."""
+    gradients were computed from, given the path of the output that came home (`loss_path`), the path its backward
+    finished on (`path`; they differ after a repair) and who fed each node a repair put on the path (`fed`: (link,
+    receiver) -> sender). Forward: links 1..S along `loss_path` (the loss, and every stage a repair did not rebuild,
+    computed from those activations), and the link into each node a repair put on the path (it recomputed from what
+    crossed it): from its sender in `fed`, else from the node before it in `path` (wrong when a later repair rebuilt
+    that stage too: the microbatch then waits for a verdict that never comes, and is deferred); backward: links
+    0..S-1 along `path`. A repair's last rebuilt stage never sends its recomputed output (the holder resumes with the
+    gradient of the output it had): nothing was computed from it, so no verdict on it is wanted; its sender gains
+    nothing, since the output it replaced stays wanted."""
     def receiver(p: tuple[str, ...], link: int) -> str:
         return p[link + 1] if link < last else me
 
+    fed = fed or {}
     slots = {(CHECK_FORWARD, link, loss_path[link], receiver(loss_path, link)) for link in range(1, last + 1)}
+    slots |= {(CHECK_FORWARD, link, fed[(link, path[link + 1])], path[link + 1]) for link in range(1, last)
+              if (link, path[link + 1]) in fed}
     slots |= {(CHECK_FORWARD, link, path[link], path[link + 1]) for link in range(1, last)
-              if path[link + 1] != loss_path[link + 1]}
+              if path[link + 1] != loss_path[link + 1] and (link, path[link + 1]) not in fed}
     slots |= {(CHECK_BACKWARD, link, path[link + 1], path[link]) for link in range(last)}
     return sorted(slots)
 
@@ -122,6 +134,7 @@ class DataNode(PipelineNode):
         self.reports: dict[int, dict[str, dict]] = {}
         self._report_event = asyncio.Event()
         self.transport.add_message_handler(m.BROKEN, self._on_broken)
+        self.transport.add_message_handler(m.REPAIRED, self._on_repaired)
         self.transport.add_message_handler(m.DONE, self._on_done)
         self.transport.add_message_handler(m.SUSPECT, self._on_suspect)
         self.transport.add_message_handler(m.UTIL, self._on_util)
@@ -374,6 +387,8 @@ class DataNode(PipelineNode):
         mb.att += 1
         mb.restarts += 1
         mb.t_loss, mb.loss_path = None, ()
+        mb.opened.clear()
+        mb.fed.clear()
         self.spawn(self.start(mb, it))
 
     def _live_mb(self, key: m.Key) -> Microbatch | None:
@@ -477,7 +492,7 @@ class DataNode(PipelineNode):
 
     def _expected(self, mb: Microbatch) -> list[tuple[str, int, str, str]]:
         """The verdict slots that clear a microbatch (see `clearance`)."""
-        return expected_slots(mb.loss_path or mb.path, mb.path, self.last, self.me)
+        return expected_slots(mb.loss_path or mb.path, mb.path, self.last, self.me, mb.fed)
 
     def _paths_whole(self, mb: Microbatch) -> bool:
         return len(mb.path) == self.last + 1 and len(mb.loss_path or mb.path) == self.last + 1
@@ -646,6 +661,35 @@ class DataNode(PipelineNode):
         if confirmed and self._live_mb(key) is mb:
             await self.handle_broken(key, stage, holder)
 
+    def _on_repaired(self, sender: str, payload: bytes) -> None:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "repaired")
+        key = m.parse_key(obj, sender)
+        stage, prefix = obj.get("stage"), obj.get("path")
+        if type(stage) is not int or not isinstance(prefix, list) or not all(isinstance(p, str) for p in prefix):
+            raise RemoteError(Evidence(sender, "malformed", "bad repaired report"))
+        self.repaired(sender, key, stage, tuple(prefix))
+
+    async def tell_repaired(self, key: m.Key, stage: int, prefix: tuple[str, ...]) -> None:
+        self.repaired(self.me, key, stage, prefix)  # I held the gradient (the last stage left)
+
+    def repaired(self, holder: str, key: m.Key, stage: int, prefix: tuple[str, ...]) -> None:
+        """The holder of a repair I started resumed it with `prefix`, the path up to the rebuilt `stage`: the path
+        now runs through the nodes it put there (a broken report from one of them is heard, a later repair pings
+        them), and each of them computed from what the node before it in `prefix` sent (`fed`: the verdicts wanted,
+        even after a later repair replaces that sender). Only from the holder I named, once per repair, with the
+        nodes before the one I asked to resend unchanged; else ignored (a report late for a restarted attempt)."""
+        mb = self._live_mb(key)
+        opened = mb.opened.get(stage) if mb is not None else None
+        if opened is None or opened[0] != holder or len(prefix) != stage + 1:
+            return
+        live_at = opened[1]
+        if prefix[: live_at + 1] != mb.path[: live_at + 1]:
+            return
+        del mb.opened[stage]
+        for rebuilt in range(live_at + 1, stage + 1):
+            mb.fed[(rebuilt - 1, prefix[rebuilt])] = prefix[rebuilt - 1]
+        mb.path = prefix + mb.path[stage + 1:]
+
     async def _restart_unless_progress(self, mb: Microbatch, att: int, since: float, repairs: int) -> None:
         """Restart the microbatch after a COMPLETE timeout unless it finished, made progress after `since`, or a
         repair began after the `repairs` it had (that one arms its own timeout)."""
@@ -678,6 +722,7 @@ class DataNode(PipelineNode):
             if word == m.OK:
                 live_at, live_node = stage_index, mb.path[stage_index]
                 break
+        mb.opened[stage] = (holder, live_at)
         if live_node == self.me:
             ok = self.reforward(key, stage, holder)
         else:

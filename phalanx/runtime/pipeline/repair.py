@@ -129,8 +129,15 @@ class Repair:
         self.released.discard(key)
         path = tuple(prefix) + carry.path[carry.stage + 1:]
         recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
+        self.spawn(self.tell_repaired(key, carry.stage, tuple(prefix)))
         self.spawn(self.send_backward(dataclasses.replace(carry, path=path, recomputed=recomputed)))
         return m.answer(m.OK)
+
+    async def tell_repaired(self, key: m.Key, stage: int, prefix: tuple[str, ...]) -> None:
+        """Tell the microbatch's data node the path a repair of `stage` resumed with: it names the nodes the repair
+        put on the path and who fed each (`DataNode.repaired`)."""
+        body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "path": list(prefix)}
+        await self.transport.send(key[0], m.REPAIRED, encode(body))
 
     async def _fed_by(self, key: m.Key, feeder: str, asker: str) -> bool:
         """Whether `feeder` (the node before `asker` in the path it resumes with) handed `asker` the repair that
