@@ -152,6 +152,21 @@ def test_gwtf_repairs_a_stage_that_left_after_taking_the_backward():
     assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
 
 
+def test_a_backward_lost_with_a_relay_that_left_is_repaired_when_nothing_reaches_its_upstream():
+    # as above, but no node watches its next peers (watch_period 0, the presets'): the stage-1 relay that passed the
+    # victim to the relay that left gets no traffic after the departure, so nobody reports it lost. The data node
+    # sees a node of the path leave after the loss, asks the node before it whether it still waits for the backward,
+    # and repairs the stage (issue 18's all/1, seq 65: it waited out the microbatch timeout, 60 s here)
+    config = _left_after_its_backward("gwtf")
+    config = replace(config, pipeline=replace(config.pipeline, watch_period=0.0))
+    summary = simulate_pipeline(config, progress=False)
+    first = next(e for e in summary["events"] if e["kind"] == "bwd" and e["stage"] == 2 and e["it"] == 1)
+    victim = next(mb for mb in summary["microbatches"] if (mb["src"], mb["seq"], mb["it"]) == (first["src"], first["seq"], 1))
+    assert (victim["outcome"], victim["att"], victim["restarts"], victim["repairs"], victim["recomputed"]) == ("ok", 0, 0, 1, [2])
+    assert summary["metrics"][1]["duration"] < 2 * config.pipeline.complete_timeout
+    assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+
+
 def _stage_ids(config: PipelineRunConfig, stage: int) -> set[str]:
     return {peer_identity(config.seed, i).peer_id for i in range(config.peers) if config.stage_of(i) == stage}
 

@@ -197,6 +197,7 @@ class DataNode(PipelineNode):
             for w in waits:
                 w.cancel()
             self.check_next_peers()
+            self.check_paths()
             for mb in pending:
                 if not mb.done.is_set() and self.now() - mb.t_progress >= self.config.microbatch_timeout and self.now() < deadline:
                     self.restart(mb, it)
@@ -613,6 +614,29 @@ class DataNode(PipelineNode):
             if (mb is not None and mb.t_loss is not None and mb.path[stage + 1:stage + 2] == (sender,)
                     and (key, stage) not in self.repairing):
                 self.spawn(self.handle_broken(key, stage, sender))
+
+    def check_paths(self) -> None:
+        """After a microbatch's loss, a relay of its path that left my view may have died with its backward, and its
+        upstream relay reports it lost only when pipeline traffic reaches it (or every `watch_period`): none may
+        come. So I ask the node before it whether it still waits for that backward (PING: it holds the microbatch);
+        if so, the backward is lost at that stage (`forward_lost`). Once per departed peer and microbatch, as a
+        relay's lost report; stage 1's upstream is me (`check_next_peers`)."""
+        members = set(self.transport.members())
+        for mb in self.mbs.values():
+            if mb.done.is_set() or mb.t_loss is None or len(mb.path) != self.last + 1:
+                continue
+            key = mb.key(self.me)
+            for stage in range(2, self.last + 1):
+                dead = mb.path[stage]
+                if dead not in members and (key, dead) not in self.lost_seen:
+                    self.lost_seen.add((key, dead))
+                    self.spawn(self._lost_if_held(mb, key, stage, dead))
+
+    async def _lost_if_held(self, mb: Microbatch, key: m.Key, stage: int, dead: str) -> None:
+        upstream = mb.path[stage - 1]
+        body = {"src": key[0], "seq": key[1], "att": key[2]}
+        if await self._ask(upstream, m.PING, encode(body)) == m.OK and self._live_mb(key) is mb and mb.path[stage] == dead:
+            self.forward_lost(key, stage, dead)
 
     async def _lost_once_gone(self, key: m.Key, stage: int, dead: str) -> None:
         """A lost report about a peer I still see: act on it once it leaves my view, within a COMPLETE timeout."""
