@@ -108,7 +108,7 @@ class Aggregation:
         self.received.clear()
         self.pending.clear()
         self.delivered.clear()
-        self.released.clear()
+        self.resends.clear()
         self.suspects.clear()
         self.rerouted.clear()
         self.backed.clear()

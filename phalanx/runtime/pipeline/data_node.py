@@ -383,6 +383,7 @@ class DataNode(PipelineNode):
         self.held.pop(mb.key(self.me), None)
         self.pending.pop(mb.key(self.me), None)
         self.delivered.pop(mb.key(self.me), None)
+        self.resends.pop(mb.key(self.me), None)
         if self.verifier is not None:
             self.verifier.drop(mb.key(self.me), self.version)
         mb.att += 1
@@ -677,8 +678,6 @@ class DataNode(PipelineNode):
         if holder == self.me:
             c = self.delivered.get(key)
             confirmed = c is not None and c.path[c.stage] == dead
-            if confirmed:
-                self.released.add(key)
         else:
             body = {"src": key[0], "seq": key[1], "att": key[2], "delivered_to": dead}
             confirmed = await self._ask(holder, m.PING, encode(body)) == m.OK
@@ -747,6 +746,16 @@ class DataNode(PipelineNode):
                 live_at, live_node = stage_index, mb.path[stage_index]
                 break
         mb.opened[stage] = (holder, live_at)
+        # the holder gives its gradient only to the node this repair goes to, along the chain from `live_node`
+        if holder == self.me:
+            anchored = self.expect_resume(key, live_node)
+        else:
+            body = {"src": key[0], "seq": key[1], "att": key[2], "from": live_node}
+            anchored = await self._ask(holder, m.RESENDS, encode(body)) == m.OK
+        if not anchored:
+            if self._live_mb(key) is mb:
+                self.restart(mb, self.version)  # it keeps nothing to resume from
+            return
         if live_node == self.me:
             ok = self.reforward(key, stage, holder)
         else:

@@ -23,6 +23,7 @@ BROKEN = "pp.broken"  # one-way, to the data node: my gradient could not reach t
 PING = "pp.ping"  # request: do you still hold this microbatch's activations?
 REFORWARD = "pp.refwd"  # request, data node -> last live node: resend your stored output to a new peer
 RESUME = "pp.resume"  # request, repair peer -> gradient holder: the broken stage is rebuilt, send on
+RESENDS = "pp.resends"  # request, data node -> gradient holder: a repair of the stage before you resends from this node
 REPAIRED = "pp.repaired"  # one-way, gradient holder -> data node: I resumed the repair of a stage with this path prefix
 DONE = "pp.done"  # one-way, data node -> leader: my microbatches of this iteration are settled
 BEGIN = "pp.begin"  # one-way flood, front to back: BEGIN AGGREGATION

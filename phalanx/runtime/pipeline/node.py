@@ -133,7 +133,8 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         self.pending: dict[m.Key, m.Carry] = {}  # backward gradients waiting for a repaired stage
         self.delivered: dict[m.Key, m.Carry] = {}  # backward gradients this node delivered, until aggregation: a
         # repair resumes from one when its receiver left before passing its own gradient on
-        self.released: set[m.Key] = set()  # delivered gradients their data node asked a repair to resume from
+        self.resends: dict[m.Key, str] = {}  # kept gradients (pending or delivered) their data node repairs the stage
+        # before me from, and the node that repair resends from (the first link of the chain a RESUME must prove)
         self.suspects: set[str] = set()
         self.banned: set[str] = set()  # peers we hold evidence against (or a relay told us it does)
         self.rerouted: set[m.Key] = set()  # microbatches dropped here (a verifier banned a peer on their path, a newer
@@ -153,6 +154,7 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         transport.add_request_handler(m.PING, self._on_ping)
         transport.add_request_handler(m.REFORWARD, self._on_reforward)
         transport.add_request_handler(m.RESUME, self._on_resume)
+        transport.add_request_handler(m.RESENDS, self._on_resends)
         transport.add_message_handler(m.DENY, self._on_deny)
         transport.add_message_handler(m.BEGIN, self._on_begin)
         transport.add_message_handler(m.CAN_TAKE, self._on_can_take)

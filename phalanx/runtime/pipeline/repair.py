@@ -33,31 +33,46 @@ class Repair:
         await self.transport.send(key[0], m.BROKEN, encode(body))
 
     async def _on_ping(self, sender: str, payload: bytes) -> bytes:
-        """Whether I hold the microbatch's forward (a repair resends my output), or, with `delivered_to`, whether I
-        delivered its backward to that peer (a repair of its stage resumes from the gradient I keep)."""
+        """Whether I hold the microbatch's forward (a repair resends my output); with `delivered_to`, whether I
+        delivered its backward to that peer (a repair of its stage resumes from the gradient I keep); with
+        `handed_to` (and `upto`), from a holder, whether I handed that peer the repair that resumes at it."""
         obj = m.parse_mapping(payload, sender, self.transport.limits, "ping")
         key = m.parse_key(obj, sender)
-        to, handed = obj.get("delivered_to"), obj.get("handed_to")
-        if handed is not None:  # a holder asks whether I handed my repaired output to the peer that asks it to resume
-            if not isinstance(handed, str):
+        to, handed, upto = obj.get("delivered_to"), obj.get("handed_to"), obj.get("upto")
+        if handed is not None:
+            if not isinstance(handed, str) or type(upto) is not int:
                 raise RemoteError(Evidence(sender, "malformed", "bad ping"))
-            return m.answer(m.OK if self.handed_to(key, sender, handed) else m.UNKNOWN)
+            return m.answer(m.OK if self.handed_to(key, sender, handed, upto) else m.UNKNOWN)
         if to is None:
             return m.answer(m.OK if key in self.held else m.UNKNOWN)
         if not isinstance(to, str):
             raise RemoteError(Evidence(sender, "malformed", "bad ping"))
         c = self.delivered.get(key)
-        if c is None or c.path[c.stage] != to or sender != key[0]:
-            return m.answer(m.UNKNOWN)
-        self.released.add(key)  # its data node repairs that stage from it: a RESUME may take it (whatever my view)
-        return m.answer(m.OK)
+        return m.answer(m.OK if c is not None and c.path[c.stage] == to and sender == key[0] else m.UNKNOWN)
 
-    def handed_to(self, key: m.Key, holder: str, asker: str) -> bool:
-        """Whether I am sending (or sent) my output of a repair that resumes at `holder` to `asker`, the node that
-        rebuilt the next stage: the repair's carry names the holder and the stage it rebuilds up to."""
+    async def _on_resends(self, sender: str, payload: bytes) -> bytes:
+        """My data node repairs the stage before me from the gradient I keep: the repair resends from `from`. A
+        RESUME may take the gradient (whatever my view of the peer I delivered it to), once it proves the chain from
+        that node to its asker (`_handed_along`)."""
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "resends")
+        key = m.parse_key(obj, sender)
+        start = obj.get("from")
+        if sender != key[0] or not isinstance(start, str):
+            raise RemoteError(Evidence(sender, "malformed", "bad resends request"))
+        return m.answer(m.OK if self.expect_resume(key, start) else m.UNKNOWN)
+
+    def expect_resume(self, key: m.Key, start: str) -> bool:
+        if key not in self.pending and key not in self.delivered:
+            return False
+        self.resends[key] = start
+        return True
+
+    def handed_to(self, key: m.Key, holder: str, taker: str, upto: int) -> bool:
+        """Whether I am sending (or sent) my output, under a repair that rebuilds up to `upto` and resumes at
+        `holder`, to `taker`: the repair's carry names the holder and the stage it rebuilds up to."""
         h = self.held.get(key)
-        return (h is not None and h.carry.holder == holder and h.carry.repair == self.stage + 1
-                and asker in (h.next_peer, h.trying))
+        return (h is not None and h.carry.holder == holder and h.carry.repair == upto
+                and taker in (h.next_peer, h.trying))
 
     async def _on_reforward(self, sender: str, payload: bytes) -> bytes:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "reforward")
@@ -99,8 +114,8 @@ class Repair:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "resume")
         key = m.parse_key(obj, sender)
         prefix, rec = obj.get("path"), obj.get("rec")
-        # one I failed to deliver, or one I delivered to a peer that left, once our data node asked for it (`released`)
-        carry = self.pending.get(key, self.delivered.get(key) if key in self.released else None)
+        # one I failed to deliver, or one I delivered to a peer that left, once our data node repairs from it (`resends`)
+        carry = self.pending.get(key, self.delivered.get(key) if key in self.resends else None)
         if carry is None:
             return m.answer(m.UNKNOWN)
         ok = (
@@ -112,11 +127,11 @@ class Repair:
             raise RemoteError(Evidence(sender, "malformed", "bad resume request"))
         if self.directory.get(sender, carry.stage) != carry.stage:
             return m.answer(m.UNKNOWN)  # our views of its stage differ (a move not yet seen here): not evidence
-        if not await self._fed_by(key, prefix[-2], sender):
-            # the node before it in its path did not hand it this repair: a relay of that stage that asks first
-            # would take the gradient and drop it (RP 2b). Refused, not evidence (that node may have left)
+        if not await self._handed_along(key, tuple(prefix)):
+            # not the node the repair went to: a relay of that stage that asks first would take the gradient and
+            # drop it (RP 2b). Refused, not evidence (a node of the chain may have left)
             return m.answer(m.UNKNOWN)
-        if self.pending.get(key, self.delivered.get(key) if key in self.released else None) is not carry:
+        if self.pending.get(key, self.delivered.get(key) if key in self.resends else None) is not carry:
             return m.answer(m.UNKNOWN)  # taken by another RESUME while I asked
         if self.sealing and key in self.received and not (
                 "seal" in obj and self.reseal(key, tuple(prefix), m.parse_seal(obj["seal"], sender), sender)):
@@ -126,7 +141,7 @@ class Repair:
             return m.answer(m.UNKNOWN)
         self.pending.pop(key, None)
         self.delivered.pop(key, None)
-        self.released.discard(key)
+        self.resends.pop(key, None)
         path = tuple(prefix) + carry.path[carry.stage + 1:]
         recomputed = tuple(sorted(set(carry.recomputed) | set(rec)))
         self.spawn(self.tell_repaired(key, carry.stage, tuple(prefix)))
@@ -139,13 +154,25 @@ class Repair:
         body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "path": list(prefix)}
         await self.transport.send(key[0], m.REPAIRED, encode(body))
 
-    async def _fed_by(self, key: m.Key, feeder: str, asker: str) -> bool:
-        """Whether `feeder` (the node before `asker` in the path it resumes with) handed `asker` the repair that
-        resumes here: only the node that rebuilt the stage may take the gradient I keep for it."""
-        if feeder == self.me:
-            return self.handed_to(key, self.me, asker)
-        body = {"src": key[0], "seq": key[1], "att": key[2], "handed_to": asker}
-        return await self._ask(feeder, m.PING, encode(body)) == m.OK
+    async def _handed_along(self, key: m.Key, prefix: tuple[str, ...]) -> bool:
+        """Whether the repair went from the node my data node named (`resends`) along `prefix` to its last node, the
+        asker: each node from that one on confirms it handed the repair to the next (`handed_to`). The asker writes
+        `prefix`, so the chain is anchored at the data node's choice; only the node that rebuilt the stage (or one a
+        node of the repair chose, itself on the repair path) may take the gradient I keep."""
+        start = self.resends.get(key)
+        if start is None or start not in prefix[:-1]:
+            return False
+        upto = len(prefix) - 1
+        chain = prefix[prefix.index(start):]
+        for feeder, taker in zip(chain, chain[1:]):
+            if feeder == self.me:
+                confirmed = self.handed_to(key, self.me, taker, upto)
+            else:
+                body = {"src": key[0], "seq": key[1], "att": key[2], "handed_to": taker, "upto": upto}
+                confirmed = await self._ask(feeder, m.PING, encode(body)) == m.OK
+            if not confirmed:
+                return False
+        return True
 
     def reseal(self, key: m.Key, prefix: tuple[str, ...], seal: m.Seal, sender: str) -> bool:
         """The peer that rebuilt my upstream stage sealed the output it recomputed. When that is exactly the
