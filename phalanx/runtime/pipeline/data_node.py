@@ -732,8 +732,6 @@ class DataNode(PipelineNode):
         if self.router.restart_on_backward_failure or len(mb.path) != self.last + 1:
             self.restart(mb, self.version)
             return
-        mb.repairs += 1
-        mb.t_progress = self.now()
         self.repairing.add((key, stage))
         asyncio.get_running_loop().call_later(self.config.complete_timeout, self.repairing.discard, (key, stage))
         live_at, live_node = 0, self.me
@@ -745,17 +743,20 @@ class DataNode(PipelineNode):
             if word == m.OK:
                 live_at, live_node = stage_index, mb.path[stage_index]
                 break
-        mb.opened[stage] = (holder, live_at)
         # the holder gives its gradient only to the node this repair goes to, along the chain from `live_node`
         if holder == self.me:
-            anchored = self.expect_resume(key, live_node)
+            word = m.OK if self.expect_resume(key, live_node) else m.UNKNOWN
         else:
-            body = {"src": key[0], "seq": key[1], "att": key[2], "from": live_node}
-            anchored = await self._ask(holder, m.RESENDS, encode(body)) == m.OK
-        if not anchored:
-            if self._live_mb(key) is mb:
-                self.restart(mb, self.version)  # it keeps nothing to resume from
+            word = await self._ask(holder, m.RESENDS, encode({"src": key[0], "seq": key[1], "att": key[2], "from": live_node}))
+        if self._live_mb(key) is not mb:
             return
+        if word != m.OK:
+            if word is None:  # the holder does not answer (gone): nothing to resume from
+                self.restart(mb, self.version)
+            return  # it keeps nothing of this microbatch (a false report, or a gradient already resumed): no repair
+        mb.repairs += 1
+        mb.t_progress = self.now()
+        mb.opened[stage] = (holder, live_at)
         if live_node == self.me:
             ok = self.reforward(key, stage, holder)
         else:

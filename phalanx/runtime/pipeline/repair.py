@@ -127,7 +127,7 @@ class Repair:
             raise RemoteError(Evidence(sender, "malformed", "bad resume request"))
         if self.directory.get(sender, carry.stage) != carry.stage:
             return m.answer(m.UNKNOWN)  # our views of its stage differ (a move not yet seen here): not evidence
-        if not await self._handed_along(key, tuple(prefix)):
+        if not await self._handed_along(key, tuple(prefix), carry.path):
             # not the node the repair went to: a relay of that stage that asks first would take the gradient and
             # drop it (RP 2b). Refused, not evidence (a node of the chain may have left)
             return m.answer(m.UNKNOWN)
@@ -154,16 +154,19 @@ class Repair:
         body = {"src": key[0], "seq": key[1], "att": key[2], "stage": stage, "path": list(prefix)}
         await self.transport.send(key[0], m.REPAIRED, encode(body))
 
-    async def _handed_along(self, key: m.Key, prefix: tuple[str, ...]) -> bool:
+    async def _handed_along(self, key: m.Key, prefix: tuple[str, ...], path: tuple[str, ...]) -> bool:
         """Whether the repair went from the node my data node named (`resends`) along `prefix` to its last node, the
-        asker: each node from that one on confirms it handed the repair to the next (`handed_to`). The asker writes
-        `prefix`, so the chain is anchored at the data node's choice; only the node that rebuilt the stage (or one a
-        node of the repair chose, itself on the repair path) may take the gradient I keep."""
+        asker: `prefix` runs as my gradient's `path` up to that node, and each node from that one on confirms it
+        handed the repair to the next (`handed_to`). The asker writes `prefix`, so the chain is anchored at the data
+        node's choice; only the node that rebuilt the stage (or one a node of the repair chose, itself on the repair
+        path) may take the gradient I keep."""
         start = self.resends.get(key)
         if start is None or start not in prefix[:-1]:
             return False
-        upto = len(prefix) - 1
-        chain = prefix[prefix.index(start):]
+        at, upto = prefix.index(start), len(prefix) - 1
+        if prefix[: at + 1] != path[: at + 1]:
+            return False
+        chain = prefix[at:]
         for feeder, taker in zip(chain, chain[1:]):
             if feeder == self.me:
                 confirmed = self.handed_to(key, self.me, taker, upto)
