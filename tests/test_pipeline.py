@@ -21,6 +21,7 @@ from phalanx.runs.pipeline.config import (
 from phalanx.runs.pipeline.run import reference_losses, simulate_pipeline
 from phalanx.runtime.dp.peer import TrainConfig
 from phalanx.runtime.pipeline import messages as m
+from phalanx.runtime.pipeline.backward import Backward
 from phalanx.runtime.pipeline.config import PipelineConfig
 from phalanx.runtime.pipeline.data_node import expected_slots
 from phalanx.runtime.pipeline.links import Links
@@ -261,6 +262,30 @@ def test_a_relay_of_the_repaired_stage_cannot_take_the_gradient_before_the_repai
     iteration_1 = [mb for mb in summary["microbatches"] if mb["it"] == 1]
     assert [mb["outcome"] for mb in iteration_1] == ["ok"] * 4 and sum(mb["restarts"] for mb in iteration_1) == 0
     assert sum(mb["repairs"] for mb in iteration_1) >= 1
+
+
+def test_a_repair_that_rebuilds_two_stages_resumes_along_the_chain_from_the_data_node(monkeypatch):
+    # 3 stages x 3 relays; as the stage-3 relay of a path sends its first backward of iteration 1, the path's stage-1
+    # and stage-2 relays crash: the data node resends its own output, stages 1 and 2 are rebuilt, and the holder walks
+    # the chain (data node -> new stage 1 -> new stage 2) before it resumes. A guard of the chain walk (RP s25's
+    # check): it passes before 070331b too
+    config = replace(_crash_config("gwtf"), peers=10, faults=ChurnConfig())
+    networks: list[SimNetwork] = []
+    victims: list[m.Key] = []
+    send_backward = Backward.send_backward
+
+    async def crash_then_send(self, carry: m.Carry) -> None:
+        if self.stage == 3 and carry.it == 1 and not victims:
+            victims.append(carry.key)
+            networks[0].crash(carry.path[1])
+            networks[0].crash(carry.path[2])
+        await send_backward(self, carry)
+
+    monkeypatch.setattr(Backward, "send_backward", crash_then_send)
+    summary = simulate_pipeline(config, progress=False, adversary=lambda network, directory: networks.append(network))
+    victim = next(mb for mb in summary["microbatches"] if mb["it"] == 1 and mb["seq"] == victims[0][1])
+    assert (victim["outcome"], victim["att"], victim["restarts"], victim["repairs"], victim["recomputed"]) == ("ok", 0, 0, 1, [1, 2])
+    assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
 
 
 def test_a_node_rebuilt_before_its_sender_was_rebuilt_wants_the_verdict_of_what_it_computed_from():
