@@ -288,6 +288,36 @@ def test_a_repair_that_rebuilds_two_stages_resumes_along_the_chain_from_the_data
     assert [m["loss"] for m in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
 
 
+def test_a_microbatch_repaired_twice_in_one_backward_is_aggregated_on_the_tensors_that_crossed(monkeypatch):
+    # verifiers off the path; stage 2 is rebuilt (its relay left after its backward), and when the stage-3 holder
+    # takes the repair node's RESUME the stage-1 relay of the path leaves too: the repair node's gradient breaks at
+    # stage 1, which is rebuilt from the data node. RP finding 4: the repair node was not on the path the data node
+    # knew (its broken report was not heard: a restart), and the path wanted a verdict on new stage-1 node -> repair
+    # node, a tensor that never crossed link 1 (deferred); the repair node computed from the old stage-1 relay's output
+    config = replace(_left_after_its_backward("gwtf"), sentinel=VerifierConfig(enabled=True, placement="boundary",
+                                                                               hop="off_path"))
+    networks: list[SimNetwork] = []
+    crashed: list[str] = []
+    on_resume = Repair._on_resume
+
+    async def resume_then_crash(self, sender: str, payload: bytes) -> bytes:
+        answer = await on_resume(self, sender, payload)
+        path = m.parse_mapping(payload, sender, self.transport.limits, "resume")["path"]
+        if not crashed and m.parse_answer(answer, sender, self.transport.limits) == m.OK:
+            crashed.append(path[1])  # the stage-1 relay the repair node sends its gradient to
+            networks[0].crash(path[1])
+        return answer
+
+    monkeypatch.setattr(Repair, "_on_resume", resume_then_crash)
+    summary = simulate_pipeline(config, progress=False, adversary=lambda network, directory: networks.append(network))
+    repaired = [mb for mb in summary["microbatches"] if mb["repairs"]]
+    assert [(mb["it"], mb["outcome"], mb["att"], mb["repairs"], mb["recomputed"]) for mb in repaired] == [(1, "ok", 0, 2, [1, 2])]
+    assert crashed and crashed[0] not in repaired[0]["path"]
+    assert not [e for e in summary["events"] if e["kind"] == "unverified"]
+    assert [r["completed"] for r in summary["metrics"]] == [4, 4, 4]
+    assert [r["loss"] for r in summary["metrics"]] == pytest.approx(reference_losses(config), rel=1e-5)
+
+
 def test_a_node_rebuilt_before_its_sender_was_rebuilt_wants_the_verdict_of_what_it_computed_from():
     # path D a b c home; b left after its backward and n rebuilt stage 2 from a's output; then a's backward broke and
     # n1 rebuilt stage 1 from the data node (n resumed it): the final path is D n1 n c, and n computed from a's output
