@@ -620,8 +620,11 @@ class DataNode(PipelineNode):
         """After a microbatch's loss, a relay of its path that left my view may have died with its backward, and its
         upstream relay reports it lost only when pipeline traffic reaches it (or every `watch_period`): none may
         come. So I ask the node before it whether it still waits for that backward (PING: it holds the microbatch);
-        if so, the backward is lost at that stage (`forward_lost`). Once per departed peer and microbatch, as a
-        relay's lost report; stage 1's upstream is me (`check_next_peers`)."""
+        if so, the stage is repaired when the node after it confirms it delivered the backward to the departed one
+        (`_repair_delivered`); one that did not has yet to send it, fails, and reports BROKEN. When the node after it
+        left too, nobody will report: the backward is lost there (`forward_lost`: restarted unless a repair makes
+        progress). Once per departed peer and microbatch (again after a PING that got no answer), as a relay's lost
+        report; stage 1's upstream is me (`check_next_peers`)."""
         members = set(self.transport.members())
         for mb in self.mbs.values():
             if mb.done.is_set() or mb.t_loss is None or len(mb.path) != self.last + 1:
@@ -635,9 +638,17 @@ class DataNode(PipelineNode):
 
     async def _lost_if_held(self, mb: Microbatch, key: m.Key, stage: int, dead: str) -> None:
         upstream = mb.path[stage - 1]
-        body = {"src": key[0], "seq": key[1], "att": key[2]}
-        if await self._ask(upstream, m.PING, encode(body)) == m.OK and self._live_mb(key) is mb and mb.path[stage] == dead:
+        word = await self._ask(upstream, m.PING, encode({"src": key[0], "seq": key[1], "att": key[2]}))
+        if word is None:
+            self.lost_seen.discard((key, dead))  # no answer (busy, or gone too): look again on my next pass
+            return
+        if word != m.OK or self._live_mb(key) is not mb or mb.path[stage] != dead:
+            return
+        holder = mb.path[stage + 1] if stage < self.last else self.me
+        if holder != self.me and holder not in self.transport.members():
             self.forward_lost(key, stage, dead)
+        else:
+            await self._repair_delivered(mb, key, stage, dead)
 
     async def _lost_once_gone(self, key: m.Key, stage: int, dead: str) -> None:
         """A lost report about a peer I still see: act on it once it leaves my view, within a COMPLETE timeout."""
@@ -700,18 +711,23 @@ class DataNode(PipelineNode):
         now runs through the nodes it put there (a broken report from one of them is heard, a later repair pings
         them), and each of them computed from what the node before it in `prefix` sent (`fed`: the verdicts wanted,
         even after a later repair replaces that sender). Only from the holder I named, once per repair, with the
-        nodes before the one I asked to resend unchanged; else ignored (a report late for a restarted attempt)."""
+        nodes before the one I asked to resend unchanged and each rebuilt node of its stage in my directory (or not
+        known to it yet); else ignored (a report late for a restarted attempt). A resumed repair is progress: its
+        backward gets a COMPLETE timeout of its own."""
         mb = self._live_mb(key)
         opened = mb.opened.get(stage) if mb is not None else None
         if opened is None or opened[0] != holder or len(prefix) != stage + 1:
             return
         live_at = opened[1]
-        if prefix[: live_at + 1] != mb.path[: live_at + 1]:
+        if prefix[: live_at + 1] != mb.path[: live_at + 1] or any(
+                self.directory.get(p, j) != j for j, p in enumerate(prefix) if j > live_at):
             return
         del mb.opened[stage]
         for rebuilt in range(live_at + 1, stage + 1):
             mb.fed[(rebuilt - 1, prefix[rebuilt])] = prefix[rebuilt - 1]
         mb.path = prefix + mb.path[stage + 1:]
+        mb.t_progress = self.now()
+        self.spawn(self._restart_unless_progress(mb, key[2], mb.t_progress, mb.repairs))
 
     async def _restart_unless_progress(self, mb: Microbatch, att: int, since: float, repairs: int) -> None:
         """Restart the microbatch after a COMPLETE timeout unless it finished, made progress after `since`, or a
