@@ -39,7 +39,8 @@ def test_combined_pipeline_over_real_processes_bans_each_attacker_by_its_own_def
     # the input sketch it binds a copy to, and the data node its verdict, more than 1 s late; the microbatch is then
     # left out unverified and deferred, and the count below differs (docs/notes/repro/s25/loaded_secure_pipeline.py:
     # this run simulated with every message read late, 0.2 s on average, differs in 5-8 iterations of 12 at 1 s, none
-    # at 5 s). The waits end when what they wait for comes: 5 s costs time only when it never comes.
+    # at 5 s). The waits end when what they wait for comes: 5 s costs time only when it never comes. The same value is
+    # the verifiers' no_copy deadline (a copy that lags a receipt by more is its sender's omission): 5 s there too.
     config = override(get_preset("secure-gpt-pipeline"), [
         "peers=7", f"steps={STEPS}", "pipeline.stages=2", "pipeline.microbatches=4", "pipeline.capacity=2",
         "sentinel.warmup=20", "btard.timeout=3", "allreduce.timeout=3", "sentinel.verdict_timeout=5",
