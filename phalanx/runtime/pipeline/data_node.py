@@ -631,8 +631,8 @@ class DataNode(PipelineNode):
                 continue
             key = mb.key(self.me)
             for stage in range(2, self.last + 1):
-                dead = mb.path[stage]
-                if dead not in members and (key, dead) not in self.lost_seen:
+                dead = mb.path[stage]  # (an upstream gone too is the departure one stage up)
+                if dead not in members and mb.path[stage - 1] in members and (key, dead) not in self.lost_seen:
                     self.lost_seen.add((key, dead))
                     self.spawn(self._lost_if_held(mb, key, stage, dead))
 
