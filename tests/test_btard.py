@@ -711,6 +711,19 @@ def test_red_team_regression_an_owner_that_stops_is_passed_over_not_a_push():
     assert trial.moves and trial.violations == [], trial
 
 
+@pytest.mark.parametrize("seed, steps, points", [
+    (2700365, 3, "deadline_edge"), (2700079, 3, "deadline_edge"), (2700312, 6, "deadline_edge,commit,withhold_aggregate"),
+])
+def test_red_team_regression_a_commitment_late_for_most_and_used_in_time_costs_its_sender(seed, steps, points):
+    # Session 24's red team: a colluder's commitment timed at the deadline (in time for two owners of five, late for
+    # three) was late for most, so its late drops cost nothing, and silent for most, so its own partition was passed
+    # over everywhere: a free leave-out, step after step. Its use in time is now an ELIMINATE of the user and it.
+    trial = run_trial(seed, RedTeamConfig(steps=steps, max_peers=8, points=points))
+    assert (steps - 3, "deadline_edge", "commit") in trial.moves
+    assert trial.violations == [], trial
+    assert any(b["reason"] == "eliminated:late_for_most" for b in trial.bans)
+
+
 def test_red_team_bound_excuses_a_left_out_partition_only_of_a_colluder_that_goes():
     reduce = make_reducer("centered_clip", tau=1.0)
     group = ["a", "b", "c", "d"]  # "c" colludes; partition j belongs to group[j]

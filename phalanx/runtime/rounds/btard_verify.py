@@ -334,10 +334,17 @@ def _derived_claims(st: StepState, equivocators: set[str]) -> list[Claim]:
     # A committed owner's part left out: the owner's signed drop is its ELIMINATE of that owner, unless the
     # committer was late against the group (`late_for_most`): then it departs from the step and nobody pays.
     st.late = late_for_most(st, equivocators)
-    for owner, (_, _, drop) in st.rcommits.items():
+    for owner, (_, used, drop) in st.rcommits.items():
         if owner not in equivocators:
             claims += [Claim(ELIMINATE, owner, p, reason) for p, reason in drop.items()
                        if p in st.commits and p != owner and not (reason == "late_commit" and p in st.late)]
+            # The other side of that edge: a committer late for most that some owner used in time. Its commitment
+            # missed an honest owner's deadline and met this one's: timed at the edge (`deadline_edge`), or this
+            # owner's deadline is off; nobody can tell which. Free, it let a Byzantine leave its own partition out
+            # at will (late for most is silent for most: passed over everywhere, `passed_over`), step after step.
+            # So each such use is an ELIMINATE of the user and the committer: one Byzantine and at most one honest
+            # peer (the canonical order bans the committer with the first user only).
+            claims += [Claim(ELIMINATE, owner, p, "late_for_most") for p in used if p in st.late and p != owner]
     claims += [Claim(ACCUSE, "", o, "averaging") for o, ok in st.averaging.items() if not ok]
     for validator, target in st.pairs:
         report = st.reports.get(validator)
