@@ -72,7 +72,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from functools import partial
 
@@ -81,10 +81,19 @@ import torch
 from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, passed_over, silent_for_most, tensor_hash
+from ...algorithms.btard.checks import (
+    ACCUSE,
+    ELIMINATE,
+    SILENT_DROPS,
+    Claim,
+    gradient_hash,
+    passed_over,
+    silent_for_most,
+    tensor_hash,
+)
 from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
-from ...core.serialization import decode, encode
+from ...core.serialization import decode, digest, encode
 from ...transport.base import BROADCAST_TOPIC, Transport
 from .btard_judge import judge_step
 from .btard_messages import commit_in, declared_hash, decoded, group_in, rcommit_in
@@ -95,6 +104,7 @@ from .butterfly import PART, REDUCED, AllReduceConfig, ButterflyAllReduce, group
 from .mprng import MPRNGConfig
 
 AGGREGATE_ANSWERS = 2  # `bt.aggregate` answers per (requester, step, owner)
+PASSED_ON_PROOFS = ("bt.commit", "bt.rcommit", "bt.meta", "bt.report")  # a step's topics whose equivocation proofs are passed on
 
 __all__ = ["SECURE_REDUCERS", "AdmissionHook", "BTARDConfig", "InputsHook", "SecureResult", "SecureRound"]
 
@@ -156,6 +166,8 @@ class SecureRound(ButterflyAllReduce):
         transport.add_request_handler("bt.part", partial(serve_part, state))
         transport.add_request_handler("bt.aggregate", self._serve_aggregate)
         transport.on_evidence(lambda ev: state.evidence.append(ev))
+        self._proofs_passed: set[tuple[str, int, str]] = set()  # (topic, step, sender) slots whose proof I passed on
+        transport.on_evidence(self._pass_on_proof)
 
     # --- the round -------------------------------------------------------------
 
@@ -175,6 +187,7 @@ class SecureRound(ButterflyAllReduce):
             del self._aggregate_asks[key]
         for key in [k for k in self._members if k < step - 2]:
             del self._members[key]
+        self._proofs_passed = {slot for slot in self._proofs_passed if slot[1] >= step - 2}
         self._members[step] = frozenset(group)
         roles = await self.admission.roles(step, group) if self.admission is not None else Roles(tuple(group), tuple(group))
         owners, committers = list(roles.owners), list(roles.committers)
@@ -318,6 +331,40 @@ class SecureRound(ButterflyAllReduce):
         late after its (late) commitment is still waited for."""
         return self.config.pull_timeout + 4 * max(math.prod(s) for s in shapes.values()) / self.config.pull_bandwidth
 
+    def _pass_on_new(self, st: StepState, topic: str, passed_on: set[tuple[str, bytes]]) -> None:
+        """Pass every (topic, step) broadcast of a group member that I hold and have not passed on yet to the other
+        members, without waiting (a second version of one is passed on as its proof: `_pass_on_proof`)."""
+        me = self.transport.peer_id
+        for env in self.transport.board.get(topic, st.step).values():
+            key = (env.sender, digest(env.payload))
+            if env.sender != me and env.sender in st.group and key not in passed_on:
+                passed_on.add(key)
+                self._send_to_members(st.members, env)
+
+    def _send_to_members(self, members: Iterable[str], envelope: SignedEnvelope) -> None:
+        tr = self.transport
+        for peer in [p for p in members if p not in (tr.peer_id, envelope.sender)]:
+            sending = asyncio.ensure_future(_pass_on(tr, peer, envelope))
+            self.state.pending_sends.add(sending)
+            sending.add_done_callback(self.state.pending_sends.discard)
+
+    def _pass_on_proof(self, evidence: Evidence) -> None:
+        """Both versions of a step's commitment, declaration, metadata or report signed twice, passed on to the step's
+        other members once per slot, whenever the proof forms here. With commitments and declarations passed on,
+        the first version reaches every member; a second one sent later to one member only made the proof there
+        alone, and that member alone then judged the sender an equivocator (its declaration void, its claims
+        dropped) while the others judged its first version: ledgers and models apart."""
+        members = self._members.get(evidence.step) if evidence.kind == "equivocation" and evidence.step is not None else None
+        if members is None:
+            return
+        for proof in self.transport.board.proofs:
+            first = proof.first
+            slot = (first.topic, first.step, first.sender)
+            if first.step == evidence.step and first.topic in PASSED_ON_PROOFS and first.sender in members and slot not in self._proofs_passed:
+                self._proofs_passed.add(slot)
+                self._send_to_members(members, proof.first)
+                self._send_to_members(members, proof.second)
+
     async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
         """The step's commitments, waited for btard.timeout from my start, plus how much later than my
         start more than half of the other committers had committed (the anchor, waited for up to
@@ -338,15 +385,11 @@ class SecureRound(ButterflyAllReduce):
         others = [p for p in st.committers if p != me]
 
         arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
-        echoed: set[str] = set()
+        echoed: set[tuple[str, bytes]] = set()
 
         def echo(got: dict[str, SignedEnvelope]) -> bool:
-            for p in [p for p in got if p != me and p not in echoed] if self.echoes_commitments else []:
-                echoed.add(p)
-                for q in [q for q in st.members if q not in (me, p)]:
-                    sending = asyncio.ensure_future(_pass_on(tr, q, got[p]))
-                    self.state.pending_sends.add(sending)
-                    sending.add_done_callback(self.state.pending_sends.discard)
+            if self.echoes_commitments:
+                self._pass_on_new(st, "bt.commit", echoed)
             return False
 
         def silent_in_view(got: dict[str, SignedEnvelope]) -> bool:
@@ -471,11 +514,15 @@ class SecureRound(ButterflyAllReduce):
         # Where missing partitions are filled from the others (`fills_missing`), the owners passed over and those
         # whose declaration is missing may instead all have left before committing (`_left_uncommitted`): then the
         # gather ends at once, and the fill asks the others for the declarations of the owners it passed over.
+        # Each declaration taken (each version of one signed twice too) is passed on to the other members at once
+        # (`_pass_on_new`), so that one a colluder sends to some members only, or in two versions to two sets of
+        # them, reaches every member within a latency, not a pull's patience later (review s24-RB 7).
         patience = self.state.btard.timeout / 4
         started, wait = tr.clock.now(), self._gather_wait(st)
         gone = [False]  # the gather ended for owners that left before committing (`_left_uncommitted`)
 
         def enough(got: dict[str, SignedEnvelope]) -> bool:
+            self._pass_on_new(st, "bt.rcommit", st.passed_on)
             drops = declarations(got)
             decided = passed_over(owners, drops)
             if self.fills_missing and self._left_uncommitted(st, got, silent_for_most(owners, drops)):
@@ -487,6 +534,7 @@ class SecureRound(ButterflyAllReduce):
             held = await tr.collect_broadcasts(
                 "bt.rcommit", step, owners, wait, relays=len(st.members), enough=enough, patience=patience,
             )
+            self._pass_on_new(st, "bt.rcommit", st.passed_on)
             if gone[0]:  # another member may gather until then: MPRNG's first reveals are waited for (`btard_verify.draw`)
                 st.gathered_by = started + wait
             rcommitted.set()
@@ -592,22 +640,31 @@ class SecureRound(ButterflyAllReduce):
     async def _passed_over(self, st: StepState, drops: dict[str, dict[str, str]]) -> set[str]:
         """The owners this step leaves out (`passed_over`), checked against a declaration signed twice.
 
-        A colluder that signs two declarations, one dropping a fellow colluder as silent and one not,
-        and splits them between honest peers would have them pass over different owners (and step
-        with different partitions). So before passing anyone over, a peer asks the others for the
-        declarations they hold: a second version is an equivocation proof, and a declaration signed
-        twice drops nobody. Asked only when someone would be passed over (a crash, a silent owner)."""
+        A colluder that signs two declarations, one dropping an owner as silent and one not, and splits
+        them between honest peers would have them pass over different owners (and step with different
+        partitions) where the honest drops of that owner are within its vote of the count. So a peer that holds
+        any silent drop asks the others for the declarations they hold, and each declaration passed on reaches it
+        (`_gather`); a declaration signed twice drops what either version drops. Counted so, a version that comes
+        later only ever adds drops, as a later declaration does: it passes over an owner that another member passed
+        over on the other version, never revives one (review s24-RB 7: with "a declaration signed twice drops
+        nobody", the version using the owner, sent to one member after the others had fetched and decided on the
+        version dropping it, had that member alone apply its partition)."""
         tr, step = self.transport, st.step
-        passed = passed_over(st.group, drops)
-        passed = self._undecided(st.group, drops) if passed is None else passed
-        if not passed:
-            return passed
-        sources = [p for p in st.members if p != tr.peer_id and p not in passed]
+        if not any(why in SILENT_DROPS for d in drops.values() for why in d.values()):
+            passed = passed_over(st.group, drops)
+            return self._undecided(st.group, drops) if passed is None else passed
+        sources = [p for p in st.members if p != tr.peer_id and p not in silent_for_most(st.group, drops)]
         await tr.fetch_broadcasts("bt.rcommit", step, [o for o in st.group if o in drops], sources, self.state.btard.timeout / 4)
-        twice = {proof.first.sender for proof in tr.board.proofs if proof.first.topic == "bt.rcommit" and proof.first.step == step}
-        cleared = {o: ({} if o in twice else d) for o, d in drops.items()}
-        passed = passed_over(st.group, cleared)
-        return self._undecided(st.group, cleared) if passed is None else passed
+        self._pass_on_new(st, "bt.rcommit", st.passed_on)
+        either = {o: dict(d) for o, d in drops.items()}
+        for proof in tr.board.proofs:
+            if proof.first.topic == "bt.rcommit" and proof.first.step == step and proof.first.sender in either:
+                for version in (proof.first, proof.second):
+                    obj = decoded(version.payload, version.sender, None)
+                    parsed = rcommit_in(obj, st.group) if group_in(obj) == st.g else None
+                    either[version.sender].update({p: why for p, why in (parsed[2] if parsed else {}).items() if why in SILENT_DROPS})
+        passed = passed_over(st.group, either)
+        return self._undecided(st.group, either) if passed is None else passed
 
     async def _relay_aggregates(self, st: StepState) -> None:
         """Aggregates that have not come from their owner, asked of the other members once the owner's
