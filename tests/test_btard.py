@@ -724,6 +724,15 @@ def test_red_team_regression_a_commitment_late_for_most_and_used_in_time_costs_i
     assert any(b["reason"] == "eliminated:late_for_most" for b in trial.bans)
 
 
+def test_red_team_regression_declarations_passed_on_in_the_data_parallel_round_part_no_honest_verification():
+    # Seed 2900059 (n = 8, three colluders, every point at rate 1) on 34ee770, which passed declarations on in the
+    # data-parallel round too: two honest peers, which held a deadline_edge colluder's commitment in time, waited its
+    # metadata 6 s; the others' report collection had closed at 3 s, so an honest validator was banned not_validating
+    # and the honest ledgers parted.
+    trial = run_trial(2900059, RedTeamConfig(steps=2, max_peers=8))
+    assert trial.moves and trial.violations == [], trial
+
+
 def test_red_team_bound_excuses_a_left_out_partition_only_of_a_colluder_that_goes():
     reduce = make_reducer("centered_clip", tau=1.0)
     group = ["a", "b", "c", "d"]  # "c" colludes; partition j belongs to group[j]

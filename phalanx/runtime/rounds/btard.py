@@ -121,8 +121,8 @@ class SecureRound(ButterflyAllReduce):
     # True: each commitment taken is passed on to the other members at once, so that one a Byzantine sends to one
     # owner only reaches the others within a latency, not a fetch's patience later (review s23-RE MED 11: that
     # patience parted two honest owners' deadlines, and a late honest committer dropped by one of them alone was an
-    # ELIMINATE of two honest members). (n - 1)(n - 2) small envelopes per member and step: a stage group's few
-    # replicas, not a data-parallel swarm.
+    # ELIMINATE of two honest members); each declaration too (`_gather`). (n - 1)(n - 2) small envelopes per member,
+    # step and topic: a stage group's few replicas, not a data-parallel swarm.
     echoes_commitments = False
 
     def __init__(
@@ -514,15 +514,18 @@ class SecureRound(ButterflyAllReduce):
         # Where missing partitions are filled from the others (`fills_missing`), the owners passed over and those
         # whose declaration is missing may instead all have left before committing (`_left_uncommitted`): then the
         # gather ends at once, and the fill asks the others for the declarations of the owners it passed over.
-        # Each declaration taken (each version of one signed twice too) is passed on to the other members at once
-        # (`_pass_on_new`), so that one a colluder sends to some members only, or in two versions to two sets of
-        # them, reaches every member within a latency, not a pull's patience later (review s24-RB 7).
+        # Where commitments are passed on (`echoes_commitments`), so is each declaration taken (`_pass_on_new`): one a
+        # colluder sends to some members only reaches every member within a latency, not a pull's patience later.
+        # Not in the data-parallel round: there it moved honest peers' verification apart (red-team seed 2900059:
+        # two honest peers waited the metadata of a deadline_edge colluder 6 s, the others' reports closed at 3 s,
+        # and an honest validator was banned not_validating); its pass-over needs none (`_passed_over`).
         patience = self.state.btard.timeout / 4
         started, wait = tr.clock.now(), self._gather_wait(st)
         gone = [False]  # the gather ended for owners that left before committing (`_left_uncommitted`)
 
         def enough(got: dict[str, SignedEnvelope]) -> bool:
-            self._pass_on_new(st, "bt.rcommit", st.passed_on)
+            if self.echoes_commitments:
+                self._pass_on_new(st, "bt.rcommit", st.passed_on)
             drops = declarations(got)
             decided = passed_over(owners, drops)
             if self.fills_missing and self._left_uncommitted(st, got, silent_for_most(owners, drops)):
@@ -534,7 +537,8 @@ class SecureRound(ButterflyAllReduce):
             held = await tr.collect_broadcasts(
                 "bt.rcommit", step, owners, wait, relays=len(st.members), enough=enough, patience=patience,
             )
-            self._pass_on_new(st, "bt.rcommit", st.passed_on)
+            if self.echoes_commitments:
+                self._pass_on_new(st, "bt.rcommit", st.passed_on)
             if gone[0]:  # another member may gather until then: MPRNG's first reveals are waited for (`btard_verify.draw`)
                 st.gathered_by = started + wait
             rcommitted.set()
@@ -643,8 +647,8 @@ class SecureRound(ButterflyAllReduce):
         A colluder that signs two declarations, one dropping an owner as silent and one not, and splits
         them between honest peers would have them pass over different owners (and step with different
         partitions) where the honest drops of that owner are within its vote of the count. So a peer that holds
-        any silent drop asks the others for the declarations they hold, and each declaration passed on reaches it
-        (`_gather`); a declaration signed twice drops what either version drops. Counted so, a version that comes
+        any silent drop asks the others for the declarations they hold (in a stage round each declaration passed on
+        reaches it too: `_gather`); a declaration signed twice drops what either version drops. Counted so, a version that comes
         later only ever adds drops, as a later declaration does: it passes over an owner that another member passed
         over on the other version, never revives one (review s24-RB 7: with "a declaration signed twice drops
         nobody", the version using the owner, sent to one member after the others had fetched and decided on the
@@ -655,7 +659,8 @@ class SecureRound(ButterflyAllReduce):
             return self._undecided(st.group, drops) if passed is None else passed
         sources = [p for p in st.members if p != tr.peer_id and p not in silent_for_most(st.group, drops)]
         await tr.fetch_broadcasts("bt.rcommit", step, [o for o in st.group if o in drops], sources, self.state.btard.timeout / 4)
-        self._pass_on_new(st, "bt.rcommit", st.passed_on)
+        if self.echoes_commitments:
+            self._pass_on_new(st, "bt.rcommit", st.passed_on)
         either = {o: dict(d) for o, d in drops.items()}
         for proof in tr.board.proofs:
             if proof.first.topic == "bt.rcommit" and proof.first.step == step and proof.first.sender in either:
