@@ -829,8 +829,12 @@ def test_a_committer_that_leaves_the_view_does_not_push_the_commitment_deadline_
         def now(self) -> float:
             return self.t
 
+    class Board:
+        def arrivals(self, topic, step) -> dict[str, float]:
+            return {a: 0.01}
+
     class Transport:  # arrivals and the view on a scripted clock; `enough` is asked at each arrival and each look
-        peer_id, clock, failure_detection = me, Clock(), 0.0
+        peer_id, clock, failure_detection, board = me, Clock(), 0.0, Board()
 
         def members(self) -> list[str]:
             return [me, a] + ([c] if self.clock.t < 2.0 else [])

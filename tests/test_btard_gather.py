@@ -293,3 +293,43 @@ def test_a_data_parallel_declaration_signed_twice_and_timed_around_the_others_de
     assert seen["decided"] >= {a, b, c, d}
     assert len({summary["final_digests"][p] for p in training}) == 1
     assert len({tuple(sorted(summary["banned_by_peer"][p])) for p in training}) == 1
+
+
+def test_a_replica_that_commits_between_two_honest_owners_deadlines_costs_no_honest_pair(monkeypatch):
+    # Stage of six (relays 1, 3, 5, 7, 9, 11). At iteration IT relays 1, 3, 5 begin at once, 7 0.2 T later, 9 one T later
+    # and 11 1.4 T later, on a slow link (declarations reach it 2 s late, so it does not step out). With the anchor
+    # "more than half of the other committers, counted from my own start", 1, 3, 5, 7 closed at 7's commitment + T and
+    # 9 at its own start + T: 11's commitment was late for four owners and in time for 9, so 9's use of it was an
+    # ELIMINATE of two honest relays (the price of a commitment late for most used in time). The anchor is now the same
+    # order statistic of every committer's commitment (mine included, the board's arrival times) for every owner: 11
+    # is late for all five and departs, nobody banned.
+    config = _config()
+    config = type(config)(**{**config.__dict__, "peers": 13})
+    delays = {_pid(7): 0.2 * T, _pid(9): 1.0 * T, _pid(11): 1.4 * T}
+    slow = _pid(11)
+    call, send = SecureRound.__call__, StageView.send
+
+    async def late_round(self, step, vector, group):
+        if step == IT and self.transport.peer_id in delays:
+            await asyncio.sleep(delays[self.transport.peer_id])
+        return await call(self, step, vector, group)
+
+    async def slow_link(self, peer, topic, payload):
+        if peer == slow and topic == BROADCAST_TOPIC:
+            env = SignedEnvelope.from_bytes(payload, self.peer_id)
+            if env.topic == "bt.rcommit" and env.step == IT:
+                async def later():
+                    await asyncio.sleep(2.0)
+                    await send(self, peer, topic, payload)
+                task = asyncio.ensure_future(later())
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                return None
+        return await send(self, peer, topic, payload)
+
+    pending: set[asyncio.Future] = set()
+    monkeypatch.setattr(SecureRound, "__call__", late_round)
+    monkeypatch.setattr(StageView, "send", slow_link)
+    summary = simulate_pipeline(config, progress=False)
+    assert not summary["banned"]
+    assert len(_stage_digests(summary, set())) == 1
