@@ -169,15 +169,15 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
     return everyone + _derived_claims(st, equivocators)
 
 
-async def edge_broadcast(tr: Transport, topic: str, step: int, payload: bytes, deadline: float) -> None:
+async def edge_broadcast(tr: Transport, topic: str, step: int, payload: bytes, deadline: float, late_for_all: bool = False) -> None:
     """A deadline-edge attacker's broadcast: signed just before the others' deadline, sent to
-    half of them then, and to the other half just after it."""
-    await asyncio.sleep(0.95 * deadline)
+    half of them then, and to the other half just after it (`late_for_all`: to all of them just after it)."""
+    await asyncio.sleep((1.2 if late_for_all else 0.95) * deadline)
     envelope = SignedEnvelope.create(tr.identity, topic, step, payload)
     tr.board.add(envelope)
     others = [p for p in tr.members() if p != tr.peer_id]
     for i, peer in enumerate(others):
-        if i == len(others) // 2:
+        if i == len(others) // 2 and not late_for_all:
             await asyncio.sleep(0.1 * deadline)
         await tr.send(peer, BROADCAST_TOPIC, envelope.to_bytes())
 
@@ -334,17 +334,10 @@ def _derived_claims(st: StepState, equivocators: set[str]) -> list[Claim]:
     # A committed owner's part left out: the owner's signed drop is its ELIMINATE of that owner, unless the
     # committer was late against the group (`late_for_most`): then it departs from the step and nobody pays.
     st.late = late_for_most(st, equivocators)
-    for owner, (_, used, drop) in st.rcommits.items():
+    for owner, (_, _, drop) in st.rcommits.items():
         if owner not in equivocators:
             claims += [Claim(ELIMINATE, owner, p, reason) for p, reason in drop.items()
                        if p in st.commits and p != owner and not (reason == "late_commit" and p in st.late)]
-            # The other side of that edge: a committer late for most that some owner used in time. Its commitment
-            # missed an honest owner's deadline and met this one's: timed at the edge (`deadline_edge`), or this
-            # owner's deadline is off; nobody can tell which. Free, it let a Byzantine leave its own partition out
-            # at will (late for most is silent for most: passed over everywhere, `passed_over`), step after step.
-            # So each such use is an ELIMINATE of the user and the committer: one Byzantine and at most one honest
-            # peer (the canonical order bans the committer with the first user only).
-            claims += [Claim(ELIMINATE, owner, p, "late_for_most") for p in used if p in st.late and p != owner]
     claims += [Claim(ACCUSE, "", o, "averaging") for o, ok in st.averaging.items() if not ok]
     for validator, target in st.pairs:
         report = st.reports.get(validator)
