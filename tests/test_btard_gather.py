@@ -298,9 +298,10 @@ def test_a_data_parallel_declaration_signed_twice_and_timed_around_the_others_de
 def test_a_replica_that_commits_between_two_honest_owners_deadlines_costs_no_honest_pair(monkeypatch):
     # Review s25-RB 1's shape. Stage of six (relays 1, 3, 5, 7, 9, 11), all honest. At iteration IT relays 1, 3, 5 begin
     # at once, 7 0.2 T later, 9 one T later and 11 1.4 T later, on a slow link (declarations reach it 2 s late, so it
-    # does not step out). 1, 3, 5, 7 close at 7's commitment + T, 9 at its own start + T: 11's commitment is late for
-    # four owners and in time for 9, which uses it. With 8e927b7's price (the use of a commitment late for most is an
-    # ELIMINATE of user and committer) relays 9 and 11 were banned; 11 now departs (late for most), nobody banned.
+    # does not step out). With the anchor "more than half of the other committers, counted from my own start", 1, 3,
+    # 5, 7 closed at 7's commitment + T and 9 at its own start + T: 11's commitment was late for four owners and in
+    # time for 9, which used it; with 8e927b7's price (that use an ELIMINATE of user and committer, taken back) relays
+    # 9 and 11 were banned. 11 is late for most and departs, nobody banned (and with e5724c6's anchor late for all).
     config = _config()
     config = type(config)(**{**config.__dict__, "peers": 13})
     delays = {_pid(7): 0.2 * T, _pid(9): 1.0 * T, _pid(11): 1.4 * T}

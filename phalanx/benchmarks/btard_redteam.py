@@ -17,7 +17,7 @@ few steps, then checks three invariants on what the honest peers did:
    of this step, or of the next K - 1 steps. A colluder's partition that the
    honest peers left out (its owner passed over as silent: the slice is zero
    on every honest peer) is an omission, not a push: what an honest owner's
-   crash costs. It passes if that colluder is out of the owners (gone, or sitting out a late commitment) or banned
+   crash costs. It passes if that colluder is out of the group or banned
    within K steps (else it could leave its share of the model out for ever).
 
 A violation is printed with its trial seed and the colluders' moves (each
@@ -96,7 +96,7 @@ class Trial:
 
 @dataclass
 class Update:
-    group: list[str]  # the step's owners; partition j belongs to group[j] (no admission: the group less suspended members)
+    group: list[str]  # the step's group; partition j belongs to group[j] (no admission in the harness)
     vector: torch.Tensor  # the update an honest peer applied
     missing: set[str]  # owners whose partition it left out (passed over, or no aggregate)
 
@@ -179,7 +179,7 @@ def run_trial(seed: int, config: RedTeamConfig) -> Trial:
             if i not in byzantine:
                 peer.on_result.append(lambda step, result, peer=peer: gradients.setdefault(step, {}).update({peer.transport.peer_id: peer.allreduce.state.grads[step].clone()}))
         watcher = next(p for i, p in enumerate(peers) if i not in byzantine)
-        watcher.on_result.append(lambda step, result: updates.__setitem__(step, Update(list(result.owners), result.vector.clone(), set(result.missing_parts))))
+        watcher.on_result.append(lambda step, result: updates.__setitem__(step, Update(list(result.group), result.vector.clone(), set(result.missing_parts))))
         tasks = [network.spawn(identities[i].peer_id, lambda i=i: peers[i].run(config.steps)) for i in range(n)]
         for t in tasks:
             await t
@@ -204,10 +204,7 @@ def run_trial(seed: int, config: RedTeamConfig) -> Trial:
         if not eliminate or partner is None or (partner.peer in honest_ids and record.accuser in honest_ids):
             violations.append(f"honest {record.peer[:8]} banned at step {record.step} ({record.reason}, by {record.accuser[:8] or 'all'})")
     # 3. bounded effect, or a colluder's ban within k steps
-    # A colluder that missed a step's commitment sits out the next steps (`SecureRound._suspend`): removed as by a ban
-    # of that step, for that omission.
     banned_colluders = [r.step for r in records if r.peer in colluders]
-    banned_colluders += [s for s, p in next(p for i, p in enumerate(peers) if i not in byzantine).allreduce.departures if p in colluders]
     violations += bounded_effect(updates, gradients, colluders, banned_colluders, config.k)
     moves = sorted(set(policies[0].moves)) if policies else []
     return Trial(seed, n, f, m, rate, violations, moves, [dataclasses.asdict(r) for r in records])

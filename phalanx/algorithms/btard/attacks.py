@@ -52,10 +52,6 @@ class ProtocolPolicy:
         """Sign the commitment just before the others' deadline: half get it in time, half just after."""
         return False
 
-    def late_commit(self, step: int) -> bool:
-        """Send the commitment (and so the parts) to everyone just after the others' deadline."""
-        return False
-
     def report_edge(self, step: int) -> bool:
         """Time the report (claims, verdicts) at the others' deadline: early to half of them, late to the rest."""
         return False

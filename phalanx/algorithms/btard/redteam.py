@@ -8,7 +8,7 @@ and sends (and to whom: an aggregate and its commitment withheld from one
 honest member), what it declares (and to whom), its norms and inner products,
 its validation verdicts, its accusations, whether it serves its gradient or
 the parts it aggregated, and when its commitment and its report are delivered
-(signed at the others' deadline, early to half of them, late to the rest; or late to all). Every choice is a pure function of
+(signed at the others' deadline, early to half of them, late to the rest). Every choice is a pure function of
 (seed, step, decision point), shared by all colluders: they are one
 adversary and lie alike. `moves` lists what it did, so a violating run is
 reproduced by its seed alone and reported with its schedule.
@@ -66,9 +66,6 @@ class RedTeam(ProtocolPolicy):
 
     def deadline_edge(self, step: int) -> bool:
         return self._pick(step, "deadline_edge", ("commit",), weight=0.5) is not None
-
-    def late_commit(self, step: int) -> bool:
-        return self._pick(step, "late_commit", ("late_for_all",), weight=0.5) is not None
 
     def report_edge(self, step: int) -> bool:
         return self._pick(step, "report_edge", ("report",), weight=0.5) is not None

@@ -104,7 +104,6 @@ from .butterfly import PART, REDUCED, AllReduceConfig, ButterflyAllReduce, group
 from .mprng import MPRNGConfig
 
 AGGREGATE_ANSWERS = 2  # `bt.aggregate` answers per (requester, step, owner)
-SUSPENSION = 2  # steps an owner that missed a step's commitment sits out (no admission), doubled at each repeat
 PASSED_ON_PROOFS = ("bt.commit", "bt.rcommit", "bt.meta", "bt.report")  # a step's topics whose equivocation proofs are passed on
 
 __all__ = ["SECURE_REDUCERS", "AdmissionHook", "BTARDConfig", "InputsHook", "SecureResult", "SecureRound"]
@@ -158,13 +157,6 @@ class SecureRound(ButterflyAllReduce):
         self._aggregate_asks: dict[tuple[str, int, str], int] = {}  # (requester, step, owner) -> `bt.aggregate` answers given
         self._members: dict[int, frozenset[str]] = {}  # step -> its group: only they are served `bt.aggregate`
         self.admission: AdmissionHook | None = None  # App. F; None: every member is trusted
-        # Without admission, an owner that missed a step's commitment (late for most owners, or no commitment agreed)
-        # sits out the next steps as a member that only receives the aggregate (`settle`): peer -> last step it sits
-        # out, and how many times it did. `departures`: (step, peer) of each such decision, in order.
-        self._suspended: dict[str, int] = {}
-        self._strikes: dict[str, int] = {}
-        self.departures: list[tuple[int, str]] = []
-        self._step = 0
         # What this peer's signed join for a step carries: with admission, the anchor's link of the
         # step before (`algorithms.btard.anchor`), so the join is also its signature on the chain.
         self.join_payload: Callable[[int], bytes] = lambda step: b""
@@ -197,12 +189,7 @@ class SecureRound(ButterflyAllReduce):
             del self._members[key]
         self._proofs_passed = {slot for slot in self._proofs_passed if slot[1] >= step - 2}
         self._members[step] = frozenset(group)
-        self._step = step
-        if self.admission is not None:
-            roles = await self.admission.roles(step, group)
-        else:
-            taking_part = tuple(p for p in group if self._suspended.get(p, -1) < step)
-            roles = Roles(taking_part, taking_part)
+        roles = await self.admission.roles(step, group) if self.admission is not None else Roles(tuple(group), tuple(group))
         owners, committers = list(roles.owners), list(roles.committers)
         st = StepState(step, owners, part_bounds(self.dim, len(owners)) if owners else [], g, list(group), committers)
         if not owners:  # nobody trusted in view: nothing can be aggregated this step
@@ -237,7 +224,6 @@ class SecureRound(ButterflyAllReduce):
             tuple(p for p in trusted if p != me and p not in used) if index is not None else (),
             tuple(o for o in owners if o not in st.aggregates),
             tuple(bans),
-            tuple(owners),
         )
 
     async def _join(self, step: int, candidates: list[str]) -> list[str]:
@@ -272,9 +258,8 @@ class SecureRound(ButterflyAllReduce):
         if policy.equivocate(step):
             negated = [tensor_hash(-p) for p in parts]
             await _split_broadcast(tr, "bt.commit", step, payload, encode({"g": st.g, "parts": negated, "whole": gradient_hash(negated), **bound}))
-        elif (edge := policy.deadline_edge(step)) or policy.late_commit(step):
-            late = {} if edge else {"late_for_all": True}
-            self._edge = asyncio.ensure_future(edge_broadcast(tr, "bt.commit", step, payload, self.state.btard.timeout, **late))
+        elif policy.deadline_edge(step):
+            self._edge = asyncio.ensure_future(edge_broadcast(tr, "bt.commit", step, payload, self.state.btard.timeout))
             st.commits[me] = (hashes, gradient_hash(hashes))  # it knows its own commitment: it goes on as a contributor
             st.inputs.update({me: bound["inputs"]} if bound else {})
         else:
@@ -381,13 +366,19 @@ class SecureRound(ButterflyAllReduce):
                 self._send_to_members(members, proof.second)
 
     async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
-        """The step's commitments, waited for btard.timeout from my start, plus how much later than my
-        start more than half of the other committers had committed (the anchor, waited for up to
-        `anchor_wait`, or until every other that has not committed has left my view). So a member that started early (a joiner, whose join collection ended
-        sooner, or the one replica that was not catching up) does not count its head start against the
-        others: a commitment is late against the group, not against my clock (an owner drops a late one,
-        and the drop ELIMINATEs both of them). In lockstep that lag is a latency; a committer that left my
-        view (crashed) adds nothing to it."""
+        """The step's commitments, waited for until btard.timeout after the anchor: the arrival here of the one
+        commitment that completes more than half of the other committers' when all committers' (mine too, when I
+        committed) are taken in the order they reached me (waited for up to `anchor_wait`, or until every other that
+        has not committed has left my view). So a member that started early (a joiner, whose join collection ended
+        sooner, or the one replica that was not catching up) does not count its head start against the others, and
+        one that began late does not give the others its own head start either: a commitment is late against the
+        group, not against my clock (an owner drops a late one, and the drop ELIMINATEs both of them, or, late for
+        most, costs the owners that used it in time). Every owner takes the same order statistic of the same
+        commitments, so their deadlines differ by latencies only (session 25: with "more than half of the other
+        committers, counted from my start", an owner that began after the anchor waited T from its own start, and one
+        whose own commitment was early anchored on a later one: a late member's commitment met one honest owner's
+        deadline and missed the others', an ELIMINATE of two honest members). A committer that left my view
+        (crashed) adds nothing to it."""
         tr, me, timeout, relays = self.transport, self.transport.peer_id, self.state.btard.timeout, len(st.members)
         start = tr.clock.now()
         # The anchor is waited for 3 btard.timeouts (2 before: replicas still catching up began up to 20 s after
@@ -398,8 +389,6 @@ class SecureRound(ButterflyAllReduce):
         # anchor the deadline is my own start + T.
         anchor_wait = 3 * timeout
         others = [p for p in st.committers if p != me]
-
-        arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
         echoed: set[tuple[str, bytes]] = set()
 
         def echo(got: dict[str, SignedEnvelope]) -> bool:
@@ -418,25 +407,27 @@ class SecureRound(ButterflyAllReduce):
             # view only ends a wait, it never shrinks the majority: a Byzantine that lets its record lapse at one
             # honest owner would otherwise rest that owner's anchor on a late honest member's commitment, and its
             # deadline would differ from the others' (review s23-RE HIGH 1 and 1b: two honest banned).
-            for p in got:
-                arrived.setdefault(p, tr.clock.now())
             echo(got)
             return 2 * sum(1 for p in others if p in got) > len(others) or not silent_in_view(got)
 
-        def lag_of(got: dict[str, SignedEnvelope]) -> float:
-            # When the anchoring commitments came, not when the anchor held: a committer that left my view
-            # while I waited (a crash) can complete the anchor long after the others' commitments were in,
-            # and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
-            times = sorted(arrived[p] - start for p in others if p in got and p in arrived)
-            k = len(others) // 2 if 2 * len(times) > len(others) else len(times) // 2
-            return max(0.0, times[k]) if len(times) > k else 0.0
+        def anchor_of(got: dict[str, SignedEnvelope]) -> float:
+            # When the anchoring commitments came (the board's arrival times), not when the anchor held: a committer
+            # that left my view while I waited (a crash) can complete the anchor long after the others' commitments
+            # were in, and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
+            # Mine counts from when I committed. The anchor is the (len(others) // 2 + 2)-th of all: one more than
+            # half of the others besides mine, whichever of them I am (with the view's clause, the middle of those in).
+            arrivals = tr.board.arrivals("bt.commit", st.step)
+            times = sorted(arrivals[p] for p in st.committers if p in got and p in arrivals)
+            most = 2 * sum(1 for p in others if p in got) > len(others)
+            k = len(others) // 2 + 1 if most else len(times) // 2
+            return times[min(k, len(times) - 1)] if times else start
 
         got = await tr.collect_broadcasts(
             "bt.commit", st.step, st.committers, anchor_wait, relays=relays, enough=anchored, patience=timeout / 4
         )
-        lag = lag_of(got) if anchored(got) else 0.0
+        anchor = anchor_of(got) if anchored(got) else start
         return await tr.collect_broadcasts(
-            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays, enough=echo
+            "bt.commit", st.step, st.committers, max(0.0, anchor + timeout - tr.clock.now()), relays=relays, enough=echo
         )
 
     async def _reduce(
@@ -806,26 +797,6 @@ class SecureRound(ButterflyAllReduce):
                 self._unreported += judgement.bans
             if self.admission is not None:
                 await self.admission.settle(k, judgement.approved, judgement.departed)
-            else:
-                self._suspend(k, judgement.departed)
-
-    def _suspend(self, step: int, departed: tuple[str, ...]) -> None:
-        """Owners that missed step `step`'s commitment (late for most owners, or none agreed) sit out the next
-        SUSPENSION steps (doubled at each repeat) as members that only receive the aggregate: decided from the
-        agreed declarations at the same point on every honest peer, whoever used the commitment in time.
-
-        A late commitment's owner is passed over (silent for most), so its partition misses that step's update,
-        and its late drops are no claims (`late_for_most`): free, a Byzantine timed its commitment so (in time for
-        some owners, late for most, or late for all) to leave its own partition out step after step (session 24's
-        red team). An ELIMINATE of it with an owner that used it in time banned two honest members where an honest
-        late member met a later honest deadline (review s25-RB 1, 5). Sitting out costs an honest late member a few
-        steps' contribution and nobody a ban, and bounds the liar's omissions to one step in every few, fewer
-        at each repeat."""
-        for peer in departed:
-            self._strikes[peer] = self._strikes.get(peer, 0) + 1
-            last = self._step + SUSPENSION * 2 ** min(self._strikes[peer] - 1, 10)
-            self._suspended[peer] = max(self._suspended.get(peer, -1), last)
-            self.departures.append((step, peer))
 
     def take_bans(self) -> list[BanRecord]:
         """Bans applied by `settle` and not yet returned by a round."""
@@ -842,8 +813,6 @@ class SecureRound(ButterflyAllReduce):
         """
         saved = {
             "unreported_bans": [asdict(b) for b in self._unreported],
-            "suspended": dict(self._suspended),
-            "strikes": dict(self._strikes),
             "joined": step in self._joined,
             "joins": [env.to_bytes() for _, env in sorted(self.transport.board.get("bt.join", step).items())],
         }
@@ -854,7 +823,6 @@ class SecureRound(ButterflyAllReduce):
     def load_checkpoint_state(self, step: int, saved: dict) -> None:
         """Take back `checkpoint_state(step)`; the joins are verified again like any received envelope."""
         self._unreported = [BanRecord(**ban) for ban in saved["unreported_bans"]]
-        self._suspended, self._strikes = dict(saved.get("suspended", {})), dict(saved.get("strikes", {}))
         if saved["joined"]:
             self._joined.add(step)
         me = self.transport.peer_id

@@ -48,12 +48,9 @@ def judge_step(state: RoundState, st: StepState, claims: list[Claim], admission:
         # a trusted member that missed its commitment, or whose commitment most other owners declared late
         departed |= st.silent | st.late | {p for p in st.group if p not in st.commits}
     bans = resolve(state.ledger, st.step, claims, lambda c: verdict(state, st, c), apply=state.btard.bans)
-    banned = state.ledger.is_banned
     if not admission:
-        # Owners that missed the step's commitment (late for most, or none agreed): the round suspends them
-        # (`SecureRound.settle`), from the agreed declarations and commitments, whoever used them in time.
-        late = st.late | {p for p in st.group if p not in st.commits}
-        return Judgement(bans, departed=tuple(sorted(p for p in late if not banned(p))))
+        return Judgement(bans)
+    banned = state.ledger.is_banned
     approved = {t for v, t in st.pairs if t in st.reports.get(v, {}).get("approve", []) and not banned(t) and not banned(v)}
     return Judgement(bans, tuple(sorted(approved)), tuple(sorted(p for p in departed if not banned(p))))
 

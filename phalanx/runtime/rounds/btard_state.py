@@ -58,7 +58,6 @@ class BTARDConfig:
 @dataclass(frozen=True)
 class SecureResult(AllReduceResult):
     bans: tuple[BanRecord, ...] = ()  # bans that took effect since the previous result (verifications of earlier steps)
-    owners: tuple[str, ...] = ()  # the step's partition owners, in partition order (the group less suspended/queued members)
 
 
 class InputsHook(Protocol):

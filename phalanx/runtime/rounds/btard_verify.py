@@ -169,15 +169,15 @@ async def verify(state: RoundState, st: StepState, parts: list[torch.Tensor], dr
     return everyone + _derived_claims(st, equivocators)
 
 
-async def edge_broadcast(tr: Transport, topic: str, step: int, payload: bytes, deadline: float, late_for_all: bool = False) -> None:
+async def edge_broadcast(tr: Transport, topic: str, step: int, payload: bytes, deadline: float) -> None:
     """A deadline-edge attacker's broadcast: signed just before the others' deadline, sent to
-    half of them then, and to the other half just after it (`late_for_all`: to all of them just after it)."""
-    await asyncio.sleep((1.2 if late_for_all else 0.95) * deadline)
+    half of them then, and to the other half just after it."""
+    await asyncio.sleep(0.95 * deadline)
     envelope = SignedEnvelope.create(tr.identity, topic, step, payload)
     tr.board.add(envelope)
     others = [p for p in tr.members() if p != tr.peer_id]
     for i, peer in enumerate(others):
-        if i == len(others) // 2 and not late_for_all:
+        if i == len(others) // 2:
             await asyncio.sleep(0.1 * deadline)
         await tr.send(peer, BROADCAST_TOPIC, envelope.to_bytes())
 
