@@ -1646,3 +1646,60 @@ def test_a_gradient_judged_before_its_activation_is_not_learned():
         assert not microbatch(i).flagged
     assert not microbatch(40, early=60.0).flagged  # inside its fences: only its learning was the harm
     assert not [i for i in range(41, 60) if microbatch(i).flagged]
+
+
+def _gradients_before_activations(shield: str | None, lie: float) -> tuple[Sentinel, list[Verdict]]:
+    """Link 1 of a pipeline, off the path (copies race): 4 stage-1 relays send activations, 4 stage-2 relays send
+    the gradients back, each after its activation, for 40 microbatches. Then on 3 microbatches through stage-2
+    relay "s2r0" the gradient is judged first: `lie` x a pattern unlike the honest gradients (an honest relay's
+    gradient of a zeroed input, or a liar's), with no upstream named (off the path a gradient's upstream is who
+    this verifier saw forward). Its activation comes after: zeros from "s1r3" (`shield` None: the link attacker), or
+    from `shield` an honest-looking activation, or nothing but a `no_copy` reject (`lie` < 0: the copy withheld)."""
+    sample = _center() + torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    pattern = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2))
+    odd = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(3)
+    verifier = Sentinel(SentinelConfig(warmup=24, window=32))
+
+    def wobble() -> float:
+        return math.exp(0.05 * torch.randn((), generator=gen).item())
+
+    for i in range(40):
+        verifier.check_forward(1, f"s1r{i % 4}", i, wobble() * sample)
+        verifier.check_backward(1, f"s2r{i % 4}", i, wobble() * pattern)
+    verdicts = []
+    for i in range(40, 43):
+        verdicts.append(verifier.check_backward(1, "s2r0", i, abs(lie) * odd))
+        if shield is None:
+            verdicts.append(verifier.check_forward(1, "s1r3", i, torch.zeros(4, 8, 16)))
+        elif lie > 0:
+            verdicts.append(verifier.check_forward(1, shield, i, wobble() * sample))
+        else:
+            verdicts.append(verifier.reject(1, FORWARD, shield, i, "no_copy", torch.zeros(1, 1)))
+    return verifier, verdicts
+
+
+def test_a_gradient_judged_before_its_tainted_activation_strikes_nobody():
+    """The launch (session 24, repeat 2): the link-2 verifier judged honest relay 8's gradients of three microbatches
+    before their activations, which the zeros attacker had sent: flagged (`swd` alone, computed from the zeroed
+    input), held against relay 8 alone (the activation's sender not known yet), and relay 8 was banned. The strikes
+    of a gradient judged before its activation wait for that activation's verdict: its taint explains them (fails
+    without: "s2r0" banned)."""
+    verifier, verdicts = _gradients_before_activations(None, 1.0)
+    assert all(v.flagged for v in verdicts[0::2]) and all(v.flagged for v in verdicts[1::2])
+    assert "s2r0" not in verifier.banned()
+    assert verifier.banned() == {"s1r3"}
+
+
+def test_a_sender_that_delays_its_activation_does_not_shield_a_gradient_liar():
+    """The adversary that knows the rule: stage-1 relay "s1r1" sends its activations after its colluder "s2r0"'s
+    lying gradients (x8 of an odd pattern) were judged. Sent at all and clean, they settle the held strikes: the liar is
+    banned at its third, on the activation's verdict. Withheld (the receiver's receipt, then `no_copy`): the
+    microbatch is tainted, the gradients strike nobody, and the shield takes a strike for each: banned at the third
+    (so a liar is shielded on at most 2 microbatches of 8 per identity it burns, and its lies are flagged all along)."""
+    verifier, verdicts = _gradients_before_activations("s1r1", 8.0)
+    assert all(v.flagged for v in verdicts[0::2]) and not any(v.flagged for v in verdicts[1::2])
+    assert verifier.banned() == {"s2r0"} and verdicts[-1].bans == ("s2r0",)
+    verifier, verdicts = _gradients_before_activations("s1r1", -8.0)
+    assert all(v.flagged for v in verdicts)
+    assert verifier.banned() == {"s1r1"}

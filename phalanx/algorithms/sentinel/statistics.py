@@ -766,6 +766,8 @@ class Sentinel:
         self._judged: dict[Hashable, dict[tuple[int, str, str], _First]] = {}  # resends: see `_once`
         self._scales: dict[Hashable, dict[int, float]] = {}  # microbatch -> forward link -> ``scale`` judged there
         self._forwarded: dict[Hashable, set[int]] = {}  # microbatch -> links whose forward tensor of it was judged here
+        # microbatch -> the strikes of its gradients judged before their activation over the same link (see `_settle`)
+        self._held: dict[Hashable, list[tuple[Verdict, dict]]] = {}
 
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
@@ -824,9 +826,13 @@ class Sentinel:
             # a gradient whose activation this verifier has not judged yet (off the path, the copies race: the
             # hivemind secure-pipeline test, a stage's gradient of the zeros attacker's activation arrived first, at
             # ``scale`` +4.1, and dragged the EMA so that every honest gradient after it sat at -2.8 and an honest
-            # relay was banned), or of a microbatch forgotten since (dropped at a ban), is judged but not learned
+            # relay was banned), or of a microbatch forgotten since (dropped at a ban), is judged but not learned.
+            # Its strikes wait for that activation's verdict (`_settle`): flagged there (the launch, session 24: the
+            # zeros attacker's activations, and the honest next stage's gradients of them judged first, `swd` alone,
+            # banned that honest relay), the taint explains the gradient, as if it had come after it.
             forwarded = link in self._forwarded.get(microbatch, ()) or (link, FORWARD) not in self._tracks
-            verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=learn and forwarded)
+            verdict = self._check(link, BACKWARD, worker, microbatch, tensor, learn=learn and forwarded,
+                                  held=not forwarded)
         if link == 0:
             self.forget(microbatch)
         if not (verdict.flagged or verdict.reason == "banned" or origin is not None and link >= origin[0] - 1):
@@ -845,7 +851,7 @@ class Sentinel:
         verdict = self._strike(Verdict(link, direction, worker, microbatch, True, reason), blame_upstream=False)
         if direction == FORWARD:
             self._tainted.setdefault(microbatch, (link, worker))
-            return verdict
+            return self._settled(verdict)
         if link > 0:
             self._replaced[microbatch] = link
         return dataclasses.replace(verdict, substitute=self.momentum(link, like))
@@ -860,6 +866,7 @@ class Sentinel:
         self._judged.pop(microbatch, None)
         self._scales.pop(microbatch, None)
         self._forwarded.pop(microbatch, None)
+        self._held.pop(microbatch, None)
 
     @property
     def binds(self) -> bool:
@@ -897,6 +904,7 @@ class Sentinel:
     def mark_tainted(self, microbatch: Hashable, link: int, worker: str) -> None:
         """Another verifier flagged `worker`'s activation of `microbatch` on `link` (as `check_forward` would here)."""
         self._tainted.setdefault(microbatch, (link, worker))
+        self._settle(microbatch)  # drops the held gradient strikes the taint explains (strikes nobody)
 
     def mark_replaced(self, microbatch: Hashable, link: int) -> None:
         """Another verifier sent the momentum instead of `microbatch`'s gradient on `link`."""
@@ -997,7 +1005,10 @@ class Sentinel:
         elif earlier.digest != digest and earlier.given is not None and _same(earlier.given, given):
             return self.reject(link, direction, worker, microbatch, "equivocation", tensor)
         else:
-            return judge(link, worker, microbatch, tensor, False)
+            verdict = judge(link, worker, microbatch, tensor, False)
+            return self._settled(verdict) if direction == FORWARD else verdict
+        if direction == FORWARD:
+            verdict = self._settled(verdict)
         if digest is not None and not (direction == BACKWARD and link == 0):  # link 0's backward ends the microbatch
             self._judged.setdefault(microbatch, {})[key] = _First(digest, verdict, given, self._tainted.get(microbatch))
             while len(self._judged) > self.config.remembered:  # microbatches whose link-0 backward never came
@@ -1016,15 +1027,15 @@ class Sentinel:
                 path.setdefault(link, worker)
 
     def _check(self, link: int, direction: str, worker: str, microbatch: Hashable, tensor: Tensor,
-               learn: bool, alone: bool = False) -> Verdict:
+               learn: bool, alone: bool = False, held: bool = False) -> Verdict:
         """Judge a tensor on the link's fences. `learn`: it may update the baseline and is remembered by the
         drift rule (not for resends); `alone`: a flag is held against the sender only (its own forward flag
-        explains it)."""
+        explains it); `held`: its strikes wait for the microbatch's activation over the link (`_settle`)."""
         if worker in self._banned:
             return Verdict(link, direction, worker, microbatch, True, "banned")
         track = self._tracks.setdefault((link, direction), _Track(self._names, self.config.window, link, direction))
         if not self._well_formed(track, tensor):
-            return self._strike(Verdict(link, direction, worker, microbatch, True, "malformed"))
+            return self._count(Verdict(link, direction, worker, microbatch, True, "malformed"), held)
         if track.proj is None:
             track.proj = projections(self.config.seed, link, direction, tensor.shape[-1], self.config.projections)
         summary = summarize(tensor, track.proj, self.config.quantiles)
@@ -1072,10 +1083,51 @@ class Sentinel:
         # forward, the outlier input is what the upstream senders delivered, which they may have made (within their
         # own fences): held against them alone; backward, against nobody (see `_large_as_its_input`)
         made_upstream = large and direction == FORWARD and not alone
-        return self._strike(verdict, blame_upstream=not alone, own=own or adds_own_mean, lasting=own,
-                            upstream_only=not alone and (corrected or grown or made_upstream),
-                            shrunk_input=(corrected and shrunk) or grown or made_upstream,
-                            explained=large and not made_upstream)
+        return self._count(verdict, held, blame_upstream=not alone, own=own or adds_own_mean, lasting=own,
+                           upstream_only=not alone and (corrected or grown or made_upstream),
+                           shrunk_input=(corrected and shrunk) or grown or made_upstream,
+                           explained=large and not made_upstream)
+
+    def _count(self, verdict: Verdict, held: bool, **blame) -> Verdict:
+        """Strike now (`_strike`'s arguments in `blame`), or, `held`, once the microbatch's activation over the
+        verdict's link is judged (`_settle`)."""
+        if not held:
+            return self._strike(verdict, **blame)
+        self._held.setdefault(verdict.microbatch, []).append((verdict, blame))
+        while len(self._held) > self.config.remembered:  # activations that never came: their gradients strike nobody
+            del self._held[next(iter(self._held))]
+        return verdict
+
+    def _settled(self, verdict: Verdict) -> Verdict:
+        """`verdict` (on an activation, or a taint) with the bans of the held gradient strikes it settles."""
+        bans, convicted = self._settle(verdict.microbatch)
+        if not convicted:
+            return verdict
+        return dataclasses.replace(verdict, bans=tuple(dict.fromkeys(verdict.bans + bans)),
+                                   convicted=tuple(dict.fromkeys(verdict.convicted + convicted)))
+
+    def _settle(self, microbatch: Hashable) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The held strikes of a microbatch's gradients (judged before its activation over their link): dropped
+        where its forward taint explains the gradient (as `_judge_backward` does with a gradient that comes after
+        the taint), struck once that activation is judged (against its sender and those upstream, known by now),
+        else still held. (bans, convicted) of the strikes."""
+        bans: tuple[str, ...] = ()
+        convicted: tuple[str, ...] = ()
+        waiting = []
+        for verdict, blame in self._held.pop(microbatch, ()):
+            origin = self._tainted.get(microbatch)
+            if origin is not None and verdict.link >= origin[0] - 1:
+                if verdict.link != origin[0] - 1 or verdict.worker != origin[1]:
+                    continue
+                blame = {**blame, "blame_upstream": False}  # its sender's own forward flag: held against it alone
+            if verdict.link not in self._forwarded.get(microbatch, ()):
+                waiting.append((verdict, blame))
+                continue
+            struck = self._strike(verdict, **blame)
+            bans, convicted = bans + struck.bans, convicted + struck.convicted
+        if waiting:
+            self._held[microbatch] = waiting
+        return bans, convicted
 
     def _remember(self, track: _Track, link: int, direction: str, worker: str, microbatch: Hashable,
                   dist: dict[str, float], outside: tuple[str, ...]) -> _Judged:
