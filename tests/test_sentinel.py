@@ -1703,3 +1703,29 @@ def test_a_sender_that_delays_its_activation_does_not_shield_a_gradient_liar():
     verifier, verdicts = _gradients_before_activations("s1r1", -8.0)
     assert all(v.flagged for v in verdicts)
     assert verifier.banned() == {"s1r1"}
+
+
+_BURSTS = {  # review RS s24 HIGH 2 (`docs/notes/repro/s24/burst_random.py`, "all three live"): trial -> (jumps, routes)
+    44: ([0.123, 0.163, 0.259, 0.053, 0.068, 0.009, 0.035, 0.003, 0.047, 0.154, 0.297, 0.208, 0.114, 0.122],
+         ["r1" * 4, "r1r1r2r0", "r0r2r0r1", "r0" * 4, "r1" * 4, "r1r0r1r1", "r0" * 4, "r2r0r0r0", "r2" * 4]),
+    45: ([0.082, 0.146, 0.025, 0.102, 0.022, 0.003, 0.085, 0.035, 0.093, 0.223, 0.011, 0.187, 0.041, 0.239],
+         ["r0" * 4, "r2" * 4, "r2r1r0r2", "r0r0r1r1", "r2r1r0r1", "r1r1r1r2", "r2" * 4, "r2" * 4, "r2" * 4]),
+    49: ([0.02, 0.124, 0.033, 0.226, 0.153, 0.015, 0.013, 0.221, 0.046, 0.22, 0.189, 0.151, 0.257, 0.181],
+         ["r1" * 4, "r2r0r0r1", "r1" * 4, "r1" * 4, "r2" * 4, "r2" * 4, "r2r2r0r2", "r0" * 4, "r2" * 4]),
+}
+
+
+@pytest.mark.parametrize("trial", sorted(_BURSTS))
+def test_honest_relays_of_a_small_stage_sending_in_bursts_while_the_model_moves_are_not_banned(trial):
+    """Review RS s24 HIGH 2: 3 honest relays, each iteration's 4 microbatches often one relay's burst of one model
+    version, the model's log magnitude growing by up to 0.3 per iteration. Each sender's last 8 values are nearly
+    one version (its IQR at the floor) while the senders lie apart by the model's move, so the per-sender fence was
+    narrower than the senders' own spread and an honest relay was banned on ``scale`` (3 of 60 trials). The fence's
+    spread is never below the MAD of the senders' medians (fails without: a relay banned)."""
+    warm_up = [["r0", "r1", "r1", "r2"], ["r1", "r1", "r0", "r2"], ["r0", "r2", "r1", "r1"], ["r1", "r1", "r0", "r2"],
+               ["r0", "r2", "r0", "r2"]]
+    jumps, bursts = _BURSTS[trial]
+    route = lambda it: warm_up[it] if it < 5 else [bursts[it - 5][i:i + 2] for i in range(0, 8, 2)]  # noqa: E731
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=20, window=64))
+    _burst_stage(verifier, route, jumps, trial)
+    assert not verifier.banned()
