@@ -120,6 +120,30 @@ def test_a_relay_that_keeps_its_tensors_from_the_verifier_is_banned(monkeypatch)
     assert summary["metrics"][-1]["completed"] == 8
 
 
+def test_gradients_judged_before_the_tampered_activation_they_were_computed_from_ban_nobody_honest(monkeypatch):
+    """Issue 18's launch (session 24, repeat 2): the link-2 verifier judged an honest relay's gradients of three
+    microbatches before the zeroed activations they were computed from (its judging of those waited on their input
+    sketches), flagged them on ``swd`` and, the activation's sender not known yet, held them against that relay
+    alone: banned. Here the verifier's judging of relay 2's activations (zeros from START) waits 0.5 s, so stage 2's
+    gradients of them come first. Their strikes wait for the activation's verdict, whose taint explains them: only
+    relay 2 is banned (fails without: the three honest stage-2 relays banned, relay 2 not)."""
+    honest_judge = VerifierHop._judge_copy
+
+    async def judge_copy(self, slot, c):
+        if slot[2] == "forward" and slot[4] == attacker and slot[1] >= START:
+            await asyncio.sleep(0.5)
+        await honest_judge(self, slot, c)
+
+    config = _config("zeros", "2", target="activations")
+    attacker = peer_identity(config.seed, 3).peer_id
+    monkeypatch.setattr(VerifierHop, "_judge_copy", judge_copy)
+    summary = simulate_pipeline(config, progress=False)
+    early = [v for v in summary["verdicts"]
+             if v["direction"] == "backward" and v["link"] == 1 and v["flagged"] and v["reason"] == "fence"]
+    assert len(early) >= 3 and all(v["outside"] == ["swd"] and not v["suspects"] for v in early)
+    assert summary["banned"] == [attacker]
+
+
 def test_off_the_path_a_send_is_one_round_trip_and_inline_two():
     """The structure of a clean iteration: a send through an inline verifier crosses 4 links (sender ->
     verifier -> receiver and back), off the path 2; both runs finish every microbatch."""
