@@ -144,6 +144,36 @@ def test_gradients_judged_before_the_tampered_activation_they_were_computed_from
     assert summary["banned"] == [attacker]
 
 
+def test_a_relay_that_holds_its_forward_copies_back_does_not_keep_its_receivers_gradients_unjudged(monkeypatch):
+    """The adversary that knows the held-strikes rule: stage-1 relay 2 sends its tensors first and their copies 0.2 s
+    later (inside `verdict_timeout` of its receivers' receipts, so no `no_copy`), so the stage-2 gradient copies of
+    its microbatches reach the verifier before the forward copy to their sender. Such a backward copy was dropped
+    unjudged: a colluding gradient liar's lies on those microbatches were never struck (nor cleared: those
+    microbatches never aggregated). Now it waits for that forward copy and is judged (fails without: none judged,
+    1-4 of 8 microbatches completed per iteration)."""
+    honest_copy = Links.send_copy
+    held: list[asyncio.Task] = []
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        if self.me == shield and direction == "forward" and c.it >= START:
+            async def later():
+                await asyncio.sleep(0.2)
+                await honest_copy(self, verifier, direction, to, c, pad)
+            held.append(asyncio.get_running_loop().create_task(later()))
+            return
+        await honest_copy(self, verifier, direction, to, c, pad)
+
+    config = _config()
+    shield = peer_identity(config.seed, 3).peer_id
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    shielded = {(v["it"], v["mb"]) for v in summary["verdicts"]
+                if v["direction"] == "forward" and v["peer"] == shield and v["it"] >= START}
+    judged_back = {(v["it"], v["mb"]) for v in summary["verdicts"] if v["direction"] == "backward" and v["link"] == 1}
+    assert shielded and shielded <= judged_back
+    assert not summary["banned"] and all(row["completed"] == 8 for row in summary["metrics"])
+
+
 def test_off_the_path_a_send_is_one_round_trip_and_inline_two():
     """The structure of a clean iteration: a send through an inline verifier crosses 4 links (sender ->
     verifier -> receiver and back), off the path 2; both runs finish every microbatch."""

@@ -219,6 +219,7 @@ class VerifierHop:
         # receipt names; input sketches arrived (key, stage, direction) -> (iteration, sketch), and their waiters
         self.copies: dict[tuple, tuple[bytes, bool, m.Carry] | None] = {}
         self.receipts: dict[tuple, bytes] = {}
+        self.early: dict[tuple, m.Carry] = {}  # backward copies that came before the forward copy to their sender
         self.inputs: dict[tuple, tuple[int, torch.Tensor]] = {}
         self._input_waits: dict[tuple, asyncio.Event] = {}
         transport.add_request_handler(VIA, self._on_via)
@@ -390,7 +391,7 @@ class VerifierHop:
                 self.forget(key)
             for key in [k for k, it in self.dropped.items() if it < c.it - 1]:
                 del self.dropped[key]
-            for table in (self.copies, self.receipts):
+            for table in (self.copies, self.receipts, self.early):
                 for slot in [k for k in table if k[1] < c.it - 1]:
                     del table[slot]
             self.inputs = {k: v for k, v in self.inputs.items() if v[0] >= c.it - 1}
@@ -487,7 +488,10 @@ class VerifierHop:
         """A sender's copy of a carry it sends straight to its receiver: judge it and tell the data node. The
         first copy of a slot counts (a resend repeats it). A backward copy is judged only from a peer this
         verifier saw the microbatch sent to forward over the link: nobody else holds it, and judging it would
-        teach the fences tensors of peers off the path."""
+        teach the fences tensors of peers off the path. One that comes before that forward copy waits for it
+        (`early`): else a sender that holds its forward copy back (within `verdict_timeout` of its receiver's
+        receipt) would keep its receiver's gradient of that microbatch from ever being judged, a colluding
+        gradient liar from ever being struck."""
         direction, to, c = self._parse_hop(sender, payload, "copy")
         slot = (c.key, c.it, direction, link_of(direction, c), sender, to)
         if slot in self.copies or c.it < self.iteration - 1:
@@ -495,9 +499,15 @@ class VerifierHop:
         self.copies[slot] = None  # it came (a receipt without it is the sender's omission)
         if direction == BACKWARD and not self.trusted(sender) and not any(
                 s[:4] == (c.key, c.it, FORWARD, slot[3]) and s[5] == sender for s in self.copies):
+            self.early[slot] = c
             return
         self._receipt_in_chain(direction, c, sender)
         self.spawn(self._judge_copy(slot, c))
+        if direction == FORWARD:
+            for waiting in [s for s in self.early if s[:2] == slot[:2] and s[3:5] == (slot[3], to)]:
+                early = self.early.pop(waiting)
+                self._receipt_in_chain(BACKWARD, early, to)
+                self.spawn(self._judge_copy(waiting, early))
 
     def _receipt_in_chain(self, direction: str, c: m.Carry, sender: str) -> None:
         """The record the previous link's sender signed to this copy's sender travels with the copy: pass it to
