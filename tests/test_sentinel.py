@@ -1729,3 +1729,31 @@ def test_honest_relays_of_a_small_stage_sending_in_bursts_while_the_model_moves_
     verifier = Sentinel(SentinelConfig(fence="senders", warmup=20, window=64))
     _burst_stage(verifier, route, jumps, trial)
     assert not verifier.banned()
+
+
+def test_a_held_gradient_grown_by_an_input_accepted_shrunk_is_still_evidence_about_the_upstream_alone():
+    """Review RS s25 1: as `test_a_gradient_grown_by_an_input_seen_shrunk_is_evidence_about_the_upstream_alone`,
+    but each of the honest head's gradients is judged before the shrunk activation it was computed from (off the
+    path a shrinking sender can arrange it). Its strikes are held, and who they go to is decided when they are
+    counted, once the activation's ``scale`` is known: the upstream alone (fails with the blame decided at judging
+    time: the head h0, holding a share of every attacker's microbatch, banned)."""
+    gen = torch.Generator().manual_seed(48)
+    weight, loss_grad = torch.randn(16, 16, generator=gen) / 4, torch.randn(4, 32, 16, generator=gen)
+    verifier = Sentinel(SentinelConfig(warmup=24, window=24, distances="sign,swd,scale"))
+
+    def head_gradient(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_(True)
+        out_grad = loss_grad + 0.2 * torch.randn(4, 32, 16, generator=gen)
+        (torch.nn.functional.layer_norm(x, (16,)) @ weight * out_grad).sum().backward()
+        return x.grad
+
+    for i in range(40):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        verifier.check_forward(2, f"u{i % 4}", i, x)
+        verifier.check_backward(2, f"h{i % 4}", i, head_gradient(x))
+    for j, attacker in enumerate("ababa"):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        x = _smallest_accepted(verifier, 2, x, ("s", j)) * x
+        assert verifier.check_backward(2, "h0", ("s", j), head_gradient(x)).flagged
+        assert not verifier.check_forward(2, attacker, ("s", j), x).flagged
+    assert verifier.convicted() == {"a"}

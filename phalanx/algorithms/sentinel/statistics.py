@@ -230,7 +230,7 @@ import dataclasses
 import hashlib
 import math
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -776,7 +776,7 @@ class Sentinel:
         self._scales: dict[Hashable, dict[int, float]] = {}  # microbatch -> forward link -> ``scale`` judged there
         self._forwarded: dict[Hashable, set[int]] = {}  # microbatch -> links whose forward tensor of it was judged here
         # microbatch -> the strikes of its gradients judged before their activation over the same link (see `_settle`)
-        self._held: dict[Hashable, list[tuple[Verdict, dict]]] = {}
+        self._held: dict[Hashable, list[tuple[Verdict, Callable[[], dict]]]] = {}
 
     def banned(self) -> frozenset[str]:
         return frozenset(self._banned)
@@ -1044,7 +1044,7 @@ class Sentinel:
             return Verdict(link, direction, worker, microbatch, True, "banned")
         track = self._tracks.setdefault((link, direction), _Track(self._names, self.config.window, link, direction))
         if not self._well_formed(track, tensor):
-            return self._count(Verdict(link, direction, worker, microbatch, True, "malformed"), held)
+            return self._count(Verdict(link, direction, worker, microbatch, True, "malformed"), held, dict)
         if track.proj is None:
             track.proj = projections(self.config.seed, link, direction, tensor.shape[-1], self.config.projections)
         summary = summarize(tensor, track.proj, self.config.quantiles)
@@ -1083,25 +1083,32 @@ class Sentinel:
         if learn and not flagged and not corrected and self._inner(track, dist):
             self._accept(track, direction, worker, summary, dist, means)
         verdict = Verdict(link, direction, worker, microbatch, flagged, "fence" if flagged else "ok", named, outside)
-        # the sender's forward input crossed link - 1 (its output gradient's forward input, link itself)
-        shrunk = self._scales.get(microbatch, {}).get(link - 1 if direction == FORWARD else link, 0.0) < SHRUNK_INPUT
-        grown = flagged and not own and not alone and self._grown_by_shrunk_input(track, link, direction, microbatch,
-                                                                               dist, outside)
-        large = (flagged and not own and not adds_own_mean and not grown
-                 and self._large_as_its_input(track, dist, outside, means))
-        # forward, the outlier input is what the upstream senders delivered, which they may have made (within their
-        # own fences): held against them alone; backward, against nobody (see `_large_as_its_input`)
-        made_upstream = large and direction == FORWARD and not alone
-        return self._count(verdict, held, blame_upstream=not alone, own=own or adds_own_mean, lasting=own,
-                           upstream_only=not alone and (corrected or grown or made_upstream),
-                           shrunk_input=(corrected and shrunk) or grown or made_upstream,
-                           explained=large and not made_upstream)
 
-    def _count(self, verdict: Verdict, held: bool, **blame) -> Verdict:
-        """Strike now (`_strike`'s arguments in `blame`), or, `held`, once the microbatch's activation over the
+        def blame() -> dict:
+            """`_strike`'s arguments, decided when the strike is counted: a held gradient's once the activation over
+            its link is judged, whose ``scale`` `shrunk` and `_grown_by_shrunk_input` read (review RS s25 1: decided
+            before it, the honest head's gradients grown by inputs accepted shrunk were struck against the head)."""
+            # the sender's forward input crossed link - 1 (its output gradient's forward input, link itself)
+            shrunk = self._scales.get(microbatch, {}).get(link - 1 if direction == FORWARD else link, 0.0) < SHRUNK_INPUT
+            grown = flagged and not own and not alone and self._grown_by_shrunk_input(track, link, direction,
+                                                                                   microbatch, dist, outside)
+            large = (flagged and not own and not adds_own_mean and not grown
+                     and self._large_as_its_input(track, dist, outside, means))
+            # forward, the outlier input is what the upstream senders delivered, which they may have made (within
+            # their own fences): held against them alone; backward, against nobody (see `_large_as_its_input`)
+            made_upstream = large and direction == FORWARD and not alone
+            return dict(blame_upstream=not alone, own=own or adds_own_mean, lasting=own,
+                        upstream_only=not alone and (corrected or grown or made_upstream),
+                        shrunk_input=(corrected and shrunk) or grown or made_upstream,
+                        explained=large and not made_upstream)
+
+        return self._count(verdict, held, blame)
+
+    def _count(self, verdict: Verdict, held: bool, blame: Callable[[], dict]) -> Verdict:
+        """Strike now (`blame()`: `_strike`'s arguments), or, `held`, once the microbatch's activation over the
         verdict's link is judged (`_settle`)."""
         if not held:
-            return self._strike(verdict, **blame)
+            return self._strike(verdict, **blame())
         self._held.setdefault(verdict.microbatch, []).append((verdict, blame))
         while len(self._held) > self.config.remembered:  # activations that never came: their gradients strike nobody
             del self._held[next(iter(self._held))]
@@ -1124,15 +1131,18 @@ class Sentinel:
         convicted: tuple[str, ...] = ()
         waiting = []
         for verdict, blame in self._held.pop(microbatch, ()):
-            origin = self._tainted.get(microbatch)
+            origin, replaced = self._tainted.get(microbatch), self._replaced.get(microbatch)
+            if replaced is not None and verdict.link < replaced:
+                continue  # computed from a substitute (review RS s25 1, LOW)
+            alone = False
             if origin is not None and verdict.link >= origin[0] - 1:
                 if verdict.link != origin[0] - 1 or verdict.worker != origin[1]:
                     continue
-                blame = {**blame, "blame_upstream": False}  # its sender's own forward flag: held against it alone
+                alone = True  # its sender's own forward flag: held against it alone
             if verdict.link not in self._forwarded.get(microbatch, ()):
                 waiting.append((verdict, blame))
                 continue
-            struck = self._strike(verdict, **blame)
+            struck = self._strike(verdict, **{**blame(), **({"blame_upstream": False} if alone else {})})
             bans, convicted = bans + struck.bans, convicted + struck.convicted
         if waiting:
             self._held[microbatch] = waiting
