@@ -1700,6 +1700,8 @@ def test_a_sender_that_delays_its_activation_does_not_shield_a_gradient_liar():
     verifier, verdicts = _gradients_before_activations("s1r1", 8.0)
     assert all(v.flagged for v in verdicts[0::2]) and not any(v.flagged for v in verdicts[1::2])
     assert verifier.banned() == {"s2r0"} and verdicts[-1].bans == ("s2r0",)
+    # each activation's verdict carries the gradient strike it settled, for the verifier's log (review RS s25 5)
+    assert all([(g.worker, g.suspects) for g in v.settled] == [("s2r0", ("s1r1", "s2r0"))] for v in verdicts[1::2])
     verifier, verdicts = _gradients_before_activations("s1r1", -8.0)
     assert all(v.flagged for v in verdicts)
     assert verifier.banned() == {"s1r1"}

@@ -174,6 +174,74 @@ def test_a_relay_that_holds_its_forward_copies_back_does_not_keep_its_receivers_
     assert not summary["banned"] and all(row["completed"] == 8 for row in summary["metrics"])
 
 
+def test_backward_copies_kept_for_their_forward_copy_cannot_fill_the_verifiers_memory(monkeypatch):
+    """Review RS s25 4: stage-2 relay F sends the link-1 verifier 200 backward copies of microbatches that do not
+    exist, at a far-future iteration, beside its honest traffic; kept for a forward copy that never comes, each
+    tensor stayed in the verifier's memory for the rest of the run. Only copies of this or the next iteration, from a
+    peer not banned, at most 2 x `capacity` per sender are kept (fails without: all 200 kept)."""
+    honest_init, honest_copy = VerifierHop.__init__, Links.send_copy
+    hops: list[VerifierHop] = []
+
+    def init(self, *args, **kwargs):
+        honest_init(self, *args, **kwargs)
+        hops.append(self)
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        await honest_copy(self, verifier, direction, to, c, pad)
+        if self.me == flooder and direction == "backward" and c.it == START and not flooding:
+            async def flood():
+                for i in range(200):
+                    fake = m.Carry((data_node, 10**6 + i, 0), 10**6, 1, (data_node, c.path[1], self.me), c.tensor)
+                    await honest_copy(self, verifier, "backward", c.path[1], fake, pad)
+                    await asyncio.sleep(0.001)
+            flooding.append(self.spawn(flood()))
+
+    config = _config(steps=6)
+    data_node, flooder = (peer_identity(config.seed, i).peer_id for i in (0, 4))
+    flooding: list[asyncio.Task] = []
+    monkeypatch.setattr(VerifierHop, "__init__", init)
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    assert flooding and all(row["completed"] == 8 for row in summary["metrics"])
+    assert all(slot[1] < 10**6 for hop in hops for slot in hop.early)
+    assert all(sum(s[4] == peer for s in hop.early) <= 2 * config.pipeline.capacity
+               for hop in hops for peer in summary["peer_ids"])
+
+
+def test_a_relay_off_a_microbatchs_path_cannot_taint_it_with_a_forged_forward_copy(monkeypatch):
+    """Review RS s25 2: stage-1 relay E sends the link-1 verifier, beside its first real copy of each iteration, a
+    forward copy of a microbatch it does not serve (its own signed record, no link-0 record). Rejected (`forged_hop`,
+    a strike against E), it also tainted the microbatch for every verifier, so the real stage-2 relay's gradient was
+    not cleared and the microbatch left out of the aggregation: one per iteration, under the strike rule. A hop
+    problem on a forward copy taints the microbatch only once a receipt shows the receiver got that tensor (fails
+    without: 7 of 8 completed in most iterations)."""
+    honest_copy = Links.send_copy
+    served, forged = set(), set()
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        await honest_copy(self, verifier, direction, to, c, pad)
+        if self.me != forger:
+            return
+        served.add(c.key)
+        if direction != "forward" or c.it < START or c.it in {it for it, _ in forged}:
+            return
+        key = next(((data_node, seq, 0) for seq in range(8 * c.it, 8 * c.it + 8) if (data_node, seq, 0) not in served),
+                   None)
+        if key is not None:
+            forged.add((c.it, key))
+            own = m.Hop.signed(self.transport.identity, key, c.it, "forward", 1, "", b"", m.tensor_digest(c.tensor), to)
+            await honest_copy(self, verifier, "forward", to, m.Carry(key, c.it, 2, (data_node, self.me), c.tensor,
+                                                                     hops=(own,)), pad)
+
+    config = _config(steps=10)
+    data_node, forger = (peer_identity(config.seed, i).peer_id for i in (0, 1))
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    assert len(forged) >= 4
+    assert {v["reason"] for v in summary["verdicts"] if v["peer"] == forger and v["flagged"]} == {"forged_hop"}
+    assert all(row["completed"] == 8 for row in summary["metrics"])
+
+
 def test_off_the_path_a_send_is_one_round_trip_and_inline_two():
     """The structure of a clean iteration: a send through an inline verifier crosses 4 links (sender ->
     verifier -> receiver and back), off the path 2; both runs finish every microbatch."""

@@ -391,6 +391,7 @@ class Verdict:
     bans: tuple[str, ...] = ()  # workers this verdict's strikes banned
     convicted: tuple[str, ...] = ()  # workers this verdict's strikes brought to the strike rule (banned unless detect-only)
     suspects: tuple[str, ...] = ()  # workers a flag was held against (the sender and, if blamed, its upstream)
+    settled: tuple[Verdict, ...] = ()  # held gradient verdicts this one's judgement struck (`Sentinel._settle`)
     substitute: Tensor | None = field(default=None, repr=False)
 
     def passed_on(self, tensor: Tensor) -> Tensor:
@@ -851,13 +852,17 @@ class Sentinel:
         reason = "tainted" if verdict.reason in ("ok", "warmup") else verdict.reason
         return dataclasses.replace(verdict, reason=reason, substitute=self.momentum(link, tensor))
 
-    def reject(self, link: int, direction: str, worker: str, microbatch: Hashable, reason: str, like: Tensor) -> Verdict:
+    def reject(self, link: int, direction: str, worker: str, microbatch: Hashable, reason: str, like: Tensor,
+               taint: bool = True) -> Verdict:
         """Flag a tensor whose sender broke the protocol around it (a forged or missing hop signature), held
-        against the sender alone, with the usual response: forward, the microbatch is tainted; backward, the
+        against the sender alone, with the usual response: forward, the microbatch is tainted (not `taint`: the
+        caller does it with `mark_tainted` once it knows the tensor reached the microbatch's path); backward, the
         gradient momentum is sent instead."""
         if worker in self._banned:
             return Verdict(link, direction, worker, microbatch, True, "banned")
         verdict = self._strike(Verdict(link, direction, worker, microbatch, True, reason), blame_upstream=False)
+        if direction == FORWARD and not taint:
+            return verdict
         if direction == FORWARD:
             self._tainted.setdefault(microbatch, (link, worker))
             return self._settled(verdict)
@@ -1115,20 +1120,21 @@ class Sentinel:
         return verdict
 
     def _settled(self, verdict: Verdict) -> Verdict:
-        """`verdict` (on an activation, or a taint) with the bans of the held gradient strikes it settles."""
-        bans, convicted = self._settle(verdict.microbatch)
-        if not convicted:
+        """`verdict` (on an activation, or a taint) with the held gradient strikes it settles, and their bans."""
+        struck = self._settle(verdict.microbatch)
+        if not struck:
             return verdict
-        return dataclasses.replace(verdict, bans=tuple(dict.fromkeys(verdict.bans + bans)),
-                                   convicted=tuple(dict.fromkeys(verdict.convicted + convicted)))
+        bans = verdict.bans + tuple(w for v in struck for w in v.bans)
+        convicted = verdict.convicted + tuple(w for v in struck for w in v.convicted)
+        return dataclasses.replace(verdict, bans=tuple(dict.fromkeys(bans)), convicted=tuple(dict.fromkeys(convicted)),
+                                   settled=struck)
 
-    def _settle(self, microbatch: Hashable) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def _settle(self, microbatch: Hashable) -> tuple[Verdict, ...]:
         """The held strikes of a microbatch's gradients (judged before its activation over their link): dropped
         where its forward taint explains the gradient (as `_judge_backward` does with a gradient that comes after
         the taint), struck once that activation is judged (against its sender and those upstream, known by now),
-        else still held. (bans, convicted) of the strikes."""
-        bans: tuple[str, ...] = ()
-        convicted: tuple[str, ...] = ()
+        else still held. The gradients' verdicts as struck (suspects, bans)."""
+        struck: list[Verdict] = []
         waiting = []
         for verdict, blame in self._held.pop(microbatch, ()):
             origin, replaced = self._tainted.get(microbatch), self._replaced.get(microbatch)
@@ -1142,11 +1148,10 @@ class Sentinel:
             if verdict.link not in self._forwarded.get(microbatch, ()):
                 waiting.append((verdict, blame))
                 continue
-            struck = self._strike(verdict, **{**blame(), **({"blame_upstream": False} if alone else {})})
-            bans, convicted = bans + struck.bans, convicted + struck.convicted
+            struck.append(self._strike(verdict, **{**blame(), **({"blame_upstream": False} if alone else {})}))
         if waiting:
             self._held[microbatch] = waiting
-        return bans, convicted
+        return tuple(struck)
 
     def _remember(self, track: _Track, link: int, direction: str, worker: str, microbatch: Hashable,
                   dist: dict[str, float], outside: tuple[str, ...]) -> _Judged:

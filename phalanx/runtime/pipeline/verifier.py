@@ -273,7 +273,10 @@ class VerifierHop:
         upstream, problem = self._signed_upstream(direction, c, sender, receiver) if signed else (None, "")
         if problem:
             tainted = self.sentinel.taint_of(c.key)
-            verdict = self.sentinel.reject(link, direction, sender, c.key, problem, c.tensor)
+            # off the path a forward copy can come from a peer off the microbatch's path, whose taint would keep the
+            # microbatch out of the aggregation (review RS s25 2): it taints once a receipt pairs it (`_pair`)
+            verdict = self.sentinel.reject(link, direction, sender, c.key, problem, c.tensor,
+                                           taint=not (self.config.off_path and direction == FORWARD))
             if direction == FORWARD and tainted is None and self.sentinel.taint_of(c.key) is not None:
                 self._share({"tainted": [link, sender]}, c.key, c.it)
             elif verdict.substitute is not None:
@@ -420,6 +423,11 @@ class VerifierHop:
             "distances": dict(verdict.distances), "convicted": list(verdict.convicted),
             "suspects": list(verdict.suspects), "t": self.transport.clock.now(),
         })
+        for held in verdict.settled:  # a gradient judged before this activation, struck now (review RS s25 5)
+            self.on_event({"kind": "settled", "by": self.me, "peer": held.worker, "link": held.link,
+                           "direction": held.direction, "mb": m.key_name(c.key), "it": c.it, "flagged": held.flagged,
+                           "outside": list(held.outside), "convicted": list(held.convicted),
+                           "suspects": list(held.suspects), "t": self.transport.clock.now()})
         for peer in verdict.bans:
             self.spawn(self.announce(peer, c.it, verdict.link))
 
@@ -499,7 +507,7 @@ class VerifierHop:
         self.copies[slot] = None  # it came (a receipt without it is the sender's omission)
         if direction == BACKWARD and not self.trusted(sender) and not any(
                 s[:4] == (c.key, c.it, FORWARD, slot[3]) and s[5] == sender for s in self.copies):
-            self.early[slot] = c
+            self._keep_early(slot, c)
             return
         self._receipt_in_chain(direction, c, sender)
         self.spawn(self._judge_copy(slot, c))
@@ -508,6 +516,17 @@ class VerifierHop:
                 early = self.early.pop(waiting)
                 self._receipt_in_chain(BACKWARD, early, to)
                 self.spawn(self._judge_copy(waiting, early))
+
+    def _keep_early(self, slot: tuple, c: m.Carry) -> None:
+        """Keep a backward copy until the forward copy to its sender comes: one of this or the next iteration, from a
+        peer not banned, at most two iterations of a relay's `capacity` per sender (else dropped unjudged, as a copy
+        of a microbatch it does not hold: review RS s25 4, a relay filled the verifier's memory with copies of
+        microbatches that do not exist, at a far-future iteration)."""
+        sender = slot[4]
+        if (c.it > self.iteration + 1 or sender in self.sentinel.banned()
+                or sum(s[4] == sender for s in self.early) >= 2 * self.pipeline.capacity):
+            return
+        self.early[slot] = c
 
     def _receipt_in_chain(self, direction: str, c: m.Carry, sender: str) -> None:
         """The record the previous link's sender signed to this copy's sender travels with the copy: pass it to
@@ -602,6 +621,9 @@ class VerifierHop:
         sent, passed, c = self.copies[slot]
         key, it, direction, link, sender, to = slot
         if self.receipts[slot] == sent:
+            if not passed and direction == FORWARD and self.sentinel.taint_of(key) is None:
+                self.sentinel.mark_tainted(key, link, sender)  # its receiver got a tensor whose hop records were bad
+                self._share({"tainted": [link, sender]}, key, it)
             if self.sentinel.binds:
                 self._bind_input(direction, c, c.tensor)
             if passed:
