@@ -242,6 +242,28 @@ def test_a_relay_off_a_microbatchs_path_cannot_taint_it_with_a_forged_forward_co
     assert all(row["completed"] == 8 for row in summary["metrics"])
 
 
+def test_a_relays_copy_of_what_only_a_data_node_sends_is_refused(monkeypatch):
+    """Review RS s25 6: stage-1 relay E sends link 0's verifier a forward copy with itself as the path's data node, at
+    iteration 10**6. It was remembered before any check: the verifier's iteration jumped past every real copy and
+    receipt, and no microbatch was cleared again (0 of 8 from then on). A copy over link 0 forward (or link S
+    backward) from a relay is refused as evidence (fails without: 0 of 8 completed after iteration 4)."""
+    honest_copy = Links.send_copy
+    sent = []
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        await honest_copy(self, verifier, direction, to, c, pad)
+        if self.me == rogue and direction == "forward" and c.it >= START and not sent:
+            sent.append(c.it)
+            fake = m.Carry((data_node, 10**6, 0), 10**6, 1, (self.me,), c.tensor)
+            await honest_copy(self, self.verifiers[0], "forward", to, fake, pad)
+
+    config = _config(steps=7)
+    data_node, rogue = (peer_identity(config.seed, i).peer_id for i in (0, 1))
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    assert sent and all(row["completed"] == 8 for row in summary["metrics"])
+
+
 def test_off_the_path_a_send_is_one_round_trip_and_inline_two():
     """The structure of a clean iteration: a send through an inline verifier crosses 4 links (sender ->
     verifier -> receiver and back), off the path 2; both runs finish every microbatch."""

@@ -502,6 +502,11 @@ class VerifierHop:
         gradient liar from ever being struck."""
         direction, to, c = self._parse_hop(sender, payload, "copy")
         slot = (c.key, c.it, direction, link_of(direction, c), sender, to)
+        if not self.trusted(sender) and slot[3] == (0 if direction == FORWARD else self.last):
+            # only a data node sends over link 0 forward and link S backward; a relay's copy there was remembered
+            # before any check (review RS s25 6: one at a far-future iteration moved this verifier past every real
+            # copy and receipt, and no microbatch was cleared again)
+            raise RemoteError(Evidence(sender, "false_stage", "a copy of what only a data node sends", c.it))
         if slot in self.copies or c.it < self.iteration - 1:
             return
         self.copies[slot] = None  # it came (a receipt without it is the sender's omission)
