@@ -711,6 +711,15 @@ def test_red_team_regression_an_owner_that_stops_is_passed_over_not_a_push():
     assert trial.moves and trial.violations == [], trial
 
 
+def test_red_team_regression_declarations_passed_on_in_the_data_parallel_round_part_no_honest_verification():
+    # Seed 2900059 (n = 8, three colluders, every point at rate 1) on 34ee770, which passed declarations on in the
+    # data-parallel round too: two honest peers, which held a deadline_edge colluder's commitment in time, waited its
+    # metadata 6 s; the others' report collection had closed at 3 s, so an honest validator was banned not_validating
+    # and the honest ledgers parted.
+    trial = run_trial(2900059, RedTeamConfig(steps=2, max_peers=8))
+    assert trial.moves and trial.violations == [], trial
+
+
 def test_red_team_bound_excuses_a_left_out_partition_only_of_a_colluder_that_goes():
     reduce = make_reducer("centered_clip", tau=1.0)
     group = ["a", "b", "c", "d"]  # "c" colludes; partition j belongs to group[j]
@@ -807,8 +816,12 @@ def test_a_committer_that_leaves_the_view_does_not_push_the_commitment_deadline_
         def now(self) -> float:
             return self.t
 
+    class Board:
+        def arrivals(self, topic, step) -> dict[str, float]:
+            return {a: 0.01}
+
     class Transport:  # arrivals and the view on a scripted clock; `enough` is asked at each arrival and each look
-        peer_id, clock, failure_detection = me, Clock(), 0.0
+        peer_id, clock, failure_detection, board = me, Clock(), 0.0, Board()
 
         def members(self) -> list[str]:
             return [me, a] + ([c] if self.clock.t < 2.0 else [])

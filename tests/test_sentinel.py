@@ -1646,3 +1646,116 @@ def test_a_gradient_judged_before_its_activation_is_not_learned():
         assert not microbatch(i).flagged
     assert not microbatch(40, early=60.0).flagged  # inside its fences: only its learning was the harm
     assert not [i for i in range(41, 60) if microbatch(i).flagged]
+
+
+def _gradients_before_activations(shield: str | None, lie: float) -> tuple[Sentinel, list[Verdict]]:
+    """Link 1 of a pipeline, off the path (copies race): 4 stage-1 relays send activations, 4 stage-2 relays send
+    the gradients back, each after its activation, for 40 microbatches. Then on 3 microbatches through stage-2
+    relay "s2r0" the gradient is judged first: `lie` x a pattern unlike the honest gradients (an honest relay's
+    gradient of a zeroed input, or a liar's), with no upstream named (off the path a gradient's upstream is who
+    this verifier saw forward). Its activation comes after: zeros from "s1r3" (`shield` None: the link attacker), or
+    from `shield` an honest-looking activation, or nothing but a `no_copy` reject (`lie` < 0: the copy withheld)."""
+    sample = _center() + torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    pattern = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2))
+    odd = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(3)
+    verifier = Sentinel(SentinelConfig(warmup=24, window=32))
+
+    def wobble() -> float:
+        return math.exp(0.05 * torch.randn((), generator=gen).item())
+
+    for i in range(40):
+        verifier.check_forward(1, f"s1r{i % 4}", i, wobble() * sample)
+        verifier.check_backward(1, f"s2r{i % 4}", i, wobble() * pattern)
+    verdicts = []
+    for i in range(40, 43):
+        verdicts.append(verifier.check_backward(1, "s2r0", i, abs(lie) * odd))
+        if shield is None:
+            verdicts.append(verifier.check_forward(1, "s1r3", i, torch.zeros(4, 8, 16)))
+        elif lie > 0:
+            verdicts.append(verifier.check_forward(1, shield, i, wobble() * sample))
+        else:
+            verdicts.append(verifier.reject(1, FORWARD, shield, i, "no_copy", torch.zeros(1, 1)))
+    return verifier, verdicts
+
+
+def test_a_gradient_judged_before_its_tainted_activation_strikes_nobody():
+    """The launch (session 24, repeat 2): the link-2 verifier judged honest relay 8's gradients of three microbatches
+    before their activations, which the zeros attacker had sent: flagged (`swd` alone, computed from the zeroed
+    input), held against relay 8 alone (the activation's sender not known yet), and relay 8 was banned. The strikes
+    of a gradient judged before its activation wait for that activation's verdict: its taint explains them (fails
+    without: "s2r0" banned)."""
+    verifier, verdicts = _gradients_before_activations(None, 1.0)
+    assert all(v.flagged for v in verdicts[0::2]) and all(v.flagged for v in verdicts[1::2])
+    assert "s2r0" not in verifier.banned()
+    assert verifier.banned() == {"s1r3"}
+
+
+def test_a_sender_that_delays_its_activation_does_not_shield_a_gradient_liar():
+    """The adversary that knows the rule: stage-1 relay "s1r1" sends its activations after its colluder "s2r0"'s
+    lying gradients (x8 of an odd pattern) were judged. Sent at all and clean, they settle the held strikes: the liar is
+    banned at its third, on the activation's verdict. Withheld (the receiver's receipt, then `no_copy`): the
+    microbatch is tainted, the gradients strike nobody, and the shield takes a strike for each: banned at the third
+    (so a liar is shielded on at most 2 microbatches of 8 per identity it burns, and its lies are flagged all along)."""
+    verifier, verdicts = _gradients_before_activations("s1r1", 8.0)
+    assert all(v.flagged for v in verdicts[0::2]) and not any(v.flagged for v in verdicts[1::2])
+    assert verifier.banned() == {"s2r0"} and verdicts[-1].bans == ("s2r0",)
+    # each activation's verdict carries the gradient strike it settled, for the verifier's log (review RS s25 5)
+    assert all([(g.worker, g.suspects) for g in v.settled] == [("s2r0", ("s1r1", "s2r0"))] for v in verdicts[1::2])
+    verifier, verdicts = _gradients_before_activations("s1r1", -8.0)
+    assert all(v.flagged for v in verdicts)
+    assert verifier.banned() == {"s1r1"}
+
+
+_BURSTS = {  # review RS s24 HIGH 2 (`docs/notes/repro/s24/burst_random.py`, "all three live"): trial -> (jumps, routes)
+    44: ([0.123, 0.163, 0.259, 0.053, 0.068, 0.009, 0.035, 0.003, 0.047, 0.154, 0.297, 0.208, 0.114, 0.122],
+         ["r1" * 4, "r1r1r2r0", "r0r2r0r1", "r0" * 4, "r1" * 4, "r1r0r1r1", "r0" * 4, "r2r0r0r0", "r2" * 4]),
+    45: ([0.082, 0.146, 0.025, 0.102, 0.022, 0.003, 0.085, 0.035, 0.093, 0.223, 0.011, 0.187, 0.041, 0.239],
+         ["r0" * 4, "r2" * 4, "r2r1r0r2", "r0r0r1r1", "r2r1r0r1", "r1r1r1r2", "r2" * 4, "r2" * 4, "r2" * 4]),
+    49: ([0.02, 0.124, 0.033, 0.226, 0.153, 0.015, 0.013, 0.221, 0.046, 0.22, 0.189, 0.151, 0.257, 0.181],
+         ["r1" * 4, "r2r0r0r1", "r1" * 4, "r1" * 4, "r2" * 4, "r2" * 4, "r2r2r0r2", "r0" * 4, "r2" * 4]),
+}
+
+
+@pytest.mark.parametrize("trial", sorted(_BURSTS))
+def test_honest_relays_of_a_small_stage_sending_in_bursts_while_the_model_moves_are_not_banned(trial):
+    """Review RS s24 HIGH 2: 3 honest relays, each iteration's 4 microbatches often one relay's burst of one model
+    version, the model's log magnitude growing by up to 0.3 per iteration. Each sender's last 8 values are nearly
+    one version (its IQR at the floor) while the senders lie apart by the model's move, so the per-sender fence was
+    narrower than the senders' own spread and an honest relay was banned on ``scale`` (3 of 60 trials). The fence's
+    spread is never below the MAD of the senders' medians (fails without: a relay banned)."""
+    warm_up = [["r0", "r1", "r1", "r2"], ["r1", "r1", "r0", "r2"], ["r0", "r2", "r1", "r1"], ["r1", "r1", "r0", "r2"],
+               ["r0", "r2", "r0", "r2"]]
+    jumps, bursts = _BURSTS[trial]
+    route = lambda it: warm_up[it] if it < 5 else [bursts[it - 5][i:i + 2] for i in range(0, 8, 2)]  # noqa: E731
+    verifier = Sentinel(SentinelConfig(fence="senders", warmup=20, window=64))
+    _burst_stage(verifier, route, jumps, trial)
+    assert not verifier.banned()
+
+
+def test_a_held_gradient_grown_by_an_input_accepted_shrunk_is_still_evidence_about_the_upstream_alone():
+    """Review RS s25 1: as `test_a_gradient_grown_by_an_input_seen_shrunk_is_evidence_about_the_upstream_alone`,
+    but each of the honest head's gradients is judged before the shrunk activation it was computed from (off the
+    path a shrinking sender can arrange it). Its strikes are held, and who they go to is decided when they are
+    counted, once the activation's ``scale`` is known: the upstream alone (fails with the blame decided at judging
+    time: the head h0, holding a share of every attacker's microbatch, banned)."""
+    gen = torch.Generator().manual_seed(48)
+    weight, loss_grad = torch.randn(16, 16, generator=gen) / 4, torch.randn(4, 32, 16, generator=gen)
+    verifier = Sentinel(SentinelConfig(warmup=24, window=24, distances="sign,swd,scale"))
+
+    def head_gradient(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_(True)
+        out_grad = loss_grad + 0.2 * torch.randn(4, 32, 16, generator=gen)
+        (torch.nn.functional.layer_norm(x, (16,)) @ weight * out_grad).sum().backward()
+        return x.grad
+
+    for i in range(40):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        verifier.check_forward(2, f"u{i % 4}", i, x)
+        verifier.check_backward(2, f"h{i % 4}", i, head_gradient(x))
+    for j, attacker in enumerate("ababa"):
+        x = _center() + torch.randn(4, 32, 16, generator=gen)
+        x = _smallest_accepted(verifier, 2, x, ("s", j)) * x
+        assert verifier.check_backward(2, "h0", ("s", j), head_gradient(x)).flagged
+        assert not verifier.check_forward(2, attacker, ("s", j), x).flagged
+    assert verifier.convicted() == {"a"}

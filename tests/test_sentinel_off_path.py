@@ -120,6 +120,150 @@ def test_a_relay_that_keeps_its_tensors_from_the_verifier_is_banned(monkeypatch)
     assert summary["metrics"][-1]["completed"] == 8
 
 
+def test_gradients_judged_before_the_tampered_activation_they_were_computed_from_ban_nobody_honest(monkeypatch):
+    """Issue 18's launch (session 24, repeat 2): the link-2 verifier judged an honest relay's gradients of three
+    microbatches before the zeroed activations they were computed from (its judging of those waited on their input
+    sketches), flagged them on ``swd`` and, the activation's sender not known yet, held them against that relay
+    alone: banned. Here the verifier's judging of relay 2's activations (zeros from START) waits 0.5 s, so stage 2's
+    gradients of them come first. Their strikes wait for the activation's verdict, whose taint explains them: only
+    relay 2 is banned (fails without: the three honest stage-2 relays banned, relay 2 not)."""
+    honest_judge = VerifierHop._judge_copy
+
+    async def judge_copy(self, slot, c):
+        if slot[2] == "forward" and slot[4] == attacker and slot[1] >= START:
+            await asyncio.sleep(0.5)
+        await honest_judge(self, slot, c)
+
+    config = _config("zeros", "2", target="activations")
+    attacker = peer_identity(config.seed, 3).peer_id
+    monkeypatch.setattr(VerifierHop, "_judge_copy", judge_copy)
+    summary = simulate_pipeline(config, progress=False)
+    early = [v for v in summary["verdicts"]
+             if v["direction"] == "backward" and v["link"] == 1 and v["flagged"] and v["reason"] == "fence"]
+    assert len(early) >= 3 and all(v["outside"] == ["swd"] and not v["suspects"] for v in early)
+    assert summary["banned"] == [attacker]
+
+
+def test_a_relay_that_holds_its_forward_copies_back_does_not_keep_its_receivers_gradients_unjudged(monkeypatch):
+    """The adversary that knows the held-strikes rule: stage-1 relay 2 sends its tensors first and their copies 0.2 s
+    later (inside `verdict_timeout` of its receivers' receipts, so no `no_copy`), so the stage-2 gradient copies of
+    its microbatches reach the verifier before the forward copy to their sender. Such a backward copy was dropped
+    unjudged: a colluding gradient liar's lies on those microbatches were never struck (nor cleared: those
+    microbatches never aggregated). Now it waits for that forward copy and is judged (fails without: none judged,
+    1-4 of 8 microbatches completed per iteration)."""
+    honest_copy = Links.send_copy
+    held: list[asyncio.Task] = []
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        if self.me == shield and direction == "forward" and c.it >= START:
+            async def later():
+                await asyncio.sleep(0.2)
+                await honest_copy(self, verifier, direction, to, c, pad)
+            held.append(asyncio.get_running_loop().create_task(later()))
+            return
+        await honest_copy(self, verifier, direction, to, c, pad)
+
+    config = _config()
+    shield = peer_identity(config.seed, 3).peer_id
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    shielded = {(v["it"], v["mb"]) for v in summary["verdicts"]
+                if v["direction"] == "forward" and v["peer"] == shield and v["it"] >= START}
+    judged_back = {(v["it"], v["mb"]) for v in summary["verdicts"] if v["direction"] == "backward" and v["link"] == 1}
+    assert shielded and shielded <= judged_back
+    assert not summary["banned"] and all(row["completed"] == 8 for row in summary["metrics"])
+
+
+def test_backward_copies_kept_for_their_forward_copy_cannot_fill_the_verifiers_memory(monkeypatch):
+    """Review RS s25 4: stage-2 relay F sends the link-1 verifier 200 backward copies of microbatches that do not
+    exist, at a far-future iteration, beside its honest traffic; kept for a forward copy that never comes, each
+    tensor stayed in the verifier's memory for the rest of the run. Only copies of this or the next iteration, from a
+    peer not banned, at most 2 x `capacity` per sender are kept (fails without: all 200 kept)."""
+    honest_init, honest_copy = VerifierHop.__init__, Links.send_copy
+    hops: list[VerifierHop] = []
+
+    def init(self, *args, **kwargs):
+        honest_init(self, *args, **kwargs)
+        hops.append(self)
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        await honest_copy(self, verifier, direction, to, c, pad)
+        if self.me == flooder and direction == "backward" and c.it == START and not flooding:
+            async def flood():
+                for i in range(200):
+                    fake = m.Carry((data_node, 10**6 + i, 0), 10**6, 1, (data_node, c.path[1], self.me), c.tensor)
+                    await honest_copy(self, verifier, "backward", c.path[1], fake, pad)
+                    await asyncio.sleep(0.001)
+            flooding.append(self.spawn(flood()))
+
+    config = _config(steps=6)
+    data_node, flooder = (peer_identity(config.seed, i).peer_id for i in (0, 4))
+    flooding: list[asyncio.Task] = []
+    monkeypatch.setattr(VerifierHop, "__init__", init)
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    assert flooding and all(row["completed"] == 8 for row in summary["metrics"])
+    assert all(slot[1] < 10**6 for hop in hops for slot in hop.early)
+    assert all(sum(s[4] == peer for s in hop.early) <= 2 * config.pipeline.capacity
+               for hop in hops for peer in summary["peer_ids"])
+
+
+def test_a_relay_off_a_microbatchs_path_cannot_taint_it_with_a_forged_forward_copy(monkeypatch):
+    """Review RS s25 2: stage-1 relay E sends the link-1 verifier, beside its first real copy of each iteration, a
+    forward copy of a microbatch it does not serve (its own signed record, no link-0 record). Rejected (`forged_hop`,
+    a strike against E), it also tainted the microbatch for every verifier, so the real stage-2 relay's gradient was
+    not cleared and the microbatch left out of the aggregation: one per iteration, under the strike rule. A hop
+    problem on a forward copy taints the microbatch only once a receipt shows the receiver got that tensor (fails
+    without: 7 of 8 completed in most iterations)."""
+    honest_copy = Links.send_copy
+    served, forged = set(), set()
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        await honest_copy(self, verifier, direction, to, c, pad)
+        if self.me != forger:
+            return
+        served.add(c.key)
+        if direction != "forward" or c.it < START or c.it in {it for it, _ in forged}:
+            return
+        key = next(((data_node, seq, 0) for seq in range(8 * c.it, 8 * c.it + 8) if (data_node, seq, 0) not in served),
+                   None)
+        if key is not None:
+            forged.add((c.it, key))
+            own = m.Hop.signed(self.transport.identity, key, c.it, "forward", 1, "", b"", m.tensor_digest(c.tensor), to)
+            await honest_copy(self, verifier, "forward", to, m.Carry(key, c.it, 2, (data_node, self.me), c.tensor,
+                                                                     hops=(own,)), pad)
+
+    config = _config(steps=10)
+    data_node, forger = (peer_identity(config.seed, i).peer_id for i in (0, 1))
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    assert len(forged) >= 4
+    assert {v["reason"] for v in summary["verdicts"] if v["peer"] == forger and v["flagged"]} == {"forged_hop"}
+    assert all(row["completed"] == 8 for row in summary["metrics"])
+
+
+def test_a_relays_copy_of_what_only_a_data_node_sends_is_refused(monkeypatch):
+    """Review RS s25 6: stage-1 relay E sends link 0's verifier a forward copy with itself as the path's data node, at
+    iteration 10**6. It was remembered before any check: the verifier's iteration jumped past every real copy and
+    receipt, and no microbatch was cleared again (0 of 8 from then on). A copy over link 0 forward (or link S
+    backward) from a relay is refused as evidence (fails without: 0 of 8 completed after iteration 4)."""
+    honest_copy = Links.send_copy
+    sent = []
+
+    async def send_copy(self, verifier, direction, to, c, pad):
+        await honest_copy(self, verifier, direction, to, c, pad)
+        if self.me == rogue and direction == "forward" and c.it >= START and not sent:
+            sent.append(c.it)
+            fake = m.Carry((data_node, 10**6, 0), 10**6, 1, (self.me,), c.tensor)
+            await honest_copy(self, self.verifiers[0], "forward", to, fake, pad)
+
+    config = _config(steps=7)
+    data_node, rogue = (peer_identity(config.seed, i).peer_id for i in (0, 1))
+    monkeypatch.setattr(Links, "send_copy", send_copy)
+    summary = simulate_pipeline(config, progress=False)
+    assert sent and all(row["completed"] == 8 for row in summary["metrics"])
+
+
 def test_off_the_path_a_send_is_one_round_trip_and_inline_two():
     """The structure of a clean iteration: a send through an inline verifier crosses 4 links (sender ->
     verifier -> receiver and back), off the path 2; both runs finish every microbatch."""

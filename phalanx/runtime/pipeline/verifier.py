@@ -219,6 +219,7 @@ class VerifierHop:
         # receipt names; input sketches arrived (key, stage, direction) -> (iteration, sketch), and their waiters
         self.copies: dict[tuple, tuple[bytes, bool, m.Carry] | None] = {}
         self.receipts: dict[tuple, bytes] = {}
+        self.early: dict[tuple, m.Carry] = {}  # backward copies that came before the forward copy to their sender
         self.inputs: dict[tuple, tuple[int, torch.Tensor]] = {}
         self._input_waits: dict[tuple, asyncio.Event] = {}
         transport.add_request_handler(VIA, self._on_via)
@@ -272,7 +273,10 @@ class VerifierHop:
         upstream, problem = self._signed_upstream(direction, c, sender, receiver) if signed else (None, "")
         if problem:
             tainted = self.sentinel.taint_of(c.key)
-            verdict = self.sentinel.reject(link, direction, sender, c.key, problem, c.tensor)
+            # off the path a forward copy can come from a peer off the microbatch's path, whose taint would keep the
+            # microbatch out of the aggregation (review RS s25 2): it taints once a receipt pairs it (`_pair`)
+            verdict = self.sentinel.reject(link, direction, sender, c.key, problem, c.tensor,
+                                           taint=not (self.config.off_path and direction == FORWARD))
             if direction == FORWARD and tainted is None and self.sentinel.taint_of(c.key) is not None:
                 self._share({"tainted": [link, sender]}, c.key, c.it)
             elif verdict.substitute is not None:
@@ -390,7 +394,7 @@ class VerifierHop:
                 self.forget(key)
             for key in [k for k, it in self.dropped.items() if it < c.it - 1]:
                 del self.dropped[key]
-            for table in (self.copies, self.receipts):
+            for table in (self.copies, self.receipts, self.early):
                 for slot in [k for k in table if k[1] < c.it - 1]:
                     del table[slot]
             self.inputs = {k: v for k, v in self.inputs.items() if v[0] >= c.it - 1}
@@ -419,6 +423,11 @@ class VerifierHop:
             "distances": dict(verdict.distances), "convicted": list(verdict.convicted),
             "suspects": list(verdict.suspects), "t": self.transport.clock.now(),
         })
+        for held in verdict.settled:  # a gradient judged before this activation, struck now (review RS s25 5)
+            self.on_event({"kind": "settled", "by": self.me, "peer": held.worker, "link": held.link,
+                           "direction": held.direction, "mb": m.key_name(c.key), "it": c.it, "flagged": held.flagged,
+                           "outside": list(held.outside), "convicted": list(held.convicted),
+                           "suspects": list(held.suspects), "t": self.transport.clock.now()})
         for peer in verdict.bans:
             self.spawn(self.announce(peer, c.it, verdict.link))
 
@@ -487,17 +496,42 @@ class VerifierHop:
         """A sender's copy of a carry it sends straight to its receiver: judge it and tell the data node. The
         first copy of a slot counts (a resend repeats it). A backward copy is judged only from a peer this
         verifier saw the microbatch sent to forward over the link: nobody else holds it, and judging it would
-        teach the fences tensors of peers off the path."""
+        teach the fences tensors of peers off the path. One that comes before that forward copy waits for it
+        (`early`): else a sender that holds its forward copy back (within `verdict_timeout` of its receiver's
+        receipt) would keep its receiver's gradient of that microbatch from ever being judged, a colluding
+        gradient liar from ever being struck."""
         direction, to, c = self._parse_hop(sender, payload, "copy")
         slot = (c.key, c.it, direction, link_of(direction, c), sender, to)
+        if not self.trusted(sender) and slot[3] == (0 if direction == FORWARD else self.last):
+            # only a data node sends over link 0 forward and link S backward; a relay's copy there was remembered
+            # before any check (review RS s25 6: one at a far-future iteration moved this verifier past every real
+            # copy and receipt, and no microbatch was cleared again)
+            raise RemoteError(Evidence(sender, "false_stage", "a copy of what only a data node sends", c.it))
         if slot in self.copies or c.it < self.iteration - 1:
             return
         self.copies[slot] = None  # it came (a receipt without it is the sender's omission)
         if direction == BACKWARD and not self.trusted(sender) and not any(
                 s[:4] == (c.key, c.it, FORWARD, slot[3]) and s[5] == sender for s in self.copies):
+            self._keep_early(slot, c)
             return
         self._receipt_in_chain(direction, c, sender)
         self.spawn(self._judge_copy(slot, c))
+        if direction == FORWARD:
+            for waiting in [s for s in self.early if s[:2] == slot[:2] and s[3:5] == (slot[3], to)]:
+                early = self.early.pop(waiting)
+                self._receipt_in_chain(BACKWARD, early, to)
+                self.spawn(self._judge_copy(waiting, early))
+
+    def _keep_early(self, slot: tuple, c: m.Carry) -> None:
+        """Keep a backward copy until the forward copy to its sender comes: one of this or the next iteration, from a
+        peer not banned, at most two iterations of a relay's `capacity` per sender (else dropped unjudged, as a copy
+        of a microbatch it does not hold: review RS s25 4, a relay filled the verifier's memory with copies of
+        microbatches that do not exist, at a far-future iteration)."""
+        sender = slot[4]
+        if (c.it > self.iteration + 1 or sender in self.sentinel.banned()
+                or sum(s[4] == sender for s in self.early) >= 2 * self.pipeline.capacity):
+            return
+        self.early[slot] = c
 
     def _receipt_in_chain(self, direction: str, c: m.Carry, sender: str) -> None:
         """The record the previous link's sender signed to this copy's sender travels with the copy: pass it to
@@ -592,6 +626,9 @@ class VerifierHop:
         sent, passed, c = self.copies[slot]
         key, it, direction, link, sender, to = slot
         if self.receipts[slot] == sent:
+            if not passed and direction == FORWARD and self.sentinel.taint_of(key) is None:
+                self.sentinel.mark_tainted(key, link, sender)  # its receiver got a tensor whose hop records were bad
+                self._share({"tainted": [link, sender]}, key, it)
             if self.sentinel.binds:
                 self._bind_input(direction, c, c.tensor)
             if passed:

@@ -72,7 +72,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from functools import partial
 
@@ -81,10 +81,19 @@ import torch
 from ...algorithms.btard.admission import Roles
 from ...algorithms.btard.attacks import ProtocolPolicy
 from ...algorithms.btard.bans import BanLedger, BanRecord
-from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, passed_over, silent_for_most, tensor_hash
+from ...algorithms.btard.checks import (
+    ACCUSE,
+    ELIMINATE,
+    SILENT_DROPS,
+    Claim,
+    gradient_hash,
+    passed_over,
+    silent_for_most,
+    tensor_hash,
+)
 from ...core.envelope import SignedEnvelope
 from ...core.errors import ConfigError, Evidence, PhalanxError, RemoteError
-from ...core.serialization import decode, encode
+from ...core.serialization import decode, digest, encode
 from ...transport.base import BROADCAST_TOPIC, Transport
 from .btard_judge import judge_step
 from .btard_messages import commit_in, declared_hash, decoded, group_in, rcommit_in
@@ -95,6 +104,7 @@ from .butterfly import PART, REDUCED, AllReduceConfig, ButterflyAllReduce, group
 from .mprng import MPRNGConfig
 
 AGGREGATE_ANSWERS = 2  # `bt.aggregate` answers per (requester, step, owner)
+PASSED_ON_PROOFS = ("bt.commit", "bt.rcommit", "bt.meta", "bt.report")  # a step's topics whose equivocation proofs are passed on
 
 __all__ = ["SECURE_REDUCERS", "AdmissionHook", "BTARDConfig", "InputsHook", "SecureResult", "SecureRound"]
 
@@ -111,8 +121,8 @@ class SecureRound(ButterflyAllReduce):
     # True: each commitment taken is passed on to the other members at once, so that one a Byzantine sends to one
     # owner only reaches the others within a latency, not a fetch's patience later (review s23-RE MED 11: that
     # patience parted two honest owners' deadlines, and a late honest committer dropped by one of them alone was an
-    # ELIMINATE of two honest members). (n - 1)(n - 2) small envelopes per member and step: a stage group's few
-    # replicas, not a data-parallel swarm.
+    # ELIMINATE of two honest members); each declaration too (`_gather`). (n - 1)(n - 2) small envelopes per member,
+    # step and topic: a stage group's few replicas, not a data-parallel swarm.
     echoes_commitments = False
 
     def __init__(
@@ -156,6 +166,8 @@ class SecureRound(ButterflyAllReduce):
         transport.add_request_handler("bt.part", partial(serve_part, state))
         transport.add_request_handler("bt.aggregate", self._serve_aggregate)
         transport.on_evidence(lambda ev: state.evidence.append(ev))
+        self._proofs_passed: set[tuple[str, int, str]] = set()  # (topic, step, sender) slots whose proof I passed on
+        transport.on_evidence(self._pass_on_proof)
 
     # --- the round -------------------------------------------------------------
 
@@ -175,6 +187,7 @@ class SecureRound(ButterflyAllReduce):
             del self._aggregate_asks[key]
         for key in [k for k in self._members if k < step - 2]:
             del self._members[key]
+        self._proofs_passed = {slot for slot in self._proofs_passed if slot[1] >= step - 2}
         self._members[step] = frozenset(group)
         roles = await self.admission.roles(step, group) if self.admission is not None else Roles(tuple(group), tuple(group))
         owners, committers = list(roles.owners), list(roles.committers)
@@ -318,14 +331,54 @@ class SecureRound(ButterflyAllReduce):
         late after its (late) commitment is still waited for."""
         return self.config.pull_timeout + 4 * max(math.prod(s) for s in shapes.values()) / self.config.pull_bandwidth
 
+    def _pass_on_new(self, st: StepState, topic: str, passed_on: set[tuple[str, bytes]]) -> None:
+        """Pass every (topic, step) broadcast of a group member that I hold and have not passed on yet to the other
+        members, without waiting (a second version of one is passed on as its proof: `_pass_on_proof`)."""
+        me = self.transport.peer_id
+        for env in self.transport.board.get(topic, st.step).values():
+            key = (env.sender, digest(env.payload))
+            if env.sender != me and env.sender in st.group and key not in passed_on:
+                passed_on.add(key)
+                self._send_to_members(st.members, env)
+
+    def _send_to_members(self, members: Iterable[str], envelope: SignedEnvelope) -> None:
+        tr = self.transport
+        for peer in [p for p in members if p not in (tr.peer_id, envelope.sender)]:
+            sending = asyncio.ensure_future(_pass_on(tr, peer, envelope))
+            self.state.pending_sends.add(sending)
+            sending.add_done_callback(self.state.pending_sends.discard)
+
+    def _pass_on_proof(self, evidence: Evidence) -> None:
+        """Both versions of a step's commitment, declaration, metadata or report signed twice, passed on to the step's
+        other members once per slot, whenever the proof forms here. With commitments and declarations passed on,
+        the first version reaches every member; a second one sent later to one member only made the proof there
+        alone, and that member alone then judged the sender an equivocator (its declaration void, its claims
+        dropped) while the others judged its first version: ledgers and models apart."""
+        members = self._members.get(evidence.step) if evidence.kind == "equivocation" and evidence.step is not None else None
+        if members is None:
+            return
+        for proof in self.transport.board.proofs:
+            first = proof.first
+            slot = (first.topic, first.step, first.sender)
+            if first.step == evidence.step and first.topic in PASSED_ON_PROOFS and first.sender in members and slot not in self._proofs_passed:
+                self._proofs_passed.add(slot)
+                self._send_to_members(members, proof.first)
+                self._send_to_members(members, proof.second)
+
     async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
-        """The step's commitments, waited for btard.timeout from my start, plus how much later than my
-        start more than half of the other committers had committed (the anchor, waited for up to
-        `anchor_wait`, or until every other that has not committed has left my view). So a member that started early (a joiner, whose join collection ended
-        sooner, or the one replica that was not catching up) does not count its head start against the
-        others: a commitment is late against the group, not against my clock (an owner drops a late one,
-        and the drop ELIMINATEs both of them). In lockstep that lag is a latency; a committer that left my
-        view (crashed) adds nothing to it."""
+        """The step's commitments, waited for until btard.timeout after the anchor: the arrival here of the one
+        commitment that completes more than half of the other committers' when all committers' (mine too, when I
+        committed) are taken in the order they reached me (waited for up to `anchor_wait`, or until every other that
+        has not committed has left my view). So a member that started early (a joiner, whose join collection ended
+        sooner, or the one replica that was not catching up) does not count its head start against the others, and
+        one that began late does not give the others its own head start either: a commitment is late against the
+        group, not against my clock (an owner drops a late one, and the drop ELIMINATEs both of them, or, late for
+        most, costs the owners that used it in time). Every owner takes the same order statistic of the same
+        commitments, so their deadlines differ by latencies only (session 25: with "more than half of the other
+        committers, counted from my start", an owner that began after the anchor waited T from its own start, and one
+        whose own commitment was early anchored on a later one: a late member's commitment met one honest owner's
+        deadline and missed the others', an ELIMINATE of two honest members). A committer that left my view
+        (crashed) adds nothing to it."""
         tr, me, timeout, relays = self.transport, self.transport.peer_id, self.state.btard.timeout, len(st.members)
         start = tr.clock.now()
         # The anchor is waited for 3 btard.timeouts (2 before: replicas still catching up began up to 20 s after
@@ -336,17 +389,11 @@ class SecureRound(ButterflyAllReduce):
         # anchor the deadline is my own start + T.
         anchor_wait = 3 * timeout
         others = [p for p in st.committers if p != me]
-
-        arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
-        echoed: set[str] = set()
+        echoed: set[tuple[str, bytes]] = set()
 
         def echo(got: dict[str, SignedEnvelope]) -> bool:
-            for p in [p for p in got if p != me and p not in echoed] if self.echoes_commitments else []:
-                echoed.add(p)
-                for q in [q for q in st.members if q not in (me, p)]:
-                    sending = asyncio.ensure_future(_pass_on(tr, q, got[p]))
-                    self.state.pending_sends.add(sending)
-                    sending.add_done_callback(self.state.pending_sends.discard)
+            if self.echoes_commitments:
+                self._pass_on_new(st, "bt.commit", echoed)
             return False
 
         def silent_in_view(got: dict[str, SignedEnvelope]) -> bool:
@@ -360,25 +407,27 @@ class SecureRound(ButterflyAllReduce):
             # view only ends a wait, it never shrinks the majority: a Byzantine that lets its record lapse at one
             # honest owner would otherwise rest that owner's anchor on a late honest member's commitment, and its
             # deadline would differ from the others' (review s23-RE HIGH 1 and 1b: two honest banned).
-            for p in got:
-                arrived.setdefault(p, tr.clock.now())
             echo(got)
             return 2 * sum(1 for p in others if p in got) > len(others) or not silent_in_view(got)
 
-        def lag_of(got: dict[str, SignedEnvelope]) -> float:
-            # When the anchoring commitments came, not when the anchor held: a committer that left my view
-            # while I waited (a crash) can complete the anchor long after the others' commitments were in,
-            # and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
-            times = sorted(arrived[p] - start for p in others if p in got and p in arrived)
-            k = len(others) // 2 if 2 * len(times) > len(others) else len(times) // 2
-            return max(0.0, times[k]) if len(times) > k else 0.0
+        def anchor_of(got: dict[str, SignedEnvelope]) -> float:
+            # When the anchoring commitments came (the board's arrival times), not when the anchor held: a committer
+            # that left my view while I waited (a crash) can complete the anchor long after the others' commitments
+            # were in, and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
+            # Mine counts from when I committed. The anchor is the (len(others) // 2 + 2)-th of all: one more than
+            # half of the others besides mine, whichever of them I am (with the view's clause, the middle of those in).
+            arrivals = tr.board.arrivals("bt.commit", st.step)
+            times = sorted(arrivals[p] for p in st.committers if p in got and p in arrivals)
+            most = 2 * sum(1 for p in others if p in got) > len(others)
+            k = len(others) // 2 + 1 if most else len(times) // 2
+            return times[min(k, len(times) - 1)] if times else start
 
         got = await tr.collect_broadcasts(
             "bt.commit", st.step, st.committers, anchor_wait, relays=relays, enough=anchored, patience=timeout / 4
         )
-        lag = lag_of(got) if anchored(got) else 0.0
+        anchor = anchor_of(got) if anchored(got) else start
         return await tr.collect_broadcasts(
-            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays, enough=echo
+            "bt.commit", st.step, st.committers, max(0.0, anchor + timeout - tr.clock.now()), relays=relays, enough=echo
         )
 
     async def _reduce(
@@ -471,11 +520,18 @@ class SecureRound(ButterflyAllReduce):
         # Where missing partitions are filled from the others (`fills_missing`), the owners passed over and those
         # whose declaration is missing may instead all have left before committing (`_left_uncommitted`): then the
         # gather ends at once, and the fill asks the others for the declarations of the owners it passed over.
+        # Where commitments are passed on (`echoes_commitments`), so is each declaration taken (`_pass_on_new`): one a
+        # colluder sends to some members only reaches every member within a latency, not a pull's patience later.
+        # Not in the data-parallel round: there it moved honest peers' verification apart (red-team seed 2900059:
+        # two honest peers waited the metadata of a deadline_edge colluder 6 s, the others' reports closed at 3 s,
+        # and an honest validator was banned not_validating); its pass-over needs none (`_passed_over`).
         patience = self.state.btard.timeout / 4
         started, wait = tr.clock.now(), self._gather_wait(st)
         gone = [False]  # the gather ended for owners that left before committing (`_left_uncommitted`)
 
         def enough(got: dict[str, SignedEnvelope]) -> bool:
+            if self.echoes_commitments:
+                self._pass_on_new(st, "bt.rcommit", st.passed_on)
             drops = declarations(got)
             decided = passed_over(owners, drops)
             if self.fills_missing and self._left_uncommitted(st, got, silent_for_most(owners, drops)):
@@ -487,6 +543,8 @@ class SecureRound(ButterflyAllReduce):
             held = await tr.collect_broadcasts(
                 "bt.rcommit", step, owners, wait, relays=len(st.members), enough=enough, patience=patience,
             )
+            if self.echoes_commitments:
+                self._pass_on_new(st, "bt.rcommit", st.passed_on)
             if gone[0]:  # another member may gather until then: MPRNG's first reveals are waited for (`btard_verify.draw`)
                 st.gathered_by = started + wait
             rcommitted.set()
@@ -592,22 +650,32 @@ class SecureRound(ButterflyAllReduce):
     async def _passed_over(self, st: StepState, drops: dict[str, dict[str, str]]) -> set[str]:
         """The owners this step leaves out (`passed_over`), checked against a declaration signed twice.
 
-        A colluder that signs two declarations, one dropping a fellow colluder as silent and one not,
-        and splits them between honest peers would have them pass over different owners (and step
-        with different partitions). So before passing anyone over, a peer asks the others for the
-        declarations they hold: a second version is an equivocation proof, and a declaration signed
-        twice drops nobody. Asked only when someone would be passed over (a crash, a silent owner)."""
+        A colluder that signs two declarations, one dropping an owner as silent and one not, and splits
+        them between honest peers would have them pass over different owners (and step with different
+        partitions) where the honest drops of that owner are within its vote of the count. So a peer that holds
+        any silent drop asks the others for the declarations they hold (in a stage round each declaration passed on
+        reaches it too: `_gather`); a declaration signed twice drops what either version drops. Counted so, a version that comes
+        later only ever adds drops, as a later declaration does: it passes over an owner that another member passed
+        over on the other version, never revives one (review s24-RB 7: with "a declaration signed twice drops
+        nobody", the version using the owner, sent to one member after the others had fetched and decided on the
+        version dropping it, had that member alone apply its partition)."""
         tr, step = self.transport, st.step
-        passed = passed_over(st.group, drops)
-        passed = self._undecided(st.group, drops) if passed is None else passed
-        if not passed:
-            return passed
-        sources = [p for p in st.members if p != tr.peer_id and p not in passed]
+        if not any(why in SILENT_DROPS for d in drops.values() for why in d.values()):
+            passed = passed_over(st.group, drops)
+            return self._undecided(st.group, drops) if passed is None else passed
+        sources = [p for p in st.members if p != tr.peer_id and p not in silent_for_most(st.group, drops)]
         await tr.fetch_broadcasts("bt.rcommit", step, [o for o in st.group if o in drops], sources, self.state.btard.timeout / 4)
-        twice = {proof.first.sender for proof in tr.board.proofs if proof.first.topic == "bt.rcommit" and proof.first.step == step}
-        cleared = {o: ({} if o in twice else d) for o, d in drops.items()}
-        passed = passed_over(st.group, cleared)
-        return self._undecided(st.group, cleared) if passed is None else passed
+        if self.echoes_commitments:
+            self._pass_on_new(st, "bt.rcommit", st.passed_on)
+        either = {o: dict(d) for o, d in drops.items()}
+        for proof in tr.board.proofs:
+            if proof.first.topic == "bt.rcommit" and proof.first.step == step and proof.first.sender in either:
+                for version in (proof.first, proof.second):
+                    obj = decoded(version.payload, version.sender, None)
+                    parsed = rcommit_in(obj, st.group) if group_in(obj) == st.g else None
+                    either[version.sender].update({p: why for p, why in (parsed[2] if parsed else {}).items() if why in SILENT_DROPS})
+        passed = passed_over(st.group, either)
+        return self._undecided(st.group, either) if passed is None else passed
 
     async def _relay_aggregates(self, st: StepState) -> None:
         """Aggregates that have not come from their owner, asked of the other members once the owner's

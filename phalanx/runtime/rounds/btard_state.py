@@ -180,7 +180,8 @@ class StepState:
     rcommits: dict[str, tuple[bytes, list[str], dict[str, str]]] = field(default_factory=dict)  # owner -> (hash, from, drop)
     inputs: dict[str, bytes] = field(default_factory=dict)  # committer -> digest of its committed inputs (InputsHook)
     aggregates: dict[str, torch.Tensor] = field(default_factory=dict)
-    passed: set[str] = field(default_factory=set)  # owners every other owner declared late_commit: partitions left out
+    passed: set[str] = field(default_factory=set)  # owners most other owners dropped as silent: partitions left out
+    passed_on: set[tuple[str, bytes]] = field(default_factory=set)  # (sender, payload digest) of declarations I passed on
     gathered_by: float = 0.0  # (clock) when my gather would have ended at the latest: other members may gather until then
     meta: dict[str, tuple[dict, dict]] = field(default_factory=dict)
     z: torch.Tensor | None = None
