@@ -13,7 +13,9 @@ import pytest
 from phalanx.core.errors import LocalError
 from phalanx.runs.launcher import ProcessLauncher
 from phalanx.runs.pipeline.config import ChurnConfig
+from phalanx.runs.pipeline.launch import _to_relative_time
 from phalanx.runs.pipeline.launch_churn import PipelineChurn, churn_draws
+from phalanx.runs.pipeline.run import PipelineRecorder
 from phalanx.runs.presets import get_preset
 from phalanx.runs.processes import marked_processes
 
@@ -492,3 +494,17 @@ def test_a_relay_that_stays_is_never_taken_by_launch_churn():
             live[event.name] = config.stage_of(int(event.name))
     left = {e.name for e in churn.events if e.event == "left"}
     assert left and not left & {"1", "4"}
+
+
+def test_launch_times_shift_the_timed_spans_and_leave_other_events_as_they_are():
+    """A verifier's `settled` record (a held gradient strike counted later) has no span: the launch's end
+    crashed on it (KeyError 't0', session 25's first launch with every attack)."""
+    recorder = PipelineRecorder(get_preset("secure-gpt-pipeline"), [])
+    recorder.iterations.append({"t_start": 10.0, "t_train": 11.0, "t_end": 12.0, "microbatches": [
+        {"t_start": 10.5, "t_loss": None, "t_end": 11.5}]})
+    recorder.on_event({"kind": "fwd", "peer": "a", "t0": 10.2, "t1": 10.4})
+    recorder.on_event({"kind": "settled", "peer": "b", "t": 11.0})
+    _to_relative_time(recorder)
+    assert recorder.iterations[0]["t_start"] == 0.0 and recorder.iterations[0]["microbatches"][0]["t_end"] == 1.5
+    assert recorder.events == [{"kind": "fwd", "peer": "a", "t0": pytest.approx(0.2), "t1": pytest.approx(0.4)},
+                               {"kind": "settled", "peer": "b", "t": 11.0}]

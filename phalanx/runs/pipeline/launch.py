@@ -579,8 +579,10 @@ def _progress(path: Path) -> tuple[int, list[tuple[int, float, float]], list[str
 
 
 def _to_relative_time(recorder: PipelineRecorder) -> None:
-    """Shift the (system-wide monotonic) loop times so the run starts at 0, like simulated time."""
-    starts = [r["t_start"] for r in recorder.iterations] + [e["t0"] for e in recorder.events]
+    """Shift the (system-wide monotonic) loop times so the run starts at 0, like simulated time. Only the
+    iteration records and the timed spans (events with `t0`, `t1`) move; other events keep the clock they carry."""
+    spans = [e for e in recorder.events if "t0" in e]
+    starts = [r["t_start"] for r in recorder.iterations] + [e["t0"] for e in spans]
     if not starts:
         return
     origin = min(starts)
@@ -591,7 +593,7 @@ def _to_relative_time(recorder: PipelineRecorder) -> None:
             for key in ("t_start", "t_loss", "t_end"):
                 if mb[key] is not None:
                     mb[key] -= origin
-    for e in recorder.events:
+    for e in spans:
         e["t0"] -= origin
         e["t1"] -= origin
 
