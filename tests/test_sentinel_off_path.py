@@ -208,17 +208,22 @@ def test_backward_copies_kept_for_their_forward_copy_cannot_fill_the_verifiers_m
                for hop in hops for peer in summary["peer_ids"])
 
 
-def test_a_relay_off_a_microbatchs_path_cannot_taint_it_with_a_forged_forward_copy(monkeypatch):
+@pytest.mark.parametrize("colluder", [False, True])
+def test_a_relay_off_a_microbatchs_path_cannot_taint_it_with_a_forged_forward_copy(monkeypatch, colluder):
     """Review RS s25 2: stage-1 relay E sends the link-1 verifier, beside its first real copy of each iteration, a
     forward copy of a microbatch it does not serve (its own signed record, no link-0 record). Rejected (`forged_hop`,
     a strike against E), it also tainted the microbatch for every verifier, so the real stage-2 relay's gradient was
     not cleared and the microbatch left out of the aggregation: one per iteration, under the strike rule. A hop
     problem on a forward copy taints the microbatch only once a receipt shows the receiver got that tensor (fails
-    without: 7 of 8 completed in most iterations)."""
+    without: 7 of 8 completed in most iterations). RS s25 2b/7, `colluder`: the copy addressed to a colluding stage-2
+    relay C, which sends the receipt: the microbatch is still left out (2b, open), but the forged tensor's sketch is
+    no longer passed on as the stage's input, against which the honest relay holding the microbatch was flagged on
+    ``bind``, alone (fails without: honest stage-2 relays flagged)."""
     honest_copy = Links.send_copy
-    served, forged = set(), set()
+    served, forged, links = set(), set(), {}
 
     async def send_copy(self, verifier, direction, to, c, pad):
+        links[self.me] = self
         await honest_copy(self, verifier, direction, to, c, pad)
         if self.me != forger:
             return
@@ -229,17 +234,22 @@ def test_a_relay_off_a_microbatchs_path_cannot_taint_it_with_a_forged_forward_co
                    None)
         if key is not None:
             forged.add((c.it, key))
-            own = m.Hop.signed(self.transport.identity, key, c.it, "forward", 1, "", b"", m.tensor_digest(c.tensor), to)
-            await honest_copy(self, verifier, "forward", to, m.Carry(key, c.it, 2, (data_node, self.me), c.tensor,
-                                                                     hops=(own,)), pad)
+            receiver = accomplice if colluder else to
+            own = m.Hop.signed(self.transport.identity, key, c.it, "forward", 1, "", b"", m.tensor_digest(c.tensor),
+                               receiver)
+            await honest_copy(self, verifier, "forward", receiver, m.Carry(key, c.it, 2, (data_node, self.me), c.tensor,
+                                                                           hops=(own,)), pad)
+            if colluder and accomplice in links:
+                await links[accomplice].transport.send(verifier, RECEIPT, encode({"hop": own.to_obj()}))
 
     config = _config(steps=10)
-    data_node, forger = (peer_identity(config.seed, i).peer_id for i in (0, 1))
+    data_node, forger, accomplice = (peer_identity(config.seed, i).peer_id for i in (0, 1, 5))
     monkeypatch.setattr(Links, "send_copy", send_copy)
     summary = simulate_pipeline(config, progress=False)
     assert len(forged) >= 4
     assert {v["reason"] for v in summary["verdicts"] if v["peer"] == forger and v["flagged"]} == {"forged_hop"}
-    assert all(row["completed"] == 8 for row in summary["metrics"])
+    assert {v["peer"] for v in summary["verdicts"] if v["flagged"]} == {forger}
+    assert colluder or all(row["completed"] == 8 for row in summary["metrics"])
 
 
 def test_a_relays_copy_of_what_only_a_data_node_sends_is_refused(monkeypatch):

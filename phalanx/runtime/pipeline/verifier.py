@@ -217,7 +217,7 @@ class VerifierHop:
         # hop=off_path, by slot (key, it, direction, link, sender, receiver): the copy (digest, passed, carry) once
         # judged (None while it waits or when it is not judged: a slot here is one a copy came for), the digest the
         # receipt names; input sketches arrived (key, stage, direction) -> (iteration, sketch), and their waiters
-        self.copies: dict[tuple, tuple[bytes, bool, m.Carry] | None] = {}
+        self.copies: dict[tuple, tuple[bytes, bool, m.Carry | None] | None] = {}
         self.receipts: dict[tuple, bytes] = {}
         self.early: dict[tuple, m.Carry] = {}  # backward copies that came before the forward copy to their sender
         self.inputs: dict[tuple, tuple[int, torch.Tensor]] = {}
@@ -567,7 +567,10 @@ class VerifierHop:
             return  # its sender is banned: the microbatch is rerouted
         sent = m.tensor_digest(c.tensor)
         passed = not verdict.flagged and verdict.substitute is None
-        self.copies[slot] = (sent, passed, c)
+        # a tensor whose hop records failed is nobody's input: its sketch is not passed on at `_pair` (review RS s25
+        # 7: a forged copy paired by a colluder's receipt replaced the real input's sketch, and the honest relay that
+        # held the microbatch was flagged on ``bind``, alone)
+        self.copies[slot] = (sent, passed, None if verdict.reason in ("unsigned", "forged_hop") else c)
         if not passed:
             self._tell(slot, False)
         if slot in self.receipts:
@@ -629,7 +632,7 @@ class VerifierHop:
             if not passed and direction == FORWARD and self.sentinel.taint_of(key) is None:
                 self.sentinel.mark_tainted(key, link, sender)  # its receiver got a tensor whose hop records were bad
                 self._share({"tainted": [link, sender]}, key, it)
-            if self.sentinel.binds:
+            if self.sentinel.binds and c is not None:
                 self._bind_input(direction, c, c.tensor)
             if passed:
                 self._tell(slot, True)
