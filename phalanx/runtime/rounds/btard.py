@@ -366,19 +366,13 @@ class SecureRound(ButterflyAllReduce):
                 self._send_to_members(members, proof.second)
 
     async def _commitments(self, st: StepState) -> dict[str, SignedEnvelope]:
-        """The step's commitments, waited for until btard.timeout after the anchor: the arrival here of the one
-        commitment that completes more than half of the other committers' when all committers' (mine too, when I
-        committed) are taken in the order they reached me (waited for up to `anchor_wait`, or until every other that
-        has not committed has left my view). So a member that started early (a joiner, whose join collection ended
-        sooner, or the one replica that was not catching up) does not count its head start against the others, and
-        one that began late does not give the others its own head start either: a commitment is late against the
-        group, not against my clock (an owner drops a late one, and the drop ELIMINATEs both of them, or, late for
-        most, costs the owners that used it in time). Every owner takes the same order statistic of the same
-        commitments, so their deadlines differ by latencies only (session 25: with "more than half of the other
-        committers, counted from my start", an owner that began after the anchor waited T from its own start, and one
-        whose own commitment was early anchored on a later one: a late member's commitment met one honest owner's
-        deadline and missed the others', an ELIMINATE of two honest members). A committer that left my view
-        (crashed) adds nothing to it."""
+        """The step's commitments, waited for btard.timeout from my start, plus how much later than my
+        start more than half of the other committers had committed (the anchor, waited for up to
+        `anchor_wait`, or until every other that has not committed has left my view). So a member that started early (a joiner, whose join collection ended
+        sooner, or the one replica that was not catching up) does not count its head start against the
+        others: a commitment is late against the group, not against my clock (an owner drops a late one,
+        and the drop ELIMINATEs both of them). In lockstep that lag is a latency; a committer that left my
+        view (crashed) adds nothing to it."""
         tr, me, timeout, relays = self.transport, self.transport.peer_id, self.state.btard.timeout, len(st.members)
         start = tr.clock.now()
         # The anchor is waited for 3 btard.timeouts (2 before: replicas still catching up began up to 20 s after
@@ -389,6 +383,8 @@ class SecureRound(ButterflyAllReduce):
         # anchor the deadline is my own start + T.
         anchor_wait = 3 * timeout
         others = [p for p in st.committers if p != me]
+
+        arrived: dict[str, float] = {}  # committer -> when its commitment was first seen here (asked at each arrival)
         echoed: set[tuple[str, bytes]] = set()
 
         def echo(got: dict[str, SignedEnvelope]) -> bool:
@@ -407,27 +403,25 @@ class SecureRound(ButterflyAllReduce):
             # view only ends a wait, it never shrinks the majority: a Byzantine that lets its record lapse at one
             # honest owner would otherwise rest that owner's anchor on a late honest member's commitment, and its
             # deadline would differ from the others' (review s23-RE HIGH 1 and 1b: two honest banned).
+            for p in got:
+                arrived.setdefault(p, tr.clock.now())
             echo(got)
             return 2 * sum(1 for p in others if p in got) > len(others) or not silent_in_view(got)
 
-        def anchor_of(got: dict[str, SignedEnvelope]) -> float:
-            # When the anchoring commitments came (the board's arrival times), not when the anchor held: a committer
-            # that left my view while I waited (a crash) can complete the anchor long after the others' commitments
-            # were in, and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
-            # Mine counts from when I committed. The anchor is the (len(others) // 2 + 2)-th of all: one more than
-            # half of the others besides mine, whichever of them I am (with the view's clause, the middle of those in).
-            arrivals = tr.board.arrivals("bt.commit", st.step)
-            times = sorted(arrivals[p] for p in st.committers if p in got and p in arrivals)
-            most = 2 * sum(1 for p in others if p in got) > len(others)
-            k = len(others) // 2 + 1 if most else len(times) // 2
-            return times[min(k, len(times) - 1)] if times else start
+        def lag_of(got: dict[str, SignedEnvelope]) -> float:
+            # When the anchoring commitments came, not when the anchor held: a committer that left my view
+            # while I waited (a crash) can complete the anchor long after the others' commitments were in,
+            # and that wait is no lateness of theirs (it put the deadline 2.5 s later in a stage of two).
+            times = sorted(arrived[p] - start for p in others if p in got and p in arrived)
+            k = len(others) // 2 if 2 * len(times) > len(others) else len(times) // 2
+            return max(0.0, times[k]) if len(times) > k else 0.0
 
         got = await tr.collect_broadcasts(
             "bt.commit", st.step, st.committers, anchor_wait, relays=relays, enough=anchored, patience=timeout / 4
         )
-        anchor = anchor_of(got) if anchored(got) else start
+        lag = lag_of(got) if anchored(got) else 0.0
         return await tr.collect_broadcasts(
-            "bt.commit", st.step, st.committers, max(0.0, anchor + timeout - tr.clock.now()), relays=relays, enough=echo
+            "bt.commit", st.step, st.committers, max(0.0, start + timeout + lag - tr.clock.now()), relays=relays, enough=echo
         )
 
     async def _reduce(
