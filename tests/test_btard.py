@@ -202,10 +202,11 @@ def test_resolve_orders_claims_and_bans_eliminators_and_slanderers():
         Claim(ACCUSE, "b2", "h3", "gradient"),  # slander
         Claim(ACCUSE, "h4", "b3", "gradient"),  # upheld, with b2's cover (b2 is already banned)
         Claim(ACCUSE, "h4", "b4", "gradient"),
+        Claim(ACCUSE, "h6", "h7", "gradient"),  # this peer cannot weigh it (no weights of that step): nobody pays
     ]
-    verdicts = {"h3": Verdict(False), "b3": Verdict(True, ("b2",)), "b4": Verdict(True, ("b5",))}
+    verdicts = {"h3": Verdict(False), "b3": Verdict(True, ("b2",)), "b4": Verdict(True, ("b5",)), "h7": Verdict(False, judged=False)}
     applied = resolve(ledger, 7, claims, lambda c: verdicts[c.target])
-    assert set(ledger.banned) == {"b1", "h1", "b2", "b3", "b4", "b5"}
+    assert set(ledger.banned) == {"b1", "h1", "b2", "b3", "b4", "b5"}  # neither h6 nor h7
     reasons = {r.peer: (r.reason, r.accuser) for r in applied}
     assert reasons["b2"] == ("slander:gradient", "b2")
     assert reasons["b1"] == ("eliminated:part_hash", "h1") and reasons["h1"] == ("eliminator", "h1")

@@ -94,6 +94,35 @@ def test_a_replica_that_missed_a_departed_owners_aggregate_takes_it_from_its_pee
     assert missed in summary["replicas"]
 
 
+def test_a_replica_whose_step_split_from_its_stages_takes_the_majoritys_weights_and_nobody_is_banned(monkeypatch):
+    # Issue 18's seed-1 launch (session 25): stage 2's round of iteration 13 ended differently for two honest
+    # replicas (each lacked another partition, nothing to fill), their weights stayed apart, and stage-gradient
+    # validation turned the split into three honest `gradient` bans and a `slander`. Here relay 3 steps with one
+    # partition of its update zeroed at iteration 1, with no trace in its round (as if that aggregate never
+    # reached it and no peer would give it). Without `agree_weights` relay 3 keeps other weights for good (stage 2
+    # ends with two digests; in this short run no validation drew a pair across the split, in the launch it did).
+    from phalanx.runs.dp.swarm import peer_identity
+    from phalanx.runtime.pipeline.stage_btard import StageRound
+
+    config = _config(ChurnConfig(), steps=6)
+    split = peer_identity(config.seed, 4).peer_id  # relay 3
+    call = StageRound.__call__
+
+    async def lacks_a_partition(self, it, vector, group):
+        result = await call(self, it, vector, group)
+        if self.node.me == split and it == 1:
+            result = replace(result, vector=result.vector.clone())
+            result.vector[: result.vector.numel() // 4] = 0.0
+        return result
+
+    monkeypatch.setattr(StageRound, "__call__", lacks_a_partition)
+    summary = simulate_pipeline(config, progress=False)
+    resyncs = [(e["peer"], e["version"], e["majority"]) for e in summary["events"] if e["kind"] == "resync"]
+    assert resyncs == [(split, 2, 3)]
+    assert summary["bans"] == [] and summary["banned"] == []
+    assert _one_digest_per_stage(summary) and split in summary["replicas"]
+
+
 def test_the_validator_of_a_crashed_target_is_waited_for_while_it_waits_out_failure_detection(monkeypatch):
     # Over hivemind a dead relay stays in the membership view up to its record's ttl, and its validator waits that
     # long before it reports (it may not ELIMINATE a target that only died). A fresh-clone run: the stage's other

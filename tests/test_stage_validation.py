@@ -127,6 +127,25 @@ def test_a_seal_binds_its_signer_tensor_microbatch_direction_and_stage():
     assert parsed.seal == seal and parsed.seal.valid(key, 5, "forward", 2, parsed.tensor)
 
 
+def test_a_replica_that_holds_weights_of_another_version_cannot_judge_a_stage_gradient():
+    # Issue 18's seed-1 launch: a joiner still at version 13 when iteration 14's round began kept version-13
+    # weights for step 14, recomputed a peer's stage gradient with them and accused it (gap 250x the tolerance).
+    from types import SimpleNamespace
+
+    from phalanx.runtime.rounds.btard_state import CannotJudge
+
+    inputs = stage_btard.StageInputs.__new__(stage_btard.StageInputs)
+    inputs.node = SimpleNamespace(stage=1, transport=SimpleNamespace(limits=DEFAULT_LIMITS))
+    part = torch.nn.Linear(3, 3)
+    inputs.kept = {14: stage_btard._Iteration(part, {}, 4, 0, version=13), 15: stage_btard._Iteration(part, {}, 4, 0, version=15)}
+    inputs.explained = {}
+    for step in (14, 16):  # weights of version 13 kept for step 14; nothing kept for step 16
+        with pytest.raises(CannotJudge):
+            inputs.recompute("target", step, encode([]))
+        assert inputs.explain("target", step, encode([]), {}, [])["judged"] is False
+    assert float(inputs.recompute("target", 15, encode([])).norm()) == 0.0  # its own version: it judges
+
+
 def test_a_sender_that_seals_two_activations_for_one_microbatch_is_reported_and_its_receiver_stays(monkeypatch):
     # From START the liar (relay 0, stage 1) sends each output a second time to the same receiver, scaled
     # by 1.01 under its own valid seal: the receiver holds two sealed activations for one microbatch, a

@@ -222,6 +222,7 @@ class Claim:
 class Verdict:
     guilty: bool
     covered_by: tuple[str, ...] = ()  # peers that approved the target's lie (banned with it)
+    judged: bool = True  # False: this peer cannot weigh the evidence (it lacks the state it needs): nobody is banned
 
 
 def resolve(
@@ -255,8 +256,8 @@ def resolve(
             if outcome.guilty:
                 records = [BanRecord(step, claim.target, claim.reason, claim.accuser)]
                 records += [BanRecord(step, peer, f"covered:{claim.reason}", claim.accuser) for peer in outcome.covered_by]
-            elif not claim.accuser:
-                records = []  # a failure every honest peer derives itself did not hold: nobody to blame
+            elif not claim.accuser or not outcome.judged:
+                records = []  # a failure every honest peer derives itself did not hold, or a claim this peer cannot weigh
             else:
                 records = [BanRecord(step, claim.accuser, f"slander:{claim.reason}", claim.accuser)]
         for record in records:

@@ -79,6 +79,11 @@ class Aggregation:
                     if self.version == it:  # a download may have caught it up while it waited for the lock
                         self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
+            if self.secure and not behind and self.version == it and len(result.group) > 1:
+                # the stage's weights stay one (validation needs it): checked off this path; forwards of the new
+                # version wait for the check (`weights_agreed`), so none computes with weights about to be replaced
+                self._agreeing[version] = asyncio.Event()
+                self.spawn(self.agree_weights(version, result.group))
         fetched = behind or self.me not in group
         if self.version > it:
             # Caught up meanwhile (this all-reduce waited out a member that died, and a forward for a later

@@ -81,6 +81,7 @@ class Forward:
                 self.spawn(self.catch_up(c.it, unstepped=False)).add_done_callback(self._caught_up)
             self.release(c.key)
             return m.answer(m.DENIED)
+        await self.weights_agreed(c.it)
         t0 = self.now()
         async with self.compute_lock:
             if c.it != self.version:

@@ -33,6 +33,7 @@ HELLO = "pp.hello"  # one-way to every member: I serve this stage from this vers
 UTIL = "pp.util"  # one-way flood, leader -> stage 1 -> ... -> leader: utilization query (GWTF V-B)
 JOIN = "pp.join"  # request, joiner -> leader: my capacity; answered with a stage and the current iteration
 WEIGHTS = "pp.weights"  # request: a stage's parameters and optimizer state at a version
+STEPPED = "pp.stepped"  # request, replica -> its stage group: the digest (or the whole state) of your weights just stepped to a version
 
 OK, DENIED, STALE, UNKNOWN = "ok", "deny", "stale", "unknown"
 

@@ -108,12 +108,16 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         self.optimizer = make_optimizer(train, self.params)
         self.groups: list[list[str]] = []  # the replica group of every stage, from the latest BEGIN
         secure = btard is not None and btard.enabled  # BTARD per relay stage (stage_btard.py); data nodes are trusted
+        self.secure = secure
         # With validators every node signs the tensors it sends (a Seal), and relays keep what they received:
         # the inputs a stage gradient is recomputed from (issue 18 item 2).
         self.sealing = secure and btard.validators > 0
         self.received: dict[m.Key, tuple[m.Carry, m.Carry]] = {}  # key -> (forward carry, backward carry) it computed with
         self.finished_paths: dict[m.Key, list[str]] = {}  # the latest BEGIN's finished microbatches and their paths
         self.stage_bans = StageBanReports(self) if secure else None  # stage rounds' bans, applied on a stage majority
+        self.stepped: dict[int, bytes] = {}  # version -> digest of the weights this replica stepped to (`agree_weights`)
+        self._stepped_events: dict[int, asyncio.Event] = {}
+        self._agreeing: dict[int, asyncio.Event] = {}  # version -> set once `agree_weights` is done with it
         if secure and stage > 0:
             self.allreduce = StageRound(self, num_params(self.part), allreduce, btard, policy)
         else:
@@ -159,6 +163,8 @@ class PipelineNode(Forward, Backward, Links, Repair, Aggregation, WeightTransfer
         transport.add_message_handler(m.BEGIN, self._on_begin)
         transport.add_message_handler(m.CAN_TAKE, self._on_can_take)
         transport.add_request_handler(m.WEIGHTS, self._on_weights)
+        if secure:
+            transport.add_request_handler(m.STEPPED, self._on_stepped)
         transport.add_message_handler(m.HELLO, self._on_hello)
         transport.add_message_handler(BAN, self._on_ban)
         self.served = 0  # microbatches this node computed a forward for in this iteration

@@ -88,7 +88,7 @@ from ...transport.base import BOARD_TOPIC, BROADCAST_TOPIC, Transport
 from ...transport.broadcast import BroadcastBoard
 from ..rounds.btard import BTARDConfig, SecureRound
 from ..rounds.btard_messages import decoded, group_in, parts_in, rcommit_in
-from ..rounds.btard_state import StepState
+from ..rounds.btard_state import CannotJudge, StepState
 from ..rounds.butterfly import AllReduceConfig, AllReduceResult, group_digest, part_bounds
 from . import messages as m
 from .stages import contribution, flat
@@ -575,8 +575,8 @@ class StageInputs:
     def recompute(self, target: str, step: int, inputs: bytes) -> torch.Tensor | None:
         """The target's stage vector of `step` recomputed from its committed inputs; None when the inputs
         prove a lie: not the microbatches BEGIN says it served, a tensor of the wrong shape, or a seal that
-        is not its sender's. Raises KeyError when this replica cannot judge: it kept no weights of `step`,
-        or the target departed without giving its inputs (DEPARTED_INPUTS)."""
+        is not its sender's. Raises CannotJudge when this replica cannot judge: it kept no weights of `step`
+        (none, or those of another version), or the target departed without giving its inputs (DEPARTED_INPUTS)."""
         grads = self._microbatch_grads(target, step, inputs)
         if grads is None:
             return None
@@ -589,9 +589,11 @@ class StageInputs:
     def _microbatch_grads(self, target: str, step: int, inputs: bytes) -> list[tuple[m.Key, torch.Tensor]] | None:
         """`recompute`'s work: the target's gradient of each microbatch it served at `step`, in key order."""
         node, stage = self.node, self.node.stage
-        if inputs == DEPARTED_INPUTS:
-            raise KeyError(target)
-        kept = self.kept[step]
+        kept = self.kept.get(step)
+        if inputs == DEPARTED_INPUTS or kept is None or kept.version != step:
+            # the target left without its inputs, or I hold no weights of `step`: a replica behind at `step` (a
+            # joiner that had not caught up) recomputed with older weights and accused honest replicas (issue 18)
+            raise CannotJudge(target)
         records = decode(inputs, target, node.transport.limits)
         expected = sorted(k for k, p in kept.paths.items() if p[stage] == target)
         if not isinstance(records, list) or len(records) != len(expected):
@@ -626,8 +628,9 @@ class StageInputs:
         """How the target's committed parts differ from this replica's recomputation from `inputs` (the
         detail of a stage-gradient claim; the verdict itself is BTARD's `parts_guilty`)."""
         kept = self.kept.get(step)
-        if kept is None or inputs == DEPARTED_INPUTS:
-            return {"judged": False, "why": "no weights of that iteration kept here" if kept is None else "departed"}
+        if kept is None or kept.version != step or inputs == DEPARTED_INPUTS:
+            why = "departed" if inputs == DEPARTED_INPUTS else "no weights of that iteration kept here"
+            return {"judged": False, "why": why, **({"version": kept.version} if kept is not None else {})}
         context = {"weights": _weights_digest(kept.part), "version": kept.version, "work": kept.work,
                    "replicas": kept.replicas}
         key = (target, step, digest(inputs))

@@ -204,6 +204,122 @@ class WeightTransfer:
             return None
         return body
 
+    async def agree_weights(self, version: int, group: tuple[str, ...]) -> None:
+        """Right after this replica stepped to `version`: compare the digest of its weights with those its round's
+        `group` stepped to, and when a strict majority of the group holds other weights, take theirs (parameters
+        and optimizer state) before serving `version`. A round that ends differently for two honest replicas (a
+        partition's aggregate one applied and the other lacked) leaves their weights apart for good otherwise, and
+        stage-gradient validation then turns the split into honest bans: each recomputes its peers' gradients with
+        other weights than theirs (issue 18's seed-1 launch: three honest replicas banned `gradient`). Claims
+        are asked until one digest has a majority (the slowest replica is not waited for), for half the COMPLETE
+        timeout at most: forwards of `version` wait for the check (`weights_agreed`, set up by the caller)."""
+        try:
+            await self._agree_weights(version, group)
+        finally:
+            self._agreeing[version].set()
+            for old in [v for v in self._agreeing if v <= version - 3]:
+                del self._agreeing[old]
+
+    async def weights_agreed(self, version: int) -> None:
+        """Return once this replica's check of its weights of `version` against its group's is done (at once if none)."""
+        agreeing = self._agreeing.get(version)
+        if agreeing is not None:
+            await agreeing.wait()
+
+    async def _agree_weights(self, version: int, group: tuple[str, ...]) -> None:
+        mine = self.state_digest()
+        self.stepped[version] = mine
+        self._stepped_event(version).set()
+        for old in [v for v in self.stepped if v <= version - 3]:
+            del self.stepped[old]
+            self._stepped_events.pop(old, None)
+        others = [p for p in group if p != self.me]
+        need = len(group) // 2 + 1
+        tally: dict[bytes, list[str]] = {mine: [self.me]}
+        asks = [asyncio.ensure_future(self._stepped_from(peer, version)) for peer in others]
+        try:
+            for answer in asyncio.as_completed(asks):
+                peer, held = await answer
+                if held is not None:
+                    tally.setdefault(held, []).append(peer)
+                if any(len(holders) >= need for holders in tally.values()):
+                    break
+        finally:
+            for ask in asks:
+                ask.cancel()
+        theirs = next((d for d, holders in tally.items() if d != mine and len(holders) >= need), None)
+        if theirs is None:
+            return
+        for source in tally[theirs]:
+            if await self._take_stepped(source, version, theirs):
+                self.on_event({"kind": "resync", "peer": self.me, "stage": self.stage, "it": version - 1, "t0": self.now(),
+                               "t1": self.now(), "version": version, "from": source, "majority": len(tally[theirs]),
+                               "group": len(group)})
+                return
+        log.info("%s: my stage %d weights of version %d differ from the group's; none of its holders gave them",
+                 self.me[:8], self.stage, version)
+
+    def _stepped_event(self, version: int) -> asyncio.Event:
+        return self._stepped_events.setdefault(version, asyncio.Event())
+
+    async def _stepped_from(self, peer: str, version: int, full: bool = False) -> tuple[str, bytes | dict | None]:
+        """`peer`'s digest of the weights it stepped to `version` (with `full`: the whole answer), None if it has none."""
+        try:
+            timeout = self.config.aggregation_timeout if full else self.config.complete_timeout / 2
+            response = await self.transport.request(peer, m.STEPPED, encode({"version": version, "full": full}), timeout)
+            body = decode(response, peer, self.transport.limits)
+        except RemoteError as exc:
+            self.transport.report(exc.evidence)
+            return peer, None
+        except PhalanxError:
+            return peer, None
+        if not isinstance(body, dict) or not isinstance(body.get("digest"), bytes):
+            return peer, None
+        return peer, body if full else body["digest"]
+
+    async def _on_stepped(self, sender: str, payload: bytes) -> bytes:
+        obj = m.parse_mapping(payload, sender, self.transport.limits, "stepped weights request")
+        version, full = obj.get("version"), obj.get("full")
+        if type(version) is not int or not isinstance(full, bool):
+            raise RemoteError(Evidence(sender, "malformed", "bad stepped weights request"))
+        if sender in self.banned or self.directory.get(sender) != self.stage:
+            return encode({"digest": None})
+        if version not in self.stepped and version > max(self.stepped, default=-1):
+            try:  # my round of that iteration may still be finishing
+                await asyncio.wait_for(self._stepped_event(version).wait(), self.config.complete_timeout / 2)
+            except asyncio.TimeoutError:
+                pass
+        held = self.stepped.get(version)
+        if held is None or full and held != self.state_digest():  # not stepped there, or stepped on since
+            return encode({"digest": None})
+        body: dict = {"digest": held}
+        if full:
+            body["params"] = [p.detach() for p in self.params]
+            body["state"] = {str(i): dict(v) for i, v in self.optimizer.state_dict()["state"].items()}
+        return encode(body)
+
+    async def _take_stepped(self, source: str, version: int, wanted: bytes) -> bool:
+        """Copy `source`'s weights and optimizer state of `version` when they match the majority's digest `wanted`."""
+        _, body = await self._stepped_from(source, version, full=True)
+        if not isinstance(body, dict) or body["digest"] != wanted:
+            return False
+        try:
+            params, state = self._check_weights(source, body)
+        except RemoteError as exc:
+            self.transport.report(exc.evidence)
+            return False
+        if digest(b"".join(p.numpy().tobytes() for p in params)) != wanted:
+            return False  # not the weights the majority stepped to (its own claim was a lie, or it stepped on)
+        async with self.compute_lock:  # no forward of `version` has computed yet (`weights_agreed`)
+            with torch.no_grad():
+                for p, value in zip(self.params, params):
+                    p.copy_(value)
+            sd = self.optimizer.state_dict()
+            sd["state"] = state
+            self.optimizer.load_state_dict(sd)
+        self.stepped[version] = wanted
+        return True
+
     def _check_weights(self, source: str, body: dict) -> tuple[list[torch.Tensor], dict]:
         params, state = body.get("params"), body.get("state")
         if not isinstance(params, list) or len(params) != len(self.params) or not isinstance(state, dict):

@@ -16,7 +16,7 @@ from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, Verdict, resolv
 from ...core.envelope import SignedEnvelope
 from ...core.serialization import digest
 from .btard_messages import commit_in, decoded, group_in, malformed_part, parts_in, rcommit_in, report_in
-from .btard_state import RoundState, StepState
+from .btard_state import CannotJudge, RoundState, StepState
 from .btard_validate import lied_about, parts_guilty
 
 log = logging.getLogger(__name__)
@@ -134,8 +134,12 @@ def _judge(state: RoundState, st: StepState, claim: Claim) -> Verdict:
         if target not in st.inputs:  # it committed no inputs at all
             return Verdict(True)
         (blob,) = ev
-        ok = isinstance(blob, bytes) and digest(blob) == st.inputs[target]
-        return Verdict(ok and state.inputs.recompute(target, st.step, blob) is None)
+        if not (isinstance(blob, bytes) and digest(blob) == st.inputs[target]):
+            return Verdict(False)
+        try:
+            return Verdict(state.inputs.recompute(target, st.step, blob) is None)
+        except CannotJudge:
+            return Verdict(False, judged=False)
     if claim.reason == "gradient":
         return _judge_gradient(state, st, claim)
     return Verdict(False)
@@ -150,7 +154,10 @@ def _judge_gradient(state: RoundState, st: StepState, claim: Claim) -> Verdict:
         blob, ev = ev[0], ev[1:]
         if not (isinstance(blob, bytes) and digest(blob) == st.inputs.get(target)):
             return Verdict(False)
-        recomputed = state.inputs.recompute(target, st.step, blob)
+        try:
+            recomputed = state.inputs.recompute(target, st.step, blob)
+        except CannotJudge:  # no weights of that step here: the peers that hold them judge it
+            return Verdict(False, judged=False)
         if recomputed is None:
             return Verdict(False)
         recomputed = recomputed.reshape(-1)

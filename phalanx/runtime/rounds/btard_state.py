@@ -60,6 +60,11 @@ class SecureResult(AllReduceResult):
     bans: tuple[BanRecord, ...] = ()  # bans that took effect since the previous result (verifications of earlier steps)
 
 
+class CannotJudge(Exception):
+    """This member cannot recompute a target's gradient of a step: it holds no weights of that step (it joined,
+    or was behind, since) or the target departed without its inputs. It neither validates nor judges the claim."""
+
+
 class InputsHook(Protocol):
     """How a member's gradient is recomputed when it is not a function of public data (a pipeline
     stage's: it depends on the activations and output gradients other relays sent it, issue 18 item 2).
@@ -77,7 +82,8 @@ class InputsHook(Protocol):
     def departure_wait(self) -> float:
         """How long `fetch` may wait, after the target's silence, for a silent target to leave the view."""
 
-    def recompute(self, target: str, step: int, inputs: bytes) -> torch.Tensor | None: ...
+    def recompute(self, target: str, step: int, inputs: bytes) -> torch.Tensor | None:
+        """The target's gradient from its inputs; None when the inputs prove a lie; raises CannotJudge."""
 
 
 class AdmissionHook(Protocol):

@@ -18,7 +18,7 @@ from ...algorithms.btard.checks import ACCUSE, ELIMINATE, Claim, gradient_hash, 
 from ...core.errors import Evidence, PhalanxError, RemoteError
 from ...core.serialization import decode, encode
 from .btard_messages import commit_in, decoded, group_in
-from .btard_state import RoundState, StepState
+from .btard_state import CannotJudge, RoundState, StepState
 
 
 async def validate(state: RoundState, st: StepState, target: str) -> Claim | str | None:
@@ -66,7 +66,7 @@ async def _validate_from_inputs(state: RoundState, st: StepState, target: str) -
         return Claim(ELIMINATE, me, target, "no_inputs")
     try:
         recomputed = state.inputs.recompute(target, st.step, blob)
-    except KeyError:  # this validator holds no weights of that step (it joined since): it cannot judge
+    except CannotJudge:  # this validator holds no weights of that step (it joined, or was behind): it cannot judge
         return "unverified"
     if recomputed is None:
         return Claim(ACCUSE, me, target, "inputs", (blob,))
