@@ -123,6 +123,25 @@ def test_a_replica_whose_step_split_from_its_stages_takes_the_majoritys_weights_
     assert _one_digest_per_stage(summary) and split in summary["replicas"]
 
 
+def test_what_a_stage_agrees_on_binds_the_optimizer_state_too():
+    # Review s26-RW 2: the agreed digest covered the parameters only, so one liar served the agreed parameters
+    # with a momentum of its own, and the stage followed it (train loss 2.3 -> 227 in 8 steps).
+    import torch
+
+    from phalanx.runtime.pipeline.weights import weights_and_state_digest
+
+    layer = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.1)
+    layer(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    params, state = list(layer.parameters()), optimizer.state_dict()["state"]
+    honest = weights_and_state_digest(params, state)
+    assert weights_and_state_digest([p.clone() for p in params], {i: dict(v) for i, v in state.items()}) == honest
+    pushed = {i: {**v, "exp_avg": v["exp_avg"] + 30.0} for i, v in state.items()}
+    stepped = {i: {**v, "step": v["step"] + 1} for i, v in state.items()}
+    assert weights_and_state_digest(params, pushed) != honest and weights_and_state_digest(params, stepped) != honest
+
+
 def test_the_validator_of_a_crashed_target_is_waited_for_while_it_waits_out_failure_detection(monkeypatch):
     # Over hivemind a dead relay stays in the membership view up to its record's ttl, and its validator waits that
     # long before it reports (it may not ELIMINATE a target that only died). A fresh-clone run: the stage's other

@@ -40,6 +40,7 @@ class Aggregation:
         """Flood BEGIN on, all-reduce this stage's gradients of the finished microbatches, step, pass CAN TAKE back."""
         if it - 1 in self._begun:  # the previous aggregation is still running here: let it finish first
             await self.wait_version(it, self.config.aggregation_timeout)
+        await self.weights_agreed(it)  # this round's kept weights (what validators recompute with) are the agreed ones
         if self.flow is not None:
             self.flow.pause(False)  # between iterations the flow may optimise again
         if self.stage >= 1 and self.stage < self.last:

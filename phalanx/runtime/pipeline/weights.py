@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import torch
 
@@ -204,17 +205,29 @@ class WeightTransfer:
             return None
         return body
 
+    def stepped_digest(self) -> bytes:
+        """Digest of this replica's parameters and optimizer state (`weights_and_state_digest`)."""
+        return weights_and_state_digest([p.detach() for p in self.params], self.optimizer.state_dict()["state"])
+
     async def agree_weights(self, version: int, group: tuple[str, ...]) -> None:
-        """Right after this replica stepped to `version`: compare the digest of its weights with those its round's
-        `group` stepped to, and when a strict majority of the group holds other weights, take theirs (parameters
-        and optimizer state) before serving `version`. A round that ends differently for two honest replicas (a
-        partition's aggregate one applied and the other lacked) leaves their weights apart for good otherwise, and
-        stage-gradient validation then turns the split into honest bans: each recomputes its peers' gradients with
-        other weights than theirs (issue 18's seed-1 launch: three honest replicas banned `gradient`). Claims
-        are asked until one digest has a majority (the slowest replica is not waited for), for half the COMPLETE
-        timeout at most: forwards of `version` wait for the check (`weights_agreed`, set up by the caller)."""
+        """Right after this replica stepped to `version`: compare the digest of its weights and optimizer state with
+        those the other members of its round's `group` stepped to, and when a strict majority of the members that
+        answered (itself included) holds another digest, take theirs before serving `version`. A round that ends
+        differently for two honest replicas (a partition's aggregate one applied and the other lacked) leaves their
+        weights apart for good otherwise, and stage-gradient validation then turns the split into honest bans:
+        each recomputes its peers' gradients with other weights than theirs (issue 18's seed-1 launch of session
+        25: two honest replicas banned `gradient`, one `slander:gradient`).
+
+        What a liar in the group can do (review s26-RW): answer each asker differently and keep a split alive
+        (the replicas swap weights), or stall an asker up to the check's deadline; it cannot plant weights or an
+        optimizer state that no honest replica stepped to, since the digest binds both and a majority needs an
+        honest holder besides the liar (a member that does not answer counts for nobody). Claims are asked until
+        one digest has a majority of the group, for half the COMPLETE timeout at most; forwards of `version`, and
+        the next round, wait for the check (`weights_agreed`, set up by the caller)."""
         try:
-            await self._agree_weights(version, group)
+            await asyncio.wait_for(self._agree_weights(version, group), self.config.complete_timeout)
+        except asyncio.TimeoutError:
+            log.info("%s: the check of my stage %d weights of version %d ran out of time", self.me[:8], self.stage, version)
         finally:
             self._agreeing[version].set()
             for old in [v for v in self._agreeing if v <= version - 3]:
@@ -227,14 +240,13 @@ class WeightTransfer:
             await agreeing.wait()
 
     async def _agree_weights(self, version: int, group: tuple[str, ...]) -> None:
-        mine = self.state_digest()
+        mine = self.stepped_digest()
         self.stepped[version] = mine
         self._stepped_event(version).set()
         for old in [v for v in self.stepped if v <= version - 3]:
             del self.stepped[old]
             self._stepped_events.pop(old, None)
-        others = [p for p in group if p != self.me]
-        need = len(group) // 2 + 1
+        others = [p for p in group if p != self.me and p not in self.banned]
         tally: dict[bytes, list[str]] = {mine: [self.me]}
         asks = [asyncio.ensure_future(self._stepped_from(peer, version)) for peer in others]
         try:
@@ -242,19 +254,20 @@ class WeightTransfer:
                 peer, held = await answer
                 if held is not None:
                     tally.setdefault(held, []).append(peer)
-                if any(len(holders) >= need for holders in tally.values()):
-                    break
+                if len(tally[mine]) > len(group) // 2:
+                    return  # mine has a majority of the whole group: nothing can outvote it
         finally:
             for ask in asks:
                 ask.cancel()
-        theirs = next((d for d, holders in tally.items() if d != mine and len(holders) >= need), None)
+        answered = sum(len(holders) for holders in tally.values())
+        theirs = next((d for d, holders in tally.items() if d != mine and 2 * len(holders) > answered), None)
         if theirs is None:
             return
         for source in tally[theirs]:
             if await self._take_stepped(source, version, theirs):
                 self.on_event({"kind": "resync", "peer": self.me, "stage": self.stage, "it": version - 1, "t0": self.now(),
                                "t1": self.now(), "version": version, "from": source, "majority": len(tally[theirs]),
-                               "group": len(group)})
+                               "answered": answered, "group": len(group)})
                 return
         log.info("%s: my stage %d weights of version %d differ from the group's; none of its holders gave them",
                  self.me[:8], self.stage, version)
@@ -265,8 +278,8 @@ class WeightTransfer:
     async def _stepped_from(self, peer: str, version: int, full: bool = False) -> tuple[str, bytes | dict | None]:
         """`peer`'s digest of the weights it stepped to `version` (with `full`: the whole answer), None if it has none."""
         try:
-            timeout = self.config.aggregation_timeout if full else self.config.complete_timeout / 2
-            response = await self.transport.request(peer, m.STEPPED, encode({"version": version, "full": full}), timeout)
+            response = await self.transport.request(peer, m.STEPPED, encode({"version": version, "full": full}),
+                                                    self.config.complete_timeout / 2)
             body = decode(response, peer, self.transport.limits)
         except RemoteError as exc:
             self.transport.report(exc.evidence)
@@ -284,13 +297,14 @@ class WeightTransfer:
             raise RemoteError(Evidence(sender, "malformed", "bad stepped weights request"))
         if sender in self.banned or self.directory.get(sender) != self.stage:
             return encode({"digest": None})
-        if version not in self.stepped and version > max(self.stepped, default=-1):
-            try:  # my round of that iteration may still be finishing
+        if version not in self.stepped and version > max(self.stepped, default=-1) and self.version < version:
+            try:  # my round of that iteration may still be finishing (a replica that took the version without
+                # stepping, behind or left out, holds no stepped weights of it: it answers at once)
                 await asyncio.wait_for(self._stepped_event(version).wait(), self.config.complete_timeout / 2)
             except asyncio.TimeoutError:
                 pass
         held = self.stepped.get(version)
-        if held is None or full and held != self.state_digest():  # not stepped there, or stepped on since
+        if held is None or full and held != self.stepped_digest():  # not stepped there, or stepped on since
             return encode({"digest": None})
         body: dict = {"digest": held}
         if full:
@@ -299,7 +313,7 @@ class WeightTransfer:
         return encode(body)
 
     async def _take_stepped(self, source: str, version: int, wanted: bytes) -> bool:
-        """Copy `source`'s weights and optimizer state of `version` when they match the majority's digest `wanted`."""
+        """Copy `source`'s weights and optimizer state of `version` when both match the majority's digest `wanted`."""
         _, body = await self._stepped_from(source, version, full=True)
         if not isinstance(body, dict) or body["digest"] != wanted:
             return False
@@ -308,9 +322,11 @@ class WeightTransfer:
         except RemoteError as exc:
             self.transport.report(exc.evidence)
             return False
-        if digest(b"".join(p.numpy().tobytes() for p in params)) != wanted:
-            return False  # not the weights the majority stepped to (its own claim was a lie, or it stepped on)
+        if weights_and_state_digest(params, state) != wanted:
+            return False  # not what the majority stepped to (its own claim was a lie, or it stepped on)
         async with self.compute_lock:  # no forward of `version` has computed yet (`weights_agreed`)
+            if max(self.stepped) != version or self.stepped_digest() != self.stepped[version]:
+                return False  # stepped on meanwhile: copying now would put these weights under a newer version
             with torch.no_grad():
                 for p, value in zip(self.params, params):
                     p.copy_(value)
@@ -333,8 +349,8 @@ class WeightTransfer:
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     check_tensor(value, source, shape=shape, dtype=torch.float32)
-                elif not isinstance(value, (int, float, torch.Tensor)):
-                    raise RemoteError(Evidence(source, "malformed", f"optimizer state {key!r} is not a number"))
+                elif not isinstance(value, (int, float, torch.Tensor)) or not math.isfinite(float(value)):
+                    raise RemoteError(Evidence(source, "malformed", f"optimizer state {key!r} is not a finite number"))
             loaded[int(name)] = entry
         return checked, loaded
 
@@ -347,3 +363,19 @@ def takeable(version: int, claims: dict[str, int | None]) -> bool:
     if len(counted) < 2:
         return bool(held)
     return any(held.count(v) > 1 for v in held)
+
+
+def weights_and_state_digest(params: list[torch.Tensor], state: dict) -> bytes:
+    """Digest of a stage's parameters and its optimizer state (per parameter index, each entry by name, the scalar
+    `step` included): what replicas agree on, so that a holder of the agreed parameters cannot serve them with a
+    momentum of its choosing (review s26-RW 2)."""
+    chunks = [p.detach().cpu().numpy().tobytes() for p in params]
+    for index in sorted(state, key=int):
+        for key in sorted(state[index]):
+            value = state[index][key]
+            chunks.append(f"{index}.{key}:".encode())
+            if isinstance(value, torch.Tensor):
+                chunks.append(value.detach().cpu().to(torch.float64).numpy().tobytes())
+            else:
+                chunks.append(repr(value).encode())
+    return digest(b"".join(chunks))
