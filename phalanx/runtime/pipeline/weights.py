@@ -211,19 +211,23 @@ class WeightTransfer:
 
     async def agree_weights(self, version: int, group: tuple[str, ...]) -> None:
         """Right after this replica stepped to `version`: compare the digest of its weights and optimizer state with
-        those the other members of its round's `group` stepped to, and when a strict majority of the members that
-        answered (itself included) holds another digest, take theirs before serving `version`. A round that ends
+        those the other members of its round's `group` stepped to, and when a strict majority of the group holds
+        another digest, take theirs before serving `version`. A round that ends
         differently for two honest replicas (a partition's aggregate one applied and the other lacked) leaves their
         weights apart for good otherwise, and stage-gradient validation then turns the split into honest bans:
         each recomputes its peers' gradients with other weights than theirs (issue 18's seed-1 launch of session
         25: two honest replicas banned `gradient`, one `slander:gradient`).
 
-        What a liar in the group can do (review s26-RW): answer each asker differently and keep a split alive
-        (the replicas swap weights), or stall an asker up to the check's deadline; it cannot plant weights or an
-        optimizer state that no honest replica stepped to, since the digest binds both and a majority needs an
-        honest holder besides the liar (a member that does not answer counts for nobody). Claims are asked until
-        one digest has a majority of the group, for half the COMPLETE timeout at most; forwards of `version`, and
-        the next round, wait for the check (`weights_agreed`, set up by the caller)."""
+        The majority is of the whole group (less the members this replica banned), not of those that answered:
+        with a majority of the answerers, a colluding pair of a stage of 5 whose two other honest members were
+        late planted weights no honest replica stepped to (review s26-RW 10). So a member that does not answer
+        counts against every digest, and a split with a silent or late member stays (as without the check).
+        What liars in the group can still do (review s26-RW 3, 9): answer each asker differently, or claim the
+        minority's digest, and keep a split alive; stall an asker up to the check's deadline. They cannot plant
+        weights or an optimizer state that no honest replica stepped to: the digest binds both, and a majority of
+        the group needs an honest holder besides the liars. Claims are asked until one digest has a majority, for
+        half the COMPLETE timeout at most; forwards of `version`, and the next round, wait for the check
+        (`weights_agreed`, set up by the caller)."""
         try:
             await asyncio.wait_for(self._agree_weights(version, group), self.config.complete_timeout)
         except asyncio.TimeoutError:
@@ -254,13 +258,14 @@ class WeightTransfer:
                 peer, held = await answer
                 if held is not None:
                     tally.setdefault(held, []).append(peer)
-                if len(tally[mine]) > len(group) // 2:
-                    return  # mine has a majority of the whole group: nothing can outvote it
+                if 2 * len(tally[mine]) > len(others) + 1:
+                    return  # mine has a majority of the group: nothing can outvote it
         finally:
             for ask in asks:
                 ask.cancel()
         answered = sum(len(holders) for holders in tally.values())
-        theirs = next((d for d, holders in tally.items() if d != mine and 2 * len(holders) > answered), None)
+        members = len(others) + 1  # the group less the members this replica has banned
+        theirs = next((d for d, holders in tally.items() if d != mine and 2 * len(holders) > members), None)
         if theirs is None:
             return
         for source in tally[theirs]:
