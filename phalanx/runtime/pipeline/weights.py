@@ -20,9 +20,6 @@ log = logging.getLogger(__name__)
 class WeightTransfer:
     """Serving and fetching stage weights (a part of `PipelineNode`, node.py)."""
 
-    def state_digest(self) -> bytes:
-        return digest(b"".join(p.detach().cpu().numpy().tobytes() for p in self.params))
-
     async def _on_weights(self, sender: str, payload: bytes) -> bytes:
         obj = m.parse_mapping(payload, sender, self.transport.limits, "weights request")
         version, full = obj.get("version"), obj.get("full")
@@ -36,7 +33,7 @@ class WeightTransfer:
         if version > self.version or full and not self.ready_event(self.version).is_set():
             return encode({"version": self.version})
         version = self.version  # a newer version is as good: the asker takes the latest stepped weights
-        body: dict = {"version": version, "digest": self.state_digest()}
+        body: dict = {"version": version, "digest": self.stepped_digest()}  # parameters and optimizer state
         if full:
             body["params"] = [p.detach() for p in self.params]
             state = self.optimizer.state_dict()["state"]
@@ -157,7 +154,7 @@ class WeightTransfer:
             except RemoteError as exc:
                 self.transport.report(exc.evidence)
                 continue
-            got = digest(b"".join(p.numpy().tobytes() for p in params))
+            got = weights_and_state_digest(params, state)  # the state too: a source's own momentum is refused (RW 11)
             if got != body["digest"]:
                 self.transport.report(Evidence(source, "bad_digest", "weights do not match their digest"))
                 continue
