@@ -166,12 +166,7 @@ class WeightTransfer:
                     # caught up meanwhile (an aggregation): its forwards hold graphs of the weights in use, and
                     # copying over them crashed their backward (secure-gpt-pipeline all cell, seed 1)
                     return None
-                with torch.no_grad():
-                    for p, value in zip(self.params, params):
-                        p.copy_(value)
-                sd = self.optimizer.state_dict()
-                sd["state"] = state
-                self.optimizer.load_state_dict(sd)
+                self._load(params, state)
             return got_version
         log.info("%s: could not fetch stage %d weights at version %d", self.me[:8], self.stage, version)
         return None
@@ -329,14 +324,18 @@ class WeightTransfer:
         async with self.compute_lock:  # no forward of `version` has computed yet (`weights_agreed`)
             if max(self.stepped) != version or self.stepped_digest() != self.stepped[version]:
                 return False  # stepped on meanwhile: copying now would put these weights under a newer version
-            with torch.no_grad():
-                for p, value in zip(self.params, params):
-                    p.copy_(value)
-            sd = self.optimizer.state_dict()
-            sd["state"] = state
-            self.optimizer.load_state_dict(sd)
+            self._load(params, state)
         self.stepped[version] = wanted
         return True
+
+    def _load(self, params: list[torch.Tensor], state: dict) -> None:
+        """Copy checked parameters and optimizer state in (the caller holds the compute lock)."""
+        with torch.no_grad():
+            for p, value in zip(self.params, params):
+                p.copy_(value)
+        sd = self.optimizer.state_dict()
+        sd["state"] = state
+        self.optimizer.load_state_dict(sd)
 
     def _check_weights(self, source: str, body: dict) -> tuple[list[torch.Tensor], dict]:
         params, state = body.get("params"), body.get("state")
